@@ -1,0 +1,55 @@
+// attnx/paged.h: attention over a paged KV cache and the writes that fill its pages.
+//
+// Page layout, per layer: k_pages (num_blocks, Hkv, block_size, Dk), v_pages (num_blocks, Hkv,
+// block_size, Dv). A decode work item is one (sequence, kv head): it walks that head's rows of each
+// page of the sequence, and with this layout those rows are one contiguous run of
+// block_size * D elements per page, which the hardware prefetcher streams at full bandwidth.
+#pragma once
+#include "attnx/attention.h"
+
+namespace attnx {
+
+struct PagedParams {
+  int64_t B = 0;        // sequences
+  int64_t N = 0;        // packed query tokens, sum of q_lens
+  int64_t Hq = 0, Hkv = 0, Dk = 0, Dv = 0;
+  DType q_dtype = DType::f32;   // q and out
+  DType kv_dtype = DType::f32;  // the pages
+  const void* q = nullptr;      // (N, Hq, Dk)
+  int64_t q_sn = 0, q_sh = 0;
+  const void* k_pages = nullptr;  // (num_blocks, Hkv, block_size, Dk)
+  const void* v_pages = nullptr;  // (num_blocks, Hkv, block_size, Dv)
+  int64_t num_blocks = 0, block_size = 0;
+  int64_t k_sblk = 0, k_sh = 0, k_ss = 0;
+  int64_t v_sblk = 0, v_sh = 0, v_ss = 0;
+  const int32_t* block_tables = nullptr;  // (B, max_blocks), entries checked < num_blocks
+  int64_t bt_stride = 0, max_blocks = 0;
+  const int32_t* seq_lens = nullptr;  // (B,) kv length including the new tokens
+  const int64_t* q_start = nullptr;   // (B + 1,) prefix sums of q_lens
+  bool causal = true;
+  float scale = 1.f;
+  Variants var;
+  void* out = nullptr;  // (N, Hq, Dv), q_dtype
+  int64_t o_sn = 0, o_sh = 0;
+  float* lse = nullptr;  // optional (N, Hq)
+  int64_t l_sn = 0, l_sh = 0;
+  int num_threads = 1;
+};
+
+void paged_attention(const PagedParams& p);
+
+// Writes n new token rows (n, H, D) of `src` (dtype src_dtype) into the pages at the given slots
+// (slot = block * block_size + offset), converting to the pages' dtype.
+struct PagedWrite {
+  int64_t n = 0, H = 0, D = 0;
+  const void* src = nullptr;
+  DType src_dtype = DType::f32;
+  int64_t s_sn = 0, s_sh = 0;
+  void* pages = nullptr;
+  DType page_dtype = DType::f32;
+  int64_t block_size = 0, p_sblk = 0, p_sh = 0, p_ss = 0;
+  const int64_t* slots = nullptr;
+};
+void paged_write(const PagedWrite& w);
+
+}  // namespace attnx

@@ -1,0 +1,73 @@
+// attention.cpp: dense attention over strided (B, H, S, D) tensors, as a problem for the shared
+// flash driver.
+#include "attnx/attention.h"
+
+#include "attnx/dispatch.h"
+#include "flash_driver.h"
+
+namespace attnx {
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "float32";
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+  }
+  return "?";
+}
+
+namespace {
+
+struct DenseProblem {
+  const AttentionParams& a;
+  int64_t B, Hq, Hkv, Dk, Dv;
+  float scale;
+  const Variants& var;
+  bool causal;
+  DType q_dtype, out_dtype;
+  MaskKind mask_kind;
+  int64_t mask_sk;
+  std::size_t es;
+
+  explicit DenseProblem(const AttentionParams& p)
+      : a(p), B(p.B), Hq(p.Hq), Hkv(p.Hkv), Dk(p.Dk), Dv(p.Dv), scale(p.scale), var(p.var),
+        causal(p.causal), q_dtype(p.dtype), out_dtype(p.dtype), mask_kind(p.mask_kind),
+        mask_sk(p.m_sk * (p.mask_kind == MaskKind::boolean ? 1 : 4)), es(dtype_size(p.dtype)) {}
+
+  int64_t rows(int64_t) const { return a.Sq; }
+  int64_t lq(int64_t b) const { return a.q_lens ? a.q_lens[b] : a.Sq; }
+  int64_t lk(int64_t b) const { return a.kv_lens ? a.kv_lens[b] : a.Sk; }
+  const char* q_row(int64_t b, int64_t h, int64_t i) const {
+    return static_cast<const char*>(a.q.data) + (b * a.q.sb + h * a.q.sh + i * a.q.ss) * int64_t(es);
+  }
+  void* out_row(int64_t b, int64_t h, int64_t i) const {
+    return static_cast<char*>(a.out) + (b * a.o_sb + h * a.o_sh + i * a.o_ss) * int64_t(es);
+  }
+  float* lse_at(int64_t b, int64_t h, int64_t i) const {
+    return a.lse ? a.lse + b * a.l_sb + h * a.l_sh + i * a.l_ss : nullptr;
+  }
+  const char* mask_row(int64_t b, int64_t h, int64_t i) const {
+    const int64_t esz = mask_kind == MaskKind::boolean ? 1 : 4;
+    return static_cast<const char*>(a.mask) + (b * a.m_sb + h * a.m_sh + i * a.m_sq) * esz;
+  }
+  kern::KVSource src(const Strided4& t, int64_t b, int64_t kvh) const {
+    kern::KVSource s;
+    s.base = static_cast<const char*>(t.data) + (b * t.sb + kvh * t.sh) * int64_t(es);
+    s.dtype = a.dtype;
+    s.row_stride = t.ss * int64_t(es);
+    return s;
+  }
+  kern::KVSource k_src(int64_t b, int64_t kvh) const { return src(a.k, b, kvh); }
+  kern::KVSource v_src(int64_t b, int64_t kvh) const { return src(a.v, b, kvh); }
+};
+
+}  // namespace
+
+void attention(const AttentionParams& p) {
+  if (p.Hkv <= 0 || p.Hq % p.Hkv != 0) throw InvalidArgument("Hq must be a multiple of Hkv");
+  if (p.B == 0 || p.Hq == 0 || p.Sq == 0 || p.Dv == 0) return;
+  DenseProblem prob(p);
+  detail::run_flash(prob, resolve_threads(p.num_threads));
+}
+
+}  // namespace attnx

@@ -1,0 +1,297 @@
+// flash_driver.h: the scheduling shared by dense and paged attention. A problem adapter says where
+// each query row, output row and KV row lives; this driver cuts the work into items (sequence, kv
+// head, group of query heads, chunk of queries), optionally splits each item's key range across
+// threads (split-KV), runs the ISA's flash kernel on each, and merges and finalises the rows.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <new>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "attnx/attention.h"
+#include "kernels/kernels.h"
+
+namespace attnx {
+
+const kern::KernelTable* active_table();
+
+namespace detail {
+
+constexpr int kRowsPerItem = 64;      // query rows per work item: Q (64 x 128 fp32) is 32 KiB
+constexpr int64_t kMinSplitKeys = 256;  // a split-KV part covers at least this many keys
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// 64-byte aligned float storage that only grows: one per thread, reused across calls.
+class FloatBuf {
+ public:
+  float* get(std::size_t n) {
+    if (n > cap_) {
+      std::free(ptr_);
+      ptr_ = static_cast<float*>(std::aligned_alloc(64, round_up(int64_t(n) * 4, 64)));
+      if (ptr_ == nullptr) {
+        cap_ = 0;
+        throw std::bad_alloc();
+      }
+      cap_ = n;
+    }
+    return ptr_;
+  }
+  ~FloatBuf() { std::free(ptr_); }
+
+ private:
+  float* ptr_ = nullptr;
+  std::size_t cap_ = 0;
+};
+
+struct Item {
+  int64_t b, kvh, h0, nh, i0, ni;  // sequence, kv head, first query head and count, query rows
+};
+
+struct ThreadScratch {
+  FloatBuf buf;
+  std::vector<const float*> ptrs;
+  std::vector<int64_t> ints;
+  std::vector<const char*> mask_rows;
+  std::vector<float> slopes;
+};
+
+inline ThreadScratch& thread_scratch() {
+  static thread_local ThreadScratch ts;
+  return ts;
+}
+
+// Runs attention for problem `P`. P provides: B, Hq, Hkv, Dk, Dv, scale, var, q_dtype, out_dtype,
+// mask_kind, mask_sk (bytes), and
+//   rows(b), lq(b), lk(b); q_row(b,h,i); out_row(b,h,i); lse_at(b,h,i) (may be null);
+//   mask_row(b,h,i); k_src(b,kvh); v_src(b,kvh)
+template <class P>
+void run_flash(const P& p, int num_threads) {
+  const kern::KernelTable* table = active_table();
+  const int64_t G = p.Hq / p.Hkv;
+  const int64_t Dkp = round_up(p.Dk, kern::kPad), Dvp = round_up(p.Dv, kern::kPad);
+  const int64_t hg = std::min<int64_t>(G, kRowsPerItem);
+
+  std::vector<Item> items;
+  int64_t max_lk = 0;
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t rows = p.rows(b);
+    if (rows == 0) continue;
+    max_lk = std::max(max_lk, p.lk(b));
+    const int64_t chunk = std::min<int64_t>(rows, std::max<int64_t>(1, kRowsPerItem / hg));
+    for (int64_t kvh = 0; kvh < p.Hkv; ++kvh)
+      for (int64_t h0 = kvh * G; h0 < (kvh + 1) * G; h0 += hg)
+        for (int64_t i0 = 0; i0 < rows; i0 += chunk)
+          items.push_back({b, kvh, h0, std::min(hg, (kvh + 1) * G - h0), i0, std::min(chunk, rows - i0)});
+  }
+  if (items.empty()) return;
+  const int64_t n_items = int64_t(items.size());
+  // Small problems run on the calling thread: waking a team costs more than the work.
+  double flops = 0;
+  for (int64_t b = 0; b < p.B; ++b) flops += double(p.rows(b)) * double(p.lk(b));
+  flops *= double(p.Hq) * double(p.Dk + p.Dv) * 2.0;
+  if (flops < 2e5) num_threads = 1;
+
+  // Split-KV: with fewer items than threads, give each thread a slice of the key range instead.
+  int64_t nsplit = 1;
+  if (n_items < 2 * num_threads && max_lk >= 2 * kMinSplitKeys)
+    nsplit = std::min(ceil_div(2 * num_threads, n_items), max_lk / kMinSplitKeys);
+  const int64_t M_max = hg * std::min<int64_t>(kRowsPerItem, std::max<int64_t>(1, kRowsPerItem / hg));
+  std::vector<float> part_o, part_ml;
+  if (nsplit > 1) {
+    part_o.resize(std::size_t(n_items * nsplit * M_max * Dvp));
+    part_ml.resize(std::size_t(n_items * nsplit * M_max * 2));
+  }
+
+  const std::size_t per_thread =
+      std::size_t(M_max * Dkp + Dkp * kern::kTileK + kern::kTileK * Dkp + kern::kTileK * Dvp +
+                  2 * M_max * kern::kTileK + std::max(Dkp, Dvp) + M_max * Dvp + 2 * M_max + Dvp +
+                  M_max + 64 * 12);
+
+  // Rows of an item are ordered head-major: r = (h - h0) * ni + (i - i0).
+  auto prepare = [&](const Item& it, ThreadScratch& ts, float* qs, kern::RowSet& rs) {
+    const int M = int(it.nh * it.ni);
+    ts.ints.resize(std::size_t(3 * M));
+    ts.mask_rows.resize(std::size_t(M));
+    int64_t* lo = ts.ints.data();
+    int64_t* hi = lo + M;
+    int64_t* pos = hi + M;
+    const int64_t Lq = p.lq(it.b), Lk = p.lk(it.b), off = Lk - Lq;
+    for (int64_t hh = 0; hh < it.nh; ++hh) {
+      for (int64_t ii = 0; ii < it.ni; ++ii) {
+        const int64_t r = hh * it.ni + ii, h = it.h0 + hh, i = it.i0 + ii;
+        int64_t a = 0, e = Lk;
+        if (i >= Lq) e = 0;  // padding query row: sees nothing, finalised to zeros
+        if (p.causal) e = std::min(e, i + off + 1);
+        if (p.var.window_left >= 0) a = std::max(a, i + off - p.var.window_left);
+        if (p.var.window_right >= 0) e = std::min(e, i + off + p.var.window_right + 1);
+        lo[r] = a;
+        hi[r] = std::max(a, e);
+        pos[r] = i + off;
+        float* qr = qs + r * Dkp;
+        table->load_row(p.q_row(it.b, h, i), p.q_dtype, p.Dk, qr);
+        for (int64_t d = 0; d < p.Dk; ++d) qr[d] *= p.scale;
+        for (int64_t d = p.Dk; d < Dkp; ++d) qr[d] = 0.f;
+        if (p.mask_kind != MaskKind::none) ts.mask_rows[std::size_t(r)] = p.mask_row(it.b, h, i);
+      }
+    }
+    rs.M = M;
+    rs.q = qs;
+    rs.ldq = Dkp;
+    rs.lo = lo;
+    rs.hi = hi;
+    rs.pos = pos;
+    rs.mask_kind = p.mask_kind;
+    rs.mask_row = ts.mask_rows.data();
+    rs.mask_sk = p.mask_sk;
+  };
+
+  // Writes one finished row: folds in the sink, normalises, converts, and stores out and lse.
+  auto finalize_row = [&](const Item& it, int64_t r, const float* o, float m, float l, float* tmp) {
+    const int64_t h = it.h0 + r / it.ni, i = it.i0 + r % it.ni;
+    void* dst = p.out_row(it.b, h, i);
+    float* lse = p.lse_at(it.b, h, i);
+    if (i >= p.lq(it.b)) {  // padding row
+      std::memset(dst, 0, std::size_t(p.Dv) * dtype_size(p.out_dtype));
+      if (lse) *lse = kNegInf;
+      return;
+    }
+    if (p.var.sinks != nullptr) {
+      const float sink = p.var.sinks[h];
+      const float m2 = std::max(m, sink);  // sink finite: m2 finite
+      const float a = m == kNegInf ? 0.f : std::exp(m - m2);
+      l = l * a + std::exp(sink - m2);
+      for (int64_t d = 0; d < p.Dv; ++d) tmp[d] = o[d] * a;
+      o = tmp;
+      m = m2;
+    }
+    if (l == 0.f) {  // no visible key: zeros, lse = -inf
+      std::memset(dst, 0, std::size_t(p.Dv) * dtype_size(p.out_dtype));
+      if (lse) *lse = kNegInf;
+      return;
+    }
+    const float inv = 1.f / l;
+    for (int64_t d = 0; d < p.Dv; ++d) tmp[d] = o[d] * inv;
+    table->store_row(tmp, p.Dv, p.out_dtype, dst);
+    if (lse) *lse = m + std::log(l);
+  };
+
+  // Exceptions (only allocation failures can occur) must not leave an OpenMP construct: each
+  // thread records the first one and skips its remaining work, and the caller rethrows it.
+  std::exception_ptr error;
+  auto record = [&error]() {
+#pragma omp critical(attnx_error)
+    if (!error) error = std::current_exception();
+  };
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
+    ThreadScratch& ts = thread_scratch();
+    float* base = nullptr;
+    try {
+      base = ts.buf.get(per_thread);
+      ts.ptrs.resize(2 * kern::kTileK);
+      ts.ints.reserve(std::size_t(3 * M_max));
+      ts.mask_rows.reserve(std::size_t(M_max));
+      ts.slopes.reserve(std::size_t(M_max));
+    } catch (...) {
+      base = nullptr;
+      record();
+    }
+    float* qs = base;
+    float* kt = qs + M_max * Dkp;
+    float* kf = kt + Dkp * kern::kTileK;
+    float* vf = kf + kern::kTileK * Dkp;
+    float* s = vf + kern::kTileK * Dvp;
+    float* bias = s + M_max * kern::kTileK;
+    float* zero = bias + M_max * kern::kTileK;
+    float* o = zero + std::max(Dkp, Dvp);
+    float* m = o + M_max * Dvp;
+    float* l = m + M_max;
+    float* tmp = l + M_max;
+    if (base != nullptr) std::memset(zero, 0, sizeof(float) * std::size_t(std::max(Dkp, Dvp)));
+    kern::Scratch sc{kt, kf, vf, s, bias, zero, ts.ptrs.data(), ts.ptrs.data() + kern::kTileK};
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items * nsplit; ++w) {
+      if (base == nullptr) continue;
+      const Item& it = items[std::size_t(w / nsplit)];
+      const int64_t split = w % nsplit;
+      kern::RowSet rs;
+      prepare(it, ts, qs, rs);
+      const int M = rs.M;
+      if (p.var.alibi_slopes != nullptr) {
+        ts.slopes.resize(std::size_t(M));
+        for (int r = 0; r < M; ++r) ts.slopes[std::size_t(r)] = p.var.alibi_slopes[it.h0 + r / it.ni];
+        rs.slope = ts.slopes.data();
+      }
+      // the item's key range, cut into nsplit tile-aligned parts
+      int64_t jb = std::numeric_limits<int64_t>::max(), je = 0;
+      for (int r = 0; r < M; ++r)
+        if (rs.lo[r] < rs.hi[r]) {
+          jb = std::min(jb, rs.lo[r]);
+          je = std::max(je, rs.hi[r]);
+        }
+      if (je <= jb) jb = je = 0;
+      const int64_t part = round_up(ceil_div(je - jb, nsplit), kern::kTileK);
+      const int64_t pb = std::min(je, jb + split * part), pe = std::min(je, pb + part);
+
+      float* os = nsplit > 1 ? part_o.data() + std::size_t(w * M_max * Dvp) : o;
+      float* ms = nsplit > 1 ? part_ml.data() + std::size_t(w * M_max * 2) : m;
+      float* ls = nsplit > 1 ? ms + M_max : l;
+      std::memset(os, 0, sizeof(float) * std::size_t(M * Dvp));
+      for (int r = 0; r < M; ++r) {
+        ms[r] = kNegInf;
+        ls[r] = 0.f;
+      }
+      const kern::KVSource ks = p.k_src(it.b, it.kvh), vs = p.v_src(it.b, it.kvh);
+      kern::FlashState st{os, Dvp, ms, ls};
+      if (pe > pb) table->flash(rs, ks, vs, pb, pe, p.Dk, p.Dv, p.var.softcap, sc, st);
+      if (nsplit == 1)
+        for (int r = 0; r < M; ++r) finalize_row(it, r, os + r * Dvp, ms[r], ls[r], tmp);
+    }
+
+    if (nsplit > 1) {
+      // merge the parts by log-sum-exp: m = max m_s, l = sum l_s e^(m_s - m), O likewise
+#pragma omp for schedule(static)
+      for (int64_t ix = 0; ix < n_items; ++ix) {
+        if (base == nullptr) continue;
+        const Item& it = items[std::size_t(ix)];
+        const int64_t M = it.nh * it.ni;
+        for (int64_t r = 0; r < M; ++r) {
+          float mm = kNegInf;
+          for (int64_t sp = 0; sp < nsplit; ++sp)
+            mm = std::max(mm, part_ml[std::size_t((ix * nsplit + sp) * M_max * 2 + r)]);
+          float ll = 0.f;
+          for (int64_t d = 0; d < Dvp; ++d) o[d] = 0.f;
+          for (int64_t sp = 0; sp < nsplit; ++sp) {
+            const std::size_t w = std::size_t(ix * nsplit + sp);
+            const float ms = part_ml[w * M_max * 2 + r], ls = part_ml[w * M_max * 2 + M_max + r];
+            if (ms == kNegInf) {
+              if (std::isnan(ls)) ll = ls;  // a NaN score seen before anything visible
+              continue;
+            }
+            const float a = std::exp(ms - mm);
+            ll += ls * a;
+            const float* os = part_o.data() + w * M_max * Dvp + r * Dvp;
+            for (int64_t d = 0; d < p.Dv; ++d) o[d] += os[d] * a;
+          }
+          finalize_row(it, r, o, mm, ll, tmp);
+        }
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace detail
+}  // namespace attnx

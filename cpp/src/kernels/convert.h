@@ -1,0 +1,57 @@
+// convert.h: portable scalar float16 / bfloat16 <-> float32 conversions (round to nearest even).
+// Everything here is `static inline` so each translation unit keeps its own copy, compiled with
+// its own instruction-set flags (see the note in kernels.h).
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace attnx {
+namespace cvt {
+
+static inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+static inline float bf16_to_f32(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));  // inf / NaN
+  if (exp == 0) {
+    if (man == 0) return bits_to_float(sign);
+    // subnormal half: value = man * 2^-24
+    float f = float(man) * (1.0f / 16777216.0f);
+    return sign ? -f : f;
+  }
+  return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+static inline uint16_t f32_to_f16(float f) {
+  uint32_t u = float_to_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return uint16_t(sign | 0x7e00u);           // NaN
+  if (u >= 0x477ff000u) return uint16_t(sign | 0x7c00u);          // overflow -> inf
+  if (u < 0x38800000u) {                                          // subnormal or zero half
+    // value * 2^24 rounded to nearest even integer is the subnormal mantissa
+    float a = bits_to_float(u) * 16777216.0f;
+    uint32_t m = uint32_t(a);
+    float rem = a - float(m);
+    if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;
+    return uint16_t(sign | m);
+  }
+  uint32_t exp = ((u >> 23) - 112) << 10, man = (u >> 13) & 0x3ffu;
+  uint32_t h = exp | man, rest = u & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // may carry into the exponent: fine
+  return uint16_t(sign | h);
+}
+
+}  // namespace cvt
+}  // namespace attnx

@@ -1,0 +1,351 @@
+// kernel-inl.h: the flash-attention tile loop and its micro-kernels, written once against the
+// vector vocabulary `simd` (vec_*.h) and compiled once per instruction set. The including file
+// opens `namespace attnx::<isa>` and defines `simd`; everything here stays inside that namespace
+// (internal linkage), so no symbol compiled with wide instructions can leak to another ISA.
+//
+// Online softmax, per query row (state m = running max, l = running sum, O = unnormalised output):
+//   for each KV tile:  s_j = q.k_j (scaled) -> softcap -> + bias (ALiBi, mask) -> -inf outside
+//                      the visible range; m' = max(m, max_j s_j); alpha = exp(m - m');
+//                      p_j = exp(s_j - m'); l = alpha l + sum_j p_j; O = alpha O + sum_j p_j v_j.
+// A row that has seen no visible key keeps m = -inf, l = 0, O = 0 (the driver finalises it to
+// zeros and lse = -inf): the update is skipped instead of computing exp(-inf - -inf) = NaN.
+
+// The including file provides <cmath>, <cstring>, <limits> and kernels.h before opening the
+// namespace: no header may be included from inside it.
+
+namespace {
+
+using namespace simd;
+using kern::kDotRows;
+using kern::kPad;
+using kern::kTileK;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int NR = 2;  // vectors per register block along the wide axis (keys or value features)
+
+static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+static inline const char* kv_row(const kern::KVSource& s, int64_t j) {
+  if (s.block_table != nullptr)
+    return s.base + int64_t(s.block_table[j / s.block_size]) * s.block_stride +
+           (j % s.block_size) * s.row_stride;
+  return s.base + j * s.row_stride;
+}
+
+static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
+  int64_t i = 0;
+  if (dtype == DType::f32) {
+    std::memcpy(dst, src, size_t(n) * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  if (dtype == DType::f16) {
+    for (; i + W <= n; i += W) store(dst + i, load_f16(h + i));
+    for (; i < n; ++i) dst[i] = cvt::f16_to_f32(h[i]);
+  } else {
+    for (; i + W <= n; i += W) store(dst + i, load_bf16(h + i));
+    for (; i < n; ++i) dst[i] = cvt::bf16_to_f32(h[i]);
+  }
+}
+
+static void store_row(const float* src, int64_t n, DType dtype, void* dst) {
+  if (dtype == DType::f32) {
+    std::memcpy(dst, src, size_t(n) * sizeof(float));
+  } else if (dtype == DType::f16) {
+    uint16_t* h = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) h[i] = cvt::f32_to_f16(src[i]);
+  } else {
+    uint16_t* h = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) h[i] = cvt::f32_to_bf16(src[i]);
+  }
+}
+
+// Converts row `src` (D elements) into `dst`, zero-padded to Dp.
+static inline void load_row_padded(const char* src, DType dtype, int64_t D, int64_t Dp, float* dst) {
+  load_row(src, dtype, D, dst);
+  for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
+}
+
+// ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
+template <int MR>
+static inline void qk_packed_block(const float* q, int64_t ldq, const float* kt, int64_t Dkp,
+                                   float* s) {
+  V acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = zero();
+  for (int64_t d = 0; d < Dkp; ++d) {
+    const float* kd = kt + d * kTileK;
+    V k0 = load(kd), k1 = load(kd + W);
+    for (int r = 0; r < MR; ++r) {
+      V qb = set1(q[r * ldq + d]);
+      acc[r][0] = fmadd(qb, k0, acc[r][0]);
+      acc[r][1] = fmadd(qb, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) store(s + r * kTileK + c * W, acc[r][c]);
+}
+
+template <int MR>
+static void qk_packed_rows(const float* q, int64_t ldq, const float* kt, int64_t Dkp, int64_t nw,
+                           float* s) {
+  for (int64_t j = 0; j < nw; j += NR * W) qk_packed_block<MR>(q, ldq, kt + j, Dkp, s + j);
+}
+
+static void qk_packed(int M, const float* q, int64_t ldq, const float* kt, int64_t Dkp, int64_t n,
+                      float* s) {
+  const int64_t nw = round_up(n, NR * W);
+  constexpr int MR = 6;
+  int r = 0;
+  for (; r + MR <= M; r += MR) qk_packed_rows<MR>(q + r * ldq, ldq, kt, Dkp, nw, s + r * kTileK);
+  const float* qr = q + r * ldq;
+  float* sr = s + r * kTileK;
+  switch (M - r) {
+    case 5: qk_packed_rows<5>(qr, ldq, kt, Dkp, nw, sr); break;
+    case 4: qk_packed_rows<4>(qr, ldq, kt, Dkp, nw, sr); break;
+    case 3: qk_packed_rows<3>(qr, ldq, kt, Dkp, nw, sr); break;
+    case 2: qk_packed_rows<2>(qr, ldq, kt, Dkp, nw, sr); break;
+    case 1: qk_packed_rows<1>(qr, ldq, kt, Dkp, nw, sr); break;
+    default: break;
+  }
+}
+
+// Packs the n rows of a K tile transposed: kt[d][j], zero for j >= n (to a multiple of NR*W) and
+// for d >= Dk (to Dkp). `rows` holds kTileK fp32 row pointers padded with zero rows past n.
+static void pack_kt(const float* const* rows, int64_t n, int64_t Dkp, float* kt) {
+  const int64_t n8 = round_up(n, 8);
+  for (int64_t j = 0; j < n8; j += 8)
+    for (int64_t d = 0; d < Dkp; d += 8) transpose8x8(rows + j, d, kt + d * kTileK + j, kTileK);
+  const int64_t nw = round_up(n, NR * W);
+  for (int64_t d = 0; d < Dkp; ++d)
+    for (int64_t j = n8; j < nw; ++j) kt[d * kTileK + j] = 0.f;
+}
+
+// ---- QK^T, dot form for few rows: K rows read in place, 8 keys per pass ---------------------
+static void qk_dot(int M, const float* q, int64_t ldq, const float* const* krow, int64_t n,
+                   int64_t Dk, float* s) {
+  for (int r = 0; r < M; ++r) {
+    const float* qr = q + r * ldq;
+    for (int64_t j = 0; j < n; j += 8) {
+      V acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = zero();
+      const float* const* kr = krow + j;
+      for (int64_t d = 0; d < Dk; d += W) {
+        V qv = load(qr + d);
+        for (int t = 0; t < 8; ++t) acc[t] = fmadd(qv, load(kr[t] + d), acc[t]);
+      }
+      hsum8(acc, s + r * kTileK + j);
+    }
+  }
+}
+
+// ---- O += P V: MR rows x NR*W value features per register block ------------------------------
+template <int MR>
+static inline void pv_block(const float* p, const float* const* vrow, int64_t n, int64_t c,
+                            float* o, int64_t ldo) {
+  V acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int k = 0; k < NR; ++k) acc[r][k] = load(o + r * ldo + c + k * W);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = vrow[j] + c;
+    V v0 = load(vj), v1 = load(vj + W);
+    for (int r = 0; r < MR; ++r) {
+      V pb = set1(p[r * kTileK + j]);
+      acc[r][0] = fmadd(pb, v0, acc[r][0]);
+      acc[r][1] = fmadd(pb, v1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int k = 0; k < NR; ++k) store(o + r * ldo + c + k * W, acc[r][k]);
+}
+
+template <int MR>
+static void pv_rows(const float* p, const float* const* vrow, int64_t n, int64_t Dvp, float* o,
+                    int64_t ldo) {
+  for (int64_t c = 0; c < Dvp; c += NR * W) pv_block<MR>(p, vrow, n, c, o, ldo);
+}
+
+static void pv(int M, const float* p, const float* const* vrow, int64_t n, int64_t Dvp, float* o,
+               int64_t ldo) {
+  constexpr int MR = 6;
+  int r = 0;
+  for (; r + MR <= M; r += MR) pv_rows<MR>(p + r * kTileK, vrow, n, Dvp, o + r * ldo, ldo);
+  const float* pr = p + r * kTileK;
+  float* orr = o + r * ldo;
+  switch (M - r) {
+    case 5: pv_rows<5>(pr, vrow, n, Dvp, orr, ldo); break;
+    case 4: pv_rows<4>(pr, vrow, n, Dvp, orr, ldo); break;
+    case 3: pv_rows<3>(pr, vrow, n, Dvp, orr, ldo); break;
+    case 2: pv_rows<2>(pr, vrow, n, Dvp, orr, ldo); break;
+    case 1: pv_rows<1>(pr, vrow, n, Dvp, orr, ldo); break;
+    default: break;
+  }
+}
+
+// ---- one tile row: modifiers, masks and the online-softmax update --------------------------
+static inline void softmax_row(float* srow, const float* brow, int64_t n, int64_t vlo, int64_t vhi,
+                               int64_t j0, float softcap, float slope, int64_t pos, float* m,
+                               float* l, float* orow, int64_t Dvp) {
+  // 1. modifiers over the whole tile width (entries past n are overwritten below)
+  if (softcap > 0.f) {
+    const V cap = set1(softcap), inv = set1(1.f / softcap);
+    for (int64_t j = 0; j < n; j += W) store(srow + j, mul(cap, tanh(mul(load(srow + j), inv))));
+  }
+  if (slope != 0.f) {
+    // s -= slope * |pos - (j0 + j)|
+    const V ns = set1(-slope), p = set1(float(pos - j0));
+    V jv = iota();
+    for (int64_t j = 0; j < n; j += W, jv = add(jv, set1(float(W))))
+      store(srow + j, fmadd(ns, abs(sub(p, jv)), load(srow + j)));
+  }
+  if (brow != nullptr)
+    for (int64_t j = 0; j < n; j += W) store(srow + j, add(load(srow + j), load(brow + j)));
+  // 2. the visible range [vlo, vhi) of this row within the tile; -inf elsewhere
+  for (int64_t j = 0; j < vlo; ++j) srow[j] = kNegInf;
+  for (int64_t j = vhi; j < round_up(n, W); ++j) srow[j] = kNegInf;
+  // 3. online softmax over the tile's width rounded to whole vectors
+  const int64_t nw = round_up(n, W);
+  V mv = set1(kNegInf);
+  for (int64_t j = 0; j < nw; j += W) mv = max(mv, load(srow + j));
+  const float tile_max = reduce_max(mv);
+  const float m_old = *m;
+  const float m_new = tile_max > m_old ? tile_max : m_old;
+  if (m_new == kNegInf) {
+    // Nothing visible so far. A NaN score is still a score: keep it (l = NaN poisons the row).
+    for (int64_t j = vlo; j < vhi; ++j)
+      if (std::isnan(srow[j])) *l = std::numeric_limits<float>::quiet_NaN();
+    std::memset(srow, 0, sizeof(float) * kTileK);
+    return;
+  }
+  const V mn = set1(m_new);
+  V sum = zero();
+  for (int64_t j = 0; j < nw; j += W) {
+    V e = exp(sub(load(srow + j), mn));
+    store(srow + j, e);
+    sum = add(sum, e);
+  }
+  const float alpha = m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
+  *l = *l * alpha + reduce_add(sum);
+  *m = m_new;
+  if (alpha != 1.f) {
+    const V a = set1(alpha);
+    for (int64_t d = 0; d < Dvp; d += W) store(orow + d, mul(a, load(orow + d)));
+  }
+}
+
+static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
+                  int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
+                  const kern::Scratch& sc, const kern::FlashState& st) {
+  const int M = rs.M;
+  const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
+  const bool packed = M > kDotRows;
+  // fp32 rows whose width is already a whole number of vectors are used in place
+  const bool k_inplace = ks.dtype == DType::f32 && (packed ? Dk % 8 == 0 : Dk % W == 0);
+  const bool v_inplace = vs.dtype == DType::f32 && Dv % (NR * W) == 0;
+  const int64_t vw = v_inplace ? Dv : Dvp;  // value features the PV kernel walks
+
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
+    const int64_t n = imin(kTileK, j_end - j0), j1 = j0 + n;
+    // Skip tiles no row can see (outside every row's causal / window / padding range).
+    bool any = false;
+    for (int r = 0; r < M && !any; ++r) any = rs.lo[r] < j1 && rs.hi[r] > j0;
+    if (!any) continue;
+    // User mask as an additive bias tile; skip the tile if it blocks every visible pair.
+    const float* bias = nullptr;
+    if (rs.mask_kind != MaskKind::none) {
+      bool open = false;
+      for (int r = 0; r < M; ++r) {
+        float* br = sc.bias + int64_t(r) * kTileK;
+        const char* mr = rs.mask_row[r] + j0 * rs.mask_sk;
+        if (rs.mask_kind == MaskKind::boolean) {
+          for (int64_t t = 0; t < n; ++t) br[t] = mr[t * rs.mask_sk] ? 0.f : kNegInf;
+        } else {
+          for (int64_t t = 0; t < n; ++t) std::memcpy(br + t, mr + t * rs.mask_sk, sizeof(float));
+        }
+        for (int64_t t = n; t < round_up(n, W); ++t) br[t] = 0.f;
+        const int64_t a = imax(rs.lo[r] - j0, 0), b = imin(rs.hi[r] - j0, n);
+        for (int64_t t = a; t < b && !open; ++t) open = br[t] != kNegInf;
+      }
+      if (!open) continue;
+      bias = sc.bias;
+    }
+    // Row pointers; rows past n point at zeros so blocks of 8 never read past the tile.
+    const float** krow = sc.krow;
+    for (int64_t t = 0; t < n; ++t) {
+      const char* src = kv_row(ks, j0 + t);
+      if (k_inplace) {
+        krow[t] = reinterpret_cast<const float*>(src);
+      } else {
+        float* dst = sc.kf + t * Dkp;
+        load_row_padded(src, ks.dtype, Dk, Dkp, dst);
+        krow[t] = dst;
+      }
+    }
+    for (int64_t t = n; t < kTileK; ++t) krow[t] = sc.zero;
+    // S = Q K^T
+    if (packed) {
+      pack_kt(krow, n, k_inplace ? Dk : Dkp, sc.kt);
+      for (int64_t d = (k_inplace ? Dk : Dkp); d < Dkp; ++d)
+        for (int64_t j = 0; j < kTileK; ++j) sc.kt[d * kTileK + j] = 0.f;
+      qk_packed(M, rs.q, rs.ldq, sc.kt, Dkp, n, sc.s);
+    } else {
+      qk_dot(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s);
+    }
+    // softmax rows
+    for (int r = 0; r < M; ++r) {
+      const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
+      float* srow = sc.s + int64_t(r) * kTileK;
+      if (vlo >= vhi) {
+        std::memset(srow, 0, sizeof(float) * kTileK);
+        continue;
+      }
+      softmax_row(srow, bias ? bias + int64_t(r) * kTileK : nullptr, n, vlo, vhi, j0, softcap,
+                  rs.slope ? rs.slope[r] : 0.f, rs.pos[r], st.m + r, st.l + r,
+                  st.o + int64_t(r) * st.ldo, Dvp);
+    }
+    // O += P V
+    const float** vrow = sc.vrow;
+    for (int64_t t = 0; t < n; ++t) {
+      const char* src = kv_row(vs, j0 + t);
+      if (v_inplace) {
+        vrow[t] = reinterpret_cast<const float*>(src);
+      } else {
+        float* dst = sc.vf + t * Dvp;
+        load_row_padded(src, vs.dtype, Dv, Dvp, dst);
+        vrow[t] = dst;
+      }
+    }
+    pv(M, sc.s, vrow, n, vw, st.o, st.ldo);
+  }
+}
+
+// ---- machine probes ---------------------------------------------------------------------------
+// 10 independent accumulators hide the FMA latency (4 cycles x 2 ports needs >= 8 in flight).
+static float fma_probe(int64_t iters) {
+  V a[10];
+  for (int i = 0; i < 10; ++i) a[i] = set1(float(i) * 1e-3f);
+  const V x = set1(0.999999f), y = set1(1e-7f);
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 10; ++i) a[i] = fmadd(a[i], x, y);
+  V s = zero();
+  for (int i = 0; i < 10; ++i) s = add(s, a[i]);
+  return reduce_add(s);
+}
+
+static float read_probe(const float* p, int64_t n) {
+  V s0 = zero(), s1 = zero(), s2 = zero(), s3 = zero();
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    s0 = add(s0, load(p + i));
+    s1 = add(s1, load(p + i + W));
+    s2 = add(s2, load(p + i + 2 * W));
+    s3 = add(s3, load(p + i + 3 * W));
+  }
+  float r = reduce_add(add(add(s0, s1), add(s2, s3)));
+  for (; i < n; ++i) r += p[i];
+  return r;
+}
+
+}  // namespace

@@ -1,0 +1,85 @@
+// kernels.h: the contract between the drivers (cpp/src/*.cpp) and the per-ISA micro-kernels.
+// Plain structs only: no inline functions here, so that no code compiled with AVX flags can be
+// shared (through COMDAT folding) with code that must run on a baseline x86-64 CPU.
+#pragma once
+#include <cstdint>
+
+#include "attnx/attention.h"
+
+namespace attnx {
+namespace kern {
+
+constexpr int kTileK = 64;   // keys per KV tile: a 64 x 128 fp32 K tile is 32 KiB, one L1D
+constexpr int kPad = 32;     // feature widths are padded to the widest register block (AVX-512:
+                             // 2 vectors of 16 floats)
+constexpr int kDotRows = 8;  // up to this many query rows, QK^T is computed as dot products
+                             // against K rows in place; above it, K is packed transposed once
+                             // per tile and reused by every row (a GEMM-style B panel)
+
+// Where the keys (or values) of one (sequence, kv head) live. Row j is at
+//   contiguous: base + j * row_stride
+//   paged:      base + block_table[j / block_size] * block_stride + (j % block_size) * row_stride
+// (bytes). Feature elements within a row are contiguous.
+struct KVSource {
+  const char* base = nullptr;
+  DType dtype = DType::f32;
+  int64_t row_stride = 0;
+  const int32_t* block_table = nullptr;
+  int64_t block_size = 0, block_stride = 0;
+};
+
+// The query rows of one work item: up to a few dozen (query, head) pairs that share a kv head.
+struct RowSet {
+  int M = 0;
+  const float* q = nullptr;  // (M, ldq) queries already multiplied by scale, zero-padded
+  int64_t ldq = 0;
+  const int64_t* lo = nullptr;   // row r sees keys [lo[r], hi[r]) (causal, window, kv_lens)
+  const int64_t* hi = nullptr;
+  const int64_t* pos = nullptr;  // the row's bottom-right aligned position i + (Lk - Lq)
+  const float* slope = nullptr;  // per-row ALiBi slope, or null
+  MaskKind mask_kind = MaskKind::none;
+  const char* const* mask_row = nullptr;  // per row: address of mask element (row, key 0)
+  int64_t mask_sk = 0;                    // bytes between consecutive keys of a mask row
+};
+
+// Per-thread scratch, sized by the driver for M rows (all float buffers 64-byte aligned).
+struct Scratch {
+  float* kt = nullptr;    // (Dkp, kTileK) K tile, transposed
+  float* kf = nullptr;    // (kTileK, Dkp) K tile, converted to fp32
+  float* vf = nullptr;    // (kTileK, Dvp) V tile, converted to fp32
+  float* s = nullptr;     // (M, kTileK) scores, then probabilities
+  float* bias = nullptr;  // (M, kTileK) user mask as additive bias
+  float* zero = nullptr;  // max(Dkp, Dvp) zeros, a stand-in row past the end of a tile
+  const float** krow = nullptr;  // kTileK row pointers
+  const float** vrow = nullptr;
+};
+
+// Running online-softmax state of M rows: O (M, ldo) unnormalised, m the running max, l the sum.
+struct FlashState {
+  float* o = nullptr;
+  int64_t ldo = 0;
+  float* m = nullptr;
+  float* l = nullptr;
+};
+
+struct KernelTable {
+  const char* name;
+  // Accumulates keys [j_begin, j_end) into the state (which the driver initialised).
+  void (*flash)(const RowSet& rows, const KVSource& k, const KVSource& v, int64_t j_begin,
+                int64_t j_end, int64_t Dk, int64_t Dv, float softcap, const Scratch& scratch,
+                const FlashState& state);
+  // n elements of `src` (dtype) to fp32, and back.
+  void (*load_row)(const void* src, DType dtype, int64_t n, float* dst);
+  void (*store_row)(const float* src, int64_t n, DType dtype, void* dst);
+  // Peak-FMA probe body: `iters` rounds of independent FMA chains; returns a checksum.
+  float (*fma_probe)(int64_t iters);
+  // Read-bandwidth probe body: sums n floats.
+  float (*read_probe)(const float* p, int64_t n);
+};
+
+const KernelTable* table_scalar();
+const KernelTable* table_avx2();
+const KernelTable* table_avx512();
+
+}  // namespace kern
+}  // namespace attnx

@@ -1,0 +1,24 @@
+// kernels_avx2.cpp: the attention micro-kernels for the avx2 instruction set. The body is shared
+// by every ISA (kernel-inl.h); this file only picks the vector vocabulary and exports the table.
+// CMake compiles it with this ISA's flags; dispatch.cpp calls table_avx2() only on CPUs that
+// have the instructions.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/kernels.h"
+#include "kernels/vec_avx2.h"
+
+namespace attnx {
+namespace avx2 {
+#include "kernels/kernel-inl.h"
+}  // namespace avx2
+
+namespace kern {
+const KernelTable* table_avx2() {
+  static const KernelTable table{"avx2", &avx2::flash, &avx2::load_row, &avx2::store_row,
+                                 &avx2::fma_probe, &avx2::read_probe};
+  return &table;
+}
+}  // namespace kern
+}  // namespace attnx

@@ -1,0 +1,24 @@
+// kernels_scalar.cpp: the attention micro-kernels for the scalar instruction set. The body is shared
+// by every ISA (kernel-inl.h); this file only picks the vector vocabulary and exports the table.
+// CMake compiles it with this ISA's flags; dispatch.cpp calls table_scalar() only on CPUs that
+// have the instructions.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/kernels.h"
+#include "kernels/vec_scalar.h"
+
+namespace attnx {
+namespace scalar {
+#include "kernels/kernel-inl.h"
+}  // namespace scalar
+
+namespace kern {
+const KernelTable* table_scalar() {
+  static const KernelTable table{"scalar", &scalar::flash, &scalar::load_row, &scalar::store_row,
+                                 &scalar::fma_probe, &scalar::read_probe};
+  return &table;
+}
+}  // namespace kern
+}  // namespace attnx

@@ -1,0 +1,41 @@
+// vec_avx2.h: the vector vocabulary on AVX2 + FMA (8 fp32 lanes).
+#pragma once
+#include <cstdint>
+#include <immintrin.h>
+
+#include "convert.h"
+
+namespace attnx {
+namespace avx2 {
+namespace simd {
+
+#include "vec_avx_common.h"
+
+constexpr int W = 8;
+using V = __m256;
+
+static inline V zero() { return _mm256_setzero_ps(); }
+static inline V set1(float x) { return _mm256_set1_ps(x); }
+static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+static inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+static inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+static inline V max(V a, V x) { return _mm256_max_ps(a, x); }
+static inline V abs(V x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+static inline float reduce_max(V v) { return hmax256(v); }
+static inline float reduce_add(V v) { return hadd256(v); }
+static inline V iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
+static inline V exp(V x) { return exp256(x); }
+static inline V tanh(V x) { return tanh256(x); }
+static inline V load_f16(const uint16_t* p) { return load_f16_256(p); }
+static inline V load_bf16(const uint16_t* p) { return load_bf16_256(p); }
+static inline void hsum8(const V* a, float* out) { hsum8x256(a, out); }
+static inline void transpose8x8(const float* const* src, int64_t col, float* dst, int64_t ldd) {
+  transpose8x8_256(src, col, dst, ldd);
+}
+
+}  // namespace simd
+}  // namespace avx2
+}  // namespace attnx

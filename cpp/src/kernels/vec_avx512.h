@@ -1,0 +1,62 @@
+// vec_avx512.h: the vector vocabulary on AVX-512F (16 fp32 lanes). exp and tanh run as two AVX2
+// halves: they are a small share of the work, and this keeps one audited implementation.
+#pragma once
+#include <cstdint>
+#include <immintrin.h>
+
+#include "convert.h"
+
+namespace attnx {
+namespace avx512 {
+namespace simd {
+
+#include "vec_avx_common.h"
+
+constexpr int W = 16;
+using V = __m512;
+
+static inline __m256 lo256(V v) { return _mm512_castps512_ps256(v); }
+static inline __m256 hi256(V v) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+static inline V join(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)),
+                                             _mm256_castps_pd(b), 1));
+}
+
+static inline V zero() { return _mm512_setzero_ps(); }
+static inline V set1(float x) { return _mm512_set1_ps(x); }
+static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+static inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+static inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+static inline V max(V a, V x) { return _mm512_max_ps(a, x); }
+static inline V abs(V x) {
+  return _mm512_castsi512_ps(_mm512_and_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+}
+static inline float reduce_max(V v) { return hmax256(_mm256_max_ps(lo256(v), hi256(v))); }
+static inline float reduce_add(V v) { return hadd256(_mm256_add_ps(lo256(v), hi256(v))); }
+static inline V iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline V exp(V x) { return join(exp256(lo256(x)), exp256(hi256(x))); }
+static inline V tanh(V x) { return join(tanh256(lo256(x)), tanh256(hi256(x))); }
+static inline V load_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline V load_bf16(const uint16_t* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline void hsum8(const V* a, float* out) {
+  __m256 h[8];
+  for (int t = 0; t < 8; ++t) h[t] = _mm256_add_ps(lo256(a[t]), hi256(a[t]));
+  hsum8x256(h, out);
+}
+static inline void transpose8x8(const float* const* src, int64_t col, float* dst, int64_t ldd) {
+  transpose8x8_256(src, col, dst, ldd);
+}
+
+}  // namespace simd
+}  // namespace avx512
+}  // namespace attnx

@@ -1,0 +1,109 @@
+// vec_avx_common.h: AVX2 helpers shared by the AVX2 and AVX-512 vocabularies (both translation
+// units are compiled with -mavx2 -mfma -mf16c). Included inside the ISA's own namespace.
+#pragma once
+#include <immintrin.h>
+
+// Cody-Waite exp on 8 lanes: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial
+// (relative error ~2 ulp), 2^n through the exponent bits. exp(-inf) = 0 exactly (masked scores
+// must weigh nothing), exp(x < -87.3) flushes to 0 (below the smallest normal float), NaN stays
+// NaN because every clamp puts x in the second operand of MAXPS/MINPS.
+static inline __m256 exp256(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(hi, x);
+  x = _mm256_max_ps(lo, x);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(tiny, res);
+}
+
+// tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)); near 0 that form cancels, so |x| < 0.125 uses the
+// odd Taylor series to x^9 instead (error < 1e-10 there).
+static inline __m256 tanh256(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 e = exp256(_mm256_add_ps(ax, ax));
+  __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                             _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+  const __m256 x2 = _mm256_mul_ps(ax, ax);
+  __m256 s = _mm256_set1_ps(62.0f / 2835.0f);
+  s = _mm256_fmadd_ps(s, x2, _mm256_set1_ps(-17.0f / 315.0f));
+  s = _mm256_fmadd_ps(s, x2, _mm256_set1_ps(2.0f / 15.0f));
+  s = _mm256_fmadd_ps(s, x2, _mm256_set1_ps(-1.0f / 3.0f));
+  s = _mm256_fmadd_ps(_mm256_mul_ps(s, x2), ax, ax);
+  const __m256 small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.125f), _CMP_LT_OQ);
+  __m256 r = _mm256_blendv_ps(big, s, small);
+  // NaN: both branches are NaN already; the sign bit of NaN is irrelevant
+  return _mm256_or_ps(r, sign);
+}
+
+static inline float hmax256(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+static inline float hadd256(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// out[t] = sum of the 8 lanes of a[t]: a transpose-and-add tree, 9 instructions for 8 sums.
+static inline void hsum8x256(const __m256* a, float* out) {
+  __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
+  __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
+  __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
+  t0 = _mm256_hadd_ps(t0, t1);  // lanes: a0..a3 partial sums, low half | high half
+  t2 = _mm256_hadd_ps(t2, t3);  // a4..a7
+  __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+  _mm256_storeu_ps(out, s);
+}
+
+// dst[c * ldd + r] = src[r][col + c] for an 8 x 8 block
+static inline void transpose8x8_256(const float* const* src, int64_t col, float* dst, int64_t ldd) {
+  __m256 r0 = _mm256_loadu_ps(src[0] + col), r1 = _mm256_loadu_ps(src[1] + col);
+  __m256 r2 = _mm256_loadu_ps(src[2] + col), r3 = _mm256_loadu_ps(src[3] + col);
+  __m256 r4 = _mm256_loadu_ps(src[4] + col), r5 = _mm256_loadu_ps(src[5] + col);
+  __m256 r6 = _mm256_loadu_ps(src[6] + col), r7 = _mm256_loadu_ps(src[7] + col);
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(dst + 0 * ldd, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + 1 * ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+static inline __m256 load_f16_256(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m256 load_bf16_256(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}

