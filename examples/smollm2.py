@@ -159,7 +159,6 @@ class Engine:
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        self.kv_dtype = kv_dtype
         self.cache = attnx.PagedKVCache(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype)
@@ -178,6 +177,9 @@ class Engine:
                  stop_ids: frozenset[int] = frozenset()) -> GenerationResult:
         """Generate ``n`` samples for every prompt. With ``fork`` the prompt is prefilled once
         and shared; without it each sample prefills its own copy (same result, more memory)."""
+        limit = self.model.config.context_length
+        if max_new_tokens < 1 or not all(0 < len(p) <= limit - max_new_tokens for p in prompts):
+            raise ValueError(f"need non-empty prompts and 1 <= prompt + max_new_tokens <= {limit}")
         waiting: collections.deque[_Sequence] = collections.deque()
         for p, ids in enumerate(prompts):
             copies = [0] if fork else range(n)
@@ -192,7 +194,8 @@ class Engine:
 
         admit = True  # False from a preemption until a sequence finishes: no thrashing
         while waiting or running:
-            while admit and waiting and len(running) + 1 + waiting[0].forks <= self.max_batch_seqs:
+            while (admit and waiting
+                   and len(running) + 1 + waiting[0].forks <= self.max_batch_seqs):
                 seq = waiting.popleft()
                 seq.cache_id = self.cache.new_sequence()
                 running.append(seq)

@@ -134,18 +134,21 @@ class Config:
         if arch != "llama":
             raise ValueError(f"expected a llama GGUF, got {arch!r}")
 
-        def get(key):
-            return _field(reader, f"llama.{key}")
+        def get(key, default=None):
+            field = reader.fields.get(f"llama.{key}")
+            return default if field is None else field.contents()
 
         dim, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", dim // heads))
+        if int(get("rope.dimension_count", head_dim)) != head_dim:
+            raise ValueError("partial rotary embeddings are not supported")
         return cls(
             num_layers=int(get("block_count")),
             dim=dim,
             ffn_dim=int(get("feed_forward_length")),
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv")),
-            head_dim=int(get("rope.dimension_count")) if "llama.rope.dimension_count"
-            in reader.fields else dim // heads,
+            head_dim=head_dim,
             vocab_size=int(get("vocab_size")),
             context_length=int(get("context_length")),
             rope_base=float(get("rope.freq_base")),
