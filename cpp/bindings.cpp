@@ -253,10 +253,39 @@ void check_pages(const py::array& kp, const py::array& vp, PagedParams& p) {
   p.v_pages = vp.data(); p.v_sblk = vs[0]; p.v_sh = vs[1]; p.v_ss = vs[2];
 }
 
+// The new keys and values of a cache step: checked with everything else before the first write.
+struct NewKV {
+  py::array k, v;
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> slots;
+  PagedWrite wk, wv;
+};
+
+void prepare_new_kv(NewKV& n, py::object k_new, py::object v_new, py::object slots, const PagedParams& p,
+                    py::array& kp, py::array& vp) {
+  n.k = py::array::ensure(k_new);
+  n.v = py::array::ensure(v_new);
+  if (!n.k || !n.v) type_error("k, v: expected numpy arrays");
+  if (!kp.writeable() || !vp.writeable()) value_error("k_pages / v_pages: arrays are not writable");
+  if (n.k.ndim() != 3) value_error("k: expected 3 dims (T, Hkv, Dk), got " + shape_str(n.k));
+  check_shape(n.k, "k", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dk", p.Dk}});
+  check_shape(n.v, "v", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dv", p.Dv}});
+  const DType kd = dtype_of(n.k, "k"), vd = dtype_of(n.v, "v");
+  n.slots = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(slots);
+  if (n.slots.ndim() != 1 || n.slots.shape(0) != p.N) value_error("slots: expected shape (T,)");
+  for (int64_t t = 0; t < p.N; ++t)
+    if (n.slots.data()[t] < 0 || n.slots.data()[t] >= p.num_blocks * p.block_size) value_error("slots: slot out of range");
+  auto ks = elem_strides(n.k, "k"), vs = elem_strides(n.v, "v");
+  n.wk = PagedWrite{p.N, p.Hkv, p.Dk, n.k.data(), kd, ks[0], ks[1], kp.mutable_data(), p.kv_dtype,
+                    p.block_size, p.k_sblk, p.k_sh, p.k_ss, n.slots.data()};
+  n.wv = PagedWrite{p.N, p.Hkv, p.Dv, n.v.data(), vd, vs[0], vs[1], vp.mutable_data(), p.kv_dtype,
+                    p.block_size, p.v_sblk, p.v_sh, p.v_ss, n.slots.data()};
+}
+
 py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array block_tables,
                               py::array seq_lens, py::object q_lens, bool causal, double scale,
                               py::object out, bool return_lse, int num_threads, py::object window,
-                              py::object softcap, py::object sinks, py::object alibi_slopes) {
+                              py::object softcap, py::object sinks, py::object alibi_slopes,
+                              py::object k_new, py::object v_new, py::object slots) {
   PagedParams p;
   check_pages(kp, vp, p);
   if (q.ndim() != 3) value_error("q: expected 3 dims (N, Hq, Dk), got " + shape_str(q));
@@ -311,37 +340,19 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
     p.lse = lse.mutable_data(); p.l_sn = p.Hq; p.l_sh = 1;
   }
   p.num_threads = threads_arg(num_threads);
+  NewKV nkv;
+  const bool write = !k_new.is_none();
+  if (write) prepare_new_kv(nkv, k_new, v_new, slots, p, kp, vp);
   {
     py::gil_scoped_release nogil;
+    if (write) {
+      paged_write(nkv.wk);
+      paged_write(nkv.wv);
+    }
     paged_attention(p);
   }
   if (return_lse) return py::make_tuple(o, lse);
   return o;
-}
-
-void py_paged_write(py::array pages, py::array src, py::array slots) {
-  if (pages.ndim() != 4) value_error("pages: expected 4 dims (num_blocks, H, block_size, D), got " + shape_str(pages));
-  if (!pages.writeable()) value_error("pages: array is not writable");
-  PagedWrite w;
-  w.page_dtype = dtype_of(pages, "pages");
-  w.src_dtype = dtype_of(src, "k/v");
-  const int64_t nb = pages.shape(0);
-  w.H = pages.shape(1); w.block_size = pages.shape(2); w.D = pages.shape(3);
-  if (src.ndim() != 3) value_error("k/v: expected 3 dims (T, Hkv, D), got " + shape_str(src));
-  w.n = src.shape(0);
-  check_shape(src, "k/v", {{"T", w.n}, {"Hkv", w.H}, {"D", w.D}});
-  const char kind = slots.dtype().kind();
-  if (kind != 'i' && kind != 'u') type_error("slots: expected an integer array");
-  py::array_t<int64_t, py::array::c_style | py::array::forcecast> sl(slots);
-  if (sl.ndim() != 1 || sl.shape(0) != w.n) value_error("slots: expected shape (T,)");
-  for (int64_t t = 0; t < w.n; ++t)
-    if (sl.data()[t] < 0 || sl.data()[t] >= nb * w.block_size) value_error("slots: slot out of range");
-  auto ps = elem_strides(pages, "pages"), ss = elem_strides(src, "k/v");
-  w.pages = pages.mutable_data(); w.p_sblk = ps[0]; w.p_sh = ps[1]; w.p_ss = ps[2];
-  w.src = src.data(); w.s_sn = ss[0]; w.s_sh = ss[1];
-  w.slots = sl.data();
-  py::gil_scoped_release nogil;
-  paged_write(w);
 }
 
 }  // namespace
@@ -357,8 +368,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("paged_attention", &py_paged_attention, py::arg("q"), py::arg("k_pages"), py::arg("v_pages"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("q_lens"), py::arg("causal"),
         py::arg("scale"), py::arg("out"), py::arg("return_lse"), py::arg("num_threads"),
-        py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("alibi_slopes"));
-  m.def("paged_write", &py_paged_write, py::arg("pages"), py::arg("src"), py::arg("slots"));
+        py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("alibi_slopes"),
+        py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none());
 
   m.def("cpu_features", []() {
     const CpuFeatures f = cpu_features();

@@ -13,6 +13,7 @@ import os as _os
 from . import _core
 from . import reference
 from ._api import attention, paged_attention
+from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,10 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "reference",
+    "PagedKVCache",
+    "Step",
+    "CacheFullError",
+    "StaleStepError",
 ]
 
 
