@@ -268,10 +268,17 @@ class PagedKVCache:
         with self._lock:
             seqs = [self._seq(i) for i in ids]
             need = 0
+            holders = {}  # shared last block -> holders left once this step's earlier copies are made
             for s, n in zip(seqs, counts):
                 need += -(-(s.length + n) // bs) - len(s.blocks)
-                if n and s.length % bs and self._refs[s.blocks[-1]] > 1:
-                    need += 1  # copy-on-write of the shared, partly filled last block
+                if n and s.length % bs:
+                    last = s.blocks[-1]
+                    left = holders.get(last, int(self._refs[last]))
+                    if left > 1:
+                        # copy-on-write of the shared, partly filled last block; when every holder
+                        # of a block is in this step, the last of them keeps it (as below)
+                        need += 1
+                        holders[last] = left - 1
             if need > len(self._free):
                 raise CacheFullError(
                     f"begin_step: needs {need} free blocks, the pool has {len(self._free)} "
@@ -351,11 +358,30 @@ class Step:
             if any(s.version != ver for s, ver in zip(self._seqs, self._versions)):
                 raise StaleStepError("attend: a sequence of this step was truncated, freed or "
                                      "stepped again since begin_step")
-        q = _api._unit_last(_api._as_array(q, "q"))
+        q = _strided(_api._unit_last(_api._as_array(q, "q")))
         if q.ndim != 3:
             raise ValueError(f"q: expected shape (T, Hq, D), got {q.shape}")
+        out = None
+        if q.size == 0:  # a step with no new tokens: give the binding an out it accepts too
+            out = _strided(np.empty((q.shape[0], q.shape[1], cache.value_dim), q.dtype))
         return _core.paged_attention(
             q, cache._k[li], cache._v[li], self.block_tables, self.seq_lens, self.q_lens, True,
-            _api._scale(scale, q.shape[2]), None, bool(return_lse), _api._threads(num_threads),
-            window, softcap, sinks, alibi_slopes, k_new=_api._unit_last(_api._as_array(k, "k")),
-            v_new=_api._unit_last(_api._as_array(v, "v")), slots=self.slots)
+            _api._scale(scale, q.shape[2]), out, bool(return_lse), _api._threads(num_threads),
+            window, softcap, sinks, alibi_slopes, k_new=_strided(_api._unit_last(_api._as_array(k, "k"))),
+            v_new=_strided(_api._unit_last(_api._as_array(v, "v"))), slots=self.slots)
+
+
+def _strided(a):
+    """``a``, or for a zero-size array a view with C-order strides.
+
+    NumPy gives zero-size arrays all-zero strides, which the binding rejects ("the last axis
+    must be contiguous"), so a step whose sequences all add 0 tokens would fail. The view reads
+    nothing (it has no elements); with the binding fixed this is a no-op.
+    """
+    if a.size or a.ndim == 0 or a.dtype.itemsize == 0:
+        return a
+    strides, step = [], a.itemsize
+    for d in reversed(a.shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return np.lib.stride_tricks.as_strided(np.empty(1, a.dtype), a.shape, strides[::-1])
