@@ -61,6 +61,7 @@ struct Item {
 struct ThreadScratch {
   FloatBuf buf;
   std::vector<const float*> ptrs;
+  std::vector<const char*> addrs;
   std::vector<int64_t> ints;
   std::vector<const char*> mask_rows;
   std::vector<float> slopes;
@@ -200,6 +201,7 @@ void run_flash(const P& p, int num_threads) {
     try {
       base = ts.buf.get(per_thread);
       ts.ptrs.resize(2 * kern::kTileK);
+      ts.addrs.resize(4 * kern::kTileK);
       ts.ints.reserve(std::size_t(3 * M_max));
       ts.mask_rows.reserve(std::size_t(M_max));
       ts.slopes.reserve(std::size_t(M_max));
@@ -219,7 +221,8 @@ void run_flash(const P& p, int num_threads) {
     float* l = m + M_max;
     float* tmp = l + M_max;
     if (base != nullptr) std::memset(zero, 0, sizeof(float) * std::size_t(std::max(Dkp, Dvp)));
-    kern::Scratch sc{kt, kf, vf, s, bias, zero, ts.ptrs.data(), ts.ptrs.data() + kern::kTileK};
+    kern::Scratch sc{kt, kf, vf, s, bias, zero, ts.ptrs.data(), ts.ptrs.data() + kern::kTileK,
+                     ts.addrs.data(), ts.addrs.data() + 2 * kern::kTileK};
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items * nsplit; ++w) {

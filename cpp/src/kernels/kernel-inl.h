@@ -27,11 +27,22 @@ static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-static inline const char* kv_row(const kern::KVSource& s, int64_t j) {
-  if (s.block_table != nullptr)
-    return s.base + int64_t(s.block_table[j / s.block_size]) * s.block_stride +
-           (j % s.block_size) * s.row_stride;
-  return s.base + j * s.row_stride;
+// Addresses of rows j0 .. j0+n-1: one block-table lookup per page, not a division per row.
+static inline void kv_rows(const kern::KVSource& s, int64_t j0, int64_t n, const char** out) {
+  if (s.block_table == nullptr) {
+    for (int64_t t = 0; t < n; ++t) out[t] = s.base + (j0 + t) * s.row_stride;
+    return;
+  }
+  int64_t blk = j0 / s.block_size, off = j0 % s.block_size;
+  const char* p = s.base + int64_t(s.block_table[blk]) * s.block_stride + off * s.row_stride;
+  for (int64_t t = 0; t < n; ++t) {
+    out[t] = p;
+    p += s.row_stride;
+    if (++off == s.block_size && t + 1 < n) {
+      off = 0;
+      p = s.base + int64_t(s.block_table[++blk]) * s.block_stride;
+    }
+  }
 }
 
 static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
@@ -123,32 +134,65 @@ static void pack_kt(const float* const* rows, int64_t n, int64_t Dkp, float* kt)
     for (int64_t j = n8; j < nw; ++j) kt[d * kTileK + j] = 0.f;
 }
 
-// ---- QK^T, dot form for few rows: K rows read in place, 8 keys per pass ---------------------
-static void qk_dot(int M, const float* q, int64_t ldq, const float* const* krow, int64_t n,
-                   int64_t Dk, float* s) {
-  for (int r = 0; r < M; ++r) {
-    const float* qr = q + r * ldq;
-    for (int64_t j = 0; j < n; j += 8) {
-      V acc[8];
-      for (int t = 0; t < 8; ++t) acc[t] = zero();
-      const float* const* kr = krow + j;
-      for (int64_t d = 0; d < Dk; d += W) {
-        V qv = load(qr + d);
-        for (int t = 0; t < 8; ++t) acc[t] = fmadd(qv, load(kr[t] + d), acc[t]);
-      }
-      hsum8(acc, s + r * kTileK + j);
+// Prefetch of one row of the next tile, spread through the current tile's loops so the misses
+// overlap with the arithmetic instead of stalling in one burst.
+static inline void prefetch_row(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+// ---- QK^T, dot form for few rows: K rows read in place ---------------------------------------
+// A register block is RB rows x KB keys (RB * KB accumulators, a multiple of 8 for hsum8), so
+// each K vector loaded is used RB times and the K tile is streamed once per block of rows.
+template <int RB, int KB>
+static inline void qk_dot_block(const float* q, int64_t ldq, const float* const* kr, int64_t Dk,
+                                float* s) {
+  static_assert((RB * KB) % 8 == 0, "hsum8 reduces groups of 8 accumulators");
+  V acc[RB * KB];
+  for (int a = 0; a < RB * KB; ++a) acc[a] = zero();
+  for (int64_t d = 0; d < Dk; d += W) {
+    V qv[RB];
+    for (int r = 0; r < RB; ++r) qv[r] = load(q + r * ldq + d);
+    for (int t = 0; t < KB; ++t) {
+      const V kv = load(kr[t] + d);
+      for (int r = 0; r < RB; ++r) acc[r * KB + t] = fmadd(qv[r], kv, acc[r * KB + t]);
     }
   }
+  float tmp[RB * KB];
+  for (int a = 0; a < RB * KB; a += 8) hsum8(acc + a, tmp + a);
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < KB; ++t) s[r * kTileK + t] = tmp[r * KB + t];
+}
+
+// `next` (nn rows of `bytes`, or null) is the next tile's K, prefetched during the first rows.
+static void qk_dot(int M, const float* q, int64_t ldq, const float* const* krow, int64_t n,
+                   int64_t Dk, float* s, const char* const* next, int64_t nn, int64_t bytes) {
+  // AVX-512 has 32 registers: 4 rows x 4 keys; AVX2 has 16: 2 rows x 4 keys.
+  constexpr int RB = W >= 16 ? 4 : 2, KB = 4;
+  int r = 0;
+  for (; r + RB <= M; r += RB)
+    for (int64_t j = 0; j < n; j += KB) {
+      if (r == 0 && next != nullptr)
+        for (int64_t t = j; t < imin(j + KB, nn); ++t) prefetch_row(next[t], bytes);
+      qk_dot_block<RB, KB>(q + r * ldq, ldq, krow + j, Dk, s + r * kTileK + j);
+    }
+  for (; r < M; ++r)
+    for (int64_t j = 0; j < n; j += 8) {
+      if (r == 0 && next != nullptr)
+        for (int64_t t = j; t < imin(j + 8, nn); ++t) prefetch_row(next[t], bytes);
+      qk_dot_block<1, 8>(q + r * ldq, ldq, krow + j, Dk, s + r * kTileK + j);
+    }
 }
 
 // ---- O += P V: MR rows x NR*W value features per register block ------------------------------
 template <int MR>
 static inline void pv_block(const float* p, const float* const* vrow, int64_t n, int64_t c,
-                            float* o, int64_t ldo) {
+                            float* o, int64_t ldo, const char* const* next, int64_t nn,
+                            int64_t bytes) {
   V acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int k = 0; k < NR; ++k) acc[r][k] = load(o + r * ldo + c + k * W);
   for (int64_t j = 0; j < n; ++j) {
+    if (next != nullptr && j < nn) prefetch_row(next[j], bytes);
     const float* vj = vrow[j] + c;
     V v0 = load(vj), v1 = load(vj + W);
     for (int r = 0; r < MR; ++r) {
@@ -161,25 +205,28 @@ static inline void pv_block(const float* p, const float* const* vrow, int64_t n,
     for (int k = 0; k < NR; ++k) store(o + r * ldo + c + k * W, acc[r][k]);
 }
 
+// `next` (nn rows of `bytes`, or null) is the next tile's V, prefetched during the first block.
 template <int MR>
 static void pv_rows(const float* p, const float* const* vrow, int64_t n, int64_t Dvp, float* o,
-                    int64_t ldo) {
-  for (int64_t c = 0; c < Dvp; c += NR * W) pv_block<MR>(p, vrow, n, c, o, ldo);
+                    int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
+  for (int64_t c = 0; c < Dvp; c += NR * W)
+    pv_block<MR>(p, vrow, n, c, o, ldo, c == 0 ? next : nullptr, nn, bytes);
 }
 
 static void pv(int M, const float* p, const float* const* vrow, int64_t n, int64_t Dvp, float* o,
-               int64_t ldo) {
+               int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
   constexpr int MR = 6;
   int r = 0;
-  for (; r + MR <= M; r += MR) pv_rows<MR>(p + r * kTileK, vrow, n, Dvp, o + r * ldo, ldo);
+  for (; r + MR <= M; r += MR, next = nullptr)
+    pv_rows<MR>(p + r * kTileK, vrow, n, Dvp, o + r * ldo, ldo, next, nn, bytes);
   const float* pr = p + r * kTileK;
   float* orr = o + r * ldo;
   switch (M - r) {
-    case 5: pv_rows<5>(pr, vrow, n, Dvp, orr, ldo); break;
-    case 4: pv_rows<4>(pr, vrow, n, Dvp, orr, ldo); break;
-    case 3: pv_rows<3>(pr, vrow, n, Dvp, orr, ldo); break;
-    case 2: pv_rows<2>(pr, vrow, n, Dvp, orr, ldo); break;
-    case 1: pv_rows<1>(pr, vrow, n, Dvp, orr, ldo); break;
+    case 5: pv_rows<5>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
+    case 4: pv_rows<4>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
+    case 3: pv_rows<3>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
+    case 2: pv_rows<2>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
+    case 1: pv_rows<1>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
     default: break;
   }
 }
@@ -201,7 +248,7 @@ static inline void softmax_row(float* srow, const float* brow, int64_t n, int64_
       store(srow + j, fmadd(ns, abs(sub(p, jv)), load(srow + j)));
   }
   if (brow != nullptr)
-    for (int64_t j = 0; j < n; j += W) store(srow + j, add(load(srow + j), load(brow + j)));
+    for (int64_t j = 0; j < n; j += W) store(srow + j, mask_add(load(srow + j), load(brow + j)));
   // 2. the visible range [vlo, vhi) of this row within the tile; -inf elsewhere
   for (int64_t j = 0; j < vlo; ++j) srow[j] = kNegInf;
   for (int64_t j = vhi; j < round_up(n, W); ++j) srow[j] = kNegInf;
@@ -233,6 +280,24 @@ static inline void softmax_row(float* srow, const float* brow, int64_t n, int64_
     const V a = set1(alpha);
     for (int64_t d = 0; d < Dvp; d += W) store(orow + d, mul(a, load(orow + d)));
   }
+}
+
+static bool values_finite(const float* const* vrow, int64_t n, int64_t Dv) {
+  V acc = zero();
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < Dv; d += W) acc = add(acc, mul(load(vrow[j] + d), zero()));
+  return all_finite(acc);  // 0 * finite = 0; 0 * inf = NaN; NaN stays NaN
+}
+
+static void pv_skipping_zeros(int M, const float* p, const float* const* vrow, int64_t n,
+                              int64_t Dv, float* o, int64_t ldo) {
+  for (int r = 0; r < M; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = p[r * kTileK + j];
+      if (pj == 0.f) continue;
+      const V pb = set1(pj);
+      for (int64_t d = 0; d < Dv; d += W) store(o + r * ldo + d, fmadd(pb, load(vrow[j] + d), load(o + r * ldo + d)));
+    }
 }
 
 static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
@@ -271,15 +336,32 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
       if (!open) continue;
       bias = sc.bias;
     }
-    // Row pointers; rows past n point at zeros so blocks of 8 never read past the tile.
+    // Row addresses of this tile (the next tile's were computed one iteration ago).
+    const char** kaddr = sc.kaddr + (((j0 - j_begin) / kTileK) & 1) * kTileK;
+    const char** vaddr = sc.vaddr + (((j0 - j_begin) / kTileK) & 1) * kTileK;
+    if (j0 == j_begin || packed) {
+      kv_rows(ks, j0, n, kaddr);
+      kv_rows(vs, j0, n, vaddr);
+    }
+    // Few rows (decode) make this loop memory bound, and pages are scattered, so the hardware
+    // prefetcher cannot guess the next tile: ask for it while this one is computed.
+    const char** kn = nullptr;
+    const char** vn = nullptr;
+    const int64_t nn = imin(kTileK, j_end - j1);
+    if (!packed && j1 < j_end) {
+      kn = sc.kaddr + (((j1 - j_begin) / kTileK) & 1) * kTileK;
+      vn = sc.vaddr + (((j1 - j_begin) / kTileK) & 1) * kTileK;
+      kv_rows(ks, j1, nn, kn);
+      kv_rows(vs, j1, nn, vn);
+    }
+    // fp32 row pointers; rows past n point at zeros so register blocks never read past the tile.
     const float** krow = sc.krow;
     for (int64_t t = 0; t < n; ++t) {
-      const char* src = kv_row(ks, j0 + t);
       if (k_inplace) {
-        krow[t] = reinterpret_cast<const float*>(src);
+        krow[t] = reinterpret_cast<const float*>(kaddr[t]);
       } else {
         float* dst = sc.kf + t * Dkp;
-        load_row_padded(src, ks.dtype, Dk, Dkp, dst);
+        load_row_padded(kaddr[t], ks.dtype, Dk, Dkp, dst);
         krow[t] = dst;
       }
     }
@@ -291,11 +373,14 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
         for (int64_t j = 0; j < kTileK; ++j) sc.kt[d * kTileK + j] = 0.f;
       qk_packed(M, rs.q, rs.ldq, sc.kt, Dkp, n, sc.s);
     } else {
-      qk_dot(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s);
+      qk_dot(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
+             Dk * (ks.dtype == DType::f32 ? 4 : 2));
     }
     // softmax rows
+    bool partial = bias != nullptr;
     for (int r = 0; r < M; ++r) {
       const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
+      partial = partial || vlo > 0 || vhi < n;
       float* srow = sc.s + int64_t(r) * kTileK;
       if (vlo >= vhi) {
         std::memset(srow, 0, sizeof(float) * kTileK);
@@ -308,16 +393,22 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
     // O += P V
     const float** vrow = sc.vrow;
     for (int64_t t = 0; t < n; ++t) {
-      const char* src = kv_row(vs, j0 + t);
       if (v_inplace) {
-        vrow[t] = reinterpret_cast<const float*>(src);
+        vrow[t] = reinterpret_cast<const float*>(vaddr[t]);
       } else {
         float* dst = sc.vf + t * Dvp;
-        load_row_padded(src, vs.dtype, Dv, Dvp, dst);
+        load_row_padded(vaddr[t], vs.dtype, Dv, Dvp, dst);
         vrow[t] = dst;
       }
     }
-    pv(M, sc.s, vrow, n, vw, st.o, st.ldo);
+    // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would
+    // still leak into the row. Tiles that some row sees only in part are checked for
+    // non-finite values; if there are any, those rows skip their zero probabilities.
+    if (partial && !values_finite(vrow, n, vw)) {
+      pv_skipping_zeros(M, sc.s, vrow, n, vw, st.o, st.ldo);
+      continue;
+    }
+    pv(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * (vs.dtype == DType::f32 ? 4 : 2));
   }
 }
 

@@ -50,8 +50,10 @@ struct Scratch {
   float* s = nullptr;     // (M, kTileK) scores, then probabilities
   float* bias = nullptr;  // (M, kTileK) user mask as additive bias
   float* zero = nullptr;  // max(Dkp, Dvp) zeros, a stand-in row past the end of a tile
-  const float** krow = nullptr;  // kTileK row pointers
+  const float** krow = nullptr;  // kTileK fp32 row pointers
   const float** vrow = nullptr;
+  const char** kaddr = nullptr;  // 2 x kTileK source row addresses (this tile and the next)
+  const char** vaddr = nullptr;
 };
 
 // Running online-softmax state of M rows: O (M, ldo) unnormalised, m the running max, l the sum.

@@ -24,6 +24,14 @@ static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
 static inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 static inline V max(V a, V x) { return _mm256_max_ps(a, x); }
 static inline V abs(V x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+// s + b, but exactly b where b is -inf: a blocked score stays blocked even if s is NaN
+static inline V mask_add(V s, V b) {
+  return _mm256_blendv_ps(_mm256_add_ps(s, b), b, _mm256_cmp_ps(b, _mm256_set1_ps(-__builtin_inff()), _CMP_EQ_OQ));
+}
+// true if every lane is finite: x - x is 0 for finite x and NaN for inf or NaN
+static inline bool all_finite(V x) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0;
+}
 static inline float reduce_max(V v) { return hmax256(v); }
 static inline float reduce_add(V v) { return hadd256(v); }
 static inline V iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }

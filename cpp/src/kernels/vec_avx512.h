@@ -36,6 +36,14 @@ static inline V max(V a, V x) { return _mm512_max_ps(a, x); }
 static inline V abs(V x) {
   return _mm512_castsi512_ps(_mm512_and_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
 }
+// s + b, but exactly b where b is -inf: a blocked score stays blocked even if s is NaN
+static inline V mask_add(V s, V b) {
+  const __mmask16 blocked = _mm512_cmp_ps_mask(b, _mm512_set1_ps(-__builtin_inff()), _CMP_EQ_OQ);
+  return _mm512_mask_blend_ps(blocked, _mm512_add_ps(s, b), b);
+}
+static inline bool all_finite(V x) {
+  return _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0;
+}
 static inline float reduce_max(V v) { return hmax256(_mm256_max_ps(lo256(v), hi256(v))); }
 static inline float reduce_add(V v) { return hadd256(_mm256_add_ps(lo256(v), hi256(v))); }
 static inline V iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }

@@ -2,6 +2,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "convert.h"
 
@@ -23,6 +24,10 @@ static inline V fmadd(V a, V b, V c) { return a * b + c; }
 // max(a, x) that lets a NaN in x through, like MAXPS with x as the second operand
 static inline V max(V a, V x) { return a > x ? a : x; }
 static inline V abs(V x) { return std::fabs(x); }
+// s + b, but exactly b where b is -inf: a blocked score stays blocked even if s is NaN
+static inline V mask_add(V s, V b) { return b == -std::numeric_limits<float>::infinity() ? b : s + b; }
+// true if every lane is finite (not inf, not NaN)
+static inline bool all_finite(V x) { return std::isfinite(x); }
 static inline float reduce_max(V v) { return v; }
 static inline float reduce_add(V v) { return v; }
 static inline V iota() { return 0.f; }
