@@ -56,6 +56,7 @@ DType dtype_of(const py::array& a, const char* name) {
 // Element strides of `a` (which must have `ndim` dims and a unit-stride last axis).
 std::vector<int64_t> elem_strides(const py::array& a, const char* name) {
   std::vector<int64_t> s(std::size_t(a.ndim()));
+  if (a.size() == 0) return s;  // nothing is read or written: NumPy's strides may be anything
   const int64_t es = int64_t(a.itemsize());
   for (py::ssize_t i = 0; i < a.ndim(); ++i) {
     if (a.strides(i) % es != 0) value_error(std::string(name) + ": strides must be multiples of the item size");
@@ -248,6 +249,7 @@ void check_pages(const py::array& kp, const py::array& vp, PagedParams& p) {
   p.Dv = vp.shape(3);
   check_shape(vp, "v_pages", {{"num_blocks", p.num_blocks}, {"Hkv", p.Hkv}, {"block_size", p.block_size}, {"Dv", p.Dv}});
   if (p.block_size <= 0) value_error("k_pages: block_size must be positive");
+  if (p.Hkv <= 0) value_error("k_pages: expected at least one kv head, got shape " + shape_str(kp));
   auto ks = elem_strides(kp, "k_pages"), vs = elem_strides(vp, "v_pages");
   p.k_pages = kp.data(); p.k_sblk = ks[0]; p.k_sh = ks[1]; p.k_ss = ks[2];
   p.v_pages = vp.data(); p.v_sblk = vs[0]; p.v_sh = vs[1]; p.v_ss = vs[2];
@@ -301,7 +303,9 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
   if (block_tables.ndim() != 2) value_error("block_tables: expected 2 dims (B, max_blocks), got " + shape_str(block_tables));
   p.B = block_tables.shape(0); p.max_blocks = block_tables.shape(1);
   PagedArrays keep;
-  keep.bt = py::array_t<int32_t, py::array::c_style | py::array::forcecast>(block_tables);
+  // Range-check in int64 first: a cast to int32 would wrap 2**32 + b to a valid-looking b.
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> bt64(block_tables);
+  keep.bt = py::array_t<int32_t>(std::vector<py::ssize_t>{p.B, p.max_blocks});
   keep.sl = int_vector(seq_lens, "seq_lens", p.B, std::numeric_limits<int32_t>::max(), "int32");
   py::array_t<int32_t> ql = q_lens.is_none() ? py::array_t<int32_t>() : int_vector(q_lens, "q_lens", p.B, std::numeric_limits<int32_t>::max(), "int32");
   keep.q_start.assign(std::size_t(p.B + 1), 0);
@@ -311,10 +315,11 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
     if (nq > len) value_error("q_lens[" + std::to_string(b) + "] = " + std::to_string(nq) + " exceeds seq_lens[" + std::to_string(b) + "] = " + std::to_string(len));
     const int64_t nb = (len + p.block_size - 1) / p.block_size;
     if (nb > p.max_blocks) value_error("seq_lens[" + std::to_string(b) + "] = " + std::to_string(len) + " needs " + std::to_string(nb) + " blocks but block_tables has " + std::to_string(p.max_blocks) + " columns");
-    for (int64_t j = 0; j < nb; ++j) {
-      const int64_t blk = block_tables.dtype().kind() == 'i' ? int64_t(keep.bt.data()[b * p.max_blocks + j]) : int64_t(keep.bt.data()[b * p.max_blocks + j]);
-      if (blk < 0 || blk >= p.num_blocks)
+    for (int64_t j = 0; j < p.max_blocks; ++j) {
+      const int64_t blk = bt64.data()[b * p.max_blocks + j];
+      if (j < nb && (blk < 0 || blk >= p.num_blocks))
         value_error("block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(blk) + " is out of range [0, " + std::to_string(p.num_blocks) + ")");
+      keep.bt.mutable_data()[b * p.max_blocks + j] = j < nb ? int32_t(blk) : 0;  // unused entries are never read
     }
     keep.q_start[std::size_t(b + 1)] = keep.q_start[std::size_t(b)] + nq;
   }

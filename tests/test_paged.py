@@ -254,7 +254,7 @@ def test_batch_equals_alone_and_contiguous(isa, kv_dtype):
     # 1. each request alone, with its own one-row table (and its own single-sequence work split)
     for b in range(len(seq_lens)):
         if q_lens[b] == 0:
-            continue  # a call with no queries: test_no_query_tokens (xfail, binding bug)
+            continue  # a call with no queries: covered by test_no_query_tokens
         sl = slice(starts[b], starts[b + 1])
         alone, alone_lse = attnx.paged_attention(
             q[sl], pool.k_pages, pool.v_pages, pool.block_tables[b:b + 1], seq_lens[b:b + 1],
@@ -344,10 +344,6 @@ def test_zero_length_sequence_in_batch(isa):
     assert_close(o, ro)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "binding bug: NumPy gives zero-size arrays all-zero strides and cpp/bindings.cpp elem_strides "
-    "rejects them ('q: the last axis must be contiguous'), also for the out array it allocates "
-    "itself, so a call with no query tokens (N = 0) fails"))
 def test_no_query_tokens():
     rng = make_rng(12)
     pool = Pool(rng, [9, 3], block_size=4, hkv=1, dk=8, dv=8)
@@ -480,10 +476,6 @@ def test_junk_past_a_sequence_is_not_read():
     assert np.isfinite(o).all()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "binding bug: cpp/bindings.cpp converts block_tables with forcecast to int32 before the range "
-    "check, so an int64 entry of 2**32 + b wraps to b and is accepted (reads block b) instead of "
-    "raising ValueError"))
 @pytest.mark.parametrize("entry", [2**32, 2**32 + 3, -(2**32) + 1])
 def test_block_table_entry_wrapping_to_int32(entry):
     a = _base()
@@ -493,9 +485,6 @@ def test_block_table_entry_wrapping_to_int32(entry):
         attnx.paged_attention(a["q"], a["k_pages"], a["v_pages"], bt, a["seq_lens"], q_lens=a["q_lens"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "binding bug: cpp/bindings.cpp check_pages never rejects Hkv == 0 and then evaluates "
-    "Hq % Hkv: SIGFPE kills the interpreter instead of raising ValueError"))
 def test_zero_kv_heads_is_an_error_not_a_crash():
     code = textwrap.dedent("""
         import numpy as np, attnx
