@@ -262,23 +262,29 @@ struct NewKV {
   PagedWrite wk, wv;
 };
 
+// v_new may be None when the values are a view of the keys (latent attention: one write).
 void prepare_new_kv(NewKV& n, py::object k_new, py::object v_new, py::object slots, const PagedParams& p,
                     py::array& kp, py::array& vp) {
   n.k = py::array::ensure(k_new);
-  n.v = py::array::ensure(v_new);
-  if (!n.k || !n.v) type_error("k, v: expected numpy arrays");
-  if (!kp.writeable() || !vp.writeable()) value_error("k_pages / v_pages: arrays are not writable");
+  if (!n.k) type_error("k: expected a numpy array");
+  if (!kp.writeable()) value_error("k_pages: array is not writable");
   if (n.k.ndim() != 3) value_error("k: expected 3 dims (T, Hkv, Dk), got " + shape_str(n.k));
   check_shape(n.k, "k", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dk", p.Dk}});
-  check_shape(n.v, "v", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dv", p.Dv}});
-  const DType kd = dtype_of(n.k, "k"), vd = dtype_of(n.v, "v");
+  const DType kd = dtype_of(n.k, "k");
   n.slots = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(slots);
   if (n.slots.ndim() != 1 || n.slots.shape(0) != p.N) value_error("slots: expected shape (T,)");
   for (int64_t t = 0; t < p.N; ++t)
     if (n.slots.data()[t] < 0 || n.slots.data()[t] >= p.num_blocks * p.block_size) value_error("slots: slot out of range");
-  auto ks = elem_strides(n.k, "k"), vs = elem_strides(n.v, "v");
+  auto ks = elem_strides(n.k, "k");
   n.wk = PagedWrite{p.N, p.Hkv, p.Dk, n.k.data(), kd, ks[0], ks[1], kp.mutable_data(), p.kv_dtype,
                     p.block_size, p.k_sblk, p.k_sh, p.k_ss, n.slots.data()};
+  if (v_new.is_none()) return;
+  n.v = py::array::ensure(v_new);
+  if (!n.v) type_error("v: expected a numpy array");
+  if (!vp.writeable()) value_error("v_pages: array is not writable");
+  check_shape(n.v, "v", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dv", p.Dv}});
+  const DType vd = dtype_of(n.v, "v");
+  auto vs = elem_strides(n.v, "v");
   n.wv = PagedWrite{p.N, p.Hkv, p.Dv, n.v.data(), vd, vs[0], vs[1], vp.mutable_data(), p.kv_dtype,
                     p.block_size, p.v_sblk, p.v_sh, p.v_ss, n.slots.data()};
 }
@@ -352,7 +358,7 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
     py::gil_scoped_release nogil;
     if (write) {
       paged_write(nkv.wk);
-      paged_write(nkv.wv);
+      if (nkv.v) paged_write(nkv.wv);
     }
     paged_attention(p);
   }

@@ -11,6 +11,12 @@ Why this page layout: a decode work item is one (sequence, kv head); with the he
 the slot axis, that head's rows in a page are one contiguous run of ``block_size * head_dim``
 elements, which the kernel streams at full memory bandwidth with no gather.
 
+Sliding-window models (every layer windowed, as Mistral): with ``sliding_window=W`` each query
+sees its last ``W`` keys, and a step releases the blocks that fell wholly out of every window, so
+a long conversation holds about ``W / block_size`` blocks. Their entries in ``block_table`` become
+-1. Latent attention (DeepSeek MLA): with ``value_from_key=True`` the values are the first
+``value_dim`` features of each key (the compressed latent serves as both), stored once.
+
 Thread safety: every bookkeeping operation holds the cache's lock, so several Python threads may
 create, fork, truncate, free and step *different* sequences concurrently. ``Step.attend`` runs
 without the lock (and without the GIL): the blocks it writes were reserved for it alone by
@@ -77,6 +83,12 @@ class PagedKVCache:
         Storage dtype of keys and values; attention accumulates in float32.
     value_dim : int, optional
         Width of the values (default ``head_dim``).
+    sliding_window : int, optional
+        Each query sees only its last ``sliding_window`` keys (itself included), in every layer;
+        blocks wholly before every window are released as the sequence grows.
+    value_from_key : bool
+        Values are ``keys[..., :value_dim]`` (MLA's shared latent): only keys are stored, and
+        ``attend`` takes no ``v``.
 
     Examples
     --------
@@ -92,7 +104,7 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size=16,
-                 dtype="float32", value_dim=None):
+                 dtype="float32", value_dim=None, sliding_window=None, value_from_key=False):
         self.num_layers = _positive_int(num_layers, "num_layers")
         self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = _positive_int(head_dim, "head_dim")
@@ -100,15 +112,19 @@ class PagedKVCache:
         self.block_size = _positive_int(block_size, "block_size")
         self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
         self.dtype = _dtype(dtype)
+        self.sliding_window = None if sliding_window is None else _positive_int(sliding_window, "sliding_window")
+        self.value_from_key = bool(value_from_key)
+        if self.value_from_key and self.value_dim > self.head_dim:
+            raise ValueError(f"value_dim: with value_from_key the values are the first value_dim features "
+                             f"of the keys, so value_dim ({self.value_dim}) must be <= head_dim ({self.head_dim})")
         if self.num_blocks * self.block_size >= 2**31:
             raise ValueError("num_blocks * block_size: the pool must hold fewer than 2**31 slots")
         shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size)
-        nbytes = self.num_layers * self.num_blocks * self.num_kv_heads * self.block_size * (
-            self.head_dim + self.value_dim) * self.dtype.itemsize
+        nbytes = self.num_blocks * self.bytes_per_block
         try:
             # np.zeros maps fresh pages lazily: memory is committed as blocks are first written
             self._k = np.zeros(shape + (self.head_dim,), self.dtype)
-            self._v = np.zeros(shape + (self.value_dim,), self.dtype)
+            self._v = None if self.value_from_key else np.zeros(shape + (self.value_dim,), self.dtype)
         except MemoryError:
             raise MemoryError(f"PagedKVCache: cannot allocate {nbytes / 2**30:.1f} GiB for the pool") from None
         self._refs = np.zeros(self.num_blocks, np.int32)
@@ -124,6 +140,8 @@ class PagedKVCache:
 
     def v_pages(self, layer):
         """Zero-copy view of layer ``layer``'s values: ``(num_blocks, num_kv_heads, block_size, value_dim)``."""
+        if self.value_from_key:
+            return self._k[self._layer(layer)][..., :self.value_dim]
         return self._v[self._layer(layer)]
 
     def _layer(self, layer):
@@ -151,7 +169,8 @@ class PagedKVCache:
         with self._lock:
             s = self._seq(seq)
             for b in s.blocks:
-                self._refs[b] += 1
+                if b >= 0:
+                    self._refs[b] += 1
             sid = self._next_id
             self._next_id += 1
             self._seqs[sid] = _Seq(list(s.blocks), s.length)
@@ -159,6 +178,8 @@ class PagedKVCache:
 
     def _release(self, blocks):
         for b in blocks:
+            if b < 0:  # already released by the sliding window
+                continue
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 self._free.append(b)
@@ -170,6 +191,11 @@ class PagedKVCache:
             if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= s.length:
                 raise ValueError(f"length: expected an int in [0, {s.length}], got {length!r}")
             keep = -(-int(length) // self.block_size)
+            if self.sliding_window is not None:
+                first = max(0, int(length) - self.sliding_window + 1) // self.block_size
+                if any(b < 0 for b in s.blocks[first:keep]):
+                    raise ValueError(f"length: cannot roll back to {length}: the sliding window "
+                                     "already released blocks that the next token would need")
             self._release(s.blocks[keep:])
             del s.blocks[keep:]
             s.length = int(length)
@@ -189,7 +215,7 @@ class PagedKVCache:
             return self._seq(seq).length
 
     def block_table(self, seq):
-        """``seq``'s block ids, int32, in token order."""
+        """``seq``'s block ids, int32, in token order (-1: released by the sliding window)."""
         with self._lock:
             return np.array(self._seq(seq).blocks, dtype=np.int32)
 
@@ -213,8 +239,8 @@ class PagedKVCache:
     @property
     def bytes_per_block(self):
         """Bytes of one block id across all layers, keys and values."""
-        return (self.num_layers * self.num_kv_heads * self.block_size * (self.head_dim + self.value_dim)
-                * self.dtype.itemsize)
+        width = self.head_dim + (0 if self.value_from_key else self.value_dim)
+        return self.num_layers * self.num_kv_heads * self.block_size * width * self.dtype.itemsize
 
     def stats(self):
         """Pool figures: blocks, bytes and slot utilisation (tokens stored / slots held).
@@ -226,6 +252,8 @@ class PagedKVCache:
             filled = {}
             for s in self._seqs.values():
                 for i, b in enumerate(s.blocks):
+                    if b < 0:
+                        continue
                     n = min(self.block_size, s.length - i * self.block_size)
                     filled[b] = max(filled.get(b, 0), n)
             used = self.num_blocks - len(self._free)
@@ -289,7 +317,8 @@ class PagedKVCache:
                 if n and s.length % bs and self._refs[s.blocks[-1]] > 1:
                     old, new = s.blocks[-1], self._free.pop()
                     self._k[:, new] = self._k[:, old]
-                    self._v[:, new] = self._v[:, old]
+                    if self._v is not None:
+                        self._v[:, new] = self._v[:, old]
                     self._refs[old] -= 1
                     self._refs[new] = 1
                     s.blocks[-1] = new
@@ -298,6 +327,11 @@ class PagedKVCache:
                     self._refs[b] = 1
                     s.blocks.append(b)
                 starts.append(s.length)
+                if self.sliding_window is not None and n:
+                    # the step's first query (position s.length) sees keys from here on
+                    first = max(0, s.length - self.sliding_window + 1) // bs
+                    self._release(s.blocks[:first])
+                    s.blocks[:first] = [-1] * first
                 s.length += n
                 s.version += 1
             return Step(self, ids, seqs, starts, counts)
@@ -328,6 +362,8 @@ class Step:
         self.block_tables = np.zeros((len(seqs), width), dtype=np.int32)
         for row, s in zip(self.block_tables, seqs):
             row[:len(s.blocks)] = s.blocks
+        # released entries (-1) are never read (they lie outside every window): any valid id will do
+        np.maximum(self.block_tables, 0, out=self.block_tables)
         starts = np.asarray(starts, dtype=np.int64)
         seq_index = np.repeat(np.arange(len(seqs)), self.q_lens)
         pos = np.arange(int(self.q_lens.sum()), dtype=np.int64) - np.repeat(
@@ -336,7 +372,7 @@ class Step:
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
         self.num_tokens = int(self.q_lens.sum())
 
-    def attend(self, layer, q, k, v, *, scale=None, num_threads=None, return_lse=False, window=None,
+    def attend(self, layer, q, k, v=None, *, scale=None, num_threads=None, return_lse=False, window=None,
                softcap=None, sinks=None, alibi_slopes=None):
         """Writes this step's new keys and values into layer ``layer`` and attends.
 
@@ -345,7 +381,11 @@ class Step:
         layer : int
         q : ndarray ``(T, Hq, head_dim)``, the new queries packed in sequence order
         k : ndarray ``(T, num_kv_heads, head_dim)``; v : ``(T, num_kv_heads, value_dim)``
-            Converted to the cache's dtype as they are stored.
+            Converted to the cache's dtype as they are stored. ``v`` must be None when the cache
+            has ``value_from_key`` (the values are read from the keys).
+        window, softcap, sinks, alibi_slopes
+            As in :func:`attnx.attention`. A cache with ``sliding_window=W`` uses
+            ``window=(W - 1, None)`` by default and refuses a wider left side.
 
         Returns
         -------
@@ -358,30 +398,26 @@ class Step:
             if any(s.version != ver for s, ver in zip(self._seqs, self._versions)):
                 raise StaleStepError("attend: a sequence of this step was truncated, freed or "
                                      "stepped again since begin_step")
-        q = _strided(_api._unit_last(_api._as_array(q, "q")))
+        q = _api._unit_last(_api._as_array(q, "q"))
         if q.ndim != 3:
             raise ValueError(f"q: expected shape (T, Hq, D), got {q.shape}")
-        out = None
-        if q.size == 0:  # a step with no new tokens: give the binding an out it accepts too
-            out = _strided(np.empty((q.shape[0], q.shape[1], cache.value_dim), q.dtype))
+        if cache.value_from_key:
+            if v is not None:
+                raise ValueError("v: this cache reads values from the keys (value_from_key=True): pass v=None")
+        elif v is None:
+            raise ValueError("v: expected the new values (T, num_kv_heads, value_dim)")
+        else:
+            v = _api._unit_last(_api._as_array(v, "v"))
+        if cache.sliding_window is not None:
+            w = cache.sliding_window - 1
+            if window is None:
+                window = (w, None)
+            elif not isinstance(window, tuple) or len(window) != 2 or window[0] is None or (
+                    isinstance(window[0], int) and window[0] > w):
+                raise ValueError(f"window: this cache keeps a sliding window of {cache.sliding_window} "
+                                 f"tokens, so the left side must be <= {w}, got {window!r}")
         return _core.paged_attention(
-            q, cache._k[li], cache._v[li], self.block_tables, self.seq_lens, self.q_lens, True,
-            _api._scale(scale, q.shape[2]), out, bool(return_lse), _api._threads(num_threads),
-            window, softcap, sinks, alibi_slopes, k_new=_strided(_api._unit_last(_api._as_array(k, "k"))),
-            v_new=_strided(_api._unit_last(_api._as_array(v, "v"))), slots=self.slots)
-
-
-def _strided(a):
-    """``a``, or for a zero-size array a view with C-order strides.
-
-    NumPy gives zero-size arrays all-zero strides, which the binding rejects ("the last axis
-    must be contiguous"), so a step whose sequences all add 0 tokens would fail. The view reads
-    nothing (it has no elements); with the binding fixed this is a no-op.
-    """
-    if a.size or a.ndim == 0 or a.dtype.itemsize == 0:
-        return a
-    strides, step = [], a.itemsize
-    for d in reversed(a.shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return np.lib.stride_tricks.as_strided(np.empty(1, a.dtype), a.shape, strides[::-1])
+            q, cache._k[li], cache.v_pages(li), self.block_tables, self.seq_lens, self.q_lens, True,
+            _api._scale(scale, q.shape[2]), None, bool(return_lse), _api._threads(num_threads),
+            window, softcap, sinks, alibi_slopes, k_new=_api._unit_last(_api._as_array(k, "k")),
+            v_new=v, slots=self.slots)
