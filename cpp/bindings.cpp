@@ -41,16 +41,34 @@ std::string dims_str(std::initializer_list<std::pair<const char*, int64_t>> dims
   return os.str();
 }
 
+// Below this many multiply-adds a call keeps the GIL (the work takes a few microseconds).
+constexpr double kGilFreeWork = 1 << 16;
+
 [[noreturn]] void value_error(const std::string& msg) { throw py::value_error(msg); }
 [[noreturn]] void type_error(const std::string& msg) { throw py::type_error(msg); }
 
+// ml_dtypes.bfloat16's NumPy type number (assigned at registration), or -1 without ml_dtypes.
+int bfloat16_num() {
+  static int num = [] {
+    try {
+      return py::module_::import("numpy").attr("dtype")(py::module_::import("ml_dtypes").attr("bfloat16")).cast<py::dtype>().num();
+    } catch (py::error_already_set&) {
+      return -1;
+    }
+  }();
+  return num;
+}
+
+// Kind and size decide (dtype.name is computed in Python by NumPy: too slow for a 5 us call).
 DType dtype_of(const py::array& a, const char* name) {
-  const std::string dt = py::str(a.dtype().attr("name"));
-  if (dt == "float32") return DType::f32;
-  if (dt == "float16") return DType::f16;
-  if (dt == "bfloat16") return DType::bf16;
-  type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " + dt +
-             (dt == "float64" ? " (cast with .astype(np.float32))" : ""));
+  const py::dtype dt = a.dtype();
+  if (dt.kind() == 'f' && dt.itemsize() == 4) return DType::f32;
+  if (dt.kind() == 'f' && dt.itemsize() == 2) return DType::f16;
+  if (dt.itemsize() == 2 && dt.num() == bfloat16_num()) return DType::bf16;
+  const std::string got = py::str(dt);
+  const char k = dt.kind();
+  type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " + got +
+             (k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
 }
 
 // Element strides of `a` (which must have `ndim` dims and a unit-stride last axis).
@@ -101,7 +119,7 @@ py::array_t<int32_t> int_vector(const py::object& obj, const char* name, int64_t
 // An optional (n,) float32 vector of per-head parameters.
 py::array_t<float> head_vector(const py::object& obj, const char* name, int64_t n) {
   py::array a = py::array::ensure(obj);
-  if (!a || (a.dtype().kind() != 'f' && py::str(a.dtype().attr("name")).cast<std::string>() != "bfloat16"))
+  if (!a || (a.dtype().kind() != 'f' && a.dtype().num() != bfloat16_num()))
     type_error(std::string(name) + ": expected a float array of shape (" + std::to_string(n) + ",)");
   if (a.ndim() != 1 || a.shape(0) != n)
     value_error(std::string(name) + ": expected shape (Hq=" + std::to_string(n) + ",), got " + shape_str(a));
@@ -192,7 +210,7 @@ py::object py_attention(py::array q, py::array k, py::array v, py::object mask, 
     int64_t ms[4];
     const char kind = mask_arr.dtype().kind();
     if (kind == 'b') p.mask_kind = MaskKind::boolean;
-    else if (py::str(mask_arr.dtype()).cast<std::string>() == "float32") p.mask_kind = MaskKind::additive;
+    else if (kind == 'f' && mask_arr.itemsize() == 4) p.mask_kind = MaskKind::additive;
     else type_error("mask: expected a boolean or float32 additive mask, got " + std::string(py::str(mask_arr.dtype())));
     for (int i = 0; i < 4; ++i) {
       if (mask_arr.shape(i) != target[i] && mask_arr.shape(i) != 1)
@@ -226,7 +244,9 @@ py::object py_attention(py::array q, py::array k, py::array v, py::object mask, 
     p.l_sb = p.Hq * p.Sq; p.l_sh = p.Sq; p.l_ss = 1;
   }
   p.num_threads = threads_arg(num_threads);
-  {
+  if (double(p.B) * double(p.Hq) * double(p.Sq) * double(p.Sk) * double(p.Dk + p.Dv) < kGilFreeWork) {
+    attention(p);  // a few microseconds: releasing the GIL would cost more than it frees
+  } else {
     py::gil_scoped_release nogil;
     attention(p);
   }
