@@ -14,6 +14,8 @@ from . import _core
 from . import reference
 from ._api import attention, paged_attention
 from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
+from .layers import MultiHeadAttention
+from .torch_compat import scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
@@ -28,6 +30,8 @@ __all__ = [
     "Step",
     "CacheFullError",
     "StaleStepError",
+    "MultiHeadAttention",
+    "scaled_dot_product_attention",
 ]
 
 
