@@ -99,6 +99,8 @@ class Pictures:
         ax = fig.add_subplot()
         for label, ys in series.items():
             ax.loglog(ns, ys, "o-", label=label)
+        ax.set_xticks(ns, labels=[str(n) for n in ns])
+        ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
         ax.set_xlabel("sequence length n")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
