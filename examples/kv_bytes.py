@@ -1,8 +1,9 @@
 """KV-cache bytes per token for MHA, GQA and MLA at the same model width, and an MLA decode.
 
 The seed: "DeepSeek's multi-head latent attention reduces the amount of key/value state that
-must be cached". This script computes by how much, from the tensor shapes (and, for MHA and
-GQA, from an actual ``attnx.PagedKVCache``), for a DeepSeek-V2-like width: d_model 5120, 128
+must be cached". This script computes by how much, from the tensor shapes (and checks each figure
+against an actual ``attnx.PagedKVCache``, with ``value_from_key=True`` for MLA), for a
+DeepSeek-V2-like width: d_model 5120, 128
 query heads of width 128, 60 layers, bf16 storage.
 
 - MHA caches K and V for every head:           2 x 128 heads x 128
@@ -15,7 +16,7 @@ query heads of width 128, 60 layers, bf16 storage.
 Then it runs such an MLA decode step with ``attnx.paged_attention``: 16 query heads against one
 latent kv head whose values are a zero-copy view ``k_pages[..., :512]`` of the key pages, and
 checks it against ``attnx.reference.paged_attention`` and against a contiguous copy of the
-values.
+values; then decodes through a ``PagedKVCache(value_from_key=True)`` step.
 
     python examples/kv_bytes.py
 """
@@ -69,16 +70,14 @@ def table(args):
                                                    args.gqa_kv_heads, args.latent, args.rope):
         b = bytes_per_token_per_layer(hkv, dk, dv, separate, itemsize)
         mha = mha or b
-        if separate:
-            # the same figure from an actual cache: one layer, one block
-            cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=dk,
-                                       value_dim=dv, num_blocks=1, block_size=16,
-                                       dtype=args.dtype)
-            measured = cache.stats()["bytes_per_token"]
-            assert measured == b, (measured, b)
-            measured_s = f"{measured}"
-        else:
-            measured_s = "(K only)"
+        # the same figure from an actual cache: one layer, one block (MLA: values are a view
+        # of the keys, value_from_key=True, so only the latent rows are stored)
+        cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=dk, value_dim=dv,
+                                   num_blocks=1, block_size=16, dtype=args.dtype,
+                                   value_from_key=not separate)
+        measured = cache.stats()["bytes_per_token"]
+        assert measured == b, (measured, b)
+        measured_s = f"{measured}"
         total = b * args.layers * args.context / 2**30
         print(f"{name:34s} {hkv:8d} {dk:5d} {dv:5d} {b:14,d} {b / mha:7.4f} {measured_s:>13s} "
               f"{total:10.2f}")
@@ -133,6 +132,27 @@ def mla_decode(args, rng):
         print(f"  bf16 pages (the storage DeepSeek uses): max |kernel - reference| = {err_b:.2e}")
         assert err_b < 1e-4, err_b
     print(f"  stored per token: {dk} values ({dk * 2} bytes in bf16) for all {hq} query heads")
+
+    # The same through a PagedKVCache step: value_from_key stores the latent rows once and
+    # attend() reads the values from them.
+    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=dk, value_dim=latent,
+                               num_blocks=32, block_size=bs, value_from_key=True)
+    seq = cache.new_sequence()
+    rows = []
+    for n_new in (40, 1, 1, 1):  # a prompt, then decode steps
+        c_kv = rng.standard_normal((n_new, 1, dk)).astype(np.float32)  # new latent rows
+        q_new = rng.standard_normal((n_new, hq, dk)).astype(np.float32)
+        rows.append(c_kv)
+        out = cache.begin_step([seq], [n_new]).attend(0, q_new, c_kv, scale=scale)
+    hist = np.concatenate(rows)  # (T, 1, 576)
+    want = ref.attention(q_new, hist, hist[..., :latent], causal=True, layout="bshd",
+                         scale=scale, out_dtype=np.float64)
+    err_c = float(np.abs(out - want).max())
+    st = cache.stats()
+    print(f"  PagedKVCache(value_from_key=True): {st['tokens_stored']} tokens, "
+          f"{st['bytes_per_token']} bytes/token (float32), last decode step vs reference: "
+          f"{err_c:.2e}")
+    assert err_c < 1e-5, err_c
     return err
 
 

@@ -104,7 +104,8 @@ def test_viz_is_lazy():
 def test_kv_bytes():
     text = run("kv_bytes.py")
     # bf16, DeepSeek-V2-like: MHA 2*128*128*2, GQA 2*8*128*2, MLA (512+64)*2 bytes
-    for needle in ("65,536", "4,096", "1,152", "MHA / MLA = 56.9x", "identical: True"):
+    for needle in ("65,536", "4,096", "1,152", "MHA / MLA = 56.9x", "identical: True",
+                   "value_from_key=True"):
         assert needle in text, needle
 
 
@@ -112,9 +113,7 @@ def test_kv_bytes_figures_match_the_cache():
     kv = load("kv_bytes.py")
     for name, hkv, dk, dv, separate in kv.kv_configs():
         b = kv.bytes_per_token_per_layer(hkv, dk, dv, separate, 4)
-        if separate:
-            cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=dk, value_dim=dv,
-                                       num_blocks=1, block_size=16)
-            assert cache.stats()["bytes_per_token"] == b, name
-        else:
-            assert b == 576 * 4
+        cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=dk, value_dim=dv,
+                                   num_blocks=1, block_size=16, value_from_key=not separate)
+        assert cache.stats()["bytes_per_token"] == b, name
+    assert kv.bytes_per_token_per_layer(1, 576, 512, False, 4) == 576 * 4
