@@ -1,0 +1,299 @@
+"""Shared fixtures for the kernel tests: the instruction sets to run on, a seeded random
+generator, hypothesis profiles, and ``check_attention``, which holds a kernel to the float64
+reference with a tolerance that follows the dtype (see ``attention_tolerance``).
+
+Environment:
+  ATTNX_TEST_SEED           seed of every random test (default 0); printed in the header
+  ATTNX_ISA                 scalar | avx2 | avx512 | auto: run the kernel tests on that path only
+  ATTNX_HYPOTHESIS_PROFILE  "ci" (default) or "soak" (many more examples)
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+import attnx
+from attnx import reference as ref
+
+SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32_EPS = float(np.finfo(np.float32).eps)
+
+settings.register_profile("ci", deadline=None, max_examples=40, database=None,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings.register_profile("soak", deadline=None, max_examples=2000, database=None,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                 HealthCheck.too_slow])
+HYPOTHESIS_PROFILE = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+# ---------------------------------------------------------------------------
+# instruction sets
+# ---------------------------------------------------------------------------
+
+
+def supported_isas():
+    """The kernel paths this CPU can run, from its flags (not from the dispatcher's opinion).
+
+    With ``ATTNX_ISA`` set, only that path (``auto``: the one it selected): a run forced to a
+    path tests that path alone.
+    """
+    forced = os.environ.get("ATTNX_ISA", "").strip()
+    if forced:
+        return [attnx.cpu_features()["isa"] if forced == "auto" else forced]
+    f = attnx.cpu_features()
+    isas = ["scalar"]
+    if f["avx2"] and f["fma"] and f["f16c"]:
+        isas.append("avx2")
+        if f["avx512f"]:
+            isas.append("avx512")
+    return isas
+
+
+ISAS = supported_isas()
+
+
+def best_isa():
+    """The fastest path this CPU has, whatever ATTNX_ISA says."""
+    f = attnx.cpu_features()
+    if f["avx2"] and f["fma"] and f["f16c"]:
+        return "avx512" if f["avx512f"] else "avx2"
+    return "scalar"
+
+
+@pytest.fixture(params=ISAS, ids=ISAS)
+def isa(request):
+    """Runs the test on one kernel path, restoring the active one afterwards."""
+    previous = attnx.cpu_features()["isa"]
+    attnx._core.set_isa(request.param)
+    assert attnx.cpu_features()["isa"] == request.param
+    try:
+        yield request.param
+    finally:
+        attnx._core.set_isa(previous)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded by ATTNX_TEST_SEED and the test's id: reproducible, and different
+    tests (and parameters) draw different data."""
+    return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+def pytest_report_header(config):
+    return [f"attnx: ATTNX_TEST_SEED={SEED}, ISAs under test={ISAS} "
+            f"(active {attnx.cpu_features()['isa']}), threads={attnx.get_num_threads()}, "
+            f"hypothesis profile={HYPOTHESIS_PROFILE}"]
+
+
+# ---------------------------------------------------------------------------
+# layouts and ranks, written independently of attnx._api and attnx.reference
+# ---------------------------------------------------------------------------
+
+
+def to4(x, layout, rank):
+    """A user array of this layout and rank as a (B, H, S, D) view."""
+    x = np.asarray(x)
+    if rank == 2:
+        return x[None, None]
+    if rank == 3:
+        x = x[None]
+    return x.transpose(0, 2, 1, 3) if layout == "bshd" else x
+
+
+def from4(x4, layout, rank):
+    """Inverse of ``to4``: a (B, H, S, D) array as the user's layout and rank."""
+    if layout == "bshd":
+        x4 = x4.transpose(0, 2, 1, 3)
+    if rank == 4:
+        return x4
+    if rank == 3:
+        return x4[0]
+    return x4[0, 0] if layout == "bhsd" else x4[0, :, 0]
+
+
+def lse4(lse, rank):
+    return lse[None, None] if rank == 2 else lse[None] if rank == 3 else lse
+
+
+def rand(rng, shape, dtype=np.float32):
+    """Standard normal values stored in ``dtype``."""
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# ---------------------------------------------------------------------------
+# the same-precision reference and the tolerance
+# ---------------------------------------------------------------------------
+
+
+def lowp_attention(q4, k4, v4, visible, *, scale, softcap=None, alibi=None, additive=None,
+                   sinks=None, pos=None, storage=np.float32):
+    """Textbook attention in float32 (no tiling, no online softmax), rounded to ``storage``.
+
+    It is what a straightforward same-precision implementation gets, so its distance to the
+    float64 reference measures the error that float32 compute and ``storage`` output cost on
+    *these* inputs.  Both products are summed one term at a time (multiply, round, add, round),
+    the least accurate order a legitimate kernel may use (a scalar loop over d, or over the
+    keys of a tile); a BLAS GEMM sums in blocks and would set the bar too high for a plain
+    scalar path.  ``visible`` (B, Hq, Sq, Sk) comes from the reference: this function only
+    redoes the arithmetic.  Non-finite values are zeroed (NaN handling is checked elsewhere,
+    against the reference itself).
+    """
+    f = np.float32
+    B, Hq, Sq, _ = q4.shape
+    G = Hq // k4.shape[1]
+    fin = lambda a: np.where(np.isfinite(a), a, 0).astype(f)  # noqa: E731
+    q, k, v = fin(q4), np.repeat(fin(k4), G, axis=1), np.repeat(fin(v4), G, axis=1)
+    with np.errstate(all="ignore"):
+        s = np.zeros(q.shape[:3] + (k.shape[2],), f)
+        for d in range(q.shape[3]):
+            s += q[:, :, :, d, None] * k[:, :, None, :, d]
+        s *= f(scale)
+        if softcap is not None:
+            s = f(softcap) * np.tanh(s / f(softcap))
+        if alibi is not None:
+            dist = np.abs(pos[:, None, :, None] - np.arange(k4.shape[2])[None, None, None, :])
+            s = s - np.asarray(alibi, f)[None, :, None, None] * dist.astype(f)
+        if additive is not None:
+            s = s + additive.astype(f)
+        s = np.where(visible, s, f(-np.inf))
+        m = s.max(axis=-1, initial=-np.inf)
+        if sinks is not None:
+            m = np.maximum(m, np.asarray(sinks, f)[None, :, None])
+        m = np.where(np.isfinite(m), m, f(0))
+        e = np.where(visible, np.exp(s - m[..., None]), f(0))
+        l = e.sum(axis=-1, dtype=f)
+        if sinks is not None:
+            l = l + np.exp(np.asarray(sinks, f)[None, :, None] - m)
+        out = np.zeros(e.shape[:3] + (v.shape[3],), f)
+        for j in range(v.shape[2]):
+            out += e[:, :, :, j, None] * v[:, :, None, j, :]
+        out /= np.where(l > 0, l, f(1))[..., None]
+        lse = np.where(l > 0, m + np.log(l), f(-np.inf))
+    return out.astype(storage).astype(np.float64), lse.astype(np.float64)
+
+
+def attention_tolerance(ref_out, lp_out, ref_lse, lp_lse, *, storage, v_max):
+    """(tol_out, tol_lse): how far the kernel may sit from the float64 reference.
+
+    flash-attention's rule, adapted: the kernel must be within 3x the error of a
+    same-precision implementation (``lowp_attention``: float32 compute, output stored in the
+    kernel's dtype) on the same inputs, both measured against float64.  That makes the bound
+    follow the dtype and the problem instead of being guessed:
+
+    * float32: the same-precision error is float32 rounding in the QK dot products (grows with
+      Dk and |q||k|), in exp, and in the sum over Sk keys (grows with Sk), each summed in the
+      least accurate legitimate order (see ``lowp_attention``).  A tiled kernel with
+      an online softmax rescales its running sum once per tile, which costs a few more ulps:
+      3x covers that with room, while a real bug (a dropped key, a wrong scale, an off-by-one
+      mask) costs orders of magnitude more (``test_tolerance_is_tight`` checks that).
+    * float16 / bfloat16: inputs are exact in float32, so the reference is evaluated on the
+      SAME low-precision inputs and input rounding is not measured.  The same-precision error
+      is then dominated by the final rounding to storage (<= 1/2 ulp); the kernel may land on
+      the other side of a rounding boundary (1 ulp), which 3 x 1/2 ulp covers.
+    * floors, for the lucky cases where the same-precision error is ~0 (one key, where the
+      output is a copy of v): one ulp of the storage dtype at the largest output, plus one
+      float32 ulp of the largest |v|.  Both are far below any structural error.
+
+    lse is float32 in every dtype: same rule, floor 4 float32 ulps of max(1, |lse|).
+    """
+    eps = float(ml_dtypes.finfo(storage).eps)  # ulp at 1.0: 2^-23, 2^-10 (f16), 2^-7 (bf16)
+    fo = np.isfinite(ref_out)
+    out_scale = float(np.max(np.abs(ref_out[fo]), initial=0.0))
+    both = fo & np.isfinite(lp_out)
+    lp_err = float(np.max(np.abs(lp_out[both] - ref_out[both]), initial=0.0))
+    tol_out = 3 * lp_err + eps * out_scale + F32_EPS * v_max
+    fl = np.isfinite(ref_lse) & np.isfinite(lp_lse)
+    lp_lse_err = float(np.max(np.abs(lp_lse[fl] - ref_lse[fl]), initial=0.0))
+    lse_scale = max(1.0, float(np.max(np.abs(ref_lse[fl]), initial=0.0)))
+    tol_lse = 3 * lp_lse_err + 4 * F32_EPS * lse_scale
+    return tol_out, tol_lse
+
+
+def _structure4(q4, k4, *, mask, kv_lens, q_lens, rank):
+    """Lengths, row positions and the additive mask as 4-D float64, for lowp_attention."""
+    B, Hq, Sq, _ = q4.shape
+    Sk = k4.shape[2]
+    kvl = np.full(B, Sk) if kv_lens is None else np.reshape(np.asarray(kv_lens), (B,))
+    ql = np.full(B, Sq) if q_lens is None else np.reshape(np.asarray(q_lens), (B,))
+    pos = np.arange(Sq)[None, :] + (kvl - ql)[:, None]  # (B, Sq)
+    additive = None
+    if mask is not None and np.asarray(mask).dtype != np.bool_:
+        logical = (B, Hq, Sq, Sk)[4 - rank:]
+        additive = np.broadcast_to(np.asarray(mask).astype(np.float64), logical)
+        additive = additive.reshape((B, Hq, Sq, Sk))
+    return pos, additive
+
+
+def check_attention(q, k, v, *, layout="bhsd", out=None, expect_nan=False, **kw):
+    """Runs ``attnx.attention`` (with return_lse) and holds it to ``attnx.reference``.
+
+    Checks: shapes and dtypes; inputs left untouched; output within ``attention_tolerance``;
+    lse likewise, with -inf exactly where the reference has -inf; rows that see no key exactly
+    zero; NaN exactly where the reference has NaN.  Returns (out, lse) of the kernel.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    rank = q.ndim
+    before = [x.copy() for x in (q, k, v)]
+    num_threads = kw.pop("num_threads", None)  # kernel only
+    res = attnx.attention(q, k, v, layout=layout, return_lse=True, out=out,
+                          num_threads=num_threads, **kw)
+    assert isinstance(res, tuple) and len(res) == 2
+    o, lse = res
+    if out is not None:
+        assert o is out
+    for x, x0 in zip((q, k, v), before):
+        if not (out is not None and np.may_share_memory(out, x)):
+            np.testing.assert_array_equal(x, x0, err_msg="the kernel modified an input")
+
+    ref_out, ref_lse = ref.attention(*before, layout=layout, return_lse=True,
+                                     out_dtype=np.float64, **kw)
+    assert o.shape == ref_out.shape, (o.shape, ref_out.shape)
+    assert o.dtype == q.dtype
+    assert lse.dtype == np.float32 and lse.shape == ref_lse.shape, (lse.dtype, lse.shape)
+
+    wkw = {key: kw[key] for key in ("causal", "mask", "kv_lens", "q_lens", "scale", "window",
+                                    "softcap", "sinks", "alibi_slopes") if key in kw}
+    weights = ref.attention_weights(before[0], before[1], layout=layout, **wkw)
+    q4, k4, v4 = (to4(x, layout, rank).astype(np.float64) for x in before)
+    w4 = lse4(weights, rank)
+    visible = w4 != 0
+    Dk = q4.shape[3]
+    scale = kw.get("scale") or 1.0 / np.sqrt(Dk)
+    pos, additive = _structure4(q4, k4, mask=kw.get("mask"), kv_lens=kw.get("kv_lens"),
+                                q_lens=kw.get("q_lens"), rank=rank)
+    lp_out, lp_lse = lowp_attention(q4, k4, v4, visible, scale=scale, softcap=kw.get("softcap"),
+                                    alibi=kw.get("alibi_slopes"), additive=additive,
+                                    sinks=kw.get("sinks"), pos=pos, storage=q.dtype)
+
+    o4 = to4(o, layout, rank).astype(np.float64)
+    r4 = to4(ref_out, layout, rank)
+    l4, rl4 = lse4(lse, rank).astype(np.float64), lse4(ref_lse, rank).astype(np.float64)
+    v_vis = v4[np.isfinite(v4)]
+    v_max = float(np.max(np.abs(v_vis), initial=0.0))
+    tol_out, tol_lse = attention_tolerance(r4, lp_out, rl4, lp_lse, storage=q.dtype, v_max=v_max)
+
+    # NaN exactly where the reference has NaN (it propagates only to rows that see it)
+    np.testing.assert_array_equal(np.isnan(o4), np.isnan(r4), err_msg="NaN pattern differs")
+    if not expect_nan:
+        assert not np.isnan(r4).any()
+    fin = np.isfinite(r4)
+    np.testing.assert_array_equal(o4[~fin], r4[~fin], err_msg="inf/NaN values differ")
+    err = float(np.max(np.abs(o4[fin] - r4[fin]), initial=0.0))
+    assert err <= tol_out, f"out: max error {err:.3g} > tolerance {tol_out:.3g}"
+    # rows that see nothing (padding, fully masked) are exactly 0, their lse exactly -inf
+    empty = ~visible.any(axis=-1)
+    assert np.all(o4[empty] == 0), "a row that sees no key is not exactly zero"
+    np.testing.assert_array_equal(np.isneginf(l4), np.isneginf(rl4), err_msg="lse -inf pattern")
+    np.testing.assert_array_equal(np.isnan(l4), np.isnan(rl4), err_msg="lse NaN pattern")
+    fl = np.isfinite(rl4)
+    err_lse = float(np.max(np.abs(l4[fl] - rl4[fl]), initial=0.0))
+    assert err_lse <= tol_lse, f"lse: max error {err_lse:.3g} > tolerance {tol_lse:.3g}"
+    return o, lse
