@@ -119,8 +119,9 @@ py::array_t<int32_t> int_vector(const py::object& obj, const char* name, int64_t
 // An optional (n,) float32 vector of per-head parameters.
 py::array_t<float> head_vector(const py::object& obj, const char* name, int64_t n) {
   py::array a = py::array::ensure(obj);
-  if (!a || (a.dtype().kind() != 'f' && a.dtype().num() != bfloat16_num()))
-    type_error(std::string(name) + ": expected a float array of shape (" + std::to_string(n) + ",)");
+  const char kind = a ? a.dtype().kind() : 'O';
+  if (!a || (kind != 'f' && kind != 'i' && kind != 'u' && a.dtype().num() != bfloat16_num()))
+    type_error(std::string(name) + ": expected a real array of shape (" + std::to_string(n) + ",)");
   if (a.ndim() != 1 || a.shape(0) != n)
     value_error(std::string(name) + ": expected shape (Hq=" + std::to_string(n) + ",), got " + shape_str(a));
   py::array_t<float, py::array::c_style | py::array::forcecast> f(py::module_::import("numpy").attr("asarray")(a, "float32"));

@@ -65,7 +65,7 @@ struct DenseProblem {
 
 void attention(const AttentionParams& p) {
   if (p.Hkv <= 0 || p.Hq % p.Hkv != 0) throw InvalidArgument("Hq must be a multiple of Hkv");
-  if (p.B == 0 || p.Hq == 0 || p.Sq == 0 || p.Dv == 0) return;
+  if (p.B == 0 || p.Hq == 0 || p.Sq == 0) return;  // Dv == 0 still has an lse to write
   DenseProblem prob(p);
   detail::run_flash(prob, resolve_threads(p.num_threads));
 }

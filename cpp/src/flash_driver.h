@@ -101,7 +101,7 @@ void run_flash(const P& p, int num_threads) {
   double flops = 0;
   for (int64_t b = 0; b < p.B; ++b) flops += double(p.rows(b)) * double(p.lk(b));
   flops *= double(p.Hq) * double(p.Dk + p.Dv) * 2.0;
-  if (flops < 2e5) num_threads = 1;
+  if (flops < 4e6) num_threads = 1;  // ~50 us of work: a team wake-up and barrier cost more
 
   // Split-KV: with fewer items than threads, give each thread a slice of the key range instead.
   int64_t nsplit = 1;

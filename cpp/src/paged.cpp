@@ -75,7 +75,7 @@ void paged_attention(const PagedParams& p) {
       if (blk < 0 || blk >= p.num_blocks) throw InvalidArgument("block table entry out of range");
     }
   }
-  if (p.N == 0 || p.Hq == 0 || p.Dv == 0) return;
+  if (p.N == 0 || p.Hq == 0) return;
   PagedProblem prob(p);
   detail::run_flash(prob, resolve_threads(p.num_threads));
 }

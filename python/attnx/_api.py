@@ -57,8 +57,8 @@ def _from4(x, rank, layout):
 def _lens(x, rank):
     if x is None or rank == 4:
         return x
-    if isinstance(x, numbers.Integral):
-        return np.array([x], dtype=np.int64)
+    if isinstance(x, numbers.Integral) or (isinstance(x, np.ndarray) and x.ndim == 0):
+        return np.reshape(x, (1,))  # ranks 2/3 have B == 1: one length may be a scalar
     return x
 
 
@@ -86,6 +86,39 @@ def _scale(scale, dk):
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
     return float(scale)
+
+
+def _window(window):
+    """``(left, right)`` as a tuple of Python ints or None (numpy ints and lists accepted); the
+    binding checks the signs."""
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window: expected (left, right), got {window!r}") from None
+    sides = []
+    for side in (left, right):
+        if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral)):
+            raise TypeError(f"window: sides must be ints or None, got {window!r}")
+        sides.append(None if side is None else int(side))
+    return tuple(sides)
+
+
+def _softcap(softcap):
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected a positive float, got {type(softcap).__name__}")
+    return float(softcap)  # the binding rejects <= 0, NaN and inf
+
+
+def _check_float(a, name):
+    # The binding's message only names the supported dtypes; integers deserve the cast hint too.
+    if a.dtype.kind in "iu":
+        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {a.dtype} "
+                        "(cast with .astype(np.float32))")
+    return a
 
 
 def _threads(num_threads):
@@ -160,9 +193,10 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
     >>> attnx.attention(q, k, v, causal=True).shape
     (3, 4)
     """
-    q = _as_array(q, "q")
-    k = _as_array(k, "k")
-    v = _as_array(v, "v")
+    q = _check_float(_as_array(q, "q"), "q")
+    k = _check_float(_as_array(k, "k"), "k")
+    v = _check_float(_as_array(v, "v"), "v")
+    window, softcap = _window(window), _softcap(softcap)
     rank = q.ndim
     if rank not in (2, 3, 4):
         raise ValueError(f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}")
@@ -253,6 +287,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
         raise ValueError(f"q: expected shape (N, Hq, Dk), got {q.shape}")
     if out is not None and not isinstance(out, np.ndarray):
         raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
+    window, softcap = _window(window), _softcap(softcap)
     return _core.paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens, bool(causal),
                                  _scale(scale, q.shape[2]), out, bool(return_lse),
                                  _threads(num_threads), window, softcap, sinks, alibi_slopes)
