@@ -166,11 +166,9 @@ class Engine:
         self.max_batch_seqs = max_batch_seqs
         self.max_step_tokens = max_step_tokens
 
-    def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        cfg = self.model.config
-        itemsize = np.dtype(self.cache.k_pages(0).dtype).itemsize
-        return 2 * cfg.num_layers * cfg.num_kv_heads * self.block_size * cfg.head_dim * itemsize
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token across all layers, K and V."""
+        return self.cache.stats()["bytes_per_token"]
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  params: SamplingParams = SamplingParams(), n: int = 1, fork: bool = True,
@@ -220,7 +218,8 @@ class Engine:
             if not batch:
                 continue
             steps += 1
-            peak_blocks = max(peak_blocks, self._blocks_in_use(running))
+            # Blocks held by all live sequences; forked siblings share their prompt blocks.
+            peak_blocks = max(peak_blocks, self.cache.stats()["used_blocks"])
 
             # Pack the step's tokens; a sequence samples when its chunk reaches its last token.
             tokens = np.concatenate([s.tokens[s.num_cached:s.num_cached + c] for s, c in batch])
@@ -284,11 +283,6 @@ class Engine:
                 budget -= prefills[-1][1]
         return decodes + prefills
 
-    def _blocks_in_use(self, running: list[_Sequence]) -> int:
-        # Distinct blocks over all live sequences: forked siblings share their prompt blocks.
-        tables = [self.cache.block_table(s.cache_id) for s in running]
-        return len(np.unique(np.concatenate(tables))) if tables else 0
-
 
 def blocks_for(prompts: list[list[int]], max_new_tokens: int, n: int, block_size: int) -> int:
     """Blocks that hold every sample at full length without any sharing: never preempts."""
@@ -351,8 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = model.config
     num_seqs = len(ids) * args.n
     rest_s = res.wall_s - res.attention_s
-    contiguous = num_seqs * cfg.context_length * engine.block_bytes() // args.block_size
-    used = res.peak_kv_blocks * engine.block_bytes()
+    token_bytes = engine.bytes_per_token()
+    contiguous = num_seqs * cfg.context_length * token_bytes
+    used = res.peak_kv_blocks * args.block_size * token_bytes
     report = [
         f"model loaded in {load_s:.1f} s; attention: {args.attention}, KV {args.kv_dtype}",
         f"{len(ids)} prompt(s) x {args.n}: {res.prompt_tokens} prompt + {res.generated_tokens} "
@@ -362,9 +357,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{(res.prompt_tokens + res.generated_tokens) / res.wall_s:.1f} tok/s incl. prompts",
         f"time: attention {res.attention_s:.2f} s ({100 * res.attention_s / res.wall_s:.0f}%), "
         f"rest {rest_s:.2f} s ({100 * rest_s / res.wall_s:.0f}%)",
-        f"KV memory: peak {res.peak_kv_blocks} blocks x {args.block_size} tokens = {_mib(used)}"
-        f" (pool {_mib(num_blocks * engine.block_bytes())}); contiguous cache for {num_seqs} "
-        f"seq(s) x {cfg.context_length} ctx = {_mib(contiguous)} ({used / contiguous:.2%})",
+        f"KV memory: peak {res.peak_kv_blocks} blocks x {args.block_size} tokens = {_mib(used)} "
+        f"(pool {_mib(num_blocks * args.block_size * token_bytes)}); a contiguous cache for "
+        f"{num_seqs} seq(s) x {cfg.context_length} ctx = {_mib(contiguous)} "
+        f"({used / contiguous:.2%} of it)",
     ]
     print("\n".join(report), file=sys.stderr)
 

@@ -142,7 +142,12 @@ def _prefill_logits(smollm2, model, prompts, attention, kv_dtype):
 def test_prefill_logits_match_reference(smollm2, model, prompt_ids, kv_dtype):
     fast = _prefill_logits(smollm2, model, prompt_ids, "attnx", kv_dtype)
     ref = _prefill_logits(smollm2, model, prompt_ids, "reference", kv_dtype)
-    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # With float32 KV the paths differ only by float32 (kernel) vs float64 (reference)
+    # arithmetic. A float16/bfloat16 cache rounds each layer's K/V as it stores them, and such a
+    # tiny difference can tip a value to the neighbouring representable one: one ulp of the KV
+    # dtype, which the later layers carry on. So allow that dtype's epsilon there.
+    tol = {"float32": 1e-4, "float16": 2.0**-10, "bfloat16": 2.0**-7}[kv_dtype]
+    np.testing.assert_allclose(fast, ref, rtol=tol, atol=tol * np.abs(ref).max())
 
 
 def _generate(smollm2, model, prompts, params=None, n=1, fork=True, max_new=16, stop=(), **kw):
