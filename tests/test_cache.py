@@ -750,7 +750,7 @@ def test_threads_match_serial():
     serial_cache = make()
     serial = [_script(serial_cache, i) for i in range(n)]
     cache = make()
-    for _ in range(3):
+    for _ in range(5):
         results = [None] * n
         errors = []
         barrier = threading.Barrier(n)
