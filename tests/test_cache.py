@@ -266,7 +266,7 @@ def test_variants_through_the_cache(isa):
     sh = Shadow(cache, hq=4)
     a, b = sh.new(), sh.new()
     sh.step(rng, [a, b], [13, 6])
-    for kw in (dict(window=(3, None)), dict(softcap=3.0), dict(scale=0.25),
+    for kw in (dict(window=(3, None)), dict(window=[np.int64(2), 1]), dict(softcap=3.0), dict(scale=0.25),
                dict(sinks=rng.standard_normal(4).astype(np.float32)),
                dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32)),
                dict(return_lse=True), dict(num_threads=1)):
@@ -642,6 +642,10 @@ BAD_OPS = {
     # options
     "scale": (_bad_attend(scale=-1.0), ValueError, "scale"),
     "window": (_bad_attend(window=(-2, 0)), ValueError, "window"),
+    "window_int": (_bad_attend(window=5), ValueError, "window"),
+    "window_float_side": (_bad_attend(window=(1.5, None)), TypeError, "window"),
+    "softcap_str": (_bad_attend(softcap="2"), TypeError, "softcap"),
+    "softcap_negative": (_bad_attend(softcap=-1.0), ValueError, "softcap"),
     "sinks": (_bad_attend(sinks=np.zeros(3, np.float32)), ValueError, "sinks"),
     "num_threads": (_bad_attend(num_threads=0), ValueError, "num_threads"),
 }

@@ -408,6 +408,8 @@ class Step:
             raise ValueError("v: expected the new values (T, num_kv_heads, value_dim)")
         else:
             v = _api._unit_last(_api._as_array(v, "v"))
+        # as attnx.paged_attention does: numpy ints and lists accepted, clean errors naming them
+        window, softcap = _api._window(window), _api._softcap(softcap)
         if cache.sliding_window is not None:
             w = cache.sliding_window - 1
             if window is None:
