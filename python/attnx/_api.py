@@ -29,8 +29,8 @@ def _as_array(x, name):
 
 
 def _unit_last(a):
-    """A view of ``a`` whose last axis is contiguous (the kernels' one layout requirement)."""
-    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+    """``a``, or a contiguous copy if its last axis is strided (the kernels' one requirement)."""
+    if a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1:
         return np.ascontiguousarray(a)
     return a
 
@@ -113,25 +113,12 @@ def _softcap(softcap):
     return float(softcap)  # the binding rejects <= 0, NaN and inf
 
 
-def _check_float(a, name):
-    # The binding's message only names the supported dtypes; integers deserve the cast hint too.
-    if a.dtype.kind in "iu":
-        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {a.dtype} "
-                        "(cast with .astype(np.float32))")
-    return a
-
-
 def _threads(num_threads):
     if num_threads is None:
         return 0
     if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral) or num_threads < 1:
         raise ValueError(f"num_threads: expected a positive int or None, got {num_threads!r}")
     return int(num_threads)
-
-
-def _out_target(out, x_shape_fn):
-    """(array the kernel writes, array to copy into afterwards or None)."""
-    return out, None
 
 
 def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None,
@@ -193,18 +180,23 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
     >>> attnx.attention(q, k, v, causal=True).shape
     (3, 4)
     """
-    q = _check_float(_as_array(q, "q"), "q")
-    k = _check_float(_as_array(k, "k"), "k")
-    v = _check_float(_as_array(v, "v"), "v")
-    window, softcap = _window(window), _softcap(softcap)
+    # (the common case, 4-D "bhsd" NumPy arrays, takes the shortest path: a small call from
+    # Python should cost a few microseconds)
+    q = q if type(q) is np.ndarray else _as_array(q, "q")
+    k = k if type(k) is np.ndarray else _as_array(k, "k")
+    v = v if type(v) is np.ndarray else _as_array(v, "v")
+    if window is not None or softcap is not None:
+        window, softcap = _window(window), _softcap(softcap)
     rank = q.ndim
-    if rank not in (2, 3, 4):
-        raise ValueError(f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}")
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
-    q4 = _unit_last(_to4(q, "q", rank, layout))
-    k4 = _unit_last(_to4(k, "k", rank, layout))
-    v4 = _unit_last(_to4(v, "v", rank, layout))
+    if rank == 4 and layout == "bhsd":
+        q4, k4, v4 = q, k, v  # the binding checks k's and v's ranks
+    else:
+        if rank not in (2, 3, 4):
+            raise ValueError(f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+        q4, k4, v4 = _to4(q, "q", rank, layout), _to4(k, "k", rank, layout), _to4(v, "v", rank, layout)
+    q4, k4, v4 = _unit_last(q4), _unit_last(k4), _unit_last(v4)
     B, Hq, Sq, Dk = q4.shape
     Sk = k4.shape[2]
     if mask is not None:
@@ -223,8 +215,9 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
             # the kernel writes a fresh array; copy it into `out` once it is complete
             copy_back, out4 = out4, None
     res = _core.attention(q4, k4, v4, mask, _lens(kv_lens, rank), _lens(q_lens, rank), bool(causal),
-                          _scale(scale, Dk), out4, bool(return_lse), _threads(num_threads), window,
-                          softcap, sinks, alibi_slopes)
+                          _scale(scale, Dk), out4, bool(return_lse),
+                          0 if num_threads is None else _threads(num_threads), window, softcap,
+                          sinks, alibi_slopes)
     o4, lse = res if return_lse else (res, None)
     if copy_back is not None:
         if copy_back.shape != o4.shape or copy_back.dtype != o4.dtype:
