@@ -134,16 +134,42 @@ static void pack_kt(const float* const* rows, int64_t n, int64_t Dkp, float* kt)
     for (int64_t j = n8; j < nw; ++j) kt[d * kTileK + j] = 0.f;
 }
 
-// Prefetch of one row of the next tile, spread through the current tile's loops so the misses
-// overlap with the arithmetic instead of stalling in one burst.
+// Prefetch of one row of a tile kPrefetchTiles ahead, spread through the current tile's loops so
+// the misses overlap with the arithmetic instead of stalling in one burst. Into L2, not L1: the
+// current K and V tiles (up to 64 KiB) already fill L1, and lines prefetched there were evicted
+// before use.
+constexpr int64_t kPrefetchTiles = 2;
 static inline void prefetch_row(const char* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);  // into L2
+}
+
+// Element types of K/V rows read in place by the decode kernels: fp16 and bf16 rows are widened
+// in registers as they are loaded (no fp32 copy of the tile). Row pointers are kept as
+// `const float*` and only ever dereferenced as the row's real type.
+struct F32 {};
+struct F16 {};
+struct BF16 {};
+template <class T> static inline V ld(const float* row, int64_t d);
+template <> inline V ld<F32>(const float* row, int64_t d) { return load(row + d); }
+template <> inline V ld<F16>(const float* row, int64_t d) {
+  return load_f16(reinterpret_cast<const uint16_t*>(row) + d);
+}
+template <> inline V ld<BF16>(const float* row, int64_t d) {
+  return load_bf16(reinterpret_cast<const uint16_t*>(row) + d);
+}
+
+// Calls f(tag) with the tag type of `dtype`.
+template <class Fn>
+static inline void with_type(DType dtype, Fn&& f) {
+  if (dtype == DType::f16) f(F16{});
+  else if (dtype == DType::bf16) f(BF16{});
+  else f(F32{});
 }
 
 // ---- QK^T, dot form for few rows: K rows read in place ---------------------------------------
 // A register block is RB rows x KB keys (RB * KB accumulators, a multiple of 8 for hsum8), so
 // each K vector loaded is used RB times and the K tile is streamed once per block of rows.
-template <int RB, int KB>
+template <int RB, int KB, class T>
 static inline void qk_dot_block(const float* q, int64_t ldq, const float* const* kr, int64_t Dk,
                                 float* s) {
   static_assert((RB * KB) % 8 == 0, "hsum8 reduces groups of 8 accumulators");
@@ -153,7 +179,7 @@ static inline void qk_dot_block(const float* q, int64_t ldq, const float* const*
     V qv[RB];
     for (int r = 0; r < RB; ++r) qv[r] = load(q + r * ldq + d);
     for (int t = 0; t < KB; ++t) {
-      const V kv = load(kr[t] + d);
+      const V kv = ld<T>(kr[t], d);
       for (int r = 0; r < RB; ++r) acc[r * KB + t] = fmadd(qv[r], kv, acc[r * KB + t]);
     }
   }
@@ -164,6 +190,7 @@ static inline void qk_dot_block(const float* q, int64_t ldq, const float* const*
 }
 
 // `next` (nn rows of `bytes`, or null) is the next tile's K, prefetched during the first rows.
+template <class T>
 static void qk_dot(int M, const float* q, int64_t ldq, const float* const* krow, int64_t n,
                    int64_t Dk, float* s, const char* const* next, int64_t nn, int64_t bytes) {
   // AVX-512 has 32 registers: 4 rows x 4 keys; AVX2 has 16: 2 rows x 4 keys.
@@ -173,18 +200,18 @@ static void qk_dot(int M, const float* q, int64_t ldq, const float* const* krow,
     for (int64_t j = 0; j < n; j += KB) {
       if (r == 0 && next != nullptr)
         for (int64_t t = j; t < imin(j + KB, nn); ++t) prefetch_row(next[t], bytes);
-      qk_dot_block<RB, KB>(q + r * ldq, ldq, krow + j, Dk, s + r * kTileK + j);
+      qk_dot_block<RB, KB, T>(q + r * ldq, ldq, krow + j, Dk, s + r * kTileK + j);
     }
   for (; r < M; ++r)
     for (int64_t j = 0; j < n; j += 8) {
       if (r == 0 && next != nullptr)
         for (int64_t t = j; t < imin(j + 8, nn); ++t) prefetch_row(next[t], bytes);
-      qk_dot_block<1, 8>(q + r * ldq, ldq, krow + j, Dk, s + r * kTileK + j);
+      qk_dot_block<1, 8, T>(q + r * ldq, ldq, krow + j, Dk, s + r * kTileK + j);
     }
 }
 
 // ---- O += P V: MR rows x NR*W value features per register block ------------------------------
-template <int MR>
+template <int MR, class T>
 static inline void pv_block(const float* p, const float* const* vrow, int64_t n, int64_t c,
                             float* o, int64_t ldo, const char* const* next, int64_t nn,
                             int64_t bytes) {
@@ -193,8 +220,7 @@ static inline void pv_block(const float* p, const float* const* vrow, int64_t n,
     for (int k = 0; k < NR; ++k) acc[r][k] = load(o + r * ldo + c + k * W);
   for (int64_t j = 0; j < n; ++j) {
     if (next != nullptr && j < nn) prefetch_row(next[j], bytes);
-    const float* vj = vrow[j] + c;
-    V v0 = load(vj), v1 = load(vj + W);
+    const V v0 = ld<T>(vrow[j], c), v1 = ld<T>(vrow[j], c + W);
     for (int r = 0; r < MR; ++r) {
       V pb = set1(p[r * kTileK + j]);
       acc[r][0] = fmadd(pb, v0, acc[r][0]);
@@ -206,27 +232,28 @@ static inline void pv_block(const float* p, const float* const* vrow, int64_t n,
 }
 
 // `next` (nn rows of `bytes`, or null) is the next tile's V, prefetched during the first block.
-template <int MR>
+template <int MR, class T>
 static void pv_rows(const float* p, const float* const* vrow, int64_t n, int64_t Dvp, float* o,
                     int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
   for (int64_t c = 0; c < Dvp; c += NR * W)
-    pv_block<MR>(p, vrow, n, c, o, ldo, c == 0 ? next : nullptr, nn, bytes);
+    pv_block<MR, T>(p, vrow, n, c, o, ldo, c == 0 ? next : nullptr, nn, bytes);
 }
 
+template <class T>
 static void pv(int M, const float* p, const float* const* vrow, int64_t n, int64_t Dvp, float* o,
                int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
   constexpr int MR = 6;
   int r = 0;
   for (; r + MR <= M; r += MR, next = nullptr)
-    pv_rows<MR>(p + r * kTileK, vrow, n, Dvp, o + r * ldo, ldo, next, nn, bytes);
+    pv_rows<MR, T>(p + r * kTileK, vrow, n, Dvp, o + r * ldo, ldo, next, nn, bytes);
   const float* pr = p + r * kTileK;
   float* orr = o + r * ldo;
   switch (M - r) {
-    case 5: pv_rows<5>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
-    case 4: pv_rows<4>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
-    case 3: pv_rows<3>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
-    case 2: pv_rows<2>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
-    case 1: pv_rows<1>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
+    case 5: pv_rows<5, T>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
+    case 4: pv_rows<4, T>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
+    case 3: pv_rows<3, T>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
+    case 2: pv_rows<2, T>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
+    case 1: pv_rows<1, T>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
     default: break;
   }
 }
@@ -306,9 +333,11 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
   const int M = rs.M;
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
   const bool packed = M > kDotRows;
-  // fp32 rows whose width is already a whole number of vectors are used in place
-  const bool k_inplace = ks.dtype == DType::f32 && (packed ? Dk % 8 == 0 : Dk % W == 0);
-  const bool v_inplace = vs.dtype == DType::f32 && Dv % (NR * W) == 0;
+  // Rows whose width is a whole number of register blocks are read in place (fp16/bf16 widened
+  // in registers); the packed (prefill) QK path needs fp32 rows to transpose.
+  const bool k_inplace = packed ? ks.dtype == DType::f32 && Dk % 8 == 0 : Dk % W == 0;
+  const bool v_inplace = Dv % (NR * W) == 0;
+  const DType kdt = k_inplace ? ks.dtype : DType::f32, vdt = v_inplace ? vs.dtype : DType::f32;
   const int64_t vw = v_inplace ? Dv : Dvp;  // value features the PV kernel walks
 
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
@@ -336,23 +365,21 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
       if (!open) continue;
       bias = sc.bias;
     }
-    // Row addresses of this tile (the next tile's were computed one iteration ago).
-    const char** kaddr = sc.kaddr + (((j0 - j_begin) / kTileK) & 1) * kTileK;
-    const char** vaddr = sc.vaddr + (((j0 - j_begin) / kTileK) & 1) * kTileK;
-    if (j0 == j_begin || packed) {
-      kv_rows(ks, j0, n, kaddr);
-      kv_rows(vs, j0, n, vaddr);
-    }
+    // Row addresses of this tile.
+    const char** kaddr = sc.kaddr;
+    const char** vaddr = sc.vaddr;
+    kv_rows(ks, j0, n, kaddr);
+    kv_rows(vs, j0, n, vaddr);
     // Few rows (decode) make this loop memory bound, and pages are scattered, so the hardware
-    // prefetcher cannot guess the next tile: ask for it while this one is computed.
+    // prefetcher cannot guess what comes next: ask for a later tile while this one is computed.
     const char** kn = nullptr;
     const char** vn = nullptr;
-    const int64_t nn = imin(kTileK, j_end - j1);
-    if (!packed && j1 < j_end) {
-      kn = sc.kaddr + (((j1 - j_begin) / kTileK) & 1) * kTileK;
-      vn = sc.vaddr + (((j1 - j_begin) / kTileK) & 1) * kTileK;
-      kv_rows(ks, j1, nn, kn);
-      kv_rows(vs, j1, nn, vn);
+    const int64_t jp = j0 + kPrefetchTiles * kTileK, nn = imin(kTileK, j_end - jp);
+    if (!packed && nn > 0) {
+      kn = sc.kaddr + kTileK;
+      vn = sc.vaddr + kTileK;
+      kv_rows(ks, jp, nn, kn);
+      kv_rows(vs, jp, nn, vn);
     }
     // fp32 row pointers; rows past n point at zeros so register blocks never read past the tile.
     const float** krow = sc.krow;
@@ -373,8 +400,10 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
         for (int64_t j = 0; j < kTileK; ++j) sc.kt[d * kTileK + j] = 0.f;
       qk_packed(M, rs.q, rs.ldq, sc.kt, Dkp, n, sc.s);
     } else {
-      qk_dot(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
-             Dk * (ks.dtype == DType::f32 ? 4 : 2));
+      with_type(kdt, [&](auto t) {
+        qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
+                            Dk * (ks.dtype == DType::f32 ? 4 : 2));
+      });
     }
     // softmax rows
     bool partial = bias != nullptr;
@@ -404,11 +433,23 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
     // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would
     // still leak into the row. Tiles that some row sees only in part are checked for
     // non-finite values; if there are any, those rows skip their zero probabilities.
-    if (partial && !values_finite(vrow, n, vw)) {
-      pv_skipping_zeros(M, sc.s, vrow, n, vw, st.o, st.ldo);
-      continue;
+    if (partial) {
+      const float* const* fv = vrow;
+      if (vdt != DType::f32) {  // the check and its slow path read fp32 rows
+        for (int64_t t = 0; t < n; ++t) {
+          load_row_padded(vaddr[t], vs.dtype, Dv, Dvp, sc.vf + t * Dvp);
+          sc.krow[t] = sc.vf + t * Dvp;  // K's pointers are no longer needed in this tile
+        }
+        fv = sc.krow;
+      }
+      if (!values_finite(fv, n, vw)) {
+        pv_skipping_zeros(M, sc.s, fv, n, vw, st.o, st.ldo);
+        continue;
+      }
     }
-    pv(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * (vs.dtype == DType::f32 ? 4 : 2));
+    with_type(vdt, [&](auto t) {
+      pv<decltype(t)>(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * (vs.dtype == DType::f32 ? 4 : 2));
+    });
   }
 }
 
