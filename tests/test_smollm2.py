@@ -28,19 +28,6 @@ if GGUF is None:
                 "SMOLLM2_GGUF)", allow_module_level=True)
 
 
-def _has_paged_cache() -> bool:
-    try:
-        import attnx
-    except ImportError:
-        return False
-    return hasattr(attnx, "PagedKVCache")
-
-
-# Temporary: attnx.PagedKVCache is being written alongside this example. Remove this skip once
-# it has landed, so that a missing cache fails instead of skipping.
-needs_cache = pytest.mark.skipif(not _has_paged_cache(),
-                                 reason="attnx.PagedKVCache is not available yet")
-
 PROMPTS = ["What is attention in a transformer?", "Hi",
            "Write a haiku about autumn leaves falling in the quiet forest."]
 
@@ -137,7 +124,6 @@ def _prefill_logits(smollm2, model, prompts, attention, kv_dtype):
     return model.forward(tokens, step.positions, attend, np.arange(len(tokens)))
 
 
-@needs_cache
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
 def test_prefill_logits_match_reference(smollm2, model, prompt_ids, kv_dtype):
     fast = _prefill_logits(smollm2, model, prompt_ids, "attnx", kv_dtype)
@@ -156,7 +142,6 @@ def _generate(smollm2, model, prompts, params=None, n=1, fork=True, max_new=16, 
                            fork=fork, stop_ids=frozenset(stop))
 
 
-@needs_cache
 def test_greedy_identical_between_paths(smollm2, model, tokenizer, prompt_ids):
     fast = _generate(smollm2, model, prompt_ids, attention="attnx", stop=tokenizer.stop_ids)
     ref = _generate(smollm2, model, prompt_ids, attention="reference", stop=tokenizer.stop_ids)
@@ -167,7 +152,6 @@ def test_greedy_identical_between_paths(smollm2, model, tokenizer, prompt_ids):
         smollm2, model, [tokenizer.chat_prompt("What is the capital of France?")]).tokens[0][0])
 
 
-@needs_cache
 def test_batched_equals_alone(smollm2, model, prompt_ids):
     params = smollm2.SamplingParams(temperature=0.7, top_k=40, seed=11)
     batched = _generate(smollm2, model, prompt_ids, params)
@@ -175,7 +159,6 @@ def test_batched_equals_alone(smollm2, model, prompt_ids):
     assert batched.tokens == alone
 
 
-@needs_cache
 def test_continuous_batching_with_chunks_and_preemption(smollm2, model, tokenizer, prompt_ids):
     """A small step budget (chunked prefill mixed with decodes), at most two running sequences
     (the third joins when one leaves) and a cache too small for two: same tokens."""
@@ -186,7 +169,6 @@ def test_continuous_batching_with_chunks_and_preemption(smollm2, model, tokenize
     assert tight.tokens == full.tokens
 
 
-@needs_cache
 def test_forked_samples_equal_single_runs(smollm2, model, prompt_ids):
     params = smollm2.SamplingParams(temperature=0.9, top_p=0.9, seed=5)
     prompt = prompt_ids[:1]
@@ -200,7 +182,6 @@ def test_forked_samples_equal_single_runs(smollm2, model, prompt_ids):
     assert forked.peak_kv_blocks < copied.peak_kv_blocks
 
 
-@needs_cache
 def test_cli(smollm2, loaded, monkeypatch, capsys):
     monkeypatch.setattr(smollm2.smollm2_model, "load", lambda path=None: loaded)
     smollm2.main(["--prompt", "Hi", "--prompt", "Name a colour.", "--max-new-tokens", "4",
