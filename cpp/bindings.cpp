@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -104,6 +105,15 @@ py::array_t<int32_t> int_vector(const py::object& obj, const char* name, int64_t
   if (kind != 'i' && kind != 'u') type_error(std::string(name) + ": expected an integer array, got dtype " + std::string(py::str(a.dtype())));
   if (a.ndim() != 1 || a.shape(0) != n)
     value_error(std::string(name) + ": expected shape (" + std::to_string(n) + ",), got " + shape_str(a));
+  // Lengths are int32 in the kernels: anything larger is refused, never narrowed.
+  hi = std::min<int64_t>(hi, std::numeric_limits<int32_t>::max());
+  if (kind == 'u') {
+    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> u(a);
+    for (int64_t i = 0; i < n; ++i)
+      if (u.data()[i] > uint64_t(hi))
+        value_error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(u.data()[i]) +
+                    " is out of range [0, " + std::to_string(hi) + "] (" + hi_name + ")");
+  }
   py::array_t<int64_t, py::array::c_style | py::array::forcecast> w(a);
   const int64_t* p = w.data();
   py::array_t<int32_t> r(n);
@@ -147,9 +157,13 @@ Variants variants(const py::object& window, const py::object& softcap) {
         side[i] = -1;
         continue;
       }
-      if (!py::isinstance<py::int_>(t[i])) type_error("window: sides must be ints or None");
-      side[i] = t[i].cast<int64_t>();
-      if (side[i] < 0) value_error("window: sides must be >= 0 or None, got " + std::to_string(side[i]));
+      if (!py::isinstance<py::int_>(t[i]) || py::isinstance<py::bool_>(t[i]))
+        type_error("window: sides must be ints or None");
+      // A side wider than any sequence is no bound at all: it must not overflow int64 positions.
+      const py::int_ huge(int64_t(1) << 40), zero(0);
+      if (PyObject_RichCompareBool(t[i].ptr(), zero.ptr(), Py_LT) == 1)
+        value_error("window: sides must be >= 0 or None, got " + std::string(py::str(t[i])));
+      side[i] = PyObject_RichCompareBool(t[i].ptr(), huge.ptr(), Py_GE) == 1 ? -1 : t[i].cast<int64_t>();
     }
     v.window_left = side[0];
     v.window_right = side[1];

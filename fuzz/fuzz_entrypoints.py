@@ -407,7 +407,7 @@ def fuzz_paged(p):
 
 
 def cache_state(c):
-    return (list(c._free), c._refs.copy(), c._next_id,
+    return (c._free_ids(), c._refs.copy(), c._next_id,
             {s: (c.length(s), c.block_table(s).tolist(), c._seqs[s].version) for s in c.sequences},
             c._k.copy(), None if c._v is None else c._v.copy())
 
@@ -425,7 +425,7 @@ def check_pool(c):
         if len(set(bt)) != len(bt):
             raise Finding("cache: a sequence holds a block twice")
         held.update(bt)
-    free = list(c._free)
+    free = c._free_ids()
     if len(set(free)) != len(free) or set(free) & set(held) or len(free) + len(held) != c.num_blocks:
         raise Finding("cache: a block leaked, or is both free and held")
     for b in range(c.num_blocks):

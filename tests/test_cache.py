@@ -141,7 +141,7 @@ def check_pool(cache):
         assert len(set(bt)) == len(bt)
         for b in bt:
             held[b] = held.get(b, 0) + 1
-    free = list(cache._free)
+    free = cache._free_ids()
     assert len(set(free)) == len(free), "a block is free twice"
     assert not set(free) & set(held), "a free block is held"
     assert len(free) + len(held) == cache.num_blocks, "a block leaked"
@@ -155,7 +155,7 @@ def check_pool(cache):
 
 def snapshot(cache):
     return {
-        "free": list(cache._free),
+        "free": cache._free_ids(),
         "refs": cache._refs.copy(),
         "next_id": cache._next_id,
         "seqs": {s: (cache.length(s), cache.block_table(s).tolist(), cache._seqs[s].version)

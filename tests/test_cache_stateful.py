@@ -141,7 +141,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         c = self.cache
-        return (list(c._free), c._refs.copy(), c._next_id,
+        return (c._free_ids(), c._refs.copy(), c._next_id,
                 {s: (c.length(s), c.block_table(s).tolist(), c._seqs[s].version) for s in c.sequences},
                 bits(c._k).copy(), bits(c._v).copy(), c.stats())
 
@@ -437,7 +437,7 @@ class CacheMachine(RuleBasedStateMachine):
                 assert mapping.setdefault(mb, cb) == cb, "sharing differs from the model"
                 held[cb] = held.get(cb, 0) + 1
         assert len(set(mapping.values())) == len(mapping), "two model blocks share a cache block"
-        free = list(c._free)
+        free = c._free_ids()
         assert len(set(free)) == len(free) and not set(free) & set(held)
         assert len(free) + len(held) == c.num_blocks, "a block leaked"
         assert c.num_free_blocks == len(free) == self.mfree

@@ -217,11 +217,6 @@ def test_nonfinite_inputs_reach_only_rows_that_see_them(isa, dtype, where, bad):
         check_paged(*paged(r, q, k, v, block_size=5), poisoned=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kernel bug: a NaN value at a key the row sees is dropped when that key's softmax weight "
-    "underflows to 0 and the tile is only partly visible (kernel-inl.h pv_skipping_zeros skips "
-    "every p == 0, not only the keys the row cannot see); with the whole tile visible the same "
-    "row is NaN. The reference (0 * NaN = NaN) says NaN"))
 def test_nan_value_with_underflowed_weight(isa):
     q = np.array([[0, 0, 0, 0], [1000, 0, 0, 0]], np.float32)
     k = np.array([[0, 0, 0, 0], [1, 0, 0, 0]], np.float32)

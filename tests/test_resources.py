@@ -262,11 +262,6 @@ def test_paged_pages_past_2_32_elements(isa, tmp_path):
 
 
 @pytest.mark.skipif(not LINUX, reason="sparse files")
-@pytest.mark.xfail(strict=True, reason=(
-    "binding bug: kv_lens (and q_lens) values are range-checked against Sk (Sq) in int64 and then "
-    "narrowed to int32 (bindings.cpp int_vector): kv_lens = 2**32 + 3 with Sk > 2**32 silently "
-    "becomes 3 (and 2**31 becomes negative: the row comes back 0 with lse -inf). Lengths past "
-    "int32 must be refused (ValueError) or honoured"))
 def test_kv_lens_past_int32_are_not_wrapped(tmp_path):
     Sk = 2**32 + 8
     kv = sparse_memmap(tmp_path, "kv.bin", (1, 1, Sk, 4))
@@ -440,12 +435,6 @@ def test_reference_counts_are_unchanged():
 
 
 @pytest.mark.skipif(not LINUX or SANITIZED, reason="VmRSS (ASan quarantines freed memory)")
-@pytest.mark.xfail(strict=True, reason=(
-    "cache.py: PagedKVCache keeps a Python list of every free block id (plus an int32 refcount "
-    "array), ~40 bytes of committed RSS per block before any block is used: 2**22 one-slot "
-    "blocks of 2 bytes commit ~160 MB, and num_blocks = 2**31 - 1 (accepted: < 2**31 slots) "
-    "would need ~90 GB and be OOM-killed instead of refused. The free list could be a lazily "
-    "grown stack (or a numpy array), or the size refused up front"))
 def test_cache_bookkeeping_is_proportionate():
     gc.collect()
     r0 = rss_mb()
@@ -488,11 +477,6 @@ except MemoryError:
 
 @pytest.mark.skipif(not LINUX or SANITIZED or (os.cpu_count() or 1) < 2,
                     reason="RLIMIT_AS; needs two cores for the race")
-@pytest.mark.xfail(strict=True, reason=(
-    "flash_driver.h: each OpenMP thread allocates its scratch inside the parallel region and "
-    "skips its work if that fails, but the others go on writing rows of `out`; the call then "
-    "raises MemoryError with `out` partly written. Allocate (or check every thread's allocation, "
-    "after a barrier) before the first row is written"))
 def test_memory_error_mid_call_leaves_out_unchanged():
     for _ in range(6):  # a race: the thread without scratch usually skips all items first
         rc, out, err = run_py(PARTIAL_WRITE, timeout=300)

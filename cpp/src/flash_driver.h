@@ -190,9 +190,12 @@ void run_flash(const P& p, int num_threads) {
   // Exceptions (only allocation failures can occur) must not leave an OpenMP construct: each
   // thread records the first one and skips its remaining work, and the caller rethrows it.
   std::exception_ptr error;
-  auto record = [&error]() {
+  bool any_failed = false;
+  auto record = [&error, &any_failed]() {
 #pragma omp critical(attnx_error)
     if (!error) error = std::current_exception();
+#pragma omp atomic write
+    any_failed = true;
   };
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
@@ -209,6 +212,13 @@ void run_flash(const P& p, int num_threads) {
       base = nullptr;
       record();
     }
+    // Nothing is written until every thread has its scratch: a failed allocation anywhere
+    // leaves `out` untouched (the call raises MemoryError).
+#pragma omp barrier
+    bool failed;
+#pragma omp atomic read
+    failed = any_failed;
+    if (failed) base = nullptr;
     float* qs = base;
     float* kt = qs + M_max * Dkp;
     float* kf = kt + Dkp * kern::kTileK;

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os as _os
 
+import numpy as _np
+
 from . import _core
 from . import reference
 from ._api import attention, paged_attention
@@ -51,6 +53,8 @@ def cpu_features():
 def set_num_threads(n):
     """Threads for every later call (``n >= 1``); ``0`` returns to OpenMP's setting
     (``OMP_NUM_THREADS``), read at each call. The process's OpenMP setting is never changed."""
+    if isinstance(n, bool) or not isinstance(n, (int, _np.integer)) or n < 0:
+        raise ValueError(f"n: expected an int >= 0, got {n!r}")
     _core.set_num_threads(int(n))
 
 

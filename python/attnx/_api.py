@@ -188,8 +188,8 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
     if window is not None or softcap is not None:
         window, softcap = _window(window), _softcap(softcap)
     rank = q.ndim
-    if rank == 4 and layout == "bhsd":
-        q4, k4, v4 = q, k, v  # the binding checks k's and v's ranks
+    if rank == 4 and layout == "bhsd" and k.ndim == 4 and v.ndim == 4:
+        q4, k4, v4 = q, k, v
     else:
         if rank not in (2, 3, 4):
             raise ValueError(f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}")

@@ -113,6 +113,8 @@ class PagedKVCache:
         self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
         self.dtype = _dtype(dtype)
         self.sliding_window = None if sliding_window is None else _positive_int(sliding_window, "sliding_window")
+        if self.sliding_window is not None and self.sliding_window >= 2**31:
+            raise ValueError(f"sliding_window: expected fewer than 2**31 tokens, got {sliding_window!r}")
         self.value_from_key = bool(value_from_key)
         if self.value_from_key and self.value_dim > self.head_dim:
             raise ValueError(f"value_dim: with value_from_key the values are the first value_dim features "
@@ -128,7 +130,10 @@ class PagedKVCache:
         except MemoryError:
             raise MemoryError(f"PagedKVCache: cannot allocate {nbytes / 2**30:.1f} GiB for the pool") from None
         self._refs = np.zeros(self.num_blocks, np.int32)
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: low ids are used first
+        # Free blocks: every id >= self._fresh (never used yet) plus the stack of returned ids;
+        # O(blocks in use) Python memory, whatever num_blocks is.
+        self._fresh = 0
+        self._returned = []
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self._lock = threading.RLock()
@@ -176,13 +181,26 @@ class PagedKVCache:
             self._seqs[sid] = _Seq(list(s.blocks), s.length)
             return sid
 
+    def _num_free(self):
+        return self.num_blocks - self._fresh + len(self._returned)
+
+    def _free_ids(self):
+        """Every free block id (for checks and tests; O(num_blocks))."""
+        return self._returned + list(range(self.num_blocks - 1, self._fresh - 1, -1))
+
+    def _pop_free(self):
+        if self._returned:
+            return self._returned.pop()
+        self._fresh += 1
+        return self._fresh - 1
+
     def _release(self, blocks):
         for b in blocks:
             if b < 0:  # already released by the sliding window
                 continue
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                self._returned.append(b)
 
     def truncate(self, seq, length):
         """Rolls ``seq`` back to its first ``length`` tokens, returning whole blocks past them."""
@@ -229,12 +247,12 @@ class PagedKVCache:
     @property
     def num_free_blocks(self):
         with self._lock:
-            return len(self._free)
+            return self._num_free()
 
     @property
     def num_used_blocks(self):
         with self._lock:
-            return self.num_blocks - len(self._free)
+            return self.num_blocks - self._num_free()
 
     @property
     def bytes_per_block(self):
@@ -256,13 +274,13 @@ class PagedKVCache:
                         continue
                     n = min(self.block_size, s.length - i * self.block_size)
                     filled[b] = max(filled.get(b, 0), n)
-            used = self.num_blocks - len(self._free)
+            used = self.num_blocks - self._num_free()
             stored = sum(filled.values())
             return {
                 "num_blocks": self.num_blocks,
                 "block_size": self.block_size,
                 "used_blocks": used,
-                "free_blocks": len(self._free),
+                "free_blocks": self._num_free(),
                 "sequences": len(self._seqs),
                 "logical_tokens": sum(s.length for s in self._seqs.values()),
                 "tokens_stored": stored,
@@ -307,15 +325,15 @@ class PagedKVCache:
                         # of a block is in this step, the last of them keeps it (as below)
                         need += 1
                         holders[last] = left - 1
-            if need > len(self._free):
+            if need > self._num_free():
                 raise CacheFullError(
-                    f"begin_step: needs {need} free blocks, the pool has {len(self._free)} "
+                    f"begin_step: needs {need} free blocks, the pool has {self._num_free()} "
                     f"(of {self.num_blocks}); free or truncate sequences, or make the pool larger")
             # from here on nothing can fail
             starts = []
             for s, n in zip(seqs, counts):
                 if n and s.length % bs and self._refs[s.blocks[-1]] > 1:
-                    old, new = s.blocks[-1], self._free.pop()
+                    old, new = s.blocks[-1], self._pop_free()
                     self._k[:, new] = self._k[:, old]
                     if self._v is not None:
                         self._v[:, new] = self._v[:, old]
@@ -323,7 +341,7 @@ class PagedKVCache:
                     self._refs[new] = 1
                     s.blocks[-1] = new
                 for _ in range(-(-(s.length + n) // bs) - len(s.blocks)):
-                    b = self._free.pop()
+                    b = self._pop_free()
                     self._refs[b] = 1
                     s.blocks.append(b)
                 starts.append(s.length)

@@ -273,6 +273,11 @@ class MultiHeadAttention:
         B, Sq, _ = x32.shape
         Sk = c32.shape[1]
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if B * Sq == 0:  # no rows: return at once (numpy would still walk a huge empty batch)
+            y = np.zeros((B, Sq, self.d_model), self.dtype)
+            w = np.zeros((B, H, Sq, Sk))
+            y, w = (y[0], w[0]) if unbatched else (y, w)
+            return (y, w) if return_weights else y
 
         # one matmul per projection, all heads at once; heads are a free reshape to "bshd"
         q = self._proj(x32, "W_Q", "b_Q").reshape(B, Sq, H, D)

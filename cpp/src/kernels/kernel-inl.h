@@ -316,12 +316,13 @@ static bool values_finite(const float* const* vrow, int64_t n, int64_t Dv) {
   return all_finite(acc);  // 0 * finite = 0; 0 * inf = NaN; NaN stays NaN
 }
 
-static void pv_skipping_zeros(int M, const float* p, const float* const* vrow, int64_t n,
-                              int64_t Dv, float* o, int64_t ldo) {
-  for (int r = 0; r < M; ++r)
-    for (int64_t j = 0; j < n; ++j) {
+// O += P V over only the keys each row can see (its range, and the mask's bias is not -inf).
+static void pv_visible(const kern::RowSet& rs, int64_t j0, const float* bias, const float* p,
+                       const float* const* vrow, int64_t n, int64_t Dv, float* o, int64_t ldo) {
+  for (int r = 0; r < rs.M; ++r)
+    for (int64_t j = imax(rs.lo[r] - j0, 0); j < imin(rs.hi[r] - j0, n); ++j) {
+      if (bias != nullptr && bias[r * kTileK + j] == kNegInf) continue;
       const float pj = p[r * kTileK + j];
-      if (pj == 0.f) continue;
       const V pb = set1(pj);
       for (int64_t d = 0; d < Dv; d += W) store(o + r * ldo + d, fmadd(pb, load(vrow[j] + d), load(o + r * ldo + d)));
     }
@@ -432,7 +433,7 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
     }
     // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would
     // still leak into the row. Tiles that some row sees only in part are checked for
-    // non-finite values; if there are any, those rows skip their zero probabilities.
+    // non-finite values; if there are any, each row adds only the keys it sees.
     if (partial) {
       const float* const* fv = vrow;
       if (vdt != DType::f32) {  // the check and its slow path read fp32 rows
@@ -443,7 +444,7 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
         fv = sc.krow;
       }
       if (!values_finite(fv, n, vw)) {
-        pv_skipping_zeros(M, sc.s, fv, n, vw, st.o, st.ldo);
+        pv_visible(rs, j0, bias, sc.s, fv, n, vw, st.o, st.ldo);
         continue;
       }
     }
