@@ -186,7 +186,8 @@ def _window(window):
             raise TypeError(f"window: sides must be ints or None, got {window!r}")
         if side < 0:
             raise ValueError(f"window: sides must be >= 0, got {window!r}")
-    return (None if left is None else int(left), None if right is None else int(right))
+    # A side wider than any sequence is no bound; treating it so keeps positions in int64.
+    return tuple(None if side is None or side >= 2**40 else int(side) for side in (left, right))
 
 
 def _softcap(softcap):
