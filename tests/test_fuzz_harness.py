@@ -1,8 +1,11 @@
 """The atheris harness (fuzz/fuzz_entrypoints.py) in CI: its one-input function over a fixed
-corpus of deterministic random byte strings, in-process (no atheris needed), then a short real
-atheris run in a subprocess when atheris is installed. And a strict-xfail repro of every finding
-the harness knows (``KNOWN_FINDINGS``): when one is fixed, its test passes and fails as XPASS,
-and the entry comes out of the harness's list.
+corpus of 2000 deterministic random byte strings (~4500 calls), in-process (no atheris needed),
+then a short real atheris run in a subprocess when atheris is installed. And a repro of every
+finding the harness has made (``test_known_*``: strict xfails while open, regression tests once
+fixed; an open one is also listed in the harness's ``KNOWN_FINDINGS``).
+
+Soak: ``ATTNX_HYPOTHESIS_PROFILE=soak`` runs 20x the corpus and 3000 atheris inputs; long
+campaigns run the harness directly (``python fuzz/fuzz_entrypoints.py --runs N``).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def test_atheris_runs(tmp_path):
                         f"-artifact_prefix={tmp_path}/", "-rss_limit_mb=8192", "-timeout=60"],
                        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-4000:]
-    assert "calls" in p.stderr
+    assert f"Done {runs} runs" in p.stderr, p.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
