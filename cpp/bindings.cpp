@@ -77,6 +77,8 @@ std::vector<int64_t> elem_strides(const py::array& a, const char* name) {
   std::vector<int64_t> s(std::size_t(a.ndim()));
   if (a.size() == 0) return s;  // nothing is read or written: NumPy's strides may be anything
   const int64_t es = int64_t(a.itemsize());
+  if (reinterpret_cast<std::uintptr_t>(a.data()) % std::uintptr_t(es) != 0)
+    value_error(std::string(name) + ": the array is not aligned to its item size (use np.ascontiguousarray)");
   for (py::ssize_t i = 0; i < a.ndim(); ++i) {
     if (a.strides(i) % es != 0) value_error(std::string(name) + ": strides must be multiples of the item size");
     s[std::size_t(i)] = a.strides(i) / es;
@@ -205,6 +207,10 @@ py::object py_attention(py::array q, py::array k, py::array v, py::object mask, 
                std::string(py::str(k.dtype())) + ", " + std::string(py::str(v.dtype())));
   p.B = q.shape(0); p.Hq = q.shape(1); p.Sq = q.shape(2); p.Dk = q.shape(3);
   p.Hkv = k.shape(1); p.Sk = k.shape(2); p.Dv = v.shape(3);
+  // Positions and lengths are int32 inside the kernels.
+  if (p.Sq > std::numeric_limits<int32_t>::max() || p.Sk > std::numeric_limits<int32_t>::max())
+    value_error("q, k: sequence lengths must be below 2**31, got Sq=" + std::to_string(p.Sq) +
+                ", Sk=" + std::to_string(p.Sk));
   check_shape(k, "k", {{"B", p.B}, {"Hkv", p.Hkv}, {"Sk", p.Sk}, {"Dk", p.Dk}});
   check_shape(v, "v", {{"B", p.B}, {"Hkv", p.Hkv}, {"Sk", p.Sk}, {"Dv", p.Dv}});
   if (p.Hkv == 0 || p.Hq % p.Hkv != 0)

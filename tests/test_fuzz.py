@@ -601,11 +601,6 @@ def run_isolated(code, args, tmp_path, timeout=300):
     return p.returncode, p.stdout, p.stderr + reports
 
 
-@pytest.mark.xfail(SANITIZED, strict=True, reason=(
-    "kernel bug (UBSan): misaligned float32/float16/bfloat16 arrays (np.ndarray(buffer=..., "
-    "offset=1)) are read through `const float*` / `const uint16_t*` (vec_scalar.h:18 load via "
-    "kernel-inl.h qk_dot): 'load of misaligned address' (undefined behaviour). The binding "
-    "should copy (or refuse) arrays that are not aligned to their item size"))
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_misaligned_arrays(dtype, tmp_path):
     rc, out, err = run_isolated(MISALIGNED, [dtype, *ISAS], tmp_path)

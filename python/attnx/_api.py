@@ -29,9 +29,10 @@ def _as_array(x, name):
 
 
 def _unit_last(a):
-    """``a``, or a contiguous copy if its last axis is strided (the kernels' one requirement)."""
-    if a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1:
-        return np.ascontiguousarray(a)
+    """``a``, or a contiguous copy if its last axis is strided or its data misaligned (the
+    kernels read whole elements through typed pointers)."""
+    if (a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1) or not a.flags.aligned:
+        return a.copy(order="C")  # (ascontiguousarray would keep a contiguous misaligned array)
     return a
 
 
@@ -210,7 +211,7 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
         if out.ndim != rank:
             raise ValueError(f"out: expected rank {rank} like q, got shape {out.shape}")
         out4 = _to4(out, "out", rank, layout)
-        if (out4.ndim and out4.shape[-1] > 1 and out4.strides[-1] != out4.itemsize) or any(
+        if _unit_last(out4) is not out4 or any(
                 np.may_share_memory(out, x) for x in (q, k, v)):
             # the kernel writes a fresh array; copy it into `out` once it is complete
             copy_back, out4 = out4, None
