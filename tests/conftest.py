@@ -280,20 +280,25 @@ def check_attention(q, k, v, *, layout="bhsd", out=None, expect_nan=False, **kw)
     v_max = float(np.max(np.abs(v_vis), initial=0.0))
     tol_out, tol_lse = attention_tolerance(r4, lp_out, rl4, lp_lse, storage=q.dtype, v_max=v_max)
 
-    # NaN exactly where the reference has NaN (it propagates only to rows that see it)
-    np.testing.assert_array_equal(np.isnan(o4), np.isnan(r4), err_msg="NaN pattern differs")
     if not expect_nan:
         assert not np.isnan(r4).any()
-    fin = np.isfinite(r4)
-    np.testing.assert_array_equal(o4[~fin], r4[~fin], err_msg="inf/NaN values differ")
-    err = float(np.max(np.abs(o4[fin] - r4[fin]), initial=0.0))
-    assert err <= tol_out, f"out: max error {err:.3g} > tolerance {tol_out:.3g}"
-    # rows that see nothing (padding, fully masked) are exactly 0, their lse exactly -inf
-    empty = ~visible.any(axis=-1)
-    assert np.all(o4[empty] == 0), "a row that sees no key is not exactly zero"
-    np.testing.assert_array_equal(np.isneginf(l4), np.isneginf(rl4), err_msg="lse -inf pattern")
-    np.testing.assert_array_equal(np.isnan(l4), np.isnan(rl4), err_msg="lse NaN pattern")
-    fl = np.isfinite(rl4)
-    err_lse = float(np.max(np.abs(l4[fl] - rl4[fl]), initial=0.0))
-    assert err_lse <= tol_lse, f"lse: max error {err_lse:.3g} > tolerance {tol_lse:.3g}"
+    assert_matches(o4, r4, l4, rl4, visible, tol_out, tol_lse)
     return o, lse
+
+
+def assert_matches(o, r, lse, rlse, visible, tol_out, tol_lse):
+    """The kernel's (out, lse) against the reference's, as float64 arrays of one shape: NaN and
+    inf exactly where the reference has them (NaN reaches only the rows that see it), finite
+    values within the tolerances, rows that see nothing exactly 0 with lse exactly -inf."""
+    np.testing.assert_array_equal(np.isnan(o), np.isnan(r), err_msg="NaN pattern differs")
+    fin = np.isfinite(r)
+    np.testing.assert_array_equal(o[~fin], r[~fin], err_msg="inf/NaN values differ")
+    err = float(np.max(np.abs(o[fin] - r[fin]), initial=0.0))
+    assert err <= tol_out, f"out: max error {err:.3g} > tolerance {tol_out:.3g}"
+    empty = ~visible.any(axis=-1)
+    assert np.all(o[empty] == 0), "a row that sees no key is not exactly zero"
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse), err_msg="lse -inf pattern")
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(rlse), err_msg="lse NaN pattern")
+    fl = np.isfinite(rlse)
+    err_lse = float(np.max(np.abs(lse[fl] - rlse[fl]), initial=0.0))
+    assert err_lse <= tol_lse, f"lse: max error {err_lse:.3g} > tolerance {tol_lse:.3g}"

@@ -37,8 +37,8 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import (F32_EPS, ISAS, SEED, _structure4, attention_tolerance, lowp_attention, lse4,
-                      to4)
+from conftest import (F32_EPS, ISAS, SEED, _structure4, assert_matches, attention_tolerance,
+                      lowp_attention, lse4, to4)
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -140,18 +140,7 @@ def compare(o, r, lse, rlse, lp_out, lp_lse, visible, *, storage, v_max, cond):
     tol_out, tol_lse = attention_tolerance(r, lp_out, rlse, lp_lse, storage=storage, v_max=v_max)
     tol_lse += 4 * F32_EPS * cond
     tol_out += 8 * F32_EPS * cond * v_max
-    np.testing.assert_array_equal(np.isnan(o), np.isnan(r), err_msg="NaN pattern differs")
-    fin = np.isfinite(r)
-    np.testing.assert_array_equal(o[~fin], r[~fin], err_msg="inf/NaN values differ")
-    err = float(np.max(np.abs(o[fin] - r[fin]), initial=0.0))
-    assert err <= tol_out, f"out: max error {err:.3g} > tolerance {tol_out:.3g}"
-    empty = ~visible.any(axis=-1)
-    assert np.all(o[empty] == 0), "a row that sees no key is not exactly zero"
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse), err_msg="lse -inf pattern")
-    np.testing.assert_array_equal(np.isnan(lse), np.isnan(rlse), err_msg="lse NaN pattern")
-    fl = np.isfinite(rlse)
-    err_lse = float(np.max(np.abs(lse[fl] - rlse[fl]), initial=0.0))
-    assert err_lse <= tol_lse, f"lse: max error {err_lse:.3g} > tolerance {tol_lse:.3g}"
+    assert_matches(o, r, lse, rlse, visible, tol_out, tol_lse)
 
 
 # ---------------------------------------------------------------------------------------------
