@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import (F32_EPS, ISAS, SEED, _structure4, assert_matches, attention_tolerance,
-                      lowp_attention, lse4, to4)
+                      from4, lowp_attention, lse4, to4)
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -192,17 +192,6 @@ def present(x, how, rng, last=True):
     raise AssertionError(how)
 
 
-def to_user(x4, layout, rank):
-    """A (B, H, S, D) array as the user's layout and rank."""
-    if layout == "bshd":
-        x4 = x4.transpose(0, 2, 1, 3)
-    if rank == 4:
-        return x4
-    if rank == 3:
-        return x4[0]
-    return x4[0, 0] if layout == "bhsd" else x4[0, :, 0]
-
-
 # ---------------------------------------------------------------------------------------------
 # dense attention
 # ---------------------------------------------------------------------------------------------
@@ -319,10 +308,10 @@ def test_dense_fuzz(spec):
             expect_nan = True
     if spec["mask"] is not None:
         kw["mask"] = _mask(r, spec, logical)
-    q = present(to_user(q4.astype(dtype), layout, rank), spec["views"][0], r)
-    k = present(to_user(k4.astype(dtype), layout, rank), spec["views"][1], r)
-    v = present(to_user(v4.astype(dtype), layout, rank), spec["views"][2], r)
-    out_shape = to_user(np.empty((B, Hq, Sq, Dv)), layout, rank).shape
+    q = present(from4(q4.astype(dtype), layout, rank), spec["views"][0], r)
+    k = present(from4(k4.astype(dtype), layout, rank), spec["views"][1], r)
+    v = present(from4(v4.astype(dtype), layout, rank), spec["views"][2], r)
+    out_shape = from4(np.empty((B, Hq, Sq, Dv)), layout, rank).shape
     out = None
     if spec["out"] == "fresh":
         out = np.full(out_shape, 7.0, dtype)
