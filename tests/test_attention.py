@@ -79,6 +79,24 @@ def test_heads(isa, rng, Hq, Hkv, Sq, causal, layout):
     check_attention(q, k, v, causal=causal, layout=layout)
 
 
+@pytest.mark.parametrize("kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize(("Hq", "Hkv", "Sq"), [(17, 17, 1), (40, 20, 2), (12, 3, 1)],
+                         ids=["hq17-hkv17-sq1", "hq40-hkv20-sq2", "hq12-hkv3-sq1"])
+def test_bshd_decode_groups(isa, rng, Hq, Hkv, Sq, kind):
+    """(B, S, H, D) keys are short runs per head, so decode runs a sequence's kv heads as
+    interleaved groups (at most 16 heads each): with masks, padding, and split-KV."""
+    B, Sk = 3, 300
+    q, k, v = qkv(rng, B, Hq, Hkv, Sq, Sk, 24, 40)
+    q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+    kw = dict(kv_lens=[300, 1, 171])
+    if kind == "bool":
+        kw["mask"] = rng.random((B, Hq, Sq, Sk)) < 0.7
+    elif kind == "additive":
+        kw["mask"] = rng.standard_normal((B, 1, Sq, Sk)).astype(np.float32)
+    for threads in (1, 3):
+        check_attention(q, k, v, layout="bshd", causal=True, num_threads=threads, **kw)
+
+
 @pytest.mark.parametrize(("Dk", "Dv"), [(64, 32), (7, 130), (576, 512), (1, 3), (33, 1)])
 def test_dk_ne_dv(isa, rng, Dk, Dv):
     check_attention(*qkv(rng, 1, 4, 2, 5, 70, Dk, Dv), causal=True)

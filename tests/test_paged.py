@@ -235,6 +235,45 @@ def test_variants(isa, variant):
 
 
 # ---------------------------------------------------------------------------------------------
+# decode steps run as groups: a sequence's kv heads interleaved tile by tile (flash_group)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hkv,group", [(3, 4), (17, 1), (20, 2), (33, 1)],
+                         ids=["hkv3-g4", "hkv17-g1", "hkv20-g2", "hkv33-g1"])
+@pytest.mark.parametrize("variant", ["plain", "all"])
+def test_decode_groups(isa, hkv, group, variant):
+    """Decode calls (<= 8 rows per kv head) run each sequence's kv heads as one interleaved group
+    of at most 16; more heads than that make several groups per sequence. Ragged lengths, a
+    zero-length sequence, 2-query chunks, every variant, and 1-4 threads (split-KV with groups)."""
+    rng = make_rng(11, hkv, group, len(variant))
+    hq = hkv * group
+    kw = {}
+    if variant == "all":
+        kw = dict(window=(70, None), softcap=3.0, sinks=rng.standard_normal(hq).astype(np.float32),
+                  alibi_slopes=(2.0 ** -np.linspace(1, 8, hq)).astype(np.float32), scale=0.2)
+    seq_lens, q_lens = [1, 700, 0, 65, 130], [1, 2, 0, 1, 2]
+    pool = Pool(rng, seq_lens, block_size=16, hkv=hkv, dk=32, dv=48, dtype="float16")
+    q = packed_q(rng, q_lens, hq, 32)
+    for threads in (1, 2, 3, 4):
+        (o, lse), (ro, rlse) = run_both(q, pool, q_lens=np.array(q_lens), return_lse=True,
+                                        num_threads=threads, **kw)
+        assert_close(o, ro)
+        assert_close(lse, rlse)
+
+
+def test_decode_group_long_split(isa):
+    """One sequence, 8 kv heads (one group), 3000 keys: the group's key range is split."""
+    rng = make_rng(12)
+    pool = Pool(rng, [3000], block_size=16, hkv=8, dk=64, dv=64, dtype="bfloat16")
+    q = packed_q(rng, [1], 32, 64)
+    for threads in (1, 2, 4):
+        (o, lse), (ro, rlse) = run_both(q, pool, return_lse=True, num_threads=threads)
+        assert_close(o, ro, atol=3e-5, rtol=3e-5)
+        assert_close(lse, rlse, atol=3e-5, rtol=3e-5)
+
+
+# ---------------------------------------------------------------------------------------------
 # the batch against each sequence alone and against contiguous attention
 # ---------------------------------------------------------------------------------------------
 

@@ -459,13 +459,13 @@ def vm():
                 return int(line.split()[1]) * 1024
 
 Dk, NB = 2**21, 2_000_000
-# every item's scratch is ~1.5 GiB (64 query rows x Dk, two K tiles): room for one thread only
+# a thread's scratch is ~1 GiB (the row of Dk, two K tiles of 64 x Dk): room for one thread only
 q = np.broadcast_to(np.full((1, 1, 1, Dk), 1e-4, np.float32), (NB, 1, 1, Dk))
 v = np.ones((NB, 1, 1, 4), np.float32)
 out = np.full((NB, 1, 1, 4), 7.0, np.float32)
 attnx.attention(np.ones((1, 2, 300, 64), np.float32), np.ones((1, 2, 300, 64), np.float32),
                 np.ones((1, 2, 300, 64), np.float32), num_threads=2)  # the team's threads exist
-limit = vm() + 2500 * 2**20
+limit = vm() + 1600 * 2**20
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 try:
     attnx.attention(q, q, v, out=out, num_threads=2)

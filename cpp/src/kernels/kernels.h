@@ -70,6 +70,11 @@ struct KernelTable {
   void (*flash)(const RowSet& rows, const KVSource& k, const KVSource& v, int64_t j_begin,
                 int64_t j_end, int64_t Dk, int64_t Dv, float softcap, const Scratch& scratch,
                 const FlashState& state);
+  // `flash` for n work items over the same key range, interleaved tile by tile (item g uses
+  // rows[g], k[g], v[g] and state[g]; the scratch is shared).
+  void (*flash_group)(int n, const RowSet* rows, const KVSource* k, const KVSource* v,
+                      int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
+                      const Scratch& scratch, const FlashState* state);
   // n elements of `src` (dtype) to fp32, and back.
   void (*load_row)(const void* src, DType dtype, int64_t n, float* dst);
   void (*store_row)(const float* src, int64_t n, DType dtype, void* dst);
