@@ -27,21 +27,21 @@ static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Addresses of rows j0 .. j0+n-1: one block-table lookup per page, not a division per row.
+// Addresses of rows j0 .. j0+n-1: one block-table lookup per page, not a division per row, and
+// a branch-free inner loop over each page's run of rows.
 static inline void kv_rows(const kern::KVSource& s, int64_t j0, int64_t n, const char** out) {
+  const int64_t rs = s.row_stride;
   if (s.block_table == nullptr) {
-    for (int64_t t = 0; t < n; ++t) out[t] = s.base + (j0 + t) * s.row_stride;
+    const char* p = s.base + j0 * rs;
+    for (int64_t t = 0; t < n; ++t) out[t] = p + t * rs;
     return;
   }
   int64_t blk = j0 / s.block_size, off = j0 % s.block_size;
-  const char* p = s.base + int64_t(s.block_table[blk]) * s.block_stride + off * s.row_stride;
-  for (int64_t t = 0; t < n; ++t) {
-    out[t] = p;
-    p += s.row_stride;
-    if (++off == s.block_size && t + 1 < n) {
-      off = 0;
-      p = s.base + int64_t(s.block_table[++blk]) * s.block_stride;
-    }
+  for (int64_t t = 0; t < n; ++blk, off = 0) {
+    const char* p = s.base + int64_t(s.block_table[blk]) * s.block_stride + off * rs;
+    const int64_t run = imin(s.block_size - off, n - t);
+    for (int64_t k = 0; k < run; ++k) out[t + k] = p + k * rs;
+    t += run;
   }
 }
 
@@ -81,7 +81,7 @@ static inline void load_row_padded(const char* src, DType dtype, int64_t D, int6
 
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
 template <int MR>
-static inline void qk_packed_block(const float* q, int64_t ldq, const float* kt, int64_t Dkp,
+static ATTNX_INLINE void qk_packed_block(const float* q, int64_t ldq, const float* kt, int64_t Dkp,
                                    float* s) {
   V acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -172,9 +172,8 @@ static inline void with_type(DType dtype, Fn&& f) {
 // A register block is RB rows x KB keys (RB * KB accumulators, a multiple of 8 for hsum8), so
 // each K vector loaded is used RB times and the K tile is streamed once per block of rows.
 template <int RB, int KB, class T>
-static inline void qk_dot_block(const float* q, int64_t ldq, const float* const* kr, int64_t Dk,
+static ATTNX_INLINE void qk_dot_block(const float* q, int64_t ldq, const float* const* kr, int64_t Dk,
                                 float* s) {
-  static_assert((RB * KB) % 8 == 0, "hsum8 reduces groups of 8 accumulators");
   V acc[RB * KB];
   for (int a = 0; a < RB * KB; ++a) acc[a] = zero();
   for (int64_t d = 0; d < Dk; d += W) {
@@ -185,10 +184,13 @@ static inline void qk_dot_block(const float* q, int64_t ldq, const float* const*
       for (int r = 0; r < RB; ++r) acc[r * KB + t] = fmadd(qv[r], kv, acc[r * KB + t]);
     }
   }
-  float tmp[RB * KB];
-  for (int a = 0; a < RB * KB; a += 8) hsum8(acc + a, tmp + a);
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < KB; ++t) s[r * kTileK + t] = tmp[r * KB + t];
+  // reduced straight into S: 8 keys of a row, or 4 keys of two rows, per hsum8
+  if constexpr (KB == 8) {
+    for (int r = 0; r < RB; ++r) hsum8(acc + r * 8, s + r * kTileK);
+  } else {
+    static_assert(KB == 4, "register blocks are 4 or 8 keys wide");
+    for (int r = 0; r < RB; r += 2) hsum8_split(acc + r * 4, s + r * kTileK, s + (r + 1) * kTileK);
+  }
 }
 
 // `next` (nn rows of `bytes`, or null) is the next tile's K, prefetched during the first rows.
@@ -212,37 +214,44 @@ static void qk_dot(int M, const float* q, int64_t ldq, const float* const* krow,
     }
 }
 
-// ---- O += P V: MR rows x NR*W value features per register block ------------------------------
-template <int MR, class T>
-static inline void pv_block(const float* p, const float* const* vrow, int64_t n, int64_t c,
-                            float* o, int64_t ldo, const char* const* next, int64_t nn,
-                            int64_t blo, int64_t bhi) {
-  V acc[MR][NR];
+// ---- O += P V: MR rows x NB*W value features per register block ------------------------------
+template <int MR, int NB, class T>
+static ATTNX_INLINE void pv_block(const float* p, const float* const* vrow, int64_t n, int64_t c,
+                                  float* o, int64_t ldo, const char* const* next, int64_t nn,
+                                  int64_t blo, int64_t bhi) {
+  V acc[MR][NB];
   for (int r = 0; r < MR; ++r)
-    for (int k = 0; k < NR; ++k) acc[r][k] = load(o + r * ldo + c + k * W);
+    for (int k = 0; k < NB; ++k) acc[r][k] = load(o + r * ldo + c + k * W);
   for (int64_t j = 0; j < n; ++j) {
-    if (next != nullptr && j < nn)
-      prefetch_row(next[j] + blo, bhi - blo);
-    const V v0 = ld<T>(vrow[j], c), v1 = ld<T>(vrow[j], c + W);
+    if (next != nullptr && j < nn) prefetch_row(next[j] + blo, bhi - blo);
+    V v[NB];
+    for (int k = 0; k < NB; ++k) v[k] = ld<T>(vrow[j], c + k * W);
     for (int r = 0; r < MR; ++r) {
-      V pb = set1(p[r * kTileK + j]);
-      acc[r][0] = fmadd(pb, v0, acc[r][0]);
-      acc[r][1] = fmadd(pb, v1, acc[r][1]);
+      const V pb = set1(p[r * kTileK + j]);
+      for (int k = 0; k < NB; ++k) acc[r][k] = fmadd(pb, v[k], acc[r][k]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int k = 0; k < NR; ++k) store(o + r * ldo + c + k * W, acc[r][k]);
+    for (int k = 0; k < NB; ++k) store(o + r * ldo + c + k * W, acc[r][k]);
 }
 
 // `next` (nn rows of `bytes`, or null) is a later tile's V. Each pass over a block of columns
 // prefetches its share of those rows' lines, so the requests are spread over the whole product.
+// With 32 registers, up to 4 rows take 4 vectors per pass (16 accumulators): half the passes, and
+// half the broadcasts of p per FMA.
 template <int MR, class T>
 static void pv_rows(const float* p, const float* const* vrow, int64_t n, int64_t Dvp, float* o,
                     int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
-  const int64_t lines = (bytes + 63) / 64, passes = Dvp / (NR * W);
-  for (int64_t c = 0, i = 0; c < Dvp; c += NR * W, ++i)
-    pv_block<MR, T>(p, vrow, n, c, o, ldo, next, nn, lines * i / passes * 64,
-                    lines * (i + 1) / passes * 64);
+  constexpr int NB = (W >= 16 && MR <= 4) ? 2 * NR : NR;
+  const int64_t wide = Dvp / (NB * W) * (NB * W);
+  const int64_t lines = (bytes + 63) / 64, passes = wide / (NB * W) + (Dvp - wide) / (NR * W);
+  int64_t c = 0, i = 0;
+  for (; c < wide; c += NB * W, ++i)
+    pv_block<MR, NB, T>(p, vrow, n, c, o, ldo, next, nn, lines * i / passes * 64,
+                        lines * (i + 1) / passes * 64);
+  for (; c < Dvp; c += NR * W, ++i)
+    pv_block<MR, NR, T>(p, vrow, n, c, o, ldo, next, nn, lines * i / passes * 64,
+                        lines * (i + 1) / passes * 64);
 }
 
 template <class T>

@@ -6,6 +6,11 @@
 
 #include "attnx/attention.h"
 
+// Micro-kernels and the reductions inside them must inline into their loops: as calls, GCC kept
+// their accumulator arrays on the stack (zeroed with rep stos, spilled, reloaded), which cost the
+// decode QK^T about as much as its FMAs.
+#define ATTNX_INLINE inline __attribute__((always_inline))
+
 namespace attnx {
 namespace kern {
 

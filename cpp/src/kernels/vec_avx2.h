@@ -39,7 +39,11 @@ static inline V exp(V x) { return exp256(x); }
 static inline V tanh(V x) { return tanh256(x); }
 static inline V load_f16(const uint16_t* p) { return load_f16_256(p); }
 static inline V load_bf16(const uint16_t* p) { return load_bf16_256(p); }
-static inline void hsum8(const V* a, float* out) { hsum8x256(a, out); }
+// out[t] = horizontal sum of a[t], t < 8; hsum8_split: sums 0-3 at lo, 4-7 at hi
+static ATTNX_INLINE void hsum8(const V* a, float* out) { _mm256_storeu_ps(out, hsum8x256(a)); }
+static ATTNX_INLINE void hsum8_split(const V* a, float* lo, float* hi) {
+  store_halves(hsum8x256(a), lo, hi);
+}
 static inline void transpose8x8(const float* const* src, int64_t col, float* dst, int64_t ldd) {
   transpose8x8_256(src, col, dst, ldd);
 }

@@ -74,10 +74,15 @@ static inline V load_bf16(const uint16_t* p) {
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-static inline void hsum8(const V* a, float* out) {
+// out[t] = horizontal sum of a[t], t < 8; hsum8_split: sums 0-3 at lo, 4-7 at hi
+static ATTNX_INLINE __m256 hsum8v(const V* a) {
   __m256 h[8];
   for (int t = 0; t < 8; ++t) h[t] = _mm256_add_ps(lo256(a[t]), hi256(a[t]));
-  hsum8x256(h, out);
+  return hsum8x256(h);
+}
+static ATTNX_INLINE void hsum8(const V* a, float* out) { _mm256_storeu_ps(out, hsum8v(a)); }
+static ATTNX_INLINE void hsum8_split(const V* a, float* lo, float* hi) {
+  store_halves(hsum8v(a), lo, hi);
 }
 static inline void transpose8x8(const float* const* src, int64_t col, float* dst, int64_t ldd) {
   transpose8x8_256(src, col, dst, ldd);

@@ -65,15 +65,18 @@ static inline float hadd256(__m256 v) {
 }
 
 // out[t] = sum of the 8 lanes of a[t]: a transpose-and-add tree, 9 instructions for 8 sums.
-static inline void hsum8x256(const __m256* a, float* out) {
+static ATTNX_INLINE __m256 hsum8x256(const __m256* a) {
   __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
   __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
   __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
   __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
   t0 = _mm256_hadd_ps(t0, t1);  // lanes: a0..a3 partial sums, low half | high half
   t2 = _mm256_hadd_ps(t2, t3);  // a4..a7
-  __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
-  _mm256_storeu_ps(out, s);
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+}
+static ATTNX_INLINE void store_halves(__m256 s, float* lo, float* hi) {
+  _mm_storeu_ps(lo, _mm256_castps256_ps128(s));
+  _mm_storeu_ps(hi, _mm256_extractf128_ps(s, 1));
 }
 
 // dst[c * ldd + r] = src[r][col + c] for an 8 x 8 block

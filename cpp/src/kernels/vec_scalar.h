@@ -36,9 +36,15 @@ static inline V exp(V x) { return std::exp(x); }
 static inline V tanh(V x) { return std::tanh(x); }
 static inline V load_f16(const uint16_t* p) { return cvt::f16_to_f32(*p); }
 static inline V load_bf16(const uint16_t* p) { return cvt::bf16_to_f32(*p); }
-// hsum8: out[t] = horizontal sum of a[t], t < 8
-static inline void hsum8(const V* a, float* out) {
+// hsum8: out[t] = horizontal sum of a[t], t < 8; hsum8_split: sums 0-3 at lo, 4-7 at hi
+static ATTNX_INLINE void hsum8(const V* a, float* out) {
   for (int t = 0; t < 8; ++t) out[t] = a[t];
+}
+static ATTNX_INLINE void hsum8_split(const V* a, float* lo, float* hi) {
+  for (int t = 0; t < 4; ++t) {
+    lo[t] = a[t];
+    hi[t] = a[4 + t];
+  }
 }
 // 8 x 8 transpose: dst[c * ldd + r] = src[r][c]
 static inline void transpose8x8(const float* const* src, int64_t col, float* dst, int64_t ldd) {
