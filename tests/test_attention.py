@@ -97,6 +97,24 @@ def test_bshd_decode_groups(isa, rng, Hq, Hkv, Sq, kind):
         check_attention(q, k, v, layout="bshd", causal=True, num_threads=threads, **kw)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("variant", ["causal_lens", "window", "mask", "alibi_softcap"])
+def test_prefill_k_packed_once(isa, rng, variant, dtype):
+    """Long prefills pack each kv head's K tiles once, up front, for the many work items that
+    share them (>= 16 items per kv head): odd widths, fp16/bf16 K converted while packing, windows
+    whose first visible key is not on a tile edge, padding, masks, ALiBi."""
+    B, Hq, Hkv, S = 2, 4, 2, 530  # 2 heads per item, 32-row chunks: 17 items per kv head
+    q, k, v = qkv(rng, B, Hq, Hkv, S, S, 59, 40, dtype)
+    kw = {
+        "causal_lens": dict(causal=True, kv_lens=[530, 377]),
+        "window": dict(causal=True, window=(99, None)),
+        "mask": dict(mask=rng.random((B, 1, S, S)) < 0.9),
+        "alibi_softcap": dict(alibi_slopes=np.array([0.5, 0.25, 0.1, 0.01], np.float32),
+                              softcap=5.0),
+    }[variant]
+    check_attention(q, k, v, **kw)
+
+
 @pytest.mark.parametrize(("Dk", "Dv"), [(64, 32), (7, 130), (576, 512), (1, 3), (33, 1)])
 def test_dk_ne_dv(isa, rng, Dk, Dv):
     check_attention(*qkv(rng, 1, 4, 2, 5, 70, Dk, Dv), causal=True)

@@ -262,6 +262,19 @@ def test_decode_groups(isa, hkv, group, variant):
         assert_close(lse, rlse)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_long_prompt_k_packed_once(isa, kv_dtype):
+    """A prompt of 300 tokens read from scrambled pages: its K tiles are packed once per kv head
+    (16+ work items share each) straight from the pages, alongside a short chunk and a decode."""
+    rng = make_rng(13, len(kv_dtype))
+    seq_lens, q_lens = [300, 300, 50], [300, 37, 1]  # 4 heads x 16 rows: 19 items per kv head
+    pool = Pool(rng, seq_lens, block_size=16, hkv=2, dk=40, dv=24, dtype=kv_dtype)
+    q = packed_q(rng, q_lens, 8, 40)
+    (o, lse), (ro, rlse) = run_both(q, pool, q_lens=np.array(q_lens), return_lse=True)
+    assert_close(o, ro, KV_DTYPES[kv_dtype] if kv_dtype != "bfloat16" else np.float32)
+    assert_close(lse, rlse)
+
+
 def test_decode_group_long_split(isa):
     """One sequence, 8 kv heads (one group), 3000 keys: the group's key range is split."""
     rng = make_rng(12)

@@ -343,6 +343,38 @@ static void pv_visible(const kern::RowSet& rs, int64_t j0, const float* bias, co
     }
 }
 
+// fp32 row pointers to keys [j0, j0 + n), converted into scratch unless read in place; rows past
+// n point at zeros so register blocks never read past the tile.
+static const float** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                              bool inplace, const kern::Scratch& sc) {
+  const int64_t Dkp = round_up(Dk, kPad);
+  kv_rows(ks, j0, n, sc.kaddr);
+  const float** krow = sc.krow;
+  for (int64_t t = 0; t < n; ++t) {
+    if (inplace) {
+      krow[t] = reinterpret_cast<const float*>(sc.kaddr[t]);
+    } else {
+      float* dst = sc.kf + t * Dkp;
+      load_row_padded(sc.kaddr[t], ks.dtype, Dk, Dkp, dst);
+      krow[t] = dst;
+    }
+  }
+  for (int64_t t = n; t < kTileK; ++t) krow[t] = sc.zero;
+  return krow;
+}
+
+// Keys [j0, j0 + n) transposed into kt (Dkp x kTileK), zero past n and past Dk.
+static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                   const kern::Scratch& sc, float* kt) {
+  const int64_t Dkp = round_up(Dk, kPad);
+  const bool inplace = ks.dtype == DType::f32 && Dk % 8 == 0;
+  const float* const* krow = key_rows(ks, j0, n, Dk, inplace, sc);
+  const int64_t dk = inplace ? Dk : Dkp;  // converted rows are already zero-padded
+  pack_kt(krow, n, dk, kt);
+  for (int64_t d = dk; d < Dkp; ++d)
+    for (int64_t j = 0; j < kTileK; ++j) kt[d * kTileK + j] = 0.f;
+}
+
 // Keys to prefetch while a tile is computed: rows [j, j + n) of the sources k and v (n = 0: none).
 struct Ahead {
   const kern::KVSource* k = nullptr;
@@ -389,10 +421,8 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
       if (!open) return;
       bias = sc.bias;
     }
-    // Row addresses of this tile.
-    const char** kaddr = sc.kaddr;
+    // Row addresses of this tile (of K only where QK^T reads the rows themselves).
     const char** vaddr = sc.vaddr;
-    kv_rows(ks, j0, n, kaddr);
     kv_rows(vs, j0, n, vaddr);
     // Few rows (decode) make this loop memory bound, and pages are scattered, so the hardware
     // prefetcher cannot guess what comes next: ask for a later tile while this one is computed.
@@ -405,25 +435,16 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
       kv_rows(*ahead.k, ahead.j, nn, kn);
       kv_rows(*ahead.v, ahead.j, nn, vn);
     }
-    // fp32 row pointers; rows past n point at zeros so register blocks never read past the tile.
-    const float** krow = sc.krow;
-    for (int64_t t = 0; t < n; ++t) {
-      if (k_inplace) {
-        krow[t] = reinterpret_cast<const float*>(kaddr[t]);
-      } else {
-        float* dst = sc.kf + t * Dkp;
-        load_row_padded(kaddr[t], ks.dtype, Dk, Dkp, dst);
-        krow[t] = dst;
-      }
-    }
-    for (int64_t t = n; t < kTileK; ++t) krow[t] = sc.zero;
     // S = Q K^T
     if (packed) {
-      pack_kt(krow, n, k_inplace ? Dk : Dkp, sc.kt);
-      for (int64_t d = (k_inplace ? Dk : Dkp); d < Dkp; ++d)
-        for (int64_t j = 0; j < kTileK; ++j) sc.kt[d * kTileK + j] = 0.f;
-      qk_packed(M, rs.q, rs.ldq, sc.kt, Dkp, n, sc.s);
+      const float* kt = sc.kt;
+      if (ks.kt != nullptr && j0 % kTileK == 0)
+        kt = ks.kt + j0 / kTileK * Dkp * kTileK;
+      else
+        pack_k(ks, j0, n, Dk, sc, sc.kt);
+      qk_packed(M, rs.q, rs.ldq, kt, Dkp, n, sc.s);
     } else {
+      const float** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
       with_type(kdt, [&](auto t) {
         qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
                             Dk * (ks.dtype == DType::f32 ? 4 : 2));

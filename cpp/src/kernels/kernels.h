@@ -31,6 +31,10 @@ struct KVSource {
   int64_t row_stride = 0;
   const int32_t* block_table = nullptr;
   int64_t block_size = 0, block_stride = 0;
+  // Optional, keys only: every tile of keys [t * kTileK, (t + 1) * kTileK) already packed by
+  // pack_k, at kt + t * Dkp * kTileK. The packed (many-row) QK^T path then reads it instead of
+  // transposing the tile itself; the driver packs once per kv head what many work items share.
+  const float* kt = nullptr;
 };
 
 // The query rows of one work item: up to a few dozen (query, head) pairs that share a kv head.
@@ -80,6 +84,10 @@ struct KernelTable {
   void (*flash_group)(int n, const RowSet* rows, const KVSource* k, const KVSource* v,
                       int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                       const Scratch& scratch, const FlashState* state);
+  // Packs keys [j0, j0 + n) (n <= kTileK) transposed into dst (Dkp x kTileK floats, zero-padded),
+  // the layout KVSource::kt holds.
+  void (*pack_k)(const KVSource& k, int64_t j0, int64_t n, int64_t Dk, const Scratch& scratch,
+                 float* dst);
   // n elements of `src` (dtype) to fp32, and back.
   void (*load_row)(const void* src, DType dtype, int64_t n, float* dst);
   void (*store_row)(const float* src, int64_t n, DType dtype, void* dst);

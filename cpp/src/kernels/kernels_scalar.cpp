@@ -17,8 +17,8 @@ namespace scalar {
 namespace kern {
 const KernelTable* table_scalar() {
   static const KernelTable table{"scalar", &scalar::flash, &scalar::flash_group,
-                                 &scalar::load_row, &scalar::store_row, &scalar::fma_probe,
-                                 &scalar::read_probe};
+                                 &scalar::pack_k, &scalar::load_row, &scalar::store_row,
+                                 &scalar::fma_probe, &scalar::read_probe};
   return &table;
 }
 }  // namespace kern
