@@ -100,10 +100,11 @@ def test_bshd_decode_groups(isa, rng, Hq, Hkv, Sq, kind):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("variant", ["causal_lens", "window", "mask", "alibi_softcap"])
 def test_prefill_k_packed_once(isa, rng, variant, dtype):
-    """Long prefills pack each kv head's K tiles once, up front, for the many work items that
-    share them (>= 16 items per kv head): odd widths, fp16/bf16 K converted while packing, windows
-    whose first visible key is not on a tile edge, padding, masks, ALiBi."""
-    B, Hq, Hkv, S = 2, 4, 2, 530  # 2 heads per item, 32-row chunks: 17 items per kv head
+    """Prefills pack each K tile once for all the work items of its kv head (the first item to
+    reach it packs, the others read; here 17 items race on 2 threads): odd widths, fp16/bf16 K
+    converted while packing, windows whose first key is not on a tile edge, padding, masks, ALiBi,
+    and causal items that need only part of a tile the next item needs whole."""
+    B, Hq, Hkv, S = 2, 4, 2, 530  # 2 heads per item, 32-row chunks: 17 items share a kv head
     q, k, v = qkv(rng, B, Hq, Hkv, S, S, 59, 40, dtype)
     kw = {
         "causal_lens": dict(causal=True, kv_lens=[530, 377]),

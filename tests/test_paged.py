@@ -264,8 +264,8 @@ def test_decode_groups(isa, hkv, group, variant):
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_long_prompt_k_packed_once(isa, kv_dtype):
-    """A prompt of 300 tokens read from scrambled pages: its K tiles are packed once per kv head
-    (16+ work items share each) straight from the pages, alongside a short chunk and a decode."""
+    """A prompt of 300 tokens read from scrambled pages: each K tile is packed once for the 19
+    work items of its kv head, straight from the pages, next to a short chunk and a decode."""
     rng = make_rng(13, len(kv_dtype))
     seq_lens, q_lens = [300, 300, 50], [300, 37, 1]  # 4 heads x 16 rows: 19 items per kv head
     pool = Pool(rng, seq_lens, block_size=16, hkv=2, dk=40, dv=24, dtype=kv_dtype)

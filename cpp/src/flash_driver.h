@@ -28,7 +28,6 @@ namespace detail {
 constexpr int kRowsPerItem = 64;      // query rows per work item: Q (64 x 128 fp32) is 32 KiB
 constexpr int64_t kMinSplitKeys = 256;  // a split-KV part covers at least this many keys
 constexpr int64_t kMaxGroup = 16;       // decode items run interleaved in groups of at most this
-constexpr int64_t kMinPackUsers = 16;   // items sharing a kv head before its K is packed up front
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -68,6 +67,7 @@ struct Unit {
 struct ThreadScratch {
   FloatBuf buf;
   FloatBuf packed_k;  // the calling thread's: K tiles packed once per call (see run_flash)
+  std::vector<int> packed_ready;
   std::vector<const float*> ptrs;
   std::vector<const char*> addrs;
   std::vector<int64_t> ints;
@@ -141,36 +141,36 @@ void run_flash(const P& p, int num_threads) {
   const int64_t n_items = int64_t(items.size()), n_units = int64_t(units.size());
   const int64_t max_group = grouped ? kMaxGroup : 1;
 
-  // Prefill: the many-row QK^T path transposes each K tile it visits. Where many work items
-  // (query chunks, head groups) share a kv head, its tiles are packed once, up front, in parallel,
-  // and every item reads them: each K tile of a 2048-token causal GQA prefill was otherwise
-  // transposed by 128 items (+4% there). The up-front pass reads K from memory without compute
-  // to hide it behind, so it only pays with many users: the padded encoder row (8 items per
-  // head) lost 7%. Costs one fp32 copy of those K (O(S * D)), kept by the calling thread.
+  // Prefill: the many-row QK^T path transposes each K tile it visits. Where several work items
+  // (query chunks, head groups) share a kv head, the first item to reach a tile packs it into a
+  // buffer shared by the call and the others read it (kern::KVSource::kt): each K tile of a
+  // 2048-token causal GQA prefill was otherwise transposed by 128 items. An up-front packing pass
+  // measured worse where few items share a head (it reads K with no compute to hide behind). The
+  // buffer, one fp32 copy of those K (O(S * D)), is kept by the calling thread between calls, like
+  // the per-thread scratch: a fresh allocation paid its page faults on every call.
   const int64_t tile_floats = Dkp * kern::kTileK;
-  std::vector<int64_t> kt_offset;  // per (b, kvh): offset into kt_all in floats, or -1
-  struct PackJob {
-    int64_t b, kvh, j0, dst;
-  };
-  std::vector<PackJob> pack_jobs;
+  std::vector<int64_t> kt_tile0;  // per (b, kvh): its first tile's index in the buffer, or -1
+  int64_t n_tiles = 0;
   if (!grouped && M_max > kern::kDotRows) {
     std::vector<int64_t> users(std::size_t(p.B * p.Hkv), 0);
     for (const Item& it : items) ++users[std::size_t(it.b * p.Hkv + it.kvh)];
-    kt_offset.assign(std::size_t(p.B * p.Hkv), -1);
-    int64_t total = 0;
+    kt_tile0.assign(std::size_t(p.B * p.Hkv), -1);
     for (int64_t b = 0; b < p.B; ++b)
       for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
-        if (users[std::size_t(b * p.Hkv + kvh)] < kMinPackUsers) continue;
-        kt_offset[std::size_t(b * p.Hkv + kvh)] = total;
-        for (int64_t j0 = 0; j0 < p.lk(b); j0 += kern::kTileK, total += tile_floats)
-          pack_jobs.push_back({b, kvh, j0, total});
+        if (users[std::size_t(b * p.Hkv + kvh)] < 2) continue;
+        kt_tile0[std::size_t(b * p.Hkv + kvh)] = n_tiles;
+        n_tiles += ceil_div(p.lk(b), kern::kTileK);
       }
   }
-  // Kept by the calling thread between calls, like the per-thread scratch: a fresh allocation of
-  // this size paid its page faults on every call.
-  const int64_t n_pack = int64_t(pack_jobs.size());
-  float* kt_all = n_pack > 0 ? thread_scratch().packed_k.get(std::size_t(n_pack * tile_floats))
-                             : nullptr;
+  float* kt_all = nullptr;
+  int* kt_ready = nullptr;
+  if (n_tiles > 0) {
+    ThreadScratch& caller = thread_scratch();
+    kt_all = caller.packed_k.get(std::size_t(n_tiles * tile_floats));
+    caller.packed_ready.assign(std::size_t(n_tiles), 0);
+    kt_ready = caller.packed_ready.data();
+  }
+
   // Small problems run on the calling thread: waking a team costs more than the work.
   double flops = 0;
   for (int64_t b = 0; b < p.B; ++b) flops += double(p.rows(b)) * double(p.lk(b));
@@ -314,13 +314,6 @@ void run_flash(const P& p, int num_threads) {
     kern::Scratch sc{kt, kf, vf, s, bias, zero, ts.ptrs.data(), ts.ptrs.data() + kern::kTileK,
                      ts.addrs.data(), ts.addrs.data() + 2 * kern::kTileK};
 
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t w = 0; w < n_pack; ++w) {
-      if (base == nullptr) continue;
-      const PackJob& job = pack_jobs[std::size_t(w)];
-      table->pack_k(p.k_src(job.b, job.kvh), job.j0, std::min<int64_t>(kern::kTileK, p.lk(job.b) - job.j0),
-                    p.Dk, sc, kt_all + job.dst);
-    }  // (the implied barrier: every tile is packed before any item reads one)
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < n_units * nsplit; ++w) {
@@ -343,9 +336,9 @@ void run_flash(const P& p, int num_threads) {
           }
       }
       if (je <= jb) jb = je = 0;
-      for (int64_t g = 0; g < u.n && !kt_offset.empty(); ++g) {
+      for (int64_t g = 0; g < u.n && !kt_tile0.empty(); ++g) {
         const Item& it = items[std::size_t(u.first + g)];
-        aligned = aligned || kt_offset[std::size_t(it.b * p.Hkv + it.kvh)] >= 0;
+        aligned = aligned || kt_tile0[std::size_t(it.b * p.Hkv + it.kvh)] >= 0;
       }
       if (aligned) jb = jb / kern::kTileK * kern::kTileK;
       const int64_t part = round_up(ceil_div(je - jb, nsplit), kern::kTileK);
@@ -366,8 +359,12 @@ void run_flash(const P& p, int num_threads) {
         }
         ks[g] = p.k_src(it.b, it.kvh);
         vs[g] = p.v_src(it.b, it.kvh);
-        if (!kt_offset.empty() && kt_offset[std::size_t(it.b * p.Hkv + it.kvh)] >= 0)
-          ks[g].kt = kt_all + kt_offset[std::size_t(it.b * p.Hkv + it.kvh)];
+        const int64_t tile0 = kt_tile0.empty() ? -1 : kt_tile0[std::size_t(it.b * p.Hkv + it.kvh)];
+        if (tile0 >= 0) {
+          ks[g].kt = kt_all + tile0 * tile_floats;
+          ks[g].kt_ready = kt_ready + tile0;
+          ks[g].kt_keys = p.lk(it.b);
+        }
         st[g] = kern::FlashState{os, Dvp, ms, ls};
       }
       if (pe > pb) {

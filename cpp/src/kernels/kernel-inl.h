@@ -375,6 +375,27 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
     for (int64_t j = 0; j < kTileK; ++j) kt[d * kTileK + j] = 0.f;
 }
 
+// K^T of keys [j0, j0 + n): the kv head's shared packed tile (packing it if no item has yet), or
+// a private one in scratch.
+static const float* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                                const kern::Scratch& sc) {
+  if (ks.kt != nullptr && j0 % kTileK == 0) {
+    float* shared = ks.kt + j0 / kTileK * round_up(Dk, kPad) * kTileK;
+    int* ready = ks.kt_ready + j0 / kTileK;
+    int state = __atomic_load_n(ready, __ATOMIC_ACQUIRE);
+    if (state == 2) return shared;
+    if (state == 0 &&
+        __atomic_compare_exchange_n(ready, &state, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+      // the whole tile, whatever part of it this item needs: later items may need the rest
+      pack_k(ks, j0, imin(kTileK, ks.kt_keys - j0), Dk, sc, shared);
+      __atomic_store_n(ready, 2, __ATOMIC_RELEASE);
+      return shared;
+    }
+  }
+  pack_k(ks, j0, n, Dk, sc, sc.kt);
+  return sc.kt;
+}
+
 // Keys to prefetch while a tile is computed: rows [j, j + n) of the sources k and v (n = 0: none).
 struct Ahead {
   const kern::KVSource* k = nullptr;
@@ -437,12 +458,7 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
     }
     // S = Q K^T
     if (packed) {
-      const float* kt = sc.kt;
-      if (ks.kt != nullptr && j0 % kTileK == 0)
-        kt = ks.kt + j0 / kTileK * Dkp * kTileK;
-      else
-        pack_k(ks, j0, n, Dk, sc, sc.kt);
-      qk_packed(M, rs.q, rs.ldq, kt, Dkp, n, sc.s);
+      qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s);
     } else {
       const float** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
       with_type(kdt, [&](auto t) {

@@ -31,10 +31,13 @@ struct KVSource {
   int64_t row_stride = 0;
   const int32_t* block_table = nullptr;
   int64_t block_size = 0, block_stride = 0;
-  // Optional, keys only: every tile of keys [t * kTileK, (t + 1) * kTileK) already packed by
-  // pack_k, at kt + t * Dkp * kTileK. The packed (many-row) QK^T path then reads it instead of
-  // transposing the tile itself; the driver packs once per kv head what many work items share.
-  const float* kt = nullptr;
+  // Optional, keys only: room for every tile of keys [t * kTileK, (t + 1) * kTileK) (of the
+  // kt_keys keys) packed by pack_k, at kt + t * Dkp * kTileK, shared by the work items of one kv
+  // head. kt_ready[t]: 0 = not packed, 1 = being packed, 2 = packed (atomic). The first item to
+  // need tile t packs it there; the others read it (or, while it is being packed, pack their own).
+  float* kt = nullptr;
+  int* kt_ready = nullptr;
+  int64_t kt_keys = 0;
 };
 
 // The query rows of one work item: up to a few dozen (query, head) pairs that share a kv head.
