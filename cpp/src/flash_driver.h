@@ -28,6 +28,8 @@ namespace detail {
 constexpr int kRowsPerItem = 64;      // query rows per work item: Q (64 x 128 fp32) is 32 KiB
 constexpr int64_t kMinSplitKeys = 256;  // a split-KV part covers at least this many keys
 constexpr int64_t kMaxGroup = 16;       // decode items run interleaved in groups of at most this
+constexpr int64_t kPackBudget = int64_t(64) << 20;  // bytes of shared packed K per call, at most
+constexpr int64_t kPackKeep = int64_t(16) << 20;    // ... and kept for the next call, at most
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -47,6 +49,13 @@ class FloatBuf {
       cap_ = n;
     }
     return ptr_;
+  }
+  // Frees the storage if it holds more than max_floats.
+  void trim(std::size_t max_floats) {
+    if (cap_ <= max_floats) return;
+    std::free(ptr_);
+    ptr_ = nullptr;
+    cap_ = 0;
   }
   ~FloatBuf() { std::free(ptr_); }
 
@@ -147,7 +156,9 @@ void run_flash(const P& p, int num_threads) {
   // 2048-token causal GQA prefill was otherwise transposed by 128 items. An up-front packing pass
   // measured worse where few items share a head (it reads K with no compute to hide behind). The
   // buffer, one fp32 copy of those K (O(S * D)), is kept by the calling thread between calls, like
-  // the per-thread scratch: a fresh allocation paid its page faults on every call.
+  // the per-thread scratch: a fresh allocation paid its page faults on every call. At most
+  // kPackBudget bytes (the kv heads beyond it pack per item, as before), and at most kPackKeep
+  // bytes are kept after the call: a long prefill's K would otherwise stay resident.
   const int64_t tile_floats = Dkp * kern::kTileK;
   std::vector<int64_t> kt_tile0;  // per (b, kvh): its first tile's index in the buffer, or -1
   int64_t n_tiles = 0;
@@ -157,9 +168,12 @@ void run_flash(const P& p, int num_threads) {
     kt_tile0.assign(std::size_t(p.B * p.Hkv), -1);
     for (int64_t b = 0; b < p.B; ++b)
       for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
-        if (users[std::size_t(b * p.Hkv + kvh)] < 2) continue;
+        const int64_t tiles = ceil_div(p.lk(b), kern::kTileK);
+        if (users[std::size_t(b * p.Hkv + kvh)] < 2 ||
+            (n_tiles + tiles) * tile_floats * 4 > kPackBudget)
+          continue;
         kt_tile0[std::size_t(b * p.Hkv + kvh)] = n_tiles;
-        n_tiles += ceil_div(p.lk(b), kern::kTileK);
+        n_tiles += tiles;
       }
   }
   float* kt_all = nullptr;
@@ -410,6 +424,7 @@ void run_flash(const P& p, int num_threads) {
       }
     }
   }
+  if (n_tiles > 0) thread_scratch().packed_k.trim(std::size_t(kPackKeep / 4));
   if (error) std::rethrow_exception(error);
 }
 
