@@ -31,7 +31,10 @@ def _as_array(x, name):
 def _unit_last(a):
     """``a``, or a contiguous copy if its last axis is strided or its data misaligned (the
     kernels read whole elements through typed pointers)."""
-    if (a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1) or not a.flags.aligned:
+    flags = a.flags
+    if flags.c_contiguous and flags.aligned:  # the common case, in one look at the flags
+        return a
+    if (a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1) or not flags.aligned:
         return a.copy(order="C")  # (ascontiguousarray would keep a contiguous misaligned array)
     return a
 
@@ -215,8 +218,14 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
                 np.may_share_memory(out, x) for x in (q, k, v)):
             # the kernel writes a fresh array; copy it into `out` once it is complete
             copy_back, out4 = out4, None
-    res = _core.attention(q4, k4, v4, mask, _lens(kv_lens, rank), _lens(q_lens, rank), bool(causal),
-                          _scale(scale, Dk), out4, bool(return_lse),
+    # (the None / bool defaults are passed through without calls: a few hundred ns per call)
+    res = _core.attention(q4, k4, v4, mask,
+                          kv_lens if kv_lens is None else _lens(kv_lens, rank),
+                          q_lens if q_lens is None else _lens(q_lens, rank),
+                          causal if causal is False or causal is True else bool(causal),
+                          1.0 / math.sqrt(Dk) if scale is None and Dk else _scale(scale, Dk), out4,
+                          return_lse if return_lse is False or return_lse is True
+                          else bool(return_lse),
                           0 if num_threads is None else _threads(num_threads), window, softcap,
                           sinks, alibi_slopes)
     o4, lse = res if return_lse else (res, None)
@@ -230,7 +239,8 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
         np.copyto(copy_back, o4)
         o = out
     else:
-        o = out if out is not None else _from4(o4, rank, layout)
+        o = (out if out is not None else o4 if rank == 4 and layout == "bhsd"
+             else _from4(o4, rank, layout))
     if not return_lse:
         return o
     return o, (lse if rank == 4 else lse[0] if rank == 3 else lse[0, 0])
