@@ -109,6 +109,14 @@ py::array_t<int32_t> int_vector(const py::object& obj, const char* name, int64_t
     value_error(std::string(name) + ": expected shape (" + std::to_string(n) + ",), got " + shape_str(a));
   // Lengths are int32 in the kernels: anything larger is refused, never narrowed.
   hi = std::min<int64_t>(hi, std::numeric_limits<int32_t>::max());
+  if (kind == 'i' && a.itemsize() == 4) {  // already int32: checked and used as it is (no copy
+    py::array_t<int32_t, py::array::c_style | py::array::forcecast> r(a);  // unless strided)
+    for (int64_t i = 0; i < n; ++i)
+      if (r.data()[i] < 0 || r.data()[i] > hi)
+        value_error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(r.data()[i]) +
+                    " is out of range [0, " + std::to_string(hi) + "] (" + hi_name + ")");
+    return r;
+  }
   if (kind == 'u') {
     py::array_t<uint64_t, py::array::c_style | py::array::forcecast> u(a);
     for (int64_t i = 0; i < n; ++i)
@@ -350,9 +358,17 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
   if (block_tables.ndim() != 2) value_error("block_tables: expected 2 dims (B, max_blocks), got " + shape_str(block_tables));
   p.B = block_tables.shape(0); p.max_blocks = block_tables.shape(1);
   PagedArrays keep;
-  // Range-check in int64 first: a cast to int32 would wrap 2**32 + b to a valid-looking b.
-  py::array_t<int64_t, py::array::c_style | py::array::forcecast> bt64(block_tables);
-  keep.bt = py::array_t<int32_t>(std::vector<py::ssize_t>{p.B, p.max_blocks});
+  // An int32 table is read as it is (the usual case: no copy). Any other integer type is
+  // range-checked in int64 first (a cast to int32 would wrap 2**32 + b to a valid-looking b) and
+  // copied to int32.
+  const bool bt_int32 = block_tables.dtype().kind() == 'i' && block_tables.itemsize() == 4;
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> bt64;
+  if (bt_int32) {
+    keep.bt = py::array_t<int32_t, py::array::c_style | py::array::forcecast>(block_tables);
+  } else {
+    bt64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(block_tables);
+    keep.bt = py::array_t<int32_t>(std::vector<py::ssize_t>{p.B, p.max_blocks});
+  }
   keep.sl = int_vector(seq_lens, "seq_lens", p.B, std::numeric_limits<int32_t>::max(), "int32");
   py::array_t<int32_t> ql = q_lens.is_none() ? py::array_t<int32_t>() : int_vector(q_lens, "q_lens", p.B, std::numeric_limits<int32_t>::max(), "int32");
   keep.q_start.assign(std::size_t(p.B + 1), 0);
@@ -362,11 +378,12 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
     if (nq > len) value_error("q_lens[" + std::to_string(b) + "] = " + std::to_string(nq) + " exceeds seq_lens[" + std::to_string(b) + "] = " + std::to_string(len));
     const int64_t nb = (len + p.block_size - 1) / p.block_size;
     if (nb > p.max_blocks) value_error("seq_lens[" + std::to_string(b) + "] = " + std::to_string(len) + " needs " + std::to_string(nb) + " blocks but block_tables has " + std::to_string(p.max_blocks) + " columns");
-    for (int64_t j = 0; j < p.max_blocks; ++j) {
-      const int64_t blk = bt64.data()[b * p.max_blocks + j];
+    for (int64_t j = 0; j < (bt_int32 ? nb : p.max_blocks); ++j) {
+      const int64_t blk = bt_int32 ? int64_t(keep.bt.data()[b * p.max_blocks + j])
+                                   : bt64.data()[b * p.max_blocks + j];
       if (j < nb && (blk < 0 || blk >= p.num_blocks))
         value_error("block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(blk) + " is out of range [0, " + std::to_string(p.num_blocks) + ")");
-      keep.bt.mutable_data()[b * p.max_blocks + j] = j < nb ? int32_t(blk) : 0;  // unused entries are never read
+      if (!bt_int32) keep.bt.mutable_data()[b * p.max_blocks + j] = j < nb ? int32_t(blk) : 0;  // unused entries are never read
     }
     keep.q_start[std::size_t(b + 1)] = keep.q_start[std::size_t(b)] + nq;
   }
@@ -395,13 +412,21 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
   NewKV nkv;
   const bool write = !k_new.is_none();
   if (write) prepare_new_kv(nkv, k_new, v_new, slots, p, kp, vp);
-  {
-    py::gil_scoped_release nogil;
+  auto run = [&]() {
     if (write) {
       paged_write(nkv.wk);
       if (nkv.v) paged_write(nkv.wv);
     }
     paged_attention(p);
+  };
+  double work = 0;
+  for (int64_t b = 0; b < p.B; ++b)
+    work += double(keep.q_start[std::size_t(b + 1)] - keep.q_start[std::size_t(b)]) * double(keep.sl.data()[b]);
+  if (work * double(p.Hq) * double(p.Dk + p.Dv) < kGilFreeWork) {
+    run();  // a few microseconds: releasing the GIL would cost more than it frees
+  } else {
+    py::gil_scoped_release nogil;
+    run();
   }
   if (return_lse) return py::make_tuple(o, lse);
   return o;

@@ -384,6 +384,26 @@ def test_table_and_length_dtypes(table_dtype):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("table_dtype", [np.int32, np.int64])
+def test_strided_tables_and_lengths(table_dtype):
+    """int32 tables and lengths are read in place when contiguous; strided views (every other
+    column of a wider table, every other entry of a longer lengths array) are copied first."""
+    rng = make_rng(14)
+    pool = Pool(rng, [5, 20, 33], block_size=8, hkv=1, dk=8, dv=8, extra_cols=0)
+    wide = np.zeros((3, 2 * pool.block_tables.shape[1]), table_dtype)
+    wide[:, ::2] = pool.block_tables
+    lens = np.zeros(6, table_dtype)
+    lens[::2] = pool.seq_lens
+    q = packed_q(rng, [1, 1, 1], 2, 8)
+    got = attnx.paged_attention(q, pool.k_pages, pool.v_pages, wide[:, ::2], lens[::2])
+    want = reference.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens)
+    assert_close(got, want)
+    bad = wide[:, ::2].copy()
+    bad[2, 1] = pool.num_blocks  # out of range, in use: refused, whatever the dtype
+    with pytest.raises(ValueError, match=r"block_tables\[2, 1\]"):
+        attnx.paged_attention(q, pool.k_pages, pool.v_pages, bad, lens[::2])
+
+
 def test_zero_length_sequence_in_batch(isa):
     """A sequence with no keys and no queries, next to others, contributes nothing and reads
     nothing (its table row is all junk)."""
