@@ -79,6 +79,15 @@ def test_heads(isa, rng, Hq, Hkv, Sq, causal, layout):
     check_attention(q, k, v, causal=causal, layout=layout)
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_k_with_split_kv(isa, rng, causal, threads):
+    """Few work items (2 query chunks) against a long key range: the key range is split across
+    threads, and the split parts read K tiles that the chunks share and pack once."""
+    q, k, v = qkv(rng, 1, 1, 1, 100, 3000, 48)
+    check_attention(q, k, v, causal=causal, window=(1500, None), num_threads=threads)
+
+
 @pytest.mark.parametrize("kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize(("Hq", "Hkv", "Sq"), [(17, 17, 1), (40, 20, 2), (12, 3, 1)],
                          ids=["hq17-hkv17-sq1", "hq40-hkv20-sq2", "hq12-hkv3-sq1"])
