@@ -187,9 +187,15 @@ static ATTNX_INLINE void qk_dot_block(const float* q, int64_t ldq, const float* 
   // reduced straight into S: 8 keys of a row, or 4 keys of two rows, per hsum8
   if constexpr (KB == 8) {
     for (int r = 0; r < RB; ++r) hsum8(acc + r * 8, s + r * kTileK);
-  } else {
-    static_assert(KB == 4, "register blocks are 4 or 8 keys wide");
+  } else if constexpr (KB == 4) {
     for (int r = 0; r < RB; r += 2) hsum8_split(acc + r * 4, s + r * kTileK, s + (r + 1) * kTileK);
+  } else {
+    static_assert(KB == 2 && RB % 4 == 0, "register blocks are 2, 4 or 8 keys wide");
+    for (int r = 0; r < RB; r += 4) {
+      float t[8];
+      hsum8(acc + r * 2, t);
+      for (int i = 0; i < 8; ++i) s[(r + i / 2) * kTileK + i % 2] = t[i];
+    }
   }
 }
 
@@ -197,8 +203,11 @@ static ATTNX_INLINE void qk_dot_block(const float* q, int64_t ldq, const float* 
 template <class T>
 static void qk_dot(int M, const float* q, int64_t ldq, const float* const* krow, int64_t n,
                    int64_t Dk, float* s, const char* const* next, int64_t nn, int64_t bytes) {
-  // AVX-512 has 32 registers: 4 rows x 4 keys; AVX2 has 16: 2 rows x 4 keys.
-  constexpr int RB = W >= 16 ? 4 : 2, KB = 4;
+  // AVX-512 has 32 registers: 4 rows x 4 keys. AVX2 has 16: 4 rows x 2 keys, so the 4 GQA rows
+  // of a kv head stream K once (2 rows x 4 keys streamed it twice; fp32 decode 5.1-5.7 -> 4.9-5.2
+  // ms). Its 8 accumulators at 2 FMAs per cycle and 4 cycles of latency leave no slack, which is
+  // why avx2 decode still trails avx512 on Zen 4.
+  constexpr int RB = 4, KB = W >= 16 ? 4 : 2;
   int r = 0;
   for (; r + RB <= M; r += RB)
     for (int64_t j = 0; j < n; j += KB) {
