@@ -3,31 +3,28 @@
 #pragma once
 #include <immintrin.h>
 
-// Cody-Waite exp on 8 lanes: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial
-// (relative error ~2 ulp), 2^n through the exponent bits. exp(-inf) = 0 exactly (masked scores
-// must weigh nothing), exp(x < -87.3) flushes to 0 (below the smallest normal float), NaN stays
-// NaN because every clamp puts x in the second operand of MAXPS/MINPS.
+// exp on 8 lanes, as the AVX-512 one: t = x log2(e), n = round(t), f = t - n (|f| <= 1/2), 2^f by
+// a degree-7 polynomial (Taylor; relative error ~1e-8 before rounding), 2^n through the exponent
+// bits. t is clamped to [-127, 128]: n = -127 puts 0 in the exponent field, so exp(-inf) = 0
+// exactly (masked scores must weigh nothing) and anything below ~2^-126.5 flushes to 0; n = 128
+// gives inf (from x > 88.38, a little early). NaN stays NaN: every clamp puts t in the second
+// operand of MAXPS/MINPS. 15 instructions, against 19 for the Cody-Waite form used before.
 static inline __m256 exp256(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f);
-  const __m256 lo = _mm256_set1_ps(-87.3365478515625f);
-  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(hi, x);
-  x = _mm256_max_ps(lo, x);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 r2 = _mm256_mul_ps(r, r);
-  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  __m256 res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  return _mm256_andnot_ps(tiny, res);
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  t = _mm256_min_ps(_mm256_set1_ps(128.f), _mm256_max_ps(_mm256_set1_ps(-127.f), t));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5252734e-5f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 // tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)); near 0 that form cancels, so |x| < 0.125 uses the
