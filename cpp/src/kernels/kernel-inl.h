@@ -81,8 +81,8 @@ static inline void load_row_padded(const char* src, DType dtype, int64_t D, int6
 
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
 template <int MR>
-static ATTNX_INLINE void qk_packed_block(const float* q, int64_t ldq, const float* kt, int64_t Dkp,
-                                   float* s) {
+static ATTNX_INLINE void qk_packed_block(const float* q, int64_t ldq, const float* kt,
+                                         int64_t Dkp, float* s) {
   V acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = zero();
@@ -170,10 +170,11 @@ static inline void with_type(DType dtype, Fn&& f) {
 
 // ---- QK^T, dot form for few rows: K rows read in place ---------------------------------------
 // A register block is RB rows x KB keys (RB * KB accumulators, a multiple of 8 for hsum8), so
-// each K vector loaded is used RB times and the K tile is streamed once per block of rows.
+// each K vector loaded is used RB times and the K tile is streamed once per block of rows. The
+// sums go straight to S.
 template <int RB, int KB, class T>
-static ATTNX_INLINE void qk_dot_block(const float* q, int64_t ldq, const float* const* kr, int64_t Dk,
-                                float* s) {
+static ATTNX_INLINE void qk_dot_block(const float* q, int64_t ldq, const float* const* kr,
+                                      int64_t Dk, float* s) {
   V acc[RB * KB];
   for (int a = 0; a < RB * KB; ++a) acc[a] = zero();
   for (int64_t d = 0; d < Dk; d += W) {
