@@ -56,14 +56,8 @@ static inline V exp(V x) {
   t = _mm512_min_ps(_mm512_set1_ps(128.f), _mm512_max_ps(_mm512_set1_ps(-200.f), t));
   const V n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const V f = _mm512_sub_ps(t, n);
-  V p = _mm512_set1_ps(1.5252734e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  V p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 static inline V tanh(V x) { return join(tanh256(lo256(x)), tanh256(hi256(x))); }

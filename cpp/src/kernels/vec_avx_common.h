@@ -3,6 +3,11 @@
 #pragma once
 #include <immintrin.h>
 
+// 2^f for |f| <= 1/2, highest power first: Taylor to degree 7 (ln2^k / k!), relative error ~1e-8
+// before rounding. Shared by the 8- and 16-lane exp.
+constexpr float kExp2Poly[8] = {1.5252734e-5f, 1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f,
+                                5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f};
+
 // exp on 8 lanes, as the AVX-512 one: t = x log2(e), n = round(t), f = t - n (|f| <= 1/2), 2^f by
 // a degree-7 polynomial (Taylor; relative error ~1e-8 before rounding), 2^n through the exponent
 // bits. t is clamped to [-127, 128]: n = -127 puts 0 in the exponent field, so exp(-inf) = 0
@@ -14,14 +19,8 @@ static inline __m256 exp256(__m256 x) {
   t = _mm256_min_ps(_mm256_set1_ps(128.f), _mm256_max_ps(_mm256_set1_ps(-127.f), t));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.5252734e-5f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i e =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
