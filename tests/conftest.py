@@ -11,6 +11,7 @@ Environment:
 from __future__ import annotations
 
 import os
+import types
 import zlib
 
 import ml_dtypes
@@ -232,6 +233,30 @@ def _structure4(q4, k4, *, mask, kv_lens, q_lens, rank):
     return pos, additive
 
 
+def dense_views(before, o, lse, ref_out, ref_lse, *, layout, rank, kw):
+    """What a dense comparison needs, as float64 (B, H, S, D) arrays: the inputs (q4, k4, v4),
+    kernel and reference outputs (o4, r4) and lse (l4, rl4), the visible (row, key) pairs, the
+    scale, positions and additive mask, the same-precision twin (lp_out, lp_lse), and the largest
+    finite |v| (v_max)."""
+    wkw = {key: kw[key] for key in ("causal", "mask", "kv_lens", "q_lens", "scale", "window",
+                                    "softcap", "sinks", "alibi_slopes") if key in kw}
+    weights = ref.attention_weights(before[0], before[1], layout=layout, **wkw)
+    q4, k4, v4 = (to4(x, layout, rank).astype(np.float64) for x in before)
+    visible = lse4(weights, rank) != 0
+    scale = kw.get("scale") or 1.0 / np.sqrt(q4.shape[3])
+    pos, additive = _structure4(q4, k4, mask=kw.get("mask"), kv_lens=kw.get("kv_lens"),
+                                q_lens=kw.get("q_lens"), rank=rank)
+    lp_out, lp_lse = lowp_attention(q4, k4, v4, visible, scale=scale, softcap=kw.get("softcap"),
+                                    alibi=kw.get("alibi_slopes"), additive=additive,
+                                    sinks=kw.get("sinks"), pos=pos, storage=before[0].dtype)
+    return types.SimpleNamespace(
+        q4=q4, k4=k4, v4=v4, o4=to4(o, layout, rank).astype(np.float64),
+        r4=to4(ref_out, layout, rank), l4=lse4(lse, rank).astype(np.float64),
+        rl4=lse4(ref_lse, rank).astype(np.float64), visible=visible, scale=scale, pos=pos,
+        additive=additive, lp_out=lp_out, lp_lse=lp_lse,
+        v_max=float(np.max(np.abs(v4[np.isfinite(v4)]), initial=0.0)))
+
+
 def check_attention(q, k, v, *, layout="bhsd", out=None, expect_nan=False, **kw):
     """Runs ``attnx.attention`` (with return_lse) and holds it to ``attnx.reference``.
 
@@ -259,25 +284,9 @@ def check_attention(q, k, v, *, layout="bhsd", out=None, expect_nan=False, **kw)
     assert o.dtype == q.dtype
     assert lse.dtype == np.float32 and lse.shape == ref_lse.shape, (lse.dtype, lse.shape)
 
-    wkw = {key: kw[key] for key in ("causal", "mask", "kv_lens", "q_lens", "scale", "window",
-                                    "softcap", "sinks", "alibi_slopes") if key in kw}
-    weights = ref.attention_weights(before[0], before[1], layout=layout, **wkw)
-    q4, k4, v4 = (to4(x, layout, rank).astype(np.float64) for x in before)
-    w4 = lse4(weights, rank)
-    visible = w4 != 0
-    Dk = q4.shape[3]
-    scale = kw.get("scale") or 1.0 / np.sqrt(Dk)
-    pos, additive = _structure4(q4, k4, mask=kw.get("mask"), kv_lens=kw.get("kv_lens"),
-                                q_lens=kw.get("q_lens"), rank=rank)
-    lp_out, lp_lse = lowp_attention(q4, k4, v4, visible, scale=scale, softcap=kw.get("softcap"),
-                                    alibi=kw.get("alibi_slopes"), additive=additive,
-                                    sinks=kw.get("sinks"), pos=pos, storage=q.dtype)
-
-    o4 = to4(o, layout, rank).astype(np.float64)
-    r4 = to4(ref_out, layout, rank)
-    l4, rl4 = lse4(lse, rank).astype(np.float64), lse4(ref_lse, rank).astype(np.float64)
-    v_vis = v4[np.isfinite(v4)]
-    v_max = float(np.max(np.abs(v_vis), initial=0.0))
+    c = dense_views(before, o, lse, ref_out, ref_lse, layout=layout, rank=rank, kw=kw)
+    o4, r4, l4, rl4, visible = c.o4, c.r4, c.l4, c.rl4, c.visible
+    lp_out, lp_lse, v_max = c.lp_out, c.lp_lse, c.v_max
     tol_out, tol_lse = attention_tolerance(r4, lp_out, rl4, lp_lse, storage=q.dtype, v_max=v_max)
 
     if not expect_nan:

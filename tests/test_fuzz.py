@@ -37,8 +37,8 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import (F32_EPS, ISAS, SEED, _structure4, assert_matches, attention_tolerance,
-                      from4, lowp_attention, lse4, to4)
+from conftest import (F32_EPS, ISAS, SEED, assert_matches, attention_tolerance, dense_views, from4,
+                      lowp_attention)
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -115,23 +115,10 @@ def check_dense(q, k, v, *, layout, out=None, **kw):
                                      out_dtype=np.float64, **kw)
     assert o.shape == ref_out.shape and o.dtype == q.dtype
     assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
-    wkw = {key: kw[key] for key in ("causal", "mask", "kv_lens", "q_lens", "scale", "window",
-                                    "softcap", "sinks", "alibi_slopes") if key in kw}
-    weights = ref.attention_weights(before[0], before[1], layout=layout, **wkw)
-    q4, k4, v4 = (to4(x, layout, rank).astype(np.float64) for x in before)
-    visible = lse4(weights, rank) != 0
-    scale = kw.get("scale") or 1.0 / np.sqrt(q4.shape[3])
-    pos, additive = _structure4(q4, k4, mask=kw.get("mask"), kv_lens=kw.get("kv_lens"),
-                                q_lens=kw.get("q_lens"), rank=rank)
-    lp_out, lp_lse = lowp_attention(q4, k4, v4, visible, scale=scale, softcap=kw.get("softcap"),
-                                    alibi=kw.get("alibi_slopes"), additive=additive,
-                                    sinks=kw.get("sinks"), pos=pos, storage=q.dtype)
-    o4 = to4(o, layout, rank).astype(np.float64)
-    r4 = to4(ref_out, layout, rank)
-    l4, rl4 = lse4(lse, rank).astype(np.float64), lse4(ref_lse, rank).astype(np.float64)
-    v_max = float(np.max(np.abs(v4[np.isfinite(v4)]), initial=0.0))
-    cond = conditioning(q4, k4, visible, scale, kw.get("alibi_slopes"), pos, additive)
-    compare(o4, r4, l4, rl4, lp_out, lp_lse, visible, storage=q.dtype, v_max=v_max, cond=cond)
+    c = dense_views(before, o, lse, ref_out, ref_lse, layout=layout, rank=rank, kw=kw)
+    cond = conditioning(c.q4, c.k4, c.visible, c.scale, kw.get("alibi_slopes"), c.pos, c.additive)
+    compare(c.o4, c.r4, c.l4, c.rl4, c.lp_out, c.lp_lse, c.visible, storage=q.dtype,
+            v_max=c.v_max, cond=cond)
     return o, lse
 
 
@@ -446,7 +433,7 @@ def _dense_twin(q, k_pages, v_pages, tables, seq_lens, q_lens, bs):
 def test_paged_fuzz(spec):
     r = np.random.default_rng(spec["data_seed"])
     kp, vp, tables, seq_lens, q_lens = _pages(r, spec)
-    Hq, Dk, bs = spec["Hq"], spec["Dk"], spec["block_size"]
+    Hq, Dk = spec["Hq"], spec["Dk"]
     N = int(q_lens.sum())
     q = present(r.standard_normal((N, Hq, Dk)).astype(spec["q_dtype"]), spec["q_view"], r)
     kw = dict(causal=spec["causal"], scale=spec["scale"], window=spec["window"],

@@ -113,7 +113,8 @@ def test_output_larger_than_memory_is_refused(case):
         assert rss_mb() - r0 < 64
 
 
-ADDRESS_LIMITED = r"""
+# the start of the subprocess scripts below: vm() is the process's address-space size in bytes
+VM_PRELUDE = r"""
 import resource, sys, numpy as np, attnx
 
 def vm():
@@ -121,7 +122,9 @@ def vm():
         for line in f:
             if line.startswith("VmSize:"):
                 return int(line.split()[1]) * 1024
+"""
 
+ADDRESS_LIMITED = VM_PRELUDE + r"""
 GiB = 2**30
 attnx.attention(np.ones((1, 2, 300, 64), np.float32), np.ones((1, 2, 300, 64), np.float32),
                 np.ones((1, 2, 300, 64), np.float32), num_threads=2)  # the team's threads exist
@@ -449,15 +452,7 @@ def test_cache_bookkeeping_is_proportionate():
 # error paths leave outputs unchanged
 # ---------------------------------------------------------------------------------------------
 
-PARTIAL_WRITE = r"""
-import resource, sys, numpy as np, attnx
-
-def vm():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-
+PARTIAL_WRITE = VM_PRELUDE + r"""
 Dk, NB = 2**21, 2_000_000
 # a thread's scratch is ~1 GiB (the row of Dk, two K tiles of 64 x Dk): room for one thread only
 q = np.broadcast_to(np.full((1, 1, 1, Dk), 1e-4, np.float32), (NB, 1, 1, Dk))
