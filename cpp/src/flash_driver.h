@@ -12,12 +12,12 @@
 #include <new>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <atomic>
+#include <mutex>
 
 #include "attnx/attention.h"
 #include "kernels/kernels.h"
+#include "parallel.h"
 
 namespace attnx {
 
@@ -281,18 +281,17 @@ void run_flash(const P& p, int num_threads) {
     if (lse) *lse = m + std::log(l);
   };
 
-  // Exceptions (only allocation failures can occur) must not leave an OpenMP construct: each
+  // Exceptions (only allocation failures can occur) must not leave a parallel region: each
   // thread records the first one and skips its remaining work, and the caller rethrows it.
   std::exception_ptr error;
-  bool any_failed = false;
-  auto record = [&error, &any_failed]() {
-#pragma omp critical(attnx_error)
+  std::mutex error_mutex;
+  std::atomic<bool> any_failed{false};
+  auto record = [&]() {
+    std::lock_guard<std::mutex> lock(error_mutex);
     if (!error) error = std::current_exception();
-#pragma omp atomic write
-    any_failed = true;
+    any_failed.store(true);
   };
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-  {
+  parallel(num_threads, [&](Team& team) {
     ThreadScratch& ts = thread_scratch();
     float* base = nullptr;
     try {
@@ -308,11 +307,8 @@ void run_flash(const P& p, int num_threads) {
     }
     // Nothing is written until every thread has its scratch: a failed allocation anywhere
     // leaves `out` untouched (the call raises MemoryError).
-#pragma omp barrier
-    bool failed;
-#pragma omp atomic read
-    failed = any_failed;
-    if (failed) base = nullptr;
+    team.barrier();
+    if (any_failed.load()) base = nullptr;
     float* qs = base;                       // max_group x (M_max, Dkp)
     float* o = qs + max_group * M_max * Dkp;  // max_group x (M_max, Dvp)
     float* m = o + max_group * M_max * Dvp;   // max_group x M_max
@@ -329,9 +325,8 @@ void run_flash(const P& p, int num_threads) {
                      ts.addrs.data(), ts.addrs.data() + 2 * kern::kTileK};
 
 
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_units * nsplit; ++w) {
-      if (base == nullptr) continue;
+    team.for_dynamic(n_units * nsplit, [&](int64_t w) {
+      if (base == nullptr) return;
       const Unit& u = units[std::size_t(w / nsplit)];
       const int64_t split = w % nsplit;
       kern::RowSet rs[kMaxGroup];
@@ -392,13 +387,12 @@ void run_flash(const P& p, int num_threads) {
           for (int r = 0; r < rs[g].M; ++r)
             finalize_row(items[std::size_t(u.first + g)], r, st[g].o + r * Dvp, st[g].m[r],
                          st[g].l[r], tmp);
-    }
+    });
 
     if (nsplit > 1) {
       // merge the parts by log-sum-exp: m = max m_s, l = sum l_s e^(m_s - m), O likewise
-#pragma omp for schedule(static)
-      for (int64_t ix = 0; ix < n_items; ++ix) {
-        if (base == nullptr) continue;
+      team.for_static(n_items, [&](int64_t ix) {
+        if (base == nullptr) return;
         const Item& it = items[std::size_t(ix)];
         const int64_t M = it.nh * it.ni;
         for (int64_t r = 0; r < M; ++r) {
@@ -421,9 +415,9 @@ void run_flash(const P& p, int num_threads) {
           }
           finalize_row(it, r, o, mm, ll, tmp);
         }
-      }
+      });
     }
-  }
+  });
   if (n_tiles > 0) thread_scratch().packed_k.trim(std::size_t(kPackKeep / 4));
   if (error) std::rethrow_exception(error);
 }

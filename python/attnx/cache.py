@@ -31,6 +31,7 @@ import threading
 import numpy as np
 
 from . import _api, _core
+from ._validate import positive_int as _positive_int, storage_dtype as _dtype
 
 __all__ = ["PagedKVCache", "Step", "CacheFullError", "StaleStepError"]
 
@@ -43,21 +44,6 @@ class StaleStepError(RuntimeError):
     """A step's sequence was truncated, freed or stepped again after ``begin_step``."""
 
 
-def _dtype(dtype):
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    if name in ("float32", "float16"):
-        return np.dtype(name)
-    raise TypeError(f"dtype: expected 'float32', 'float16' or 'bfloat16', got {dtype!r}")
-
-
-def _positive_int(x, name, minimum=1):
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {x!r}")
-    return int(x)
 
 
 class _Seq:

@@ -23,11 +23,11 @@ Columns ``h*head_dim : (h+1)*head_dim`` of W_Q belong to head ``h`` (torch's spl
 
 from __future__ import annotations
 
-import numbers
 
 import numpy as np
 
 from . import _api
+from ._validate import positive_int as _positive, storage_dtype as _storage_dtype
 from . import reference as _reference
 
 __all__ = ["MultiHeadAttention"]
@@ -35,21 +35,6 @@ __all__ = ["MultiHeadAttention"]
 _F32 = np.dtype(np.float32)
 
 
-def _storage_dtype(dtype):
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    if name in ("float32", "float16"):
-        return np.dtype(name)
-    raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype!r}")
-
-
-def _positive(x, name):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
-        raise ValueError(f"{name}: expected a positive int, got {x!r}")
-    return int(x)
 
 
 def _to_numpy(t, name):
