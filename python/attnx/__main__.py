@@ -43,32 +43,101 @@ def info():
     print(f"  attnx vs the NumPy reference: max |diff| = {err:.1e}")
     print()
     print("Benchmark: python -m attnx bench [--quick] [--threads N] [--json FILE] [--plot FILE.png]")
+    print("  your own shape: python -m attnx bench --case prefill|decode|paged-decode --heads 32:8 "
+          "--seq 2048 --context 4096 ...; a model: python -m attnx bench --config config.json")
     return 0 if err < 1e-5 else 1
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m attnx", description=__doc__)
-    sub = parser.add_subparsers(dest="command")
-    b = sub.add_parser("bench", help="measure this machine's limits and time the suite "
-                                     "against the NumPy reference and torch SDPA")
+def _lengths(text):
+    """``"512,2048"`` -> [512, 2048] (argparse type of --seq / --context)."""
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        xs = []
+    if not xs or min(xs) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive lengths like 2048 or 512,2048, got {text!r}")
+    return xs
+
+
+def _bench_parser(sub):
+    b = sub.add_parser("bench", help="measure this machine's limits and time attnx against the "
+                                     "NumPy reference, torch SDPA and onnxruntime GQA")
     b.add_argument("--quick", action="store_true",
                    help="fewer samples and a smaller reference shape (about a minute)")
     b.add_argument("--threads", type=int, default=None,
-                   help="threads for attnx and torch (default: attnx.get_num_threads())")
+                   help="threads for attnx and its peers (default: attnx.get_num_threads())")
     b.add_argument("--repeat", type=int, default=None,
                    help="interleaved repetitions per row (default 7, --quick 3)")
     b.add_argument("--json", metavar="FILE", default=None, help="save everything, with machine info")
     b.add_argument("--plot", metavar="FILE.png", default=None, help="bar chart (needs matplotlib)")
     b.add_argument("--tiny", action="store_true",
                    help="tiny shapes for smoke tests (also ATTNX_BENCH_TINY=1); numbers are meaningless")
+    own = b.add_argument_group("your own shape (instead of the fixed suite)")
+    own.add_argument("--case", choices=("prefill", "decode", "paged-decode"),
+                     help="time one shape: causal prefill (S queries on S keys), decode (one query "
+                          "on L contiguous keys) or paged-decode (one query on L keys in pages)")
+    own.add_argument("--config", metavar="config.json",
+                     help="a Hugging Face model config: time its prefill at every --seq and its "
+                          "paged decode at every --context")
+    own.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
+    own.add_argument("--heads", default="32:8", help="query:KV heads, e.g. 32:8, or one number (default 32:8)")
+    own.add_argument("--seq", type=_lengths, action="append", metavar="S[,S...]",
+                     help="prefill length(s) (default 2048; --config: 512,2048)")
+    own.add_argument("--context", type=_lengths, action="append", metavar="L[,L...]",
+                     help="decode context length(s) (default 4096)")
+    own.add_argument("--head-dim", type=int, default=128, help="head dimension D (default 128)")
+    own.add_argument("--kv-dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
+                     help="dtype of K and V (prefill: of q, k and v too; default fp32)")
+    own.add_argument("--block-size", type=int, default=16, help="paged-decode tokens per page (default 16)")
+    own.add_argument("--window", type=int, default=None,
+                     help="sliding window: keys each query sees, itself included")
+    own.add_argument("--no-causal", action="store_true", help="prefill without the causal mask")
+    return b
+
+
+def _own_cases(args, parser):
+    """The cases --case / --config ask for (None: the fixed suite); errors name the flag."""
+    from .bench import _cases
+
+    if args.case is None and args.config is None:
+        return None, None
+    if args.case and args.config:
+        parser.error("--case and --config: give one of them")
+    for flag in ("batch", "head_dim", "block_size", "window"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')}: expected a positive number, got {value}")
+    flat = lambda xs: [n for x in xs for n in x] if xs else None  # noqa: E731
+    seqs, contexts = flat(args.seq), flat(args.context) or [4096]
+    try:
+        if args.config:
+            model, cases = _cases.from_config(args.config, batch=args.batch, seqs=seqs or [512, 2048],
+                                              contexts=contexts, kv_dtype=args.kv_dtype,
+                                              block=args.block_size, quick=args.quick)
+            return cases, (f"model {model['name']}: heads {model['heads'][0]}:{model['heads'][1]}, "
+                           f"head dim {model['head_dim']}, sliding window {model['window'] or 'none'}")
+        cases = _cases.custom(args.case, batch=args.batch, heads=_cases.parse_heads(args.heads),
+                              seqs=seqs or [2048], contexts=contexts, head_dim=args.head_dim,
+                              kv_dtype=args.kv_dtype, block=args.block_size, window=args.window,
+                              causal=not args.no_causal, quick=args.quick)
+        return cases, None
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m attnx", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    b = _bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         return info()
     from . import bench
 
+    cases, title = _own_cases(args, b)
     bench.run(threads=args.threads, repeat=args.repeat, quick=args.quick, tiny=args.tiny,
-              json_path=args.json, plot_path=args.plot)
+              json_path=args.json, plot_path=args.plot, cases=cases, title=title)
     return 0
 
 

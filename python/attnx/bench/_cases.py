@@ -1,0 +1,431 @@
+"""Every benchmark case declared once: its shape, the work it does (FLOPs or bytes, from the
+shape), the limit that work is measured against, and its target. The table's target and met?
+columns, the JSON and the plot are all made from these declarations.
+
+The fixed suite (``suite``), one user-chosen shape (``custom``) and a Hugging Face model's
+prefill and decode (``from_config``) are built from the same two shapes, ``Dense`` and ``Paged``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+GiB = 1 << 30
+MiB = 1 << 20
+DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
+# the limit each kind of work is measured against: (key of the probed value, name in the table)
+LIMITS = {"flops": ("fma_gflops_all", "FMA peak"), "bytes": ("read_gbps_all", "read BW")}
+
+
+def np_dtype(name):
+    if name == "bf16":
+        from ml_dtypes import bfloat16
+
+        return np.dtype(bfloat16)
+    return np.dtype({"fp32": np.float32, "fp16": np.float16}[name])
+
+
+def visible_range(Sq, Sk, causal, window, kv_len=None):
+    """First and last key each query row sees, as arrays over the rows (``hi < lo``: none).
+    Causal masks are aligned bottom-right (row i is position i + Sk - Sq); ``window`` is the
+    number of keys a row sees, itself included (Hugging Face's ``sliding_window``)."""
+    pos = np.arange(Sq, dtype=np.int64) + (Sk - Sq)
+    hi = np.minimum(pos, Sk - 1) if causal else np.full(Sq, Sk - 1, np.int64)
+    lo = np.maximum(pos - (window - 1), 0) if window else np.zeros(Sq, np.int64)
+    if kv_len is not None:
+        hi = np.minimum(hi, kv_len - 1)
+    return lo, hi
+
+
+def _visible_keys(Sq, Sk, causal, window, kv_len=None):
+    lo, hi = visible_range(Sq, Sk, causal, window, kv_len)
+    return float(np.maximum(hi - lo + 1, 0).sum())
+
+
+def _heads(Hq, Hkv):
+    return {"H": Hq} if Hq == Hkv else {"Hq": Hq, "Hkv": Hkv}
+
+
+def _dims(**kw):
+    return " ".join(f"{k}{v}" for k, v in kw.items())
+
+
+@dataclass(frozen=True)
+class Dense:
+    """``attnx.attention`` on contiguous (B, H, S, D) arrays. One query row (Sq == 1) is a decode
+    step and is counted in bytes of K and V read; otherwise in FLOPs."""
+    B: int
+    Hq: int
+    Hkv: int
+    Sq: int
+    Sk: int
+    D: int
+    causal: bool = False
+    window: int | None = None
+    kv_lens: tuple | None = None
+    dtype: str = "fp32"
+
+    @property
+    def kind(self):
+        return "bytes" if self.Sq == 1 else "flops"
+
+    def keys_seen(self):
+        """Σ over batches and query rows of the keys each row sees."""
+        lens = self.kv_lens or (None,) * self.B
+        return sum(_visible_keys(self.Sq, self.Sk, self.causal, self.window, n) for n in lens)
+
+    def work(self):
+        if self.kind == "bytes":  # K and V rows each KV head reads once for all its query heads
+            return 2.0 * self.Hkv * self.D * DTYPES[self.dtype] * self.keys_seen()
+        return 4.0 * self.Hq * self.D * self.keys_seen()
+
+    def cut(self, B=None, S=None):
+        """The same shape on the first B batches and S positions (the reference's smaller run)."""
+        B = min(B or self.B, self.B)
+        S = min(S or self.Sk, self.Sk)
+        return replace(self, B=B, Sk=S, Sq=1 if self.Sq == 1 else S,
+                       kv_lens=None if self.kv_lens is None else tuple(min(n, S) for n in self.kv_lens[:B]))
+
+    def describe(self):
+        seq = {"S": self.Sk} if self.Sq == self.Sk else {"Sq": self.Sq, "Sk": self.Sk}
+        text = _dims(B=self.B, **_heads(self.Hq, self.Hkv), **seq, D=self.D)
+        if self.causal and self.Sq > 1:
+            text += " causal"
+        if self.window:
+            text += f" window{self.window}"
+        if self.kv_lens:
+            text += f" kv_lens∈[{min(self.kv_lens)},{max(self.kv_lens)}]"
+        return text + ("" if self.dtype == "fp32" else f" {self.dtype}")
+
+
+@dataclass(frozen=True)
+class Paged:
+    """``attnx.paged_attention``: one decode token per sequence against L cached tokens in pages
+    of ``block`` tokens, scrambled through the block table. Counted in bytes of K and V read."""
+    B: int
+    Hq: int
+    Hkv: int
+    L: int
+    D: int
+    block: int = 16
+    dtype: str = "fp32"
+    window: int | None = None
+    kind = "bytes"
+    causal = True  # the new token is the last position: it sees every cached one
+
+    def keys_seen(self):
+        return self.B * min(self.L, self.window or self.L)
+
+    def work(self):
+        return 2.0 * self.Hkv * self.D * DTYPES[self.dtype] * self.keys_seen()
+
+    def cut(self, B=None, S=None):
+        return replace(self, B=min(B or self.B, self.B), L=min(S or self.L, self.L))
+
+    def describe(self):
+        return (_dims(B=self.B, Hq=self.Hq, Hkv=self.Hkv, L=self.L, D=self.D)
+                + f" block{self.block} {self.dtype} KV" + (f" window{self.window}" if self.window else ""))
+
+
+# ---- targets ---------------------------------------------------------------------------------
+# A goal names what it measures, the bound, and how it reads in the table. `value` gets the row
+# (see _suite.Row) and the rows measured so far by key; None means it could not be measured.
+
+@dataclass(frozen=True)
+class PctOfLimit:
+    pct: float
+
+    def text(self, row):
+        return f"≥ {self.pct:g}% {LIMITS[row.spec.shape.kind][1]}"
+
+    def value(self, row, rows):
+        return row.pct_of_limit
+
+    def ok(self, v):
+        return v >= self.pct
+
+    def show(self, v, row):
+        return f"{v:.0f}% {'peak' if row.kind == 'flops' else 'BW'}"
+
+
+@dataclass(frozen=True)
+class FasterThan:
+    peer: str
+    x: float
+    how: str = ""  # how the peer runs the same work, e.g. "(enable_gqa)"
+
+    def text(self, row):
+        return f"≥ {self.x:g}× {self.peer}" + (f" {self.how}" if self.how else "")
+
+    def value(self, row, rows):
+        return row.vs.get(self.peer)
+
+    def ok(self, v):
+        return v >= self.x
+
+    def show(self, v, row):
+        return f"{v:.2f}× {self.peer}" if v is not None else f"{self.peer} n/a"
+
+
+@dataclass(frozen=True)
+class TokensOver:
+    base: str  # key of the row whose tokens/s this one is compared with
+    x: float
+
+    def text(self, row):
+        return f"≥ {self.x:g}× fp32 tokens/s"
+
+    def value(self, row, rows):
+        base = rows.get(self.base)
+        if base is None or not base.attnx_s or not row.attnx_s:
+            return None
+        ratio = (row.spec.shape.B / row.attnx_s) / (base.spec.shape.B / base.attnx_s)
+        row.extra["tokens_per_s_vs_fp32"] = ratio
+        return ratio
+
+    def ok(self, v):
+        return v >= self.x
+
+    def show(self, v, row):
+        return f"{v:.2f}× fp32 tokens/s" if v is not None else "fp32 row n/a"
+
+
+@dataclass(frozen=True)
+class AtMostLatency:
+    seconds: float
+
+    def text(self, row):
+        return f"≤ {self.seconds * 1e6:g} µs per call"
+
+    def value(self, row, rows):
+        return row.attnx_s
+
+    def ok(self, v):
+        return v <= self.seconds
+
+    def show(self, v, row):
+        return f"{v * 1e6:.1f} µs"
+
+
+@dataclass(frozen=True)
+class ThreadScaling:
+    frac: float  # of the thread count
+
+    def text(self, row):
+        n = row.extra.get("threads", 0)
+        return f"{n} threads ≥ {self.frac * n:.1f}× 1 thread"
+
+    def value(self, row, rows):
+        return row.extra.get("speedup")
+
+    def ok(self, v):
+        return None  # judged in `judge`, which knows the thread count
+
+    def show(self, v, row):
+        return f"{v:.2f}×"
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """Peak RSS growth of one call within max(4× its inputs and outputs, 64 MiB): O(S·D)."""
+
+    def text(self, row):
+        return "peak O(S·D), not O(S²)"
+
+    def value(self, row, rows):
+        return row.extra.get("rss_growth_bytes")
+
+    def ok(self, v):
+        return None  # judged in `judge`, which knows the allowance
+
+    def show(self, v, row):
+        return f"+{v / MiB:.1f} MiB vs {row.extra['score_matrix_bytes'] / GiB:.2g} GiB"
+
+
+def _goal_met(goal, v, row):
+    if isinstance(goal, ThreadScaling):
+        return v >= goal.frac * row.extra["threads"]
+    if isinstance(goal, PeakMemory):
+        return v <= row.extra["allowed_bytes"]
+    return goal.ok(v)
+
+
+def judge(row, rows):
+    """The met? column from the row's declared goals: yes / NO / ? (a peer to compare with is
+    missing) followed by what was measured. A row without goals gets "—"."""
+    goals = row.spec.goals
+    if not goals:
+        row.met, row.met_text = None, "—"
+        return
+    parts, ok, unknown = [], True, False
+    for goal in goals:
+        v = goal.value(row, rows)
+        parts.append(goal.show(v, row) if v is not None or isinstance(goal, (FasterThan, TokensOver))
+                     else "n/a")
+        if v is None:
+            unknown = True
+        else:
+            ok &= bool(_goal_met(goal, v, row))
+    row.met = None if ok and unknown else ok
+    row.met_text = ("NO" if not ok else "?" if unknown else "yes") + ": " + ", ".join(parts)
+
+
+def target_text(row):
+    return "; ".join(g.text(row) for g in row.spec.goals) or "—"
+
+
+# ---- cases -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the table. ``ref`` cuts the shape for the NumPy reference (``Dense.cut``
+    arguments; None: no reference), which runs ``ref_samples`` times; its time is scaled by the
+    ratio of the work. ``kind`` is the shape's (flops / bytes) unless this row measures something
+    else (latency, threads, memory)."""
+    key: str
+    name: str
+    shape: Dense | Paged
+    goals: tuple = ()
+    ref: dict | None = field(default_factory=dict)
+    ref_samples: int = 1
+    seed: int = 0
+    kind: str = ""
+
+    @property
+    def row_kind(self):
+        return self.kind or self.shape.kind
+
+
+def _padding_lens(B, S, seed):
+    """kv_lens of an encoder batch padded to S: uniform in [S/2, S]."""
+    rng = np.random.default_rng(1234 + seed)
+    return tuple(int(n) for n in rng.integers(S // 2, S, size=B, endpoint=True))
+
+
+def suite(*, tiny, quick, threads, repeat):
+    """The fixed suite and the issue's targets. ``tiny`` shrinks every shape (smoke tests: the
+    numbers then mean nothing); ``quick`` scales the reference down further."""
+    big = not tiny
+    S_pre, S_gqa, S_enc, L_dec, L_long = (2048, 2048, 512, 2048, 32768) if big else (256, 256, 128, 256, 2048)
+    H_pre, B_enc, H_enc = (8, 4, 12) if big else (2, 2, 2)
+    Hq, Hkv, B_dec = (32, 8, 8) if big else (8, 2, 2)
+    q_big = quick and big
+    decode = Paged(B_dec, Hq, Hkv, L_dec, 128)
+    cases = [
+        Case("prefill", "prefill", Dense(1, H_pre, H_pre, S_pre, S_pre, 64),
+             (PctOfLimit(70), FasterThan("torch", 1.5)), {"S": S_pre // (4 if q_big else 1)}, seed=1),
+        Case("gqa_causal", "causal GQA prefill", Dense(1, Hq, Hkv, S_gqa, S_gqa, 128, causal=True),
+             (FasterThan("torch", 1.5, "(enable_gqa)"),),
+             {"S": S_gqa // (1 if tiny else 8 if quick else 2)}, seed=2),
+        Case("encoder", "encoder batch with padding",
+             Dense(B_enc, H_enc, H_enc, S_enc, S_enc, 64, kv_lens=_padding_lens(B_enc, S_enc, 3)),
+             (FasterThan("torch", 1.5, "(boolean mask)"),), {"B": 1 if quick else B_enc},
+             ref_samples=1 if quick else 2, seed=3),
+        Case("decode_f32", "paged decode", decode, (PctOfLimit(80), FasterThan("torch", 4.0)),
+             {"B": 2 if q_big else B_dec}, ref_samples=1 if quick else 3, seed=4),
+    ]
+    for dt in ("fp16", "bf16"):
+        cases.append(Case(f"decode_{dt}", f"paged decode {dt} KV", replace(decode, dtype=dt),
+                          (TokensOver("decode_f32", 1.7),), {"B": 2 if q_big else B_dec},
+                          ref_samples=1 if quick else 3, seed=4))
+    cases += [
+        Case("decode_long", "long-context decode", Paged(1, Hq, Hkv, L_long, 128), (PctOfLimit(80),),
+             {"S": L_long // (8 if q_big else 1)}, ref_samples=1 if quick else 3, seed=5),
+        Case("small", "small call", Dense(1, 1, 1, 1, 16, 64), (AtMostLatency(5e-6),),
+             ref_samples=repeat, seed=7, kind="latency"),
+        Case("threads", "threads", Dense(1, H_pre, H_pre, S_pre, S_pre, 64), (ThreadScaling(0.9),),
+             None, seed=1, kind="threads"),
+        Case("memory", "memory", Dense(1, 1, 1, 32768 if big else 2048, 32768 if big else 2048, 64),
+             (PeakMemory(),), None, kind="memory"),
+    ]
+    return cases
+
+
+# ---- your own model --------------------------------------------------------------------------
+
+# the NumPy reference runs on at most this much work (FLOPs / bytes) and is extrapolated beyond
+REF_BUDGET = {"flops": 4e9, "bytes": 4e8}
+
+
+def auto_ref(shape, quick):
+    """A cut of ``shape`` small enough for the reference: fewer batches first, then positions."""
+    budget = REF_BUDGET[shape.kind] / (4 if quick else 1)
+    B = shape.B
+    while B > 1 and shape.cut(B=B).work() > budget:
+        B //= 2
+    S = shape.Sk if isinstance(shape, Dense) else shape.L
+    while S > 16 and shape.cut(B=B, S=S).work() > budget:
+        S //= 2
+    return {"B": B, "S": S}
+
+
+def parse_heads(text):
+    """``"32:8"`` -> (32, 8); ``"12"`` -> (12, 12)."""
+    try:
+        parts = [int(x) for x in str(text).split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2) or min(parts) < 1 or parts[0] % parts[-1]:
+        raise ValueError(f"--heads: expected HQ:HKV with HQ a multiple of HKV (or one H), got {text!r}")
+    return parts[0], parts[-1]
+
+
+CASES = ("prefill", "decode", "paged-decode")
+
+
+def custom(case, *, batch, heads, seqs, contexts, head_dim, kv_dtype, block, window, causal,
+           quick, label=""):
+    """Rows for one user-chosen shape: ``case`` at every length of ``seqs`` (prefill: S) or
+    ``contexts`` (decode, paged-decode: L). No targets: the table shows rates and ratios."""
+    Hq, Hkv = heads
+    lens = seqs if case == "prefill" else contexts
+    rows = []
+    for n in lens:
+        if case == "prefill":
+            shape = Dense(batch, Hq, Hkv, n, n, head_dim, causal=causal, window=window, dtype=kv_dtype)
+        elif case == "decode":
+            shape = Dense(batch, Hq, Hkv, 1, n, head_dim, causal=True, window=window, dtype=kv_dtype)
+        else:
+            shape = Paged(batch, Hq, Hkv, n, head_dim, block=block, dtype=kv_dtype, window=window)
+        name = (f"{label} " if label else "") + f"{case} {'S' if case == 'prefill' else 'L'}={n}"
+        rows.append(Case(f"{case}_{n}".replace("-", "_"), name, shape, (),
+                         auto_ref(shape, quick), ref_samples=1 if quick else 2, seed=11))
+    return rows
+
+
+def read_config(path):
+    """The attention shape of a Hugging Face ``config.json``: heads, KV heads, head dim, sliding
+    window and a name. Multimodal configs keep the language model under ``text_config``."""
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--config: cannot read {path}: {e}") from None
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
+    if not isinstance(cfg, dict) or "num_attention_heads" not in cfg:
+        raise ValueError(f"--config: {path} has no num_attention_heads (not a model config?)")
+    Hq = int(cfg["num_attention_heads"])
+    Hkv = int(cfg.get("num_key_value_heads") or Hq)
+    D = cfg.get("head_dim")
+    if not D:
+        if "hidden_size" not in cfg:
+            raise ValueError(f"--config: {path} has neither head_dim nor hidden_size")
+        D = int(cfg["hidden_size"]) // Hq
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    name = cfg.get("_name_or_path") or cfg.get("model_type") or "model"
+    if Hq % Hkv:
+        raise ValueError(f"--config: num_attention_heads {Hq} is not a multiple of "
+                         f"num_key_value_heads {Hkv}")
+    return {"name": str(name).rstrip("/").split("/")[-1], "heads": (Hq, Hkv), "head_dim": int(D),
+            "window": int(window) if window else None}
+
+
+def from_config(path, *, batch, seqs, contexts, kv_dtype, block, quick):
+    """A model's causal prefill at every --seq and paged decode at every --context."""
+    m = read_config(path)
+    common = dict(batch=batch, heads=m["heads"], seqs=seqs, contexts=contexts, head_dim=m["head_dim"],
+                  kv_dtype=kv_dtype, block=block, window=m["window"], causal=True, quick=quick,
+                  label=m["name"])
+    return m, custom("prefill", **common) + custom("paged-decode", **common)

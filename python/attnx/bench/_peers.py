@@ -1,0 +1,274 @@
+"""The inputs of a case and the callables that time it: attnx, the NumPy reference, torch's SDPA
+and onnxruntime's GroupQueryAttention, each given the same work. torch and onnxruntime are
+optional and imported here only, when the benchmark runs.
+
+Every callable is an ``Impl``: ``fn`` is what is timed, ``result()`` gives its output as float32
+in attnx's layout so that a peer can be checked against attnx before it is timed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+import attnx
+from attnx import reference
+
+from ._cases import Dense, Paged, np_dtype, visible_range
+
+
+@dataclass
+class Impl:
+    fn: Callable
+    result: Callable
+
+
+def load_torch():
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    return torch, F
+
+
+def load_onnxruntime():
+    try:
+        import onnxruntime
+        from onnx import TensorProto, helper
+    except ImportError:
+        return None
+    return onnxruntime, helper, TensorProto
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+def _randn(rng, shape, dtype):
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
+
+
+def dense_inputs(shape: Dense, seed):
+    rng = np.random.default_rng(1234 + seed)
+    dt = np_dtype(shape.dtype)
+    q = _randn(rng, (shape.B, shape.Hq, shape.Sq, shape.D), dt)
+    k = _randn(rng, (shape.B, shape.Hkv, shape.Sk, shape.D), dt)
+    v = _randn(rng, (shape.B, shape.Hkv, shape.Sk, shape.D), dt)
+    kv_lens = None if shape.kv_lens is None else np.asarray(shape.kv_lens, np.int32)
+    return q, k, v, kv_lens
+
+
+def paged_inputs(shape: Paged, seed):
+    rng = np.random.default_rng(1234 + seed)
+    dt = np_dtype(shape.dtype)
+    nper = -(-shape.L // shape.block)
+    nb = shape.B * nper
+    k_pages = _randn(rng, (nb, shape.Hkv, shape.block, shape.D), dt)
+    v_pages = _randn(rng, (nb, shape.Hkv, shape.block, shape.D), dt)
+    # a scrambled block table, as a cache that has allocated and freed for a while would have
+    block_tables = rng.permutation(nb).astype(np.int32).reshape(shape.B, nper)
+    q = _randn(rng, (shape.B, shape.Hq, shape.D), dt)
+    return q, k_pages, v_pages, block_tables, np.full(shape.B, shape.L, np.int32)
+
+
+def gather(pages, block_tables, L):
+    """(num_blocks, H, bs, D) pages -> contiguous (B, H, L, D): the same work for the peers."""
+    g = pages[block_tables]                       # (B, nper, H, bs, D)
+    B, nper, H, bs, D = g.shape
+    return np.ascontiguousarray(g.transpose(0, 2, 1, 3, 4).reshape(B, H, nper * bs, D)[:, :, :L])
+
+
+def _window(shape):
+    return None if not shape.window else (shape.window - 1, 0)
+
+
+def _f32(a):
+    return np.asarray(a, dtype=np.float32)
+
+
+# ---- attnx and the reference -------------------------------------------------------------------
+
+def attnx_dense(shape, data, threads, *, plain=False):
+    """``plain``: a call as a small caller writes it (no ``out``, default threads)."""
+    q, k, v, kv_lens = data
+    kw = dict(causal=shape.causal, kv_lens=kv_lens, window=_window(shape))
+    if plain:
+        box = {}
+
+        def fn():
+            box["out"] = attnx.attention(q, k, v, **kw)
+        return Impl(fn, lambda: (fn(), _f32(box["out"]))[1])
+    out = np.empty_like(q)
+    fn = lambda: attnx.attention(q, k, v, num_threads=threads, out=out, **kw)  # noqa: E731
+    return Impl(fn, lambda: (fn(), _f32(out))[1])
+
+
+def attnx_paged(shape, data, threads):
+    q, kp, vp, bt, sl = data
+    out = np.empty_like(q)
+    fn = lambda: attnx.paged_attention(q, kp, vp, bt, sl, num_threads=threads, out=out,  # noqa: E731
+                                       window=_window(shape))
+    return Impl(fn, lambda: (fn(), _f32(out))[1])
+
+
+def reference_call(shape, data, cut):
+    """The reference on the first ``cut.B`` batches and ``cut`` positions of the full inputs."""
+    if isinstance(shape, Paged):
+        q, kp, vp, bt, _ = data
+        nper = -(-cut.L // cut.block)
+        rq, rbt, rsl = q[:cut.B], bt[:cut.B, :nper], np.full(cut.B, cut.L, np.int32)
+        return lambda: reference.paged_attention(rq, kp, vp, rbt, rsl, window=_window(shape))
+    q, k, v, kv_lens = data
+    rq, rk, rv = q[:cut.B, :, :cut.Sq], k[:cut.B, :, :cut.Sk], v[:cut.B, :, :cut.Sk]
+    rl = None if cut.kv_lens is None else np.asarray(cut.kv_lens, np.int32)
+    return lambda: reference.attention(rq, rk, rv, causal=shape.causal, kv_lens=rl,
+                                       window=_window(shape))
+
+
+# ---- torch SDPA ------------------------------------------------------------------------------
+
+def _tensor(torch, a):
+    """numpy -> torch; bfloat16 goes through float32 (torch.from_numpy does not know it)."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _torch_mask(shape, Sq, Sk, kv_lens):
+    """SDPA's boolean mask (True = may attend) where ``is_causal`` cannot say it: kv_lens, a
+    window, or causal with Sq != Sk (torch aligns it top-left, attnx bottom-right). Rows that are
+    all alike broadcast as (B, 1, 1, Sk); None when nothing is masked."""
+    causal = shape.causal and Sq > 1
+    if kv_lens is None and not shape.window and (not causal or Sq == Sk):
+        return None
+    rows = Sq if (causal or shape.window) else 1
+    lens = kv_lens if kv_lens is not None else [None]
+    j = np.arange(Sk)
+    masks = []
+    for n in lens:
+        lo, hi = visible_range(Sq, Sk, shape.causal, shape.window, n)
+        lo, hi = lo[Sq - rows:], hi[Sq - rows:]
+        masks.append((j >= lo[:, None]) & (j <= hi[:, None]))
+    return np.stack(masks)[:, None]
+
+
+def torch_dense(torch_F, shape, q, k, v, kv_lens, threads):
+    """torch's SDPA on the same work; q, k, v (B, H, S, D) numpy arrays in the case's dtype."""
+    torch, F = torch_F
+    tq, tk, tv = (_tensor(torch, a) for a in (q, k, v))
+    Sq, Sk = q.shape[2], k.shape[2]
+    kw = {"enable_gqa": True} if shape.Hq != shape.Hkv else {}
+    mask = _torch_mask(shape, Sq, Sk, kv_lens)
+    if mask is not None:
+        kw["attn_mask"] = torch.from_numpy(mask)
+    elif shape.causal and Sq > 1:
+        kw["is_causal"] = True  # top-left aligned; with Sq == Sk the same triangle as ours
+
+    def fn():
+        return F.scaled_dot_product_attention(tq, tk, tv, **kw)
+    torch.set_num_threads(threads)
+    return fn
+
+
+def torch_impl(torch_F, shape, data, threads):
+    if isinstance(shape, Paged):
+        q, kp, vp, bt, _ = data
+        fn = torch_dense(torch_F, shape, q[:, :, None, :], gather(kp, bt, shape.L),
+                         gather(vp, bt, shape.L), None, threads)
+        return Impl(fn, lambda: fn().float().numpy()[:, :, 0, :])
+    q, k, v, kv_lens = data
+    fn = torch_dense(torch_F, shape, q, k, v, kv_lens, threads)
+    return Impl(fn, lambda: fn().float().numpy())
+
+
+# ---- onnxruntime GroupQueryAttention ---------------------------------------------------------
+
+ORT_DTYPES = ("fp32", "fp16")  # what its CPU kernel registers
+
+
+def ort_skip_reason(shape):
+    """Why onnxruntime's GQA cannot run this shape (None: it can). GQA is always causal and has
+    no per-sequence key mask; its CPU kernel takes float32 and float16."""
+    if shape.dtype not in ORT_DTYPES:
+        return f"onnxruntime GQA: no {shape.dtype} on CPU"
+    if isinstance(shape, Dense) and shape.Sq > 1 and not (shape.causal and shape.Sq == shape.Sk
+                                                         and shape.kv_lens is None):
+        return "onnxruntime GQA: causal self-attention or decode only"
+    return None
+
+
+def _gqa_session(ort_mods, shape, with_past, threads):
+    """A one-node graph: com.microsoft GroupQueryAttention, no rotary, default scale 1/sqrt(D)."""
+    ort, helper, TP = ort_mods
+    T = TP.FLOAT if shape.dtype == "fp32" else TP.FLOAT16
+    names = ["query", "key", "value", "past_key" if with_past else "", "past_value" if with_past else "",
+             "seqlens_k", "total_sequence_length"]
+    # local_window_size counts the keys a row sees, itself included, as Hugging Face's
+    # sliding_window does (checked against attnx's window=(W-1, 0) before timing)
+    node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
+                            domain="com.microsoft", num_heads=shape.Hq, kv_num_heads=shape.Hkv,
+                            local_window_size=shape.window or -1, do_rotary=0)
+    vi = helper.make_tensor_value_info
+    ins = [vi(n, TP.INT32 if n in ("seqlens_k", "total_sequence_length") else T, None)
+           for n in names if n]
+    outs = [vi(n, T, None) for n in ("output", "present_key", "present_value")]
+    model = helper.make_model(helper.make_graph([node], "gqa", ins, outs),
+                              opset_imports=[helper.make_opsetid("", 17),
+                                             helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _bsh(a):
+    """(B, H, S, D) -> GQA's (B, S, H·D)."""
+    B, H, S, D = a.shape
+    return np.ascontiguousarray(a.transpose(0, 2, 1, 3).reshape(B, S, H * D))
+
+
+def ort_decode(ort_mods, shape, q, K, V, threads):
+    """One decode token per sequence against L cached tokens (B, Hkv, L, D). The cache is GQA's
+    shared past/present buffer (bound to both through I/O binding, as onnxruntime-genai runs it),
+    so a call writes the new token in place instead of copying the whole cache; the new token is
+    the cache's last, so repeated calls leave it unchanged."""
+    ort = ort_mods[0]
+    B, Hkv, L, D = K.shape
+    sess = _gqa_session(ort_mods, shape, True, threads)
+    io = sess.io_binding()
+    past = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x)) for x in (K, V)]
+    io.bind_cpu_input("query", np.ascontiguousarray(q.reshape(B, 1, -1)))
+    io.bind_cpu_input("key", np.ascontiguousarray(K[:, :, L - 1].reshape(B, 1, Hkv * D)))
+    io.bind_cpu_input("value", np.ascontiguousarray(V[:, :, L - 1].reshape(B, 1, Hkv * D)))
+    io.bind_ortvalue_input("past_key", past[0])
+    io.bind_ortvalue_input("past_value", past[1])
+    io.bind_cpu_input("seqlens_k", np.full(B, L - 1, np.int32))
+    io.bind_cpu_input("total_sequence_length", np.array([L], np.int32))
+    io.bind_output("output")
+    io.bind_ortvalue_output("present_key", past[0])
+    io.bind_ortvalue_output("present_value", past[1])
+    fn = lambda: sess.run_with_iobinding(io)  # noqa: E731
+
+    def result():
+        fn()
+        return _f32(io.copy_outputs_to_cpu()[0]).reshape(B, shape.Hq, D)
+    return fn, result
+
+
+def ort_impl(ort_mods, shape, data, threads):
+    if isinstance(shape, Paged):
+        q, kp, vp, bt, _ = data
+        fn, result = ort_decode(ort_mods, shape, q, gather(kp, bt, shape.L), gather(vp, bt, shape.L),
+                                threads)
+        return Impl(fn, result)
+    q, k, v, _ = data
+    if shape.Sq == 1:
+        fn, result = ort_decode(ort_mods, shape, q[:, :, 0], k, v, threads)
+        return Impl(fn, lambda: result()[:, :, None, :])
+    sess = _gqa_session(ort_mods, shape, False, threads)
+    B, S = shape.B, shape.Sq
+    feed = {"query": _bsh(q), "key": _bsh(k), "value": _bsh(v),
+            "seqlens_k": np.full(B, S - 1, np.int32), "total_sequence_length": np.array([S], np.int32)}
+    fn = lambda: sess.run(["output"], feed)  # noqa: E731
+    return Impl(fn, lambda: _f32(fn()[0]).reshape(B, S, shape.Hq, shape.D).transpose(0, 2, 1, 3))
