@@ -82,3 +82,175 @@ def test_bench_plot_without_matplotlib_is_a_clear_error(tmp_path):
     assert res.returncode != 0
     assert "--plot needs matplotlib" in res.stderr
     assert "[1/" not in res.stderr  # it failed before measuring anything
+
+
+# ---- your own shape, a model's config, the declarations, the onnxruntime peer -----------------
+
+import importlib.util  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from attnx.bench import _cases, _peers, _suite  # noqa: E402
+from attnx.bench._timing import Progress  # noqa: E402
+
+HAS_ORT = all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
+FAST = ["--quick", "--repeat", "1", "--threads", "2"]
+
+
+def _rows(tmp_path, args, name):
+    res = _run(["bench", *FAST, "--json", name, *args], tmp_path, {"ATTNX_BENCH_TINY": "1"})
+    assert res.returncode == 0, res.stderr
+    return res, json.loads((tmp_path / name).read_text())["rows"]
+
+
+@pytest.mark.parametrize("case, lens, expect", [
+    ("prefill", ["--seq", "48,80"], ["B1 Hq4 Hkv2 S48 D32 causal", "B1 Hq4 Hkv2 S80 D32 causal"]),
+    ("decode", ["--context", "70"], ["B1 Hq4 Hkv2 Sq1 Sk70 D32"]),
+    ("paged-decode", ["--context", "70", "--kv-dtype", "fp16"], ["B1 Hq4 Hkv2 L70 D32 block16 fp16 KV"]),
+])
+def test_bench_case_times_one_shape(tmp_path, case, lens, expect):
+    res, rows = _rows(tmp_path, ["--case", case, "--heads", "4:2", "--head-dim", "32", *lens], "c.json")
+    assert [r["shape"] for r in rows] == expect
+    for r in rows:
+        assert r["attnx_s"] > 0 and r["rate"] > 0 and r["vs_numpy"] > 0
+        assert r["target"] == "—" and r["met"] is None  # no targets for a user's shape
+        if r["onnxruntime_s"] is not None:
+            assert r["extra"]["max_abs_diff_vs_onnxruntime"] < 5e-2
+    assert "| case | shape |" in res.stdout and "timing: " in res.stdout
+    assert "[1/" in res.stderr
+
+
+def test_bench_config_times_a_models_prefill_and_decode(tmp_path):
+    cfg = {"_name_or_path": "org/tiny-model", "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 128, "sliding_window": 40}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    res, rows = _rows(tmp_path, ["--config", "config.json", "--seq", "64", "--context", "50,90"], "m.json")
+    assert [r["case"] for r in rows] == ["tiny-model prefill S=64", "tiny-model paged-decode L=50",
+                                        "tiny-model paged-decode L=90"]
+    assert all(r["declaration"]["shape"]["window"] == 40 and r["declaration"]["shape"]["D"] == 32
+               for r in rows)
+    assert "model tiny-model: heads 4:2, head dim 32, sliding window 40" in res.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--case", "prefill", "--heads", "6:4"], "--heads"),
+    (["--case", "decode", "--context", "0"], "--context"),
+    (["--case", "prefill", "--batch", "0"], "--batch"),
+    (["--config", "missing.json"], "--config"),
+    (["--case", "decode", "--config", "x.json"], "--case and --config"),
+])
+def test_bench_own_shape_errors_name_the_flag_before_measuring(tmp_path, args, message):
+    res = _run(["bench", *args], tmp_path, {"ATTNX_BENCH_TINY": "1"}, timeout=60)
+    assert res.returncode == 2 and message in res.stderr
+    assert "[1/" not in res.stderr
+
+
+def test_read_config_head_dim_and_kv_heads_defaults(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"text_config": {"num_attention_heads": 8, "hidden_size": 512,
+                                             "head_dim": 128, "use_sliding_window": False,
+                                             "sliding_window": 4096, "model_type": "m"}}))
+    assert _cases.read_config(p) == {"name": "m", "heads": (8, 8), "head_dim": 128, "window": None}
+
+
+def _judged(case, **measured):
+    row = _suite.Row(case)
+    for k, v in measured.items():
+        setattr(row, k, v)
+    if row.rate is None and case.shape.kind == case.row_kind:
+        row.rate = 1.0
+    _cases.judge(row, {case.key: row})
+    return row
+
+
+def test_met_column_comes_from_the_declared_goals():
+    case = _cases.Case("p", "prefill", _cases.Dense(1, 8, 8, 2048, 2048, 64),
+                       (_cases.PctOfLimit(70), _cases.FasterThan("torch", 1.5)))
+    assert _cases.target_text(_suite.Row(case)) == "≥ 70% FMA peak; ≥ 1.5× torch"
+    assert _judged(case, pct_of_limit=72.0, vs={"torch": 1.6}).met_text == "yes: 72% peak, 1.60× torch"
+    missed = _judged(case, pct_of_limit=72.0, vs={"torch": 1.2})
+    assert missed.met is False and missed.met_text == "NO: 72% peak, 1.20× torch"
+    unknown = _judged(case, pct_of_limit=72.0)  # no torch installed: cannot say
+    assert unknown.met is None and unknown.met_text == "?: 72% peak, torch n/a"
+    latency = _cases.Case("s", "small", _cases.Dense(1, 1, 1, 1, 16, 64), (_cases.AtMostLatency(5e-6),),
+                          kind="latency")
+    assert _judged(latency, attnx_s=3e-6).met_text == "yes: 3.0 µs"
+    assert _judged(_cases.Case("x", "x", _cases.Paged(1, 4, 2, 64, 32))).met_text == "—"
+
+
+def test_suite_declares_each_target_once():
+    cases = _cases.suite(tiny=True, quick=True, threads=2, repeat=3)
+    assert [c.key for c in cases] == ROWS
+    for c in cases:
+        assert c.goals, c.key
+        assert _cases.target_text(_suite.Row(c))
+
+
+def test_work_counts_only_visible_keys():
+    full = _cases.Dense(2, 4, 2, 8, 8, 16)
+    assert full.work() == 4.0 * 2 * 4 * 8 * 8 * 16
+    assert _cases.Dense(1, 1, 1, 4, 4, 1, causal=True).keys_seen() == 10
+    assert _cases.Dense(1, 1, 1, 4, 4, 1, causal=True, window=2).keys_seen() == 7
+    assert _cases.Paged(3, 8, 2, 100, 64, dtype="fp16", window=30).work() == 2.0 * 2 * 64 * 2 * 3 * 30
+
+
+def test_a_peer_that_disagrees_is_not_timed():
+    case = _cases.Case("d", "d", _cases.Dense(1, 2, 2, 8, 8, 16, causal=True))
+    data = _peers.dense_inputs(case.shape, 0)
+    impls = {"attnx": _peers.attnx_dense(case.shape, data, 1),
+             "torch": _peers.Impl(lambda: None, lambda: np.zeros((1, 2, 8, 16), np.float32))}
+    row = _suite.Row(case)
+    _suite._check_peers(row, impls)
+    assert list(impls) == ["attnx"] and "torch differs from attnx" in row.notes[0]
+
+
+@pytest.mark.skipif(not HAS_ORT, reason="onnxruntime and onnx not installed (pip install 'attnx[bench]')")
+@pytest.mark.parametrize("shape", [
+    _cases.Dense(2, 8, 2, 40, 40, 32, causal=True),
+    _cases.Dense(1, 4, 2, 40, 40, 32, causal=True, window=9),
+    _cases.Dense(2, 4, 1, 1, 70, 32, causal=True, dtype="fp16"),
+    _cases.Paged(2, 8, 2, 75, 64, block=16),
+    _cases.Paged(2, 4, 2, 75, 32, block=8, window=20, dtype="fp16"),
+])
+def test_onnxruntime_gqa_peer_matches_attnx(shape):
+    ort = _peers.load_onnxruntime()
+    data = _peers.paged_inputs(shape, 3) if isinstance(shape, _cases.Paged) else _peers.dense_inputs(shape, 3)
+    mine = (_peers.attnx_paged(shape, data, 1) if isinstance(shape, _cases.Paged)
+            else _peers.attnx_dense(shape, data, 1)).result()
+    theirs = _peers.ort_impl(ort, shape, data, 1).result()
+    assert theirs.shape == mine.shape
+    np.testing.assert_allclose(theirs, mine, atol=_suite.TOLERANCE[shape.dtype] / 2)
+
+
+def test_onnxruntime_skips_what_gqa_cannot_run():
+    assert "bf16" in _peers.ort_skip_reason(_cases.Paged(1, 2, 2, 8, 8, dtype="bf16"))
+    assert _peers.ort_skip_reason(_cases.Dense(1, 2, 2, 8, 8, 8)) is not None  # not causal
+    assert _peers.ort_skip_reason(_cases.Dense(1, 2, 2, 8, 8, 8, causal=True)) is None
+
+
+class _Stream:
+    def __init__(self, tty):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_line_in_place_on_a_terminal_plain_lines_otherwise(tty):
+    s = _Stream(tty)
+    p = Progress(2, s)
+    p.start("prefill")
+    p.phase("round 1/3")
+    p.done("1 ms")
+    if tty:
+        assert s.text.count("\r\x1b[K") == 3 and "round 1/3" in s.text and s.text.endswith("1 ms\n")
+    else:
+        assert s.text == "[1/2] prefill ...\n[1/2] prefill: 1 ms\n"
