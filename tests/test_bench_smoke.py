@@ -254,3 +254,29 @@ def test_progress_line_in_place_on_a_terminal_plain_lines_otherwise(tty):
         assert s.text.count("\r\x1b[K") == 3 and "round 1/3" in s.text and s.text.endswith("1 ms\n")
     else:
         assert s.text == "[1/2] prefill ...\n[1/2] prefill: 1 ms\n"
+
+
+def test_in_loop_row_times_attnx_after_a_matmul_against_alone():
+    from dataclasses import replace
+
+    case = replace(_cases.in_loop(tiny=True)[0], shape=_cases.Dense(1, 2, 2, 32, 32, 16))
+    bench = _suite.Bench(1, 3, True, True, Progress(1, _Stream(False)))
+    row = _suite.in_loop_case(case, bench)
+    assert len(row.samples["attnx_after_matmul"]) == 3 and row.extra["slowdown"] > 0
+    _cases.judge(row, {})
+    assert row.met_text.endswith("× alone") and _cases.target_text(row) == "≤ 1.1× its time alone"
+
+
+def test_bench_without_peers_still_runs_and_says_so(tmp_path):
+    # torch and onnxruntime hidden behind packages that fail to import
+    for name in ("torch", "onnxruntime"):
+        fake = tmp_path / "fake" / name
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path / "fake"), os.environ.get("PYTHONPATH")]))
+    res = _run(["bench", *FAST, "--case", "decode", "--heads", "2", "--context", "40", "--head-dim",
+                "16", "--json", "n.json"], tmp_path, {"ATTNX_BENCH_TINY": "1", "PYTHONPATH": path})
+    assert res.returncode == 0, res.stderr
+    assert "torch not installed" in res.stderr and "onnxruntime (and onnx) not installed" in res.stderr
+    row = json.loads((tmp_path / "n.json").read_text())["rows"][0]
+    assert row["vs_torch"] is None and row["vs_onnxruntime"] is None and row["vs_numpy"] > 0

@@ -72,6 +72,9 @@ def _bench_parser(sub):
     b.add_argument("--plot", metavar="FILE.png", default=None, help="bar chart (needs matplotlib)")
     b.add_argument("--tiny", action="store_true",
                    help="tiny shapes for smoke tests (also ATTNX_BENCH_TINY=1); numbers are meaningless")
+    b.add_argument("--in-loop", action="store_true",
+                   help="add rows timing attnx's prefill right after a 1024x1024 NumPy / torch "
+                        "matmul, as in a model's loop, against the same call alone")
     own = b.add_argument_group("your own shape (instead of the fixed suite)")
     own.add_argument("--case", choices=("prefill", "decode", "paged-decode"),
                      help="time one shape: causal prefill (S queries on S keys), decode (one query "
@@ -137,7 +140,7 @@ def main(argv=None):
 
     cases, title = _own_cases(args, b)
     bench.run(threads=args.threads, repeat=args.repeat, quick=args.quick, tiny=args.tiny,
-              json_path=args.json, plot_path=args.plot, cases=cases, title=title)
+              json_path=args.json, plot_path=args.plot, cases=cases, in_loop=args.in_loop, title=title)
     return 0
 
 

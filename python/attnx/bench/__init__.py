@@ -56,9 +56,10 @@ def _start_log(bench, log):
 
 
 def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, plot_path=None,
-        cases=None, title=None, log=None, out=None):
+        cases=None, in_loop=False, title=None, log=None, out=None):
     """Runs the benchmark (the fixed suite, or ``cases`` from ``_cases.custom`` /
-    ``_cases.from_config``), prints the table; returns the result dict (what --json saves)."""
+    ``_cases.from_config``), and with ``in_loop`` the in-loop rows (``_cases.in_loop``); prints
+    the table; returns the result dict (what --json saves)."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = out or sys.stdout
     tiny = tiny or os.environ.get("ATTNX_BENCH_TINY", "") not in ("", "0")
@@ -71,6 +72,8 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
     bench = Bench(threads, repeat, quick, tiny, Progress(0), _peers.load_torch(), _peers.load_onnxruntime())
     if cases is None:
         cases = _cases.suite(tiny=tiny, quick=quick, threads=threads, repeat=repeat)
+    if in_loop:
+        cases = [*cases, *_cases.in_loop(tiny=tiny)]
     load_before = [round(x, 2) for x in os.getloadavg()]
     _start_log(bench, log)
     prev_torch_threads = bench.torch[0].get_num_threads() if bench.torch else None
@@ -83,7 +86,8 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
     result = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "title": title,
-        "config": {"threads": threads, "repeat": repeat, "quick": quick, "tiny": tiny},
+        "config": {"threads": threads, "repeat": repeat, "quick": quick, "tiny": tiny,
+                   "in_loop": in_loop},
         "machine": machine_info(threads, _peer_versions(bench)),
         "limits": limits,
         "timing": HOW_TIMED.format(repeat=repeat),

@@ -244,6 +244,24 @@ class PeakMemory:
         return f"+{v / MiB:.1f} MiB vs {row.extra['score_matrix_bytes'] / GiB:.2g} GiB"
 
 
+@dataclass(frozen=True)
+class InLoop:
+    """attnx right after another library's matmul (as in a model's loop) vs the same call alone."""
+    x: float
+
+    def text(self, row):
+        return f"≤ {self.x:g}× its time alone"
+
+    def value(self, row, rows):
+        return row.extra.get("slowdown")
+
+    def ok(self, v):
+        return v <= self.x
+
+    def show(self, v, row):
+        return f"{v:.2f}× alone"
+
+
 def _goal_met(goal, v, row):
     if isinstance(goal, ThreadScaling):
         return v >= goal.frac * row.extra["threads"]
@@ -292,6 +310,7 @@ class Case:
     ref_samples: int = 1
     seed: int = 0
     kind: str = ""
+    before: str = ""  # in-loop rows: the library whose matmul runs right before each attnx call
 
     @property
     def row_kind(self):
@@ -341,6 +360,16 @@ def suite(*, tiny, quick, threads, repeat):
              (PeakMemory(),), None, kind="memory"),
     ]
     return cases
+
+
+def in_loop(*, tiny):
+    """Opt-in rows (--in-loop): the prefill shape timed right after a 1024×1024 matmul of NumPy
+    (OpenBLAS) or torch, as a model's loop calls attention, against the same call alone."""
+    S, H = (2048, 8) if not tiny else (256, 2)
+    shape = Dense(1, H, H, S, S, 64)
+    return [Case(f"in_loop_{lib}", f"in-loop: prefill after a {name} matmul", shape, (InLoop(1.1),),
+                 None, seed=1, kind="in_loop", before=lib)
+            for lib, name in (("numpy", "NumPy"), ("torch", "torch"))]
 
 
 # ---- your own model --------------------------------------------------------------------------

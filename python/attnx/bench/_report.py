@@ -121,9 +121,10 @@ def _peer_panel(ax, rows, y):
                 continue
             yy = y[i] - 0.4 + width * (j + 0.5)
             ax.barh(yy, x, height=width, color=colors[peer], label=label)
-            ax.text(x, yy, f" {x:.2f}×", va="center", fontsize=7)
+            ax.text(x, yy, " " + fmt_x(x), va="center", fontsize=7)
             label = None
-    why = {"threads": "  attnx 1 vs N threads: see the right panel", "memory": "  memory row: attnx only"}
+    why = {"threads": "  attnx 1 vs N threads: see the right panel", "memory": "  memory row: attnx only",
+           "in_loop": "  in-loop row: attnx after a matmul"}
     for i, r in enumerate(rows):
         if not any(r[f"vs_{p}"] for p, _ in PEER_COLUMNS):
             ax.text(1.0, y[i], why.get(r["kind"], "  no peer ran this row"), va="center", fontsize=7,
@@ -139,7 +140,7 @@ def _limit_panel(ax, rows, y):
     """% of the measured limit for the rate rows; the others say in words why they have no bar."""
     for i, r in enumerate(rows):
         x = r["pct_of_limit"]
-        if x is None or r["kind"] not in ("flops", "bytes", "threads"):
+        if x is None or r["kind"] in ("latency", "memory"):
             ax.text(1, y[i], _why_no_pct(r), va="center", fontsize=7, color="gray")
             continue
         ax.barh(y[i], x, color="tab:green" if r["met"] else "gray" if r["met"] is None else "tab:red")

@@ -16,7 +16,7 @@ import attnx
 from . import _peers
 from ._cases import Case, Dense, judge, target_text
 from ._machine import MiB, CpuShare
-from ._timing import alone, interleaved, median, spread
+from ._timing import alone, clock, interleaved, median, spread
 
 PEERS = ("torch", "onnxruntime")
 TOLERANCE = {"fp32": 2e-3, "fp16": 5e-2, "bf16": 5e-2}  # max |attnx - peer|, outputs of O(1)
@@ -246,7 +246,43 @@ def memory_case(case: Case, bench: Bench) -> Row:
     return row
 
 
-RUNNERS = {"threads": threads_case, "memory": memory_case}
+def _matmul(lib, bench):
+    """A 1024×1024 float32 matmul of ``lib`` (what a model runs between attention calls)."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((1024, 1024), dtype=np.float32) for _ in range(2))
+    if lib == "numpy":
+        return lambda: a @ b
+    torch = bench.torch[0]
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    return lambda: torch.mm(ta, tb)
+
+
+def in_loop_case(case: Case, bench: Bench) -> Row:
+    """attnx right after a matmul vs alone, alternating call by call; no settle call on purpose:
+    the other library's spinning threads are what this row measures."""
+    row = Row(case)
+    if case.before == "torch" and bench.torch is None:
+        row.notes.append("skipped: torch not installed")
+        return row
+    q, k, v, _ = _peers.dense_inputs(case.shape, case.seed)
+    out = np.empty_like(q)
+    call = lambda: attnx.attention(q, k, v, num_threads=bench.threads, out=out)  # noqa: E731
+    matmul = _matmul(case.before, bench)
+    call(), matmul()  # warm up both
+    alone_s, after_s = [], []
+    for _ in range(max(bench.repeat, 3)):
+        call()
+        alone_s.append(clock(call, 1))
+        matmul()
+        after_s.append(clock(call, 1))
+    row.samples = {"attnx_alone": alone_s, "attnx_after_matmul": after_s}
+    row.attnx_s = median(after_s)
+    row.rate = case.shape.work() / row.attnx_s / 1e9
+    row.extra.update(alone_s=median(alone_s), slowdown=row.attnx_s / median(alone_s))
+    return row
+
+
+RUNNERS = {"threads": threads_case, "memory": memory_case, "in_loop": in_loop_case}
 
 
 def run_all(cases, bench):
@@ -279,8 +315,8 @@ def _summary(row):
 def finalize(rows, limits):
     """% of the final limits, then every row's met? from its declared goals."""
     for r in rows:
-        if r.rate and r.kind in ("flops", "bytes"):
-            r.pct_of_limit, r.limit_name = limits.pct(r.kind, r.rate)
+        if r.rate and r.kind not in ("threads", "memory"):
+            r.pct_of_limit, r.limit_name = limits.pct(r.spec.shape.kind, r.rate)
         if r.kind == "threads" and "speedup" in r.extra:
             # the machine's own scaling: FMA peak with all threads over one thread (about 1 if
             # the "cores" were SMT siblings of one physical core)
