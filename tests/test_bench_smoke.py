@@ -280,3 +280,10 @@ def test_bench_without_peers_still_runs_and_says_so(tmp_path):
     assert "torch not installed" in res.stderr and "onnxruntime (and onnx) not installed" in res.stderr
     row = json.loads((tmp_path / "n.json").read_text())["rows"][0]
     assert row["vs_torch"] is None and row["vs_onnxruntime"] is None and row["vs_numpy"] > 0
+
+
+def test_peers_that_would_need_an_s2_matrix_are_skipped_with_a_reason():
+    big = _cases.Dense(1, 32, 8, 131072, 131072, 128, causal=True, window=4096)
+    assert "GiB of attention probabilities" in _peers.ort_skip_reason(big)
+    assert "boolean mask" in _peers.torch_skip_reason(big)
+    assert _peers.torch_skip_reason(_cases.Dense(1, 32, 8, 2048, 2048, 128, causal=True)) is None

@@ -32,6 +32,11 @@ def _peer_versions(bench):
             "onnxruntime": bench.ort[0].__version__ if bench.ort else None}
 
 
+def _who(bench):
+    names = ["attnx"] + [n for n, mods in (("torch", bench.torch), ("onnxruntime", bench.ort)) if mods]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def _measure(cases, bench, log):
     """Limits, every case, limits again; returns (rows as JSON, limits, elapsed, others' share)."""
     t0 = time.perf_counter()
@@ -90,7 +95,7 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
                    "in_loop": in_loop},
         "machine": machine_info(threads, _peer_versions(bench)),
         "limits": limits,
-        "timing": HOW_TIMED.format(repeat=repeat),
+        "timing": HOW_TIMED.format(repeat=repeat, who=_who(bench)),
         "loadavg_before": load_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "elapsed_s": elapsed,

@@ -184,6 +184,12 @@ def torch_impl(torch_F, shape, data, threads):
 # ---- onnxruntime GroupQueryAttention ---------------------------------------------------------
 
 ORT_DTYPES = ("fp32", "fp16")  # what its CPU kernel registers
+# a peer is not run where it would allocate more than this for one call (an S² matrix)
+MAX_PEER_SCRATCH = 4 << 30
+
+
+def _gib(n):
+    return f"{n / (1 << 30):.0f} GiB"
 
 
 def ort_skip_reason(shape):
@@ -194,6 +200,20 @@ def ort_skip_reason(shape):
     if isinstance(shape, Dense) and shape.Sq > 1 and not (shape.causal and shape.Sq == shape.Sk
                                                          and shape.kv_lens is None):
         return "onnxruntime GQA: causal self-attention or decode only"
+    # its CPU kernel holds every row's softmax probabilities: B·Hq·Sq·Sk floats
+    probs = 4 * shape.B * shape.Hq * (shape.Sq if isinstance(shape, Dense) else 1) * (
+        shape.Sk if isinstance(shape, Dense) else shape.L)
+    if probs > MAX_PEER_SCRATCH:
+        return f"onnxruntime GQA: would hold {_gib(probs)} of attention probabilities"
+    return None
+
+
+def torch_skip_reason(shape):
+    """Why torch's SDPA is not run on this shape (None: it is): its boolean mask would be huge."""
+    if isinstance(shape, Dense) and shape.Sq > 1 and (shape.window or shape.kv_lens):
+        mask = shape.B * shape.Sq * shape.Sk
+        if mask > MAX_PEER_SCRATCH:
+            return f"torch SDPA: the boolean mask would take {_gib(mask)}"
     return None
 
 

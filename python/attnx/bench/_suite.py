@@ -99,14 +99,16 @@ def _impls(case, data, bench):
     else:
         impls = {"attnx": _peers.attnx_paged(shape, data, nt)}
     skipped = {}
-    if bench.torch is not None:
-        impls["torch"] = _peers.torch_impl(bench.torch, shape, data, nt)
-    if bench.ort is not None:
-        why = _peers.ort_skip_reason(shape)
+    peers = {"torch": (bench.torch, _peers.torch_skip_reason, _peers.torch_impl),
+             "onnxruntime": (bench.ort, _peers.ort_skip_reason, _peers.ort_impl)}
+    for name, (mods, skip_reason, impl) in peers.items():
+        if mods is None:
+            continue
+        why = skip_reason(shape)
         if why:
-            skipped["onnxruntime"] = why
+            skipped[name] = why
         else:
-            impls["onnxruntime"] = _peers.ort_impl(bench.ort, shape, data, nt)
+            impls[name] = impl(mods, shape, data, nt)
     return impls, skipped
 
 
