@@ -95,7 +95,7 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
                    "in_loop": in_loop},
         "machine": machine_info(threads, _peer_versions(bench)),
         "limits": limits,
-        "timing": HOW_TIMED.format(repeat=repeat, who=_who(bench)),
+        "timing": HOW_TIMED.format(rounds=f"{repeat} round" + "s" * (repeat != 1), who=_who(bench)),
         "loadavg_before": load_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "elapsed_s": elapsed,

@@ -16,7 +16,7 @@ import attnx
 from . import _peers
 from ._cases import Case, Dense, judge, target_text
 from ._machine import MiB, CpuShare
-from ._timing import alone, clock, interleaved, median, spread
+from ._timing import Progress, alone, clock, interleaved, median, spread
 
 PEERS = ("torch", "onnxruntime")
 TOLERANCE = {"fp32": 2e-3, "fp16": 5e-2, "bf16": 5e-2}  # max |attnx - peer|, outputs of O(1)
@@ -78,13 +78,20 @@ class Bench:
     repeat: int
     quick: bool
     tiny: bool
-    progress: object
+    progress: Progress
     torch: tuple | None = None
     ort: tuple | None = None
 
     @property
     def sample_s(self):
         return 0.005 if self.tiny else 0.01 if self.quick else 0.02
+
+
+def _dense(case: Case) -> Dense:
+    """The shape of a row that only dense shapes make sense for (threads, memory, in-loop)."""
+    if not isinstance(case.shape, Dense):
+        raise TypeError(f"case {case.key}: expected a Dense shape, got {case.shape!r}")
+    return case.shape
 
 
 def _inputs(shape, seed):
@@ -175,7 +182,7 @@ def threads_case(case: Case, bench: Bench) -> Row:
     if nt < 2:
         row.notes.append("skipped: needs --threads >= 2")
         return row
-    q, k, v, _ = _peers.dense_inputs(case.shape, case.seed)
+    q, k, v, _ = _peers.dense_inputs(_dense(case), case.seed)
     out = np.empty_like(q)
     fns = {"attnx": lambda: attnx.attention(q, k, v, num_threads=nt, out=out),
            "attnx_1": lambda: attnx.attention(q, k, v, num_threads=1, out=out)}
@@ -224,7 +231,7 @@ print(json.dumps(dict(rss_before=rss_before, hwm_before=hwm_before, hwm_after=st
 def memory_case(case: Case, bench: Bench) -> Row:
     """Peak RSS growth of one full-attention call, measured in a fresh subprocess."""
     row = Row(case)
-    S, D = case.shape.Sk, case.shape.D
+    S, D = _dense(case).Sk, case.shape.D
     env = dict(os.environ)
     env.pop("PYTHONSTARTUP", None)
     res = subprocess.run([sys.executable, "-c", _MEMORY_CHILD.format(S=S, D=D, threads=bench.threads)],
@@ -266,7 +273,7 @@ def in_loop_case(case: Case, bench: Bench) -> Row:
     if case.before == "torch" and bench.torch is None:
         row.notes.append("skipped: torch not installed")
         return row
-    q, k, v, _ = _peers.dense_inputs(case.shape, case.seed)
+    q, k, v, _ = _peers.dense_inputs(_dense(case), case.seed)
     out = np.empty_like(q)
     call = lambda: attnx.attention(q, k, v, num_threads=bench.threads, out=out)  # noqa: E731
     matmul = _matmul(case.before, bench)

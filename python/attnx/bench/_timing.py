@@ -22,7 +22,7 @@ import time
 # timeout is 2^28 cycles, about 0.1 s)
 QUIESCE_S = 0.5
 
-HOW_TIMED = ("timing: {who} interleaved ({repeat} rounds, rotating order, "
+HOW_TIMED = ("timing: {who} interleaved ({rounds}, rotating order, "
              "an untimed call before each sample), medians; the NumPy reference (float64) timed "
              f"alone before them, then a {QUIESCE_S} s pause so its BLAS threads are idle")
 
