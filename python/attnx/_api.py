@@ -295,3 +295,55 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
     return _core.paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens, bool(causal),
                                  _scale(scale, q.shape[2]), out, bool(return_lse),
                                  _threads(num_threads), window, softcap, sinks, alibi_slopes)
+
+
+def paged_step(q, k, v, k_pages, v_pages, block_tables, seq_lens, q_lens, slots, *,
+               values_from_keys=False, max_left=None, scale=None, num_threads=None,
+               return_lse=False, window=None, softcap=None, sinks=None, alibi_slopes=None):
+    """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
+    into their slots, then attends causally from the new queries to their whole sequences.
+
+    Parameters
+    ----------
+    q : ndarray ``(T, Hq, Dk)``, the new queries packed in sequence order
+    k : ndarray ``(T, Hkv, Dk)``; v : ndarray ``(T, Hkv, Dv)``, or None with ``values_from_keys``
+        The new keys and values, converted to the pages' dtype as they are written.
+    k_pages, v_pages, block_tables, seq_lens, q_lens
+        As in :func:`paged_attention`; ``seq_lens`` count the new tokens.
+    slots : int64 ``(T,)``
+        Where each new token goes: ``block * block_size + offset``.
+    values_from_keys : bool
+        ``v_pages`` is a view of ``k_pages`` (latent attention): only the keys are written, and
+        ``v`` must be None.
+    max_left : int, optional
+        The pages keep only each sequence's last ``max_left + 1`` keys (a sliding window):
+        ``window`` defaults to ``(max_left, None)`` and may not reach further left.
+    scale, num_threads, return_lse, window, softcap, sinks, alibi_slopes
+        As in :func:`attention`.
+
+    Returns
+    -------
+    out : ndarray ``(T, Hq, Dv)`` of q's dtype (and lse ``(T, Hq)``). Every argument is checked
+    before the first write.
+    """
+    q = _unit_last(_as_array(q, "q"))
+    if q.ndim != 3:
+        raise ValueError(f"q: expected shape (T, Hq, D), got {q.shape}")
+    if values_from_keys:
+        if v is not None:
+            raise ValueError("v: this cache reads values from the keys (value_from_key=True): pass v=None")
+    elif v is None:
+        raise ValueError("v: expected the new values (T, num_kv_heads, value_dim)")
+    else:
+        v = _unit_last(_as_array(v, "v"))
+    window = _window(window)
+    if max_left is not None:
+        if window is None:
+            window = (max_left, None)
+        elif window[0] is None or window[0] > max_left:
+            raise ValueError(f"window: this cache keeps a sliding window of {max_left + 1} tokens, "
+                             f"so the left side must be <= {max_left}, got {window!r}")
+    return _core.paged_attention(
+        q, k_pages, v_pages, block_tables, seq_lens, q_lens, True, _scale(scale, q.shape[2]), None,
+        bool(return_lse), _threads(num_threads), window, _softcap(softcap), sinks, alibi_slopes,
+        k_new=_unit_last(_as_array(k, "k")), v_new=v, slots=slots)
