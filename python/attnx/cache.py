@@ -132,7 +132,7 @@ class PagedKVCache:
             # np.zeros maps fresh pages lazily: memory is committed as blocks are first written
             k = np.zeros(shape + (self.head_dim,), self.dtype)
             v = None if self.value_from_key else np.zeros(shape + (self.value_dim,), self.dtype)
-        except (MemoryError, ValueError):  # ValueError: more bytes than an address space holds
+        except (MemoryError, ValueError, OverflowError):  # (the last two: beyond any address space)
             gib = self.num_blocks * self.bytes_per_block / 2**30
             raise MemoryError(f"PagedKVCache: cannot allocate {gib:.1f} GiB for the pool") from None
         return k, v
