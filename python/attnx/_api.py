@@ -297,9 +297,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
                                  _threads(num_threads), window, softcap, sinks, alibi_slopes)
 
 
-def paged_step(q, k, v, k_pages, v_pages, block_tables, seq_lens, q_lens, slots, *,
-               values_from_keys=False, max_left=None, scale=None, num_threads=None,
-               return_lse=False, window=None, softcap=None, sinks=None, alibi_slopes=None):
+def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np.ndarray,
+               block_tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, slots: np.ndarray,
+               *, values_from_keys: bool = False, max_left: int | None = None,
+               scale: float | None = None, num_threads: int | None = None, return_lse: bool = False,
+               window: object = None, softcap: float | None = None, sinks: object = None,
+               alibi_slopes: object = None) -> object:
     """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
     into their slots, then attends causally from the new queries to their whole sequences.
 
@@ -326,24 +329,25 @@ def paged_step(q, k, v, k_pages, v_pages, block_tables, seq_lens, q_lens, slots,
     out : ndarray ``(T, Hq, Dv)`` of q's dtype (and lse ``(T, Hq)``). Every argument is checked
     before the first write.
     """
-    q = _unit_last(_as_array(q, "q"))
-    if q.ndim != 3:
-        raise ValueError(f"q: expected shape (T, Hq, D), got {q.shape}")
+    qa = _unit_last(_as_array(q, "q"))
+    if qa.ndim != 3:
+        raise ValueError(f"q: expected shape (T, Hq, D), got {qa.shape}")
     if values_from_keys:
         if v is not None:
             raise ValueError("v: this cache reads values from the keys (value_from_key=True): pass v=None")
+        va = None
     elif v is None:
         raise ValueError("v: expected the new values (T, num_kv_heads, value_dim)")
     else:
-        v = _unit_last(_as_array(v, "v"))
-    window = _window(window)
+        va = _unit_last(_as_array(v, "v"))
+    sides = _window(window)
     if max_left is not None:
-        if window is None:
-            window = (max_left, None)
-        elif window[0] is None or window[0] > max_left:
+        if sides is None:
+            sides = (max_left, None)
+        elif sides[0] is None or sides[0] > max_left:
             raise ValueError(f"window: this cache keeps a sliding window of {max_left + 1} tokens, "
                              f"so the left side must be <= {max_left}, got {window!r}")
     return _core.paged_attention(
-        q, k_pages, v_pages, block_tables, seq_lens, q_lens, True, _scale(scale, q.shape[2]), None,
-        bool(return_lse), _threads(num_threads), window, _softcap(softcap), sinks, alibi_slopes,
-        k_new=_unit_last(_as_array(k, "k")), v_new=v, slots=slots)
+        qa, k_pages, v_pages, block_tables, seq_lens, q_lens, True, _scale(scale, qa.shape[2]), None,
+        bool(return_lse), _threads(num_threads), sides, _softcap(softcap), sinks, alibi_slopes,
+        k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots)

@@ -6,14 +6,14 @@ Every check names the argument and says what it expected; none of them changes a
 from __future__ import annotations
 
 import numbers
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
 __all__ = ["storage_dtype", "positive_int", "as_int", "int_in", "index", "counts"]
 
 
-def storage_dtype(dtype, name="dtype"):
+def storage_dtype(dtype: Any, name: str = "dtype") -> np.dtype[Any]:
     """The NumPy dtype for a storage dtype given by name or type: float32, float16 or bfloat16."""
     label = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     if label == "bfloat16":
@@ -25,7 +25,7 @@ def storage_dtype(dtype, name="dtype"):
     raise TypeError(f"{name}: expected 'float32', 'float16' or 'bfloat16', got {dtype!r}")
 
 
-def positive_int(x, name, minimum=1):
+def positive_int(x: object, name: str, minimum: int = 1) -> int:
     """``x`` as a Python int >= minimum; bools, floats and other non-integers are refused."""
     value = as_int(x)
     if value is None or value < minimum:

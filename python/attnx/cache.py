@@ -10,7 +10,7 @@ that one block (copy-on-write). ``truncate`` and ``free`` return blocks to the p
 Three parts, each small: the pool arrays and the sequences live here (:class:`PagedKVCache`); the
 reference counts and the free list are a :class:`attnx._blocks.BlockAllocator`; each sequence's
 table is a persistent int32 row that grows in place (:class:`attnx._blocks.BlockRow`), from which
-a step's ``(B, max_blocks)`` table is gathered in a few NumPy operations.
+a step's ``(B, max_blocks)`` table is gathered with one slice copy per sequence.
 
 Integers: sequence ids, layers, lengths and token counts are Python ints, NumPy integer scalars
 of any width and sign, or 0-d integer arrays (counts also a 1-d integer array of any dtype); they
@@ -253,11 +253,13 @@ class PagedKVCache:
     # ---- pool figures --------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Blocks a step can still take."""
         with self._lock:
             return self._alloc.num_free
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence."""
         with self._lock:
             return self.num_blocks - self._alloc.num_free
 
