@@ -210,10 +210,9 @@ class PagedKVCache:
         with self._lock:
             s = self._seq(seq)
             n = _int_in(length, "length", 0, s.length)
-            keep = -(-n // self.block_size)
+            keep = self._blocks_for(n)
             if self.sliding_window is not None:
-                first = max(0, n - self.sliding_window + 1) // self.block_size
-                if (s.row.ids[first:keep] < 0).any():
+                if (s.row.ids[self._first_in_window(n):keep] < 0).any():
                     raise ValueError(f"length: cannot roll back to {n}: the sliding window "
                                      "already released blocks that the next token would need")
             self._alloc.decref(s.row.cut(keep))
@@ -349,15 +348,28 @@ class PagedKVCache:
                 self._append_tokens(s, n)
             return Step(self, known, seqs, starts, counts)
 
+    def _blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` tokens."""
+        return -(-tokens // self.block_size)
+
+    def _first_in_window(self, position: int) -> int:
+        """The first block that a query at ``position`` reads (sliding window)."""
+        assert self.sliding_window is not None
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def _writes_into_last(self, s: _Seq, n: int) -> bool:
+        """Whether ``n`` new tokens of ``s`` start inside its partly filled last block (which
+        must then be its own: copy-on-write)."""
+        return n > 0 and s.length % self.block_size > 0
+
     def _check_room(self, ids: list[int], seqs: list[_Seq], counts: list[int]) -> None:
         """Raises (changing nothing) unless the pool can take the step: its new blocks, plus one
         copy of each shared, partly filled last block that the step writes into."""
-        bs = self.block_size
         need = 0
         holders: dict[int, int] = {}  # shared last block -> holders left once this step's earlier copies are made
         for s, n in zip(seqs, counts):
-            need += -(-(s.length + n) // bs) - s.row.len
-            if n and s.length % bs:
+            need += self._blocks_for(s.length + n) - s.row.len
+            if self._writes_into_last(s, n):
                 last = s.row.last
                 left = holders.get(last, self._alloc.refcount(last))
                 if left > 1:
@@ -378,21 +390,19 @@ class PagedKVCache:
         """Reserves ``n`` slots at the end of ``s``, whose room was checked: copy-on-write of a
         shared, partly filled last block, new blocks, then the release of blocks that fell out
         of the sliding window."""
-        bs = self.block_size
-        if n and s.length % bs and self._alloc.refcount(s.row.last) > 1:
+        if self._writes_into_last(s, n) and self._alloc.refcount(s.row.last) > 1:
             old, new = s.row.last, int(self._alloc.allocate(1)[0])
             self._k[:, new] = self._k[:, old]
             if self._v is not None:
                 self._v[:, new] = self._v[:, old]
             self._alloc.decref(np.array([old]))  # held elsewhere too: it stays held
             s.row.set_last(new)
-        grow = -(-(s.length + n) // bs) - s.row.len
+        grow = self._blocks_for(s.length + n) - s.row.len
         if grow:
             s.row.append(self._alloc.allocate(grow))
         if self.sliding_window is not None and n:
-            # the step's first query (position s.length) sees keys from block `first` on
-            first = max(0, s.length - self.sliding_window + 1) // bs
-            self._alloc.decref(s.row.release_before(first))
+            # the step's first query (position s.length) sees no key before this block
+            self._alloc.decref(s.row.release_before(self._first_in_window(s.length)))
         s.length += n
         s.version += 1
 
