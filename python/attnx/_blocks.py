@@ -86,10 +86,9 @@ class BlockAllocator:
         taken = self._returned[len(self._returned) - k:]
         del self._returned[len(self._returned) - k:]
         taken.reverse()  # the stack's top first
-        ids = np.empty(n, np.int32)
-        ids[:k] = taken
-        ids[k:] = np.arange(self._fresh, self._fresh + n - k, dtype=np.int32)
+        taken.extend(range(self._fresh, self._fresh + n - k))
         self._fresh += n - k
+        ids = np.array(taken, np.int32)
         self._refs[ids] = 1
         return ids
 

@@ -88,6 +88,7 @@ def counts(x: object, name: str, size: int) -> list[int]:
     values = [as_int(n) for n in items]
     if len(values) != size:
         raise ValueError(f"{name}: expected {size} counts (one per sequence), got {len(values)}")
-    if any(n is None or n < 0 for n in values):
+    ints = cast("list[int]", values)  # once None is ruled out
+    if None in values or min(ints, default=0) < 0:
         raise ValueError(f"{name}: expected ints >= 0, got {x!r}")
-    return cast("list[int]", values)
+    return ints

@@ -342,10 +342,10 @@ class PagedKVCache:
             raise ValueError("seq_ids: a sequence may appear only once in a step")
         with self._lock:
             seqs = [self._seq(i) for i in given]
-            self._check_room(known, seqs, counts)
+            plan = self._plan(known, seqs, counts)
             starts = [s.length for s in seqs]
-            for s, n in zip(seqs, counts):  # from here on nothing can fail
-                self._append_tokens(s, n)
+            for s, n, (copy, grow) in zip(seqs, counts, plan):  # from here on nothing can fail
+                self._append_tokens(s, n, copy, grow)
             return Step(self, known, seqs, starts, counts)
 
     def _blocks_for(self, tokens: int) -> int:
@@ -357,26 +357,23 @@ class PagedKVCache:
         assert self.sliding_window is not None
         return max(0, position - self.sliding_window + 1) // self.block_size
 
-    def _writes_into_last(self, s: _Seq, n: int) -> bool:
-        """Whether ``n`` new tokens of ``s`` start inside its partly filled last block (which
-        must then be its own: copy-on-write)."""
-        return n > 0 and s.length % self.block_size > 0
-
-    def _check_room(self, ids: list[int], seqs: list[_Seq], counts: list[int]) -> None:
-        """Raises (changing nothing) unless the pool can take the step: its new blocks, plus one
-        copy of each shared, partly filled last block that the step writes into."""
-        need = 0
+    def _plan(self, ids: list[int], seqs: list[_Seq], counts: list[int]) -> list[tuple[bool, int]]:
+        """Per sequence of a step: whether it copies its last block first (copy-on-write of a
+        shared, partly filled block it writes into) and how many new blocks it takes. Raises,
+        changing nothing, unless the pool and the int32 positions can take the step."""
+        bs, plan, need = self.block_size, [], 0
         holders: dict[int, int] = {}  # shared last block -> holders left once this step's earlier copies are made
         for s, n in zip(seqs, counts):
-            need += self._blocks_for(s.length + n) - s.row.len
-            if self._writes_into_last(s, n):
+            copy = False
+            if n and s.length % bs:
                 last = s.row.last
                 left = holders.get(last, self._alloc.refcount(last))
-                if left > 1:
-                    # copy-on-write; when every holder of a block is in this step, the last of
-                    # them keeps it (as _append_tokens does)
-                    need += 1
+                copy = left > 1  # when every holder is in this step, the last of them keeps it
+                if copy:
                     holders[last] = left - 1
+            grow = self._blocks_for(s.length + n) - s.row.len
+            need += grow + copy
+            plan.append((copy, grow))
         if need > self._alloc.num_free:
             raise CacheFullError(
                 f"begin_step: needs {need} free blocks, the pool has {self._alloc.num_free} "
@@ -385,19 +382,18 @@ class PagedKVCache:
             if s.length + n > _MAX_TOKENS:  # (only a sliding window lets a sequence get this long)
                 raise ValueError(f"num_new_tokens: sequence {sid} would hold {s.length + n} tokens, "
                                  f"more than 2**31 - 1")
+        return plan
 
-    def _append_tokens(self, s: _Seq, n: int) -> None:
-        """Reserves ``n`` slots at the end of ``s``, whose room was checked: copy-on-write of a
-        shared, partly filled last block, new blocks, then the release of blocks that fell out
-        of the sliding window."""
-        if self._writes_into_last(s, n) and self._alloc.refcount(s.row.last) > 1:
+    def _append_tokens(self, s: _Seq, n: int, copy: bool, grow: int) -> None:
+        """Reserves ``n`` slots at the end of ``s`` as planned: a copy of its last block, ``grow``
+        new blocks, then the release of blocks that fell out of the sliding window."""
+        if copy:
             old, new = s.row.last, int(self._alloc.allocate(1)[0])
             self._k[:, new] = self._k[:, old]
             if self._v is not None:
                 self._v[:, new] = self._v[:, old]
             self._alloc.decref(np.array([old]))  # held elsewhere too: it stays held
             s.row.set_last(new)
-        grow = self._blocks_for(s.length + n) - s.row.len
         if grow:
             s.row.append(self._alloc.allocate(grow))
         if self.sliding_window is not None and n:
