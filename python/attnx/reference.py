@@ -755,11 +755,11 @@ def merge_attention(outs, lses, *, layout="bhsd", out_dtype=None):
             raise ValueError(f"outs[{i}], lses[{i}]: shapes {o.shape} and {x.shape} do not pair "
                              f"with outs[0]'s {shape} (layout {layout!r})")
         parts.append((to_lse_order(o.astype(np.float64)), x.astype(np.float64)))
-    lse = parts[0][1]
-    for _, x in parts[1:]:
-        lse = np.logaddexp(lse, x)  # -inf with -inf stays -inf; NaN propagates
     out = np.zeros(parts[0][0].shape, np.float64)
     with np.errstate(invalid="ignore"):
+        lse = parts[0][1]
+        for _, x in parts[1:]:
+            lse = np.logaddexp(lse, x)  # -inf with -inf stays -inf; NaN propagates
         for o, x in parts:
             contributes = x != -np.inf
             # exp(x - lse) is NaN only where lse or x is NaN (x finite or +inf otherwise)
