@@ -119,6 +119,7 @@ def runs(tmp_path_factory):
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("dist")
     started = {s: _spawn(s, tmp) for s in SUITES}
+    example = _spawn_example(tmp)
     deadline = time.monotonic() + WALL_LIMIT_S
     found = {}
     for suite, (out, procs) in started.items():
@@ -137,7 +138,30 @@ def runs(tmp_path_factory):
             ranks.append({x["case"]: x for x in json.loads(path.read_text())} if path.exists() else {})
         logs = [(out / f"rank{r}.log").read_text()[-3000:] for r in range(len(procs))]
         found[suite] = dict(ranks=ranks, codes=codes, logs=logs)
+    proc, log = example
+    try:
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = "killed: over the time limit"
+    log.close()
+    found["example"] = dict(code=code, output=(tmp / "example.log").read_text())
     return found
+
+
+EXAMPLE_ARGS = ["--context", "300", "--steps", "3", "--chunk", "128", "--block-size", "8",
+                "--timeout", "60"]
+
+
+def _spawn_example(tmp):
+    """examples/context_parallel.py under torchrun with 2 local processes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    log = open(tmp / "example.log", "w")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(root, "examples", "context_parallel.py"), *EXAMPLE_ARGS]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root), log
 
 
 CASES = [(s, n) for s in SUITES for n in worker.names(s)]
@@ -197,3 +221,13 @@ def test_without_a_process_group_the_error_says_what_to_do():
     q = np.zeros((1, 1, 1, 4), np.float32)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ad.attention(q, q, q)
+
+
+def test_context_parallel_example_runs_under_torchrun(runs):
+    """The example decodes over 2 ranks, prints its per-rank table and matches one process."""
+    res = runs["example"]
+    assert res["code"] == 0, res["output"][-3000:]
+    text = res["output"]
+    assert "rank    tokens    KV MiB   step ms" in text, text[-3000:]
+    diff = float(text.split("largest difference from the distributed result ")[1].split()[0])
+    assert diff < 1e-5, text[-3000:]
