@@ -239,7 +239,8 @@ for _spec in RING:
 
 # ---- the sharded paged cache ----------------------------------------------------------------------
 
-def run_cache(rank, world, *, dtype, steps, layers=2, hq=4, hkv=2, dim=8, block=4, ops=None):
+def run_cache(rank, world, *, dtype, steps, layers=2, hq=4, hkv=2, dim=8, block=4, ops=None,
+              use_torch=False):
     """Drive a ShardedPagedKVCache and a single PagedKVCache through the same steps (``ops``: at
     step i, ("fork", a) or ("truncate", a, n) first) and compare every attend."""
     import numpy as np
@@ -268,7 +269,8 @@ def run_cache(rank, world, *, dtype, steps, layers=2, hq=4, hkv=2, dim=8, block=
             q = data(100 * i + 10 * layer, (T, hq, dim), np.float32)
             k = data(100 * i + 10 * layer + 1, (T, hkv, dim), np.float32)
             v = data(100 * i + 10 * layer + 2, (T, hkv, dim), np.float32)
-            out, lse = a.attend(layer, q, k, v, return_lse=True)
+            out, lse = a.attend(layer, *(as_kind(x, use_torch) for x in (q, k, v)), return_lse=True)
+            assert type(out).__module__.startswith("torch" if use_torch else "numpy")
             want, want_lse = b.attend(layer, q, k, v, return_lse=True)
             assert_close(out, want)
             assert_close(lse, want_lse, lse=True)
@@ -289,9 +291,9 @@ def cache_prefill_then_decode(rank, world):
 
 
 @case("w2", "w4")
-def cache_float16_fork_and_truncate(rank, world):
+def cache_float16_fork_and_truncate_tensors(rank, world):
     run_cache(rank, world, dtype="float16", steps=[[9, 13], [1, 1], [1, 1], [2, 1], [1, 1], [1, 1]],
-              ops={2: [("fork", 0)], 4: [("truncate", 1, 5)]})
+              ops={2: [("fork", 0)], 4: [("truncate", 1, 5)]}, use_torch=True)
 
 
 @case("w2", "w4")
@@ -363,6 +365,33 @@ def ranks_that_disagree_all_raise(rank, world):
         assert "zigzag" in str(exc), str(exc)
     else:
         raise AssertionError("expected ValueError on every rank")
+
+
+@case("w2")
+def a_failure_inside_the_ring_reaches_every_rank(rank, world):
+    """A rank whose compute fails mid-ring still passes the blocks on; then every rank raises."""
+    import numpy as np
+
+    import attnx.distributed as ad
+
+    x = data(1, (1, 2, 8, 4), np.float32)
+    real = ad.segment_attention
+
+    def broken(*args, **kw):
+        raise RuntimeError("boom")
+
+    ad.segment_attention = broken if rank == 1 else real
+    try:
+        ad.ring_attention(x, x, x, causal=True)
+    except ad.DistributedError as exc:
+        assert rank == 0 and "rank 1 raised RuntimeError: boom" in str(exc), str(exc)
+    except RuntimeError as exc:
+        assert rank == 1 and str(exc) == "boom", str(exc)
+    else:
+        raise AssertionError("expected an error on every rank")
+    finally:
+        ad.segment_attention = real
+    ad.ring_attention(x, x, x, causal=True)  # the group still works
 
 
 @case("w2")
