@@ -112,9 +112,9 @@ def main():
     outs, times = decode(args, cache, seq)
 
     stats = cache.stats()
-    # per decode step and layer, each rank sends one (out, lse) pair per query head (float32),
-    # plus a status word, and receives every rank's
-    sent = args.layers * (args.q_heads * (args.head_dim + 1) + 1) * 4
+    # per decode step and layer, each rank sends one (out, lse) pair per query head (float32)
+    # and a status word, and receives every rank's; begin_step adds two int64 (status, checksum)
+    sent = args.layers * (args.q_heads * (args.head_dim + 1) + 1) * 4 + 2 * 8
     row = dict(rank=rank, tokens=stats["tokens_stored"], kv_mib=stats["bytes_used"] / 2**20,
                step_ms=1e3 * float(np.median(times)), sent=sent, received=sent * world,
                prefill_s=prefill_s)
