@@ -218,3 +218,5 @@ def test_mixed_dtypes_and_single_arrays_are_refused():
         attnx.merge_attention([o, o.astype(np.float16)], [lse, lse])
     with pytest.raises(TypeError, match="sequences"):
         attnx.merge_attention(np.stack([o, o]), np.stack([lse, lse]))
+    with pytest.raises(TypeError, match="outs: expected a sequence"):
+        attnx.merge_attention(5, 6)

@@ -45,14 +45,22 @@ def _as_out_axes(x, out_ndim, layout):
     return x[..., None]
 
 
+def _parts(xs, name):
+    try:
+        xs = list(xs)
+    except TypeError:
+        raise TypeError(f"{name}: expected a sequence of arrays (one per part), got "
+                        f"{type(xs).__name__}") from None
+    return [_api._as_array(x, f"{name}[{i}]") for i, x in enumerate(xs)]
+
+
 def _check(outs, lses, layout):
     if layout not in _LAYOUTS:
         raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
     if isinstance(outs, np.ndarray) or isinstance(lses, np.ndarray):
         raise TypeError("outs, lses: expected sequences (one array per part), got a single array; "
                         "use list(x) to merge along its first axis")
-    outs = [_api._as_array(o, f"outs[{i}]") for i, o in enumerate(outs)]
-    lses = [_api._as_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
+    outs, lses = _parts(outs, "outs"), _parts(lses, "lses")
     if not outs:
         raise ValueError("outs: expected at least one partial result, got none")
     if len(lses) != len(outs):
