@@ -192,10 +192,10 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
         num_threads=0 if num_threads is None else _threads(num_threads),
         window=window if window is None else _window(window),
         softcap=softcap if softcap is None else _real(softcap, "softcap"))
-    o4, lse = res if return_lse else (res, None)
-    o = out if out is not None else o4 if plain else _from4(o4, rank, layout)
     if not return_lse:
-        return o
+        return out if out is not None else res if plain else _from4(res, rank, layout)
+    o4, lse = res
+    o = out if out is not None else o4 if plain else _from4(o4, rank, layout)
     return o, (lse if rank == 4 else lse[0] if rank == 3 else lse[0, 0])
 
 

@@ -9,7 +9,7 @@ differently when the query and key lengths differ (see the docstring below).
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
@@ -252,7 +252,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
             window = (None, int(L - S))
 
     if rank == 2:
-        out = _api.attention(q, k, v, causal=causal, mask=mask, scale=scale, window=window)
+        out = cast(np.ndarray, _api.attention(q, k, v, causal=causal, mask=mask, scale=scale,
+                                              window=window))
         return out.astype(out_dtype, copy=False)
 
     hq = out_lead[-1]
@@ -277,6 +278,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
             m4 = mask.reshape((1,) + mask.shape[-3:])
         else:
             m4 = _to_bhsd(mask, mask.shape[:-2], out_batch, mask.shape[-3])
-    out = _api.attention(q4, k4, v4, causal=causal, mask=m4, scale=scale, window=window)
+    out = cast(np.ndarray, _api.attention(q4, k4, v4, causal=causal, mask=m4, scale=scale,
+                                          window=window))
     out = out.reshape(out_lead + out.shape[-2:])
     return out.astype(out_dtype, copy=False)
