@@ -174,7 +174,7 @@ def mutate_array(p, x):
     kind = p.pick(kinds)
     if x.size > 1 << 16:  # already a huge (broadcast) array: leave it
         return x
-    if kind == "unaligned" and not UNALIGNED:
+    if kind in ("unaligned", "field") and not UNALIGNED:
         kind = "strided"
     try:
         if kind == "dtype":
