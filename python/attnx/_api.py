@@ -19,12 +19,12 @@ from ._validate import window_sides as _window
 __all__ = ["attention", "paged_attention"]
 
 _LAYOUTS = ("bhsd", "bshd")
+_KIND_FLOAT = "f"
 
 ArrayLike = Any  # an ndarray, or anything np.asarray takes
 IntsLike = Union[int, np.integer, ArrayLike]  # one length (ranks 2 and 3) or an int array
 Window = Tuple[Optional[int], Optional[int]]
 Result = Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]  # out, or (out, lse)
-_KIND_FLOAT = "f"
 
 
 def _to4(a, name, rank, layout):
