@@ -410,23 +410,16 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
   }
   p.num_threads = threads_arg(num_threads);
   NewKV nkv;
-  const bool write = !k_new.is_none();
-  if (write) prepare_new_kv(nkv, k_new, v_new, slots, p, kp, vp);
-  auto run = [&]() {
-    if (write) {
-      paged_write(nkv.wk);
-      if (nkv.v) paged_write(nkv.wv);
-    }
-    paged_attention(p);
-  };
+  if (!k_new.is_none()) prepare_new_kv(nkv, k_new, v_new, slots, p, kp, vp);
+  const PagedStep step{p, nkv.wk, nkv.wv};
   double work = 0;
   for (int64_t b = 0; b < p.B; ++b)
     work += double(keep.q_start[std::size_t(b + 1)] - keep.q_start[std::size_t(b)]) * double(keep.sl.data()[b]);
   if (work * double(p.Hq) * double(p.Dk + p.Dv) < kGilFreeWork) {
-    run();  // a few microseconds: releasing the GIL would cost more than it frees
+    paged_step(step);  // a few microseconds: releasing the GIL would cost more than it frees
   } else {
     py::gil_scoped_release nogil;
-    run();
+    paged_step(step);
   }
   if (return_lse) return py::make_tuple(o, lse);
   return o;

@@ -4,7 +4,7 @@
 #pragma once
 #include <cstdint>
 
-#include "attnx/attention.h"
+#include "attnx/types.h"
 
 // Micro-kernels and the reductions inside them must inline into their loops: as calls, GCC kept
 // their accumulator arrays on the stack (zeroed with rep stos, spilled, reloaded), which cost the
