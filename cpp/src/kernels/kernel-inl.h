@@ -350,22 +350,29 @@ static void pv_visible(const kern::RowSet& rs, int64_t j0, const float* bias, co
     }
 }
 
+// fp32 row pointers (into `rows`) to the n rows at addr (D elements of dtype): the rows
+// themselves where read in place, else their fp32 copies, zero-padded, in buf (n x Dp floats).
+static inline const float** fp32_rows(DType dtype, const char* const* addr, int64_t n, int64_t D,
+                                      bool inplace, float* buf, const float** rows) {
+  const int64_t Dp = round_up(D, kPad);
+  for (int64_t t = 0; t < n; ++t) {
+    if (inplace) {
+      rows[t] = reinterpret_cast<const float*>(addr[t]);
+    } else {
+      float* dst = buf + t * Dp;
+      load_row_padded(addr[t], dtype, D, Dp, dst);
+      rows[t] = dst;
+    }
+  }
+  return rows;
+}
+
 // fp32 row pointers to keys [j0, j0 + n), converted into scratch unless read in place; rows past
 // n point at zeros so register blocks never read past the tile.
 static const float** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
                               bool inplace, const kern::Scratch& sc) {
-  const int64_t Dkp = round_up(Dk, kPad);
   kv_rows(ks, j0, n, sc.kaddr);
-  const float** krow = sc.krow;
-  for (int64_t t = 0; t < n; ++t) {
-    if (inplace) {
-      krow[t] = reinterpret_cast<const float*>(sc.kaddr[t]);
-    } else {
-      float* dst = sc.kf + t * Dkp;
-      load_row_padded(sc.kaddr[t], ks.dtype, Dk, Dkp, dst);
-      krow[t] = dst;
-    }
-  }
+  const float** krow = fp32_rows(ks.dtype, sc.kaddr, n, Dk, inplace, sc.kf, sc.krow);
   for (int64_t t = n; t < kTileK; ++t) krow[t] = sc.zero;
   return krow;
 }
@@ -401,23 +408,6 @@ static const float* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n,
   }
   pack_k(ks, j0, n, Dk, sc, sc.kt);
   return sc.kt;
-}
-
-// fp32 row pointers to the tile's n values at vaddr, converted into scratch unless read in place.
-static inline const float** value_rows(DType dtype, const char* const* vaddr, int64_t n,
-                                       int64_t Dv, bool inplace, const kern::Scratch& sc) {
-  const int64_t Dvp = round_up(Dv, kPad);
-  const float** vrow = sc.vrow;
-  for (int64_t t = 0; t < n; ++t) {
-    if (inplace) {
-      vrow[t] = reinterpret_cast<const float*>(vaddr[t]);
-    } else {
-      float* dst = sc.vf + t * Dvp;
-      load_row_padded(vaddr[t], dtype, Dv, Dvp, dst);
-      vrow[t] = dst;
-    }
-  }
-  return vrow;
 }
 
 // The user mask over keys [j0, j0 + n) as an additive bias tile (M rows of kTileK, zero past n to
@@ -510,19 +500,15 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
                 st.o + int64_t(r) * st.ldo, Dvp);
   }
   // O += P V
-  const float* const* vrow = value_rows(vs.dtype, vaddr, n, Dv, v_inplace, sc);
+  const float* const* vrow = fp32_rows(vs.dtype, vaddr, n, Dv, v_inplace, sc.vf, sc.vrow);
   // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would
   // still leak into the row. Tiles that some row sees only in part are checked for
   // non-finite values; if there are any, each row adds only the keys it sees.
   if (partial) {
     const float* const* fv = vrow;
-    if (vdt != DType::f32) {  // the check and its slow path read fp32 rows
-      for (int64_t t = 0; t < n; ++t) {
-        load_row_padded(vaddr[t], vs.dtype, Dv, Dvp, sc.vf + t * Dvp);
-        sc.krow[t] = sc.vf + t * Dvp;  // K's pointers are no longer needed in this tile
-      }
-      fv = sc.krow;
-    }
+    if (vdt != DType::f32)  // the check and its slow path read fp32 rows (in K's pointers,
+                            // no longer needed in this tile)
+      fv = fp32_rows(vs.dtype, vaddr, n, Dv, false, sc.vf, sc.krow);
     if (!values_finite(fv, n, vw)) {
       pv_visible(rs, j0, bias, sc.s, fv, n, vw, st.o, st.ldo);
       return;

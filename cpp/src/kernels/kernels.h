@@ -68,7 +68,8 @@ struct Scratch {
   const char** vaddr = nullptr;
 };
 
-// Running online-softmax state of M rows: O (M, ldo) unnormalised, m the running max, l the sum.
+// Running online-softmax state of M rows: O (M, ldo) unnormalised, m the running max, l the sum
+// (its rules: row_state.h).
 struct FlashState {
   float* o = nullptr;
   int64_t ldo = 0;
