@@ -681,17 +681,11 @@ py::object py_paged_attention(const Args& a) {
     p.lse = lse.mutable_data(); p.l_sn = p.Hq; p.l_sh = 1;
   }
   p.num_threads = threads_arg(int_arg(a[pThreads], "num_threads", 0));
-  auto run = [&]() {
-    if (write) {
-      paged_write(nkv.wk);
-      if (nkv.v) paged_write(nkv.wv);
-    }
-    paged_attention(p);
-  };
+  const PagedStep step{p, nkv.wk, nkv.wv};  // no new keys: both writes are empty
   double work = 0;
   for (int64_t b = 0; b < p.B; ++b)
     work += double(keep.q_start[std::size_t(b + 1)] - keep.q_start[std::size_t(b)]) * double(keep.sl.data()[b]);
-  run_kernel(work * double(p.Hq) * double(p.Dk + p.Dv), run);
+  run_kernel(work * double(p.Hq) * double(p.Dk + p.Dv), [&]() { paged_step(step); });
   if (return_lse) return py::make_tuple(o.result(), lse);
   return o.result();
 }
