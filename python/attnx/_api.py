@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import numpy as np
 
@@ -117,12 +118,30 @@ def _softcap(softcap):
     return float(softcap)  # the binding rejects <= 0, NaN and inf
 
 
+def _thread_count(n, name, minimum, expected, stacklevel):
+    """``n`` as a thread count for the core: a Python int in [minimum, 2**31), at most
+    ``_core._max_threads()`` (4 per CPU this process may run on, at most 1024); a larger count is
+    capped with a RuntimeWarning. ``stacklevel`` is the user's frame, counted from here."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < minimum:
+        raise ValueError(f"{name}: expected {expected}, got {n!r}")
+    if n >= 2**31:
+        raise ValueError(f"{name}: expected at most 2**31 - 1, got {n!r}")
+    n = int(n)
+    if n > 4:  # the cap is never below 4: the usual counts skip its affinity system call
+        cap = _core._max_threads()
+        if n > cap:
+            warnings.warn(f"{name}={n} capped at {cap} threads (attnx starts at most 4 per CPU this "
+                          f"process may run on, and at most 1024)", RuntimeWarning,
+                          stacklevel=stacklevel)
+            n = cap
+    return n
+
+
 def _threads(num_threads):
+    """A call's ``num_threads``: 0 (the default) for None."""
     if num_threads is None:
         return 0
-    if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral) or num_threads < 1:
-        raise ValueError(f"num_threads: expected a positive int or None, got {num_threads!r}")
-    return int(num_threads)
+    return _thread_count(num_threads, "num_threads", 1, "a positive int or None", stacklevel=4)
 
 
 def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None,
