@@ -51,25 +51,25 @@ namespace {
 
 // How long a waiting thread spins before it sleeps on a futex. Back-to-back regions (a decode
 // loop calls attention once per layer, a few microseconds of Python apart) find their workers
-// still spinning and start without a wake-up system call (~5-50 us when the worker has to be
-// scheduled again). Spinning much longer would keep idle attnx threads on the cores the model's
+// still spinning and start without a wake-up system call and a wait for the scheduler to run the
+// worker again. Spinning much longer would keep idle attnx threads on the cores the model's
 // own matmul pool (OpenBLAS, torch) runs on between attention calls; libgomp's default spins for
 // up to ~300,000 iterations (milliseconds) and is the reason OMP_WAIT_POLICY exists.
-// ATTNX_SPIN_US overrides it (read once; 0 sleeps at once, e.g. on an oversubscribed machine).
+// ATTNX_SPIN_US overrides it (read at import; 0 sleeps at once, e.g. on an oversubscribed machine).
 constexpr int kDefaultSpinMicros = 100;
 constexpr int kMaxSpinMicros = 100000;  // an env value above this is clamped (0.1 s)
 
-int spin_micros() {
-  static const int us = [] {
-    const char* env = std::getenv("ATTNX_SPIN_US");
-    if (env == nullptr || *env == '\0') return kDefaultSpinMicros;
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    if (end == env || *end != '\0' || v < 0) return kDefaultSpinMicros;  // malformed: default
-    return int(std::min<long>(v, kMaxSpinMicros));
-  }();
-  return us;
+int read_spin_micros() {
+  const char* env = std::getenv("ATTNX_SPIN_US");
+  if (env == nullptr || *env == '\0') return kDefaultSpinMicros;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (end == env || *end != '\0' || v < 0) return kDefaultSpinMicros;  // malformed: default
+  return int(std::min<long>(v, kMaxSpinMicros));
 }
+// Read when the library loads (import attnx), not lazily: a function-local static's guard could
+// be caught held by a fork.
+const int g_spin_micros = read_spin_micros();
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -109,7 +109,7 @@ struct alignas(64) Signal {
   void wait_while(uint32_t value) {
     if (word.load(std::memory_order_acquire) != value) return;
     const auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::microseconds(spin_micros());
+        std::chrono::steady_clock::now() + std::chrono::microseconds(g_spin_micros);
     for (int i = 1;; ++i) {
       cpu_relax();
       if (word.load(std::memory_order_acquire) != value) return;
@@ -128,10 +128,6 @@ struct alignas(64) Signal {
   }
   void add(uint32_t d) {
     word.fetch_add(d);
-    wake();
-  }
-  void store(uint32_t v) {
-    word.store(v);
     wake();
   }
 };
