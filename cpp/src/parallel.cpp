@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <exception>
 #include <memory>
+#include <new>
 #include <mutex>
 #include <vector>
 
@@ -182,13 +183,18 @@ class Pool {
   int workers() const { return int(workers_.size()); }
 
   // Starts workers until there are n (or thread creation fails); returns how many there are.
-  int grow(int n) {
-    while (int(workers_.size()) < n) {
-      auto w = std::make_unique<Worker>();
-      w->pool = this;
-      w->index = int(workers_.size());
-      if (!start_thread(*w)) break;  // out of threads or memory: run with the team we have
-      workers_.push_back(std::move(w));
+  // Out of threads or memory, it stops early: the region runs with the team there is.
+  int grow(int n) noexcept {
+    try {
+      workers_.reserve(std::size_t(n));  // push_back below cannot throw once a thread runs
+      while (int(workers_.size()) < n) {
+        auto w = std::make_unique<Worker>();
+        w->pool = this;
+        w->index = int(workers_.size());
+        if (!start_thread(*w)) break;
+        workers_.push_back(std::move(w));
+      }
+    } catch (const std::bad_alloc&) {
     }
     return int(workers_.size());
   }
@@ -299,9 +305,11 @@ struct PoolHolder {
   ~PoolHolder() {
     if (pool != nullptr && pool->current()) delete pool;
   }
-  Pool& get() {
-    if (pool == nullptr || !pool->current()) pool = new Pool();  // a stale one is leaked on purpose
-    return *pool;
+  // The current pool, made on first use and after a fork (the stale one leaks, on purpose);
+  // nullptr when there is no memory for one (the caller then runs alone).
+  Pool* get() {
+    if (pool == nullptr || !pool->current()) pool = new (std::nothrow) Pool();
+    return pool;
   }
 };
 thread_local PoolHolder t_pool;
@@ -311,16 +319,16 @@ thread_local PoolHolder t_pool;
 void run_team(int num_threads, void (*fn)(void*, Team&), void* ctx) {
   // A region inside a region (fn calling parallel) runs on its thread alone, as OpenMP does by
   // default: the pool is busy with the outer one.
-  if (num_threads > 1 && !t_in_region) {
-    Pool& pool = t_pool.get();
+  Pool* pool = num_threads > 1 && !t_in_region ? t_pool.get() : nullptr;
+  if (pool != nullptr) {
     const int want = std::min(num_threads, kThreadLimit) - 1;
-    const int size = 1 + std::min(want, pool.grow(want));
+    const int size = 1 + std::min(want, pool->grow(want));
     if (size > 1) {
       struct InRegion {  // reset even when run() rethrows
         InRegion() { t_in_region = true; }
         ~InRegion() { t_in_region = false; }
       } in_region;
-      pool.run(size, fn, ctx);
+      pool->run(size, fn, ctx);
       return;
     }
   }
