@@ -151,7 +151,7 @@ def interleaved(fns, repeat, *, sample_s=0.02, limited=None):
     NumPy reference). Returns name -> list of seconds per call.
 
     Each sample of a name in ``limited`` is preceded by one untimed call of the same function:
-    the libraries keep their own thread pools (attnx's and torch's OpenMP, OpenBLAS under NumPy),
+    the libraries keep their own thread pools (attnx's own, torch's OpenMP, OpenBLAS under NumPy),
     whose idle threads spin for a while after a call, and the first call after another library's
     would pay for that spinning. A loop that calls one library repeatedly, which is what a user
     runs, never does. Names in ``limited`` (the reference, single-threaded maths on big arrays)
