@@ -179,7 +179,8 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
     out : ndarray, optional
         Written in place (shape and dtype of the result) and returned.
     num_threads : int, optional
-        Threads for this call; default :func:`attnx.get_num_threads`.
+        Threads for this call; default :func:`attnx.get_num_threads`. At most 4 per CPU this
+        process may run on (and 1024): a larger count is capped, with a RuntimeWarning.
     window : (left, right), optional
         Sliding window: row ``i`` sees keys ``i' - left <= j <= i' + right``, ``i' = i + Lk - Lq``;
         ``None`` for an unbounded side.
