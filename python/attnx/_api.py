@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 
-from . import _core
+from . import _core, _tensors
 
 __all__ = ["attention", "paged_attention"]
 
@@ -125,6 +125,7 @@ def _threads(num_threads):
     return int(num_threads)
 
 
+@_tensors.tensor_io(torch_op="attention")
 def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None,
               layout="bhsd", return_lse=False, out=None, num_threads=None, window=None,
               softcap=None, sinks=None, alibi_slopes=None):
@@ -246,6 +247,7 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
     return o, (lse if rank == 4 else lse[0] if rank == 3 else lse[0, 0])
 
 
+@_tensors.tensor_io(torch_op="paged_attention")
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None, causal=True,
                     scale=None, return_lse=False, out=None, num_threads=None, window=None,
                     softcap=None, sinks=None, alibi_slopes=None):

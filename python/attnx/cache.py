@@ -30,7 +30,7 @@ import threading
 
 import numpy as np
 
-from . import _api, _core
+from . import _api, _core, _tensors
 from ._validate import positive_int as _positive_int, storage_dtype as _dtype
 
 __all__ = ["PagedKVCache", "Step", "CacheFullError", "StaleStepError"]
@@ -376,6 +376,7 @@ class Step:
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
         self.num_tokens = int(self.q_lens.sum())
 
+    @_tensors.tensor_io
     def attend(self, layer, q, k, v=None, *, scale=None, num_threads=None, return_lse=False, window=None,
                softcap=None, sinks=None, alibi_slopes=None):
         """Writes this step's new keys and values into layer ``layer`` and attends.

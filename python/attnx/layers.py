@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _api
+from . import _api, _tensors
 from ._validate import positive_int as _positive, storage_dtype as _storage_dtype
 from . import reference as _reference
 
@@ -195,6 +195,7 @@ class MultiHeadAttention:
             y += b if b.dtype == _F32 else b.astype(_F32)
         return y
 
+    @_tensors.tensor_io
     def __call__(self, x, context=None, *, causal=False, mask=None, kv_lens=None, q_lens=None,
                  return_weights=False):
         """Self-attention (``context=None``) or cross-attention over ``context``.

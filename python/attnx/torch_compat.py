@@ -12,7 +12,7 @@ import numbers
 
 import numpy as np
 
-from . import _api
+from . import _api, _tensors
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -99,6 +99,7 @@ def _to_bhsd(a, lead, out_batch, heads):
     return a.reshape((b,) + a.shape[-3:])
 
 
+@_tensors.tensor_io
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
     """``torch.nn.functional.scaled_dot_product_attention`` on NumPy arrays, on attnx's kernels.
