@@ -27,17 +27,19 @@ is passed whole, boolean or additive.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import (
-    AttentionMaskInterface,
-    bidirectional_mask_function,
-    causal_mask_function,
-    prepare_padding_mask,
-    sdpa_mask,
-)
+try:
+    import torch
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        bidirectional_mask_function,
+        causal_mask_function,
+        prepare_padding_mask,
+        sdpa_mask,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(f"attnx.hf needs torch and transformers (>= 5.24): pip install 'attnx[hf]' ({exc})") from exc
 
 from . import _api
 from .cache import PagedKVCache
