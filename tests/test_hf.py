@@ -345,3 +345,15 @@ def test_hf_generate_example_runs(smollm2):
         prefill, decode, prefill_attn, decode_attn = hf_generate.run_one(model, clock, impl, ids, 2, paged)
         assert 0 < prefill_attn < prefill and 0 < decode_attn < decode
     model.set_attn_implementation("attnx")
+
+
+def test_t5_position_bias_equals_sdpa():
+    torch.manual_seed(SEED)
+    cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    ids, mask = _left_pad([[5, 6, 7, 8, 9], [10, 11]])
+    dec = torch.tensor([[0, 3, 4], [0, 5, 6]])
+    got = _logits(model, "attnx", input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    want = _logits(model, "sdpa", input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -163,6 +163,17 @@ def _sinks(s_aux):
     return None if s_aux is None else s_aux.detach().to(torch.float32)
 
 
+def _with_position_bias(position_bias, attention_mask, is_causal, query, key, value):
+    """sdpa's handling of a learned position bias: (additive mask, key, value)."""
+    from transformers.integrations.sdpa_attention import create_position_bias_mask
+
+    q_len = query.shape[2]
+    causal = bool(is_causal) and q_len > 1 and attention_mask is None
+    if causal and key.shape[2] > q_len:  # sdpa's cut to the queries (an empty static cache)
+        key, value, position_bias = key[:, :, :q_len], value[:, :, :q_len], position_bias[..., :q_len]
+    return create_position_bias_mask(position_bias, attention_mask, causal, query, key), key, value
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                       sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """transformers' attention interface for ``"attnx"``.
@@ -170,7 +181,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     ``query`` ``(B, Hq, Sq, D)``, ``key``/``value`` ``(B, Hkv, Sk, D)`` as the model made them (GQA
     without ``repeat_kv``, any strides with a contiguous last axis: no copies); returns
     ``(out (B, Sq, Hq, Dv), None)``. ``scaling``, ``softcap`` and ``s_aux`` (per-head sink logits)
-    are honoured; a sliding window is read from the model's mask (``sliding_window`` is what built it).
+    are honoured, and a ``position_bias`` (T5) joins the mask as in ``sdpa``; a sliding window is
+    read from the model's mask (``sliding_window`` is what built it).
     """
     if dropout and getattr(module, "training", False):
         raise ValueError("dropout: attnx is inference only; call model.eval() (or use 'sdpa' to train)")
@@ -180,6 +192,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     batch, heads, q_len, _ = query.shape
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    if kwargs.get("position_bias") is not None:  # (T5 and kin) one additive mask, as sdpa makes it
+        attention_mask, key, value = _with_position_bias(kwargs["position_bias"], attention_mask, is_causal,
+                                                         query, key, value)
+        is_causal = False
     plan, keep = _dense_plan(attention_mask, is_causal, batch, q_len, key.shape[2])
     if keep != key.shape[2]:
         key, value = key[:, :, :keep], value[:, :, :keep]
