@@ -269,21 +269,24 @@ def test_tiny_models_logits_equal_eager(kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
 def test_tiny_models_cached_decode_equals_eager(kind):
-    # sliding layers of a DynamicCache keep only the window: keys start at kv_offset > 0
+    # sliding layers of a DynamicCache keep only the window: keys start at kv_offset > 0; the
+    # paged cache keeps every key and applies the window from the mask
     model = _tiny(kind)
     g = torch.Generator().manual_seed(SEED + 1)
     ids = torch.randint(3, 97, (2, 9), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     outs = {}
-    for impl in ("eager", "attnx"):
-        model.set_attn_implementation(impl)
+    for run in ("eager", "attnx", "paged"):
+        model.set_attn_implementation("eager" if run == "eager" else "attnx")
+        kw = {"cache": attnx.hf.PagedCache(model.config, num_blocks=16, block_size=4)} if run == "paged" else {}
         with torch.no_grad():
-            outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                                        pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    assert outs["attnx"].sequences.tolist() == outs["eager"].sequences.tolist()
-    for a, b in zip(outs["attnx"].logits, outs["eager"].logits):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            outs[run] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                       pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+    for run in ("attnx", "paged"):
+        assert outs[run].sequences.tolist() == outs["eager"].sequences.tolist()
+        for a, b in zip(outs[run].logits, outs["eager"].logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_static_cache_generation_equals_sdpa():
