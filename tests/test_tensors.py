@@ -177,14 +177,16 @@ def test_tensor_results_equal_numpy_results(b, h, sq, sk, d, dtype, causal, layo
 
 # ---- torch.library ops and torch.compile ------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def _ops_registered():
+    import attnx.torch_ops  # noqa: F401  (what a user does before compiling, or any tensor call does)
+
 def _model(q, k, v, lens):
     return attnx.attention(q * 2, k, v, causal=True, kv_lens=lens, window=(3, None), softcap=20.0) + 1
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compile_fullgraph_equals_eager(backend):
-    import attnx.torch_ops  # noqa: F401
-
     torch._dynamo.reset()
     q, k = _rand(2, 4, 8, 16), _rand(2, 2, 8, 16, seed=3)
     lens = torch.tensor([8, 5], dtype=torch.int32)
@@ -193,8 +195,6 @@ def test_compile_fullgraph_equals_eager(backend):
 
 
 def test_ops_check_against_their_fakes():
-    import attnx.torch_ops  # noqa: F401
-
     q, k = _rand(2, 6, 4, 16), _rand(2, 6, 2, 16, seed=4)
     torch.library.opcheck(torch.ops.attnx.attention.default,
                           (q, k, k, None, None, None, True, None, "bshd", True, None, None, None, None, None, None))
@@ -206,8 +206,6 @@ def test_ops_check_against_their_fakes():
 
 
 def test_paged_op_compiles():
-    import attnx.torch_ops  # noqa: F401
-
     torch._dynamo.reset()
 
     def decode(q, kp, vp, tables, lens):
@@ -224,8 +222,6 @@ def test_paged_op_compiles():
                     reason="inductor compiles C++ around the op, about a minute on 2 cores: ATTNX_TEST_INDUCTOR=1")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own imports under inductor
 def test_compile_inductor_equals_eager():
-    import attnx.torch_ops  # noqa: F401
-
     torch._dynamo.reset()
     q, k = _rand(1, 4, 8, 16), _rand(1, 2, 8, 16, seed=7)
     lens = torch.tensor([8], dtype=torch.int32)
