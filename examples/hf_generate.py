@@ -128,6 +128,8 @@ def main(argv=None):
     register_timed(clock)
     model = load_model(path)
     gen = torch.Generator().manual_seed(0)
+    for impl in ("sdpa", "attnx"):  # warm-up: first calls pay for lazy initialisation
+        run_one(model, clock, impl, torch.randint(100, 49000, (1, 16), generator=gen), 1, args.paged)
     print(f"SmolLM2-135M float32, torch {torch.__version__} ({torch.get_num_threads()} threads), attnx "
           f"{attnx.get_num_threads()} threads, isa {attnx.cpu_features()['isa']}, {args.new_tokens} decode steps"
           + (", attnx decode over PagedCache" if args.paged else ""))
