@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _core
+from . import _core, _tensors
 from ._validate import as_array as _as_array, kernel_array as _unit_last, real as _real
 from ._validate import window_sides as _window
 
@@ -120,6 +120,7 @@ def _threads(num_threads):
     return _thread_count(num_threads, "num_threads", 1, "a positive int or None", stacklevel=4)
 
 
+@_tensors.tensor_io(torch_op="attention")
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               mask: Optional[ArrayLike] = None, kv_lens: Optional[IntsLike] = None,
               q_lens: Optional[IntsLike] = None, scale: Optional[float] = None,
@@ -219,6 +220,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     return o, (lse if rank == 4 else lse[0] if rank == 3 else lse[0, 0])
 
 
+@_tensors.tensor_io(torch_op="paged_attention")
 def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
                     block_tables: IntsLike, seq_lens: IntsLike, *,
                     q_lens: Optional[IntsLike] = None, causal: bool = True,
