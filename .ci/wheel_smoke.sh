@@ -24,9 +24,9 @@ cd "$RUN"
 "$PY" - "$ROOT" <<'PYEOF'
 import os, sys
 import attnx
-root = os.path.realpath(sys.argv[1])
+source = os.path.realpath(os.path.join(sys.argv[1], "python"))
 where = os.path.realpath(attnx.__file__)
-if where.startswith(root + os.sep):
+if where.startswith(source + os.sep):
     sys.exit(f"wheel_smoke: imported attnx from the source tree ({where}), not the installed one")
 print(f"wheel_smoke: attnx {attnx.__version__} from {where}")
 PYEOF
