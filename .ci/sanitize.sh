@@ -61,6 +61,12 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv --system-site-packages --without-pip "$VENV"
 fi
 VPY=$VENV/bin/python
+# Where python3 is itself a virtual environment, --system-site-packages reaches past it to the base
+# interpreter: a .pth file lets the venv see that environment's packages too.
+OUTER=$("$PY" -c 'import sys, sysconfig; print(sysconfig.get_paths()["purelib"] if sys.prefix != sys.base_prefix else "")')
+if [[ -n "$OUTER" ]]; then
+  echo "$OUTER" > "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ci-outer-venv.pth"
+fi
 # Build requirements for --no-build-isolation (already satisfied when the system has them).
 "$VPY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
 command -v cmake >/dev/null || "$VPY" -m pip install -q cmake

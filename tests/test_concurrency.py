@@ -23,17 +23,15 @@ from __future__ import annotations
 import os
 import threading
 
-import ml_dtypes
 import numpy as np
 import pytest
+from conftest import BF16, SEED
 
 import attnx
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 THREADS = 8
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
 ROUNDS = int(os.environ.get("ATTNX_CONCURRENCY_ROUNDS", "30" if SOAK else "3"))
-SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
 
 
 def bits(a):

@@ -18,7 +18,22 @@ from .layers import MultiHeadAttention
 from .merge import merge_attention
 from .torch_compat import scaled_dot_product_attention
 
-__version__ = "0.1.0"
+# The version lives in pyproject.toml only; read back from the installed metadata on first use
+# (importlib.metadata costs tens of ms to import, so `import attnx` does not pay for it).
+__version__: str
+
+
+def __getattr__(name: str) -> str:
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            version = metadata.version("attnx")
+        except metadata.PackageNotFoundError:  # a source tree that was never installed
+            version = "0+unknown"
+        globals()["__version__"] = version
+        return version
+    raise AttributeError(f"module 'attnx' has no attribute {name!r}")
 
 __all__ = [
     "attention",
@@ -37,14 +52,14 @@ __all__ = [
 ]
 
 
-def cpu_features():
+def cpu_features() -> dict[str, bool | str]:
     """What this CPU offers and which kernel path is active.
 
     Returns a dict: ``{"sse2", "avx2", "fma", "f16c", "avx512f": bool, "isa": "scalar" | "avx2" |
     "avx512"}``. The path is the best the CPU supports unless ``ATTNX_ISA``
     (``scalar``, ``avx2`` or ``avx512``) forced one at import.
     """
-    f = dict(_core.cpu_features())
+    f: dict[str, bool | str] = dict(_core.cpu_features())
     f["isa"] = _core.active_isa()
     return f
 

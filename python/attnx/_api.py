@@ -277,8 +277,8 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
                block_tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, slots: np.ndarray,
                *, values_from_keys: bool = False, max_left: int | None = None,
                scale: float | None = None, num_threads: int | None = None, return_lse: bool = False,
-               window: object = None, softcap: float | None = None, sinks: object = None,
-               alibi_slopes: object = None) -> object:
+               window: Any = None, softcap: float | None = None, sinks: Any = None,
+               alibi_slopes: Any = None) -> Result:
     """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
     into their slots, then attends causally from the new queries to their whole sequences.
 

@@ -216,7 +216,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
     (q_lead, k_lead, v_lead), out_lead = _lead_shapes(q, k, v, bool(enable_gqa))
     rank = len(out_lead) + 2
 
-    mask = None
+    mask: Optional[np.ndarray] = None
     if attn_mask is not None:
         m = _as_array(attn_mask, "attn_mask")
         if m.dtype != np.bool_ and m.dtype.kind != "f" and m.dtype != _BF16:
