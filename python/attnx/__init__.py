@@ -18,6 +18,7 @@ from ._api import attention, paged_attention
 from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
 from .layers import MultiHeadAttention
 from .merge import merge_attention
+from ._session import SessionError
 from .torch_compat import scaled_dot_product_attention
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "Step",
     "CacheFullError",
     "StaleStepError",
+    "SessionError",
     "MultiHeadAttention",
     "scaled_dot_product_attention",
 ]
