@@ -63,7 +63,7 @@ def _checksum(header_json: str, tensors: Mapping[str, np.ndarray]) -> str:
     for name in sorted(tensors):
         t = np.ascontiguousarray(tensors[name])
         h.update(f"\0{name}\0{t.dtype.str}\0{t.shape}\0".encode())
-        h.update(memoryview(t).cast("B"))
+        h.update(t.reshape(-1).view(np.uint8))  # (no copy; an empty sequence is fine too)
     return h.hexdigest()
 
 
@@ -102,9 +102,10 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 def encode(geom: dict[str, Any], tensors: dict[str, np.ndarray], length: int,
-           tokens: np.ndarray | None, meta: Any) -> bytes:
-    """The bytes of a session file."""
-    header = dict(geom, format=FORMAT, length=length,
+           tokens: np.ndarray | None, root: bytes, meta: Any) -> bytes:
+    """The bytes of a session file (``root``: the prefix digest chain's start, which carries
+    the sequence's extra key, so that a loaded sequence registers its blocks as the saved one)."""
+    header = dict(geom, format=FORMAT, length=length, root=root.hex(),
                   tokens=None if tokens is None else [int(t) for t in tokens], meta=meta)
     header_json = _json(header, "meta")
     stored = {name: _stored(t) for name, t in tensors.items()}
@@ -136,9 +137,9 @@ def _metadata(data: bytes, path: str) -> dict[str, str]:
 
 
 def decode(data: bytes, path: str, cache: Any, expect: Mapping[str, Any] | None
-           ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None]:
+           ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None, bytes]:
     """Checks session bytes against ``cache`` and ``expect``: the tensors (in the cache's
-    dtype), the length and the token ids. Raises :class:`SessionError`."""
+    dtype), the length, the token ids and the chain's root digest. Raises :class:`SessionError`."""
     meta = _metadata(data, path)
     try:
         header = json.loads(meta["attnx"])
@@ -175,10 +176,14 @@ def _check_model(header: dict[str, Any], geom: dict[str, Any], expect: Mapping[s
 
 
 def _tensors(header: dict[str, Any], stored: dict[str, np.ndarray], cache: Any, path: str
-             ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None]:
-    n = header.get("length")
-    tokens = header.get("tokens")
-    if not isinstance(n, int) or n < 0 or (tokens is not None and len(tokens) != n):
+             ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None, bytes]:
+    n, tokens = header.get("length"), header.get("tokens")
+    try:
+        root = bytes.fromhex(header.get("root", ""))
+        ids = None if tokens is None else np.array(tokens, np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise SessionError(f"{path}: corrupted header (token ids or root digest)") from None
+    if not isinstance(n, int) or n < 0 or (ids is not None and ids.shape != (n,)) or len(root) != 32:
         raise SessionError(f"{path}: corrupted header (length {n!r})")
     names = ["k"] + ([] if cache.value_from_key else ["v"])
     widths = {"k": cache.head_dim, "v": cache.value_dim}
@@ -191,7 +196,7 @@ def _tensors(header: dict[str, Any], stored: dict[str, np.ndarray], cache: Any, 
         out[name] = t.view(cache.dtype)
     if set(stored) != set(names):
         raise SessionError(f"{path}: unexpected tensors {sorted(set(stored) - set(names))}")
-    return out, n, None if tokens is None else np.array(tokens, np.int64)
+    return out, n, ids, root
 
 
 def read(path: str | os.PathLike[str]) -> bytes:

@@ -56,7 +56,7 @@ def plan_groups(block_tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarr
     seq_lens = np.asarray(seq_lens, np.int64)
     q_lens = np.asarray(q_lens, np.int64)
     shareable = np.minimum((seq_lens - q_lens) // block_size, table.shape[1])
-    cand = np.flatnonzero(shareable > 0)
+    cand = np.flatnonzero((shareable > 0) & (q_lens > 0))
     if len(cand) < 2:
         return groups
     firsts, inverse, sizes = np.unique(table[cand, 0], return_inverse=True, return_counts=True)
@@ -106,7 +106,12 @@ def attend(q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray, groups
     out, lse = run_tail(table, lens)
     bt = np.asarray(block_tables)
     for rows, p, tok in zip(groups.rows, groups.blocks, groups.tokens):
-        o_s, l_s = run_shared(q[tok], bt[rows[0], :p][None].astype(np.int32),
-                              np.array([p * block_size], np.int32), np.array([len(tok)], np.int32))
-        out[tok], lse[tok] = merge_attention([out[tok], o_s], [lse[tok], l_s])
+        shared = bt[rows[0], :p][None].astype(np.int32)
+        keys = p * block_size
+        # the paged kernel takes at most as many queries as keys in one sequence: a group with
+        # more queries than shared keys (many samples of a short prefix) reads it once per chunk
+        for chunk in np.array_split(tok, -(-len(tok) // keys)):
+            o_s, l_s = run_shared(q[chunk], shared, np.array([keys], np.int32),
+                                  np.array([len(chunk)], np.int32))
+            out[chunk], lse[chunk] = merge_attention([out[chunk], o_s], [lse[chunk], l_s])
     return out, lse

@@ -451,7 +451,7 @@ class PagedKVCache:
                 raise ValueError("seq: the sliding window released its first blocks: only a "
                                  "whole sequence can be saved")
             tensors = self._gather(s.row.ids[:self._blocks_for(n)], n)
-        data = _session.encode(_session.geometry(self), tensors, n, ids, meta)
+        data = _session.encode(_session.geometry(self), tensors, n, ids, s.root, meta)
         _session.save(path, data)
 
     def load(self, path: Any, *, expect: Any = None) -> int:
@@ -476,13 +476,13 @@ class PagedKVCache:
             The pool cannot hold the sequence. In every case the cache is unchanged.
         """
         data = _session.read(path)
-        tensors, n, tokens = _session.decode(data, str(path), self, expect)
+        tensors, n, tokens, root = _session.decode(data, str(path), self, expect)
         with self._lock:
             blocks = self._alloc.allocate(self._blocks_for(n))
             self._scatter(blocks, tensors, n)
             s = _Seq(BlockRow(len(blocks)), n)
             s.row.append(blocks)
-            s.tokens = tokens
+            s.tokens, s.root = tokens, root
             if tokens is not None and self.prefix_caching:
                 self._register(s)
             return self._add(s)
