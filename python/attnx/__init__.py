@@ -19,6 +19,7 @@ from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
 from .layers import MultiHeadAttention
 from .merge import merge_attention
 from ._session import SessionError
+from ._session import info as session_info
 from .torch_compat import scaled_dot_product_attention
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "CacheFullError",
     "StaleStepError",
     "SessionError",
+    "session_info",
     "MultiHeadAttention",
     "scaled_dot_product_attention",
 ]

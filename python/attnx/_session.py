@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["SessionError", "FORMAT"]
+__all__ = ["SessionError", "FORMAT", "info"]
 
 FORMAT = "attnx-kv-session/1"
 _GEOMETRY = ("num_layers", "num_kv_heads", "head_dim", "value_dim", "dtype", "value_from_key")
@@ -197,6 +197,19 @@ def _tensors(header: dict[str, Any], stored: dict[str, np.ndarray], cache: Any, 
     if set(stored) != set(names):
         raise SessionError(f"{path}: unexpected tensors {sorted(set(stored) - set(names))}")
     return out, n, ids, root
+
+
+def info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The header of the session file ``path`` (geometry, length, token ids, meta), read
+    without its tensors or checking its checksum (``load`` checks)."""
+    with open(os.fspath(path), "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        data = head + f.read(min(n, 1 << 28))
+    try:
+        return dict(json.loads(_metadata(data, os.fspath(path))["attnx"]))
+    except (ValueError, TypeError):
+        raise SessionError(f"{os.fspath(path)}: corrupted attnx header") from None
 
 
 def read(path: str | os.PathLike[str]) -> bytes:
