@@ -28,6 +28,14 @@ a long conversation holds about ``W / block_size`` blocks. Their entries in ``bl
 -1. Latent attention (DeepSeek MLA): with ``value_from_key=True`` the values are the first
 ``value_dim`` features of each key (the compressed latent serves as both), stored once.
 
+Prefix caching (``prefix_caching=True``): every full block is registered under a digest chained
+over its parent's digest and its token ids (and the sequence's ``extra_key``), so that
+``new_sequence(tokens=...)`` attaches the cached blocks a prompt starts with; blocks no sequence
+holds stay cached until an allocation needs them, least recently released first. A step whose
+sequences share leading blocks (forks, hits) reads those blocks once for all of them and merges
+by log-sum-exp (``attnx._shared``). ``save`` / ``load`` write one sequence to a safetensors file
+and read it back, in this process or another (``attnx._session``).
+
 Thread safety: every bookkeeping operation holds the cache's lock, so several Python threads may
 create, fork, truncate, free and step *different* sequences concurrently. ``Step.attend`` runs
 without the lock (and without the GIL): the blocks it writes were reserved for it alone by
