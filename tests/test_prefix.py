@@ -427,3 +427,28 @@ def test_save_is_atomic_and_checks_its_arguments(saved, rng):
         prefill(w, s, rng, 4, [0] * 4)
     with pytest.raises(ValueError, match="sliding window"):
         w.save(s, path)
+
+
+def test_more_queries_than_shared_keys_and_groups_without_queries(rng, split_always):
+    """9 forks of a one-block prefix (the paged kernel takes at most as many queries as keys per
+    sequence: the shared part is read in chunks), and a group whose sequences add no query."""
+    tables, lens, nb = shared_tables(rng, [(9, 1), (2, 2)], [3], 4)
+    kp = rng.standard_normal((nb, 1, 4, 8)).astype(np.float32)
+    vp = rng.standard_normal((nb, 1, 4, 8)).astype(np.float32)
+    members = (tables[:, 0][:, None] == tables[:, 0][None]).sum(axis=1)  # size of each row's group
+    q_lens = np.where(members == 2, 0, 1)
+    groups = attnx._shared.plan_groups(tables, lens, q_lens, 4)
+    assert [len(r) for r in groups.rows] == [9] and groups.blocks == [1]
+    q = rng.standard_normal((int(q_lens.sum()), 2, 8)).astype(np.float32)
+    got = attnx.paged_attention(q, kp, vp, tables, lens, q_lens=q_lens)
+    want = reference.paged_attention(q, kp, vp, tables, lens, q_lens=q_lens)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_an_empty_sequence_round_trips(tmp_path):
+    c = make_cache()
+    a = c.new_sequence()
+    c.save(a, tmp_path / "empty")
+    b = c.load(tmp_path / "empty")
+    assert c.length(b) == 0 and c.block_table(b).tolist() == []
+    assert attnx.session_info(tmp_path / "empty")["length"] == 0
