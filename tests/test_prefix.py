@@ -201,20 +201,24 @@ def test_token_arguments_are_checked_before_anything_changes():
 
 # ---- shared-prefix attention -----------------------------------------------------------------
 def shared_tables(rng, groups, singles, block_size, num_blocks_spare=3):
-    """Block tables in which each group of sequences shares a leading run of scrambled blocks
-    (then each has its own tail), beside sequences that share nothing; returns (tables,
-    seq_lens, num_blocks)."""
+    """Block tables in which each group of sequences shares a leading run of scrambled blocks,
+    and, given ``(size, blocks, sub_size, sub_blocks)``, its first ``sub_size`` members share
+    ``sub_blocks`` more (nested groups); then each has its own tail. Beside them, sequences
+    that share nothing. Returns (tables, seq_lens, num_blocks)."""
     lens, owned = [], []
     next_id = 0
-    for size, shared_blocks in groups:
+    for size, shared_blocks, *sub in groups:
+        sub_size, sub_blocks = sub or (0, 0)
         head = list(range(next_id, next_id + shared_blocks))
-        next_id += shared_blocks
-        for _ in range(size):
+        inner = list(range(next_id + shared_blocks, next_id + shared_blocks + sub_blocks))
+        next_id += shared_blocks + sub_blocks
+        for i in range(size):
+            mine = head + (inner if i < sub_size else [])
             tail = int(rng.integers(1, 3 * block_size))
             n_tail = -(-tail // block_size)
-            owned.append(head + list(range(next_id, next_id + n_tail)))
+            owned.append(mine + list(range(next_id, next_id + n_tail)))
             next_id += n_tail
-            lens.append(shared_blocks * block_size + tail)
+            lens.append(len(mine) * block_size + tail)
     for n in singles:
         owned.append(list(range(next_id, next_id + -(-n // block_size))))
         next_id += len(owned[-1])
@@ -231,7 +235,8 @@ def shared_tables(rng, groups, singles, block_size, num_blocks_spare=3):
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), block_size=st.sampled_from([1, 4, 16]),
        heads=st.sampled_from([(2, 2), (4, 2), (8, 1)]), dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
-       groups=st.lists(st.tuples(st.integers(2, 5), st.integers(1, 4)), min_size=1, max_size=3),
+       groups=st.lists(st.tuples(st.integers(2, 5), st.integers(1, 4), st.integers(0, 5), st.integers(1, 3)),
+                       min_size=1, max_size=3),
        singles=st.lists(st.integers(1, 20), max_size=3), chunked=st.booleans())
 def test_shared_prefix_attention_matches_the_reference(seed, block_size, heads, dtype, groups, singles,
                                                        chunked):
@@ -263,7 +268,8 @@ def test_shared_prefix_groups_only_blocks_before_every_query(split_always):
     table = np.array([[5, 6, 7, 1], [5, 6, 7, 2], [5, 6, 9, 3], [8, 0, 0, 0]], np.int32)
     lens = np.array([16, 16, 16, 3])
     g = attnx._shared.plan_groups(table, lens, np.array([1, 1, 1, 1]), 4)
-    assert [r.tolist() for r in g.rows] == [[0, 1, 2]] and g.blocks == [2]
+    assert [r.tolist() for r in g.rows] == [[0, 1, 2], [0, 1]]  # nested: 0 and 1 share block 2 too
+    assert g.starts == [0, 2] and g.blocks == [2, 3]
     g = attnx._shared.plan_groups(table[:2], lens[:2], np.array([1, 9]), 4)  # 9 queries: block 1 is not before them all
     assert g.blocks == [1] and g.tokens[0].tolist() == list(range(10))
     assert not attnx._shared.plan_groups(table[:2], lens[:2], np.array([0, 0]), 4)
@@ -293,7 +299,7 @@ def test_step_attend_over_forks_and_hits_matches_the_unshared_step(rng, split_al
     counts = [1, 1, 2, 1, 1, 3]
     for shared in (True, False):
         step = c.begin_step(seqs, counts, tokens=[[1] * n for n in counts])
-        assert bool(step._shared_groups()) and step._shared_groups().blocks == [5]
+        assert step.shared_prefix == [(seqs[:5], 0, 5)]  # (the forks copied block 5 on write)
         q = rng.standard_normal((sum(counts), 8, 16)).astype(np.float32)
         k = rng.standard_normal((sum(counts), 2, 16)).astype(np.float32)
         got = step.attend(0, q, k, k, shared_prefix=shared, return_lse=True)

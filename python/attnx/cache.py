@@ -709,14 +709,16 @@ class Step:
         self._shared: Any = None  # the shared-prefix groups, planned at the first attend
 
     @property
-    def shared_prefix(self) -> list[tuple[list[int], int]]:
-        """The groups of this step's sequences whose leading blocks ``attend`` reads once for
-        all of them (by default): ``(seq_ids, shared blocks)`` each; empty when none do (few
-        shared keys, a sliding window)."""
+    def shared_prefix(self) -> list[tuple[list[int], int, int]]:
+        """The groups of this step's sequences whose shared blocks ``attend`` reads once for all
+        of them (by default): ``(seq_ids, first, end)`` each, the table entries ``[first, end)``
+        they share (groups nest: the members of an inner group also share everything before
+        ``first``); empty when none do (few shared keys, a sliding window)."""
         if self._cache.sliding_window is not None:
             return []
         g = self._shared_groups()
-        return [([self.seq_ids[i] for i in rows], p) for rows, p in zip(g.rows, g.blocks)]
+        return [([self.seq_ids[i] for i in rows], p0, p)
+                for rows, p0, p in zip(g.rows, g.starts, g.blocks)]
 
     def _shared_groups(self) -> Any:
         """The groups of this step's sequences that share leading blocks (planned once, for
