@@ -10,6 +10,7 @@ with the cache unchanged.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import ml_dtypes
@@ -26,6 +27,9 @@ from attnx import reference
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 BS = 4
+# sessions need the optional safetensors package (the ``sessions`` extra)
+needs_safetensors = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
+                                       reason="safetensors is not installed (pip install safetensors)")
 
 
 def bits(a):
@@ -327,6 +331,7 @@ def test_shared_prefix_is_off_where_it_cannot_split(rng, split_always):
 
 
 # ---- sessions --------------------------------------------------------------------------------
+@needs_safetensors
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("value_from_key", [False, True])
 def test_session_round_trip_is_bit_exact_across_block_sizes(tmp_path, rng, dtype, value_from_key):
@@ -350,6 +355,7 @@ def test_session_round_trip_is_bit_exact_across_block_sizes(tmp_path, rng, dtype
     assert [f for f in os.listdir(tmp_path)] == ["s.safetensors"]  # no temporary file left
 
 
+@needs_safetensors
 def test_loaded_session_feeds_the_prefix_cache(tmp_path, rng):
     c = make_cache()
     a = c.new_sequence(tokens=range(9), extra_key="img-1")
@@ -378,6 +384,7 @@ def _refused(cache, path, match, exc=attnx.SessionError, **kw):
     assert snapshot(cache) == before
 
 
+@needs_safetensors
 @pytest.mark.parametrize("where", ["tensor", "header", "length"])
 def test_corrupted_or_truncated_sessions_are_refused(saved, where):
     c, path = saved
@@ -396,6 +403,7 @@ def test_corrupted_or_truncated_sessions_are_refused(saved, where):
     _refused(c, path, match)
 
 
+@needs_safetensors
 def test_files_that_are_no_session_are_refused(saved, tmp_path):
     import safetensors.numpy
     c, _ = saved
@@ -405,6 +413,7 @@ def test_files_that_are_no_session_are_refused(saved, tmp_path):
     _refused(c, tmp_path / "other", "not an attnx session")
 
 
+@needs_safetensors
 def test_mismatched_sessions_and_small_pools_are_refused(saved, rng):
     c, path = saved
     _refused(c, path, "another model.*model: file 'smol', expected 'llama'", expect={"model": "llama"})
@@ -416,6 +425,7 @@ def test_mismatched_sessions_and_small_pools_are_refused(saved, rng):
     _refused(tiny, path, "needs 3 free blocks", exc=attnx.CacheFullError)
 
 
+@needs_safetensors
 def test_save_is_atomic_and_checks_its_arguments(saved, rng):
     c, path = saved
     a = c.sequences[0]
@@ -451,6 +461,7 @@ def test_more_queries_than_shared_keys_and_groups_without_queries(rng, split_alw
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@needs_safetensors
 def test_an_empty_sequence_round_trips(tmp_path):
     c = make_cache()
     a = c.new_sequence()

@@ -203,6 +203,7 @@ def test_forks_of_a_long_prompt_decode_through_the_shared_prefix_path(smollm2, m
 
 
 def test_chat_reuses_earlier_turns_and_resumes_a_session(smollm2, loaded, monkeypatch, capsys, tmp_path):
+    pytest.importorskip("safetensors")  # (sessions: the optional "sessions" extra)
     monkeypatch.setattr(smollm2.smollm2_model, "load", lambda path=None: loaded)
     session = str(tmp_path / "chat.safetensors")
     smollm2.main(["--chat", "--prompt", "Hi", "--prompt", "Name a colour.", "--max-new-tokens", "6",
