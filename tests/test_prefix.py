@@ -469,3 +469,26 @@ def test_an_empty_sequence_round_trips(tmp_path):
     b = c.load(tmp_path / "empty")
     assert c.length(b) == 0 and c.block_table(b).tolist() == []
     assert attnx.session_info(tmp_path / "empty")["length"] == 0
+
+
+@pytest.mark.parametrize("kw", [dict(value_from_key=True, value_dim=12), dict(dtype="bfloat16")])
+def test_step_attend_shared_with_latent_values_and_bf16(rng, split_always, kw):
+    c = attnx.PagedKVCache(1, 1, 16, num_blocks=32, block_size=4, **kw)
+    a = c.new_sequence()
+    step = c.begin_step([a], [13])
+    k = rng.standard_normal((13, 1, 16)).astype(np.float32)
+    step.attend(0, rng.standard_normal((13, 4, 16)).astype(np.float32), k,
+                None if c.value_from_key else k * 2)
+    seqs = [a] + [c.fork(a) for _ in range(3)]
+    outs = []
+    for shared in (True, False):
+        step = c.begin_step(seqs, [1] * 4)
+        assert step.shared_prefix == [(seqs, 0, 3)]
+        q = np.random.default_rng(1).standard_normal((4, 4, 16)).astype(BF16 if "dtype" in kw else np.float32)
+        k = np.random.default_rng(2).standard_normal((4, 1, 16)).astype(np.float32)
+        outs.append(step.attend(0, q, k, None if c.value_from_key else k * 2, shared_prefix=shared))
+        for s in seqs:
+            c.truncate(s, 13)
+    assert outs[0].dtype == outs[1].dtype
+    tol = 1e-2 if "dtype" in kw else 2e-5  # (bf16 queries: bf16 outputs, rounded apart)
+    np.testing.assert_allclose(outs[0].astype(np.float32), outs[1].astype(np.float32), rtol=tol, atol=tol)
