@@ -50,7 +50,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from . import _api, _session
+from . import _api, _session, _tensors
 from ._blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
 from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
 from ._validate import positive_int as _positive_int, storage_dtype as _dtype
@@ -729,6 +729,7 @@ class Step:
                                                self._cache.block_size)
         return self._shared
 
+    @_tensors.tensor_io
     def attend(self, layer: int, q: Any, k: Any, v: Any = None, *, scale: float | None = None,
                num_threads: int | None = None, return_lse: bool = False, window: Any = None,
                softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
