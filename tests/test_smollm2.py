@@ -9,6 +9,7 @@ path (``--attention reference``) on the same cache bookkeeping.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -190,3 +191,31 @@ def test_cli(smollm2, loaded, monkeypatch, capsys):
     lines = out.splitlines()
     assert len(lines) == 4 and all(len(line.split()) <= 4 for line in lines)
     assert "tok/s" in err and "KV memory" in err
+
+
+def test_forks_of_a_long_prompt_decode_through_the_shared_prefix_path(smollm2, model, tokenizer):
+    prompt = [tokenizer.chat_prompt("Repeat after me: " + "the quick brown fox " * 30)]
+    params = smollm2.SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    forked = _generate(smollm2, model, prompt, params, n=6, max_new=6)  # 9 blocks read once, not 6 times
+    copied = _generate(smollm2, model, prompt, params, n=6, max_new=6, fork=False)
+    assert forked.shared_steps > 0 and copied.shared_steps == 0
+    assert forked.tokens == copied.tokens
+
+
+def test_chat_reuses_earlier_turns_and_resumes_a_session(smollm2, loaded, monkeypatch, capsys, tmp_path):
+    pytest.importorskip("safetensors")  # (sessions: the optional "sessions" extra)
+    monkeypatch.setattr(smollm2.smollm2_model, "load", lambda path=None: loaded)
+    session = str(tmp_path / "chat.safetensors")
+    smollm2.main(["--chat", "--prompt", "Hi", "--prompt", "Name a colour.", "--max-new-tokens", "6",
+                  "--save-session", session])
+    out, err = capsys.readouterr()
+    assert out.count("[assistant]") == 2
+    turn2 = [line for line in err.splitlines() if line.startswith("turn 2:")][0]
+    assert int(turn2.split(", ")[1].split()[0]) > 0  # tokens from the prefix cache
+    assert "prompt tokens hit" in err and "saved" in err and os.path.exists(session)
+    smollm2.main(["--chat", "--load-session", session, "--prompt", "Another?", "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert "resumed 4 messages" in err
+    turn1 = [line for line in err.splitlines() if line.startswith("turn 1:")][0]
+    prompt, hit = int(turn1.split()[3]), int(turn1.split(", ")[1].split()[0])
+    assert hit >= prompt - 2 * 16 - 8  # all but the session's last partial block and the new turn

@@ -16,6 +16,8 @@ from ._api import attention, paged_attention
 from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
 from .layers import MultiHeadAttention
 from .merge import merge_attention
+from ._session import SessionError
+from ._session import info as session_info
 from .torch_compat import scaled_dot_product_attention
 
 # The version lives in pyproject.toml only; read back from the installed metadata on first use
@@ -47,6 +49,8 @@ __all__ = [
     "Step",
     "CacheFullError",
     "StaleStepError",
+    "SessionError",
+    "session_info",
     "MultiHeadAttention",
     "scaled_dot_product_attention",
 ]

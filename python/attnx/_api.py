@@ -228,7 +228,7 @@ def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
                     out: Optional[np.ndarray] = None, num_threads: Optional[int] = None,
                     window: Optional[Window] = None, softcap: Optional[float] = None,
                     sinks: Optional[ArrayLike] = None,
-                    alibi_slopes: Optional[ArrayLike] = None) -> Result:
+                    alibi_slopes: Optional[ArrayLike] = None, shared_prefix: bool = True) -> Result:
     """Attention of packed queries against KV stored in pages of a block pool, read in place.
 
     Parameters
@@ -250,6 +250,11 @@ def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
         Bottom-right aligned, as in :func:`attention` (default True).
     scale, return_lse, out, num_threads, window, softcap, sinks, alibi_slopes
         As in :func:`attention`; lse has shape ``(N, Hq)``.
+    shared_prefix : bool
+        Sequences whose tables start with the same block ids (forks, prefix-cache hits) read
+        those blocks once for all their queries, merged with each one's own tail by log-sum-exp
+        (default True; used where it saves enough reads, and not with ``window``, ``sinks`` or
+        ``alibi_slopes``). False reads every sequence's blocks on their own.
 
     Returns
     -------
@@ -266,11 +271,71 @@ def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
     q = _unit_last(_as_array(q, "q"))
     if q.ndim != 3:
         raise ValueError(f"q: expected shape (N, Hq, Dk), got {q.shape}")
+    k_pages = _unit_last(_as_array(k_pages, "k_pages"))
+    v_pages = _unit_last(_as_array(v_pages, "v_pages"))
+    block_tables = _as_array(block_tables, "block_tables")
+    if shared_prefix and window is None and sinks is None and alibi_slopes is None:
+        split = _split_shared(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, scale,
+                              return_lse, out, num_threads, softcap)
+        if split is not None:
+            return split
     return _core.paged_attention(
-        q, _unit_last(_as_array(k_pages, "k_pages")), _unit_last(_as_array(v_pages, "v_pages")),
-        _as_array(block_tables, "block_tables"), seq_lens, q_lens=q_lens, causal=causal,
+        q, k_pages, v_pages, block_tables, seq_lens, q_lens=q_lens, causal=causal,
         scale=_scale(scale), out=out, return_lse=return_lse, num_threads=_threads(num_threads),
         window=_window(window), softcap=_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes)
+
+
+def _shared_plan(q, k_pages, block_tables, seq_lens, q_lens):
+    """The shared-prefix groups of a paged call, or None where there are none (or the arguments
+    are malformed: the plain path then says how)."""
+    from . import _shared  # (imports merge, which imports this module)
+    try:
+        bt = np.asarray(block_tables)
+        lens = np.asarray(seq_lens)
+        ql = np.ones(len(lens), np.int64) if q_lens is None else np.asarray(q_lens)
+        if (bt.ndim != 2 or lens.shape != (bt.shape[0],) or ql.shape != lens.shape
+                or bt.dtype.kind not in "iu" or lens.dtype.kind not in "iu" or ql.dtype.kind not in "iu"
+                or np.ndim(k_pages) != 4 or int(ql.sum()) != q.shape[0] or (ql < 0).any()
+                or (ql > lens).any() or (lens > bt.shape[1] * k_pages.shape[2]).any()):
+            return None
+    except (TypeError, ValueError):
+        return None
+    groups = _shared.plan_groups(bt, lens, ql, k_pages.shape[2])
+    return (groups, bt, lens, ql) if groups else None
+
+
+def _split_shared(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, scale, return_lse,
+                  out, num_threads, softcap):
+    """paged_attention through the shared-prefix path, or None where no group shares blocks."""
+    from . import _shared
+    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != q.dtype
+                            or out.shape != q.shape[:2] + v_pages.shape[3:]):
+        return None  # (the plain path says what is wrong with it)
+    plan = _shared_plan(q, k_pages, block_tables, seq_lens, q_lens)
+    if plan is None:
+        return None
+    groups, bt, lens, ql = plan
+    qf = _wide(q)
+    sc, th, cap = _scale(scale), _threads(num_threads), _softcap(softcap)
+
+    def run(qx, table, lens_, ql_, causal_):
+        return _core.paged_attention(qx, k_pages, v_pages, table, lens_, q_lens=ql_, causal=causal_,
+                                     scale=sc, return_lse=True, num_threads=th, softcap=cap)
+
+    o, lse = _shared.attend(qf, bt, lens, groups, k_pages.shape[2],
+                            lambda table, lens_: run(qf, table, lens_, ql, bool(causal)),
+                            lambda qg, table, lens_, ql_: run(qg, table, lens_, ql_, False))
+    o = o.astype(q.dtype, copy=False)
+    if out is not None:
+        out[...] = o
+        o = out
+    return (o, lse) if return_lse else o
+
+
+def _wide(q):
+    """``q`` in float32 where it is half precision (float32 and float64 as they are), so that
+    partial results merge at full precision."""
+    return q if q.dtype in (np.float32, np.float64) else q.astype(np.float32)
 
 
 def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np.ndarray,

@@ -28,6 +28,14 @@ a long conversation holds about ``W / block_size`` blocks. Their entries in ``bl
 -1. Latent attention (DeepSeek MLA): with ``value_from_key=True`` the values are the first
 ``value_dim`` features of each key (the compressed latent serves as both), stored once.
 
+Prefix caching (``prefix_caching=True``): every full block is registered under a digest chained
+over its parent's digest and its token ids (and the sequence's ``extra_key``), so that
+``new_sequence(tokens=...)`` attaches the cached blocks a prompt starts with; blocks no sequence
+holds stay cached until an allocation needs them, least recently released first. A step whose
+sequences share leading blocks (forks, hits) reads those blocks once for all of them and merges
+by log-sum-exp (``attnx._shared``). ``save`` / ``load`` write one sequence to a safetensors file
+and read it back, in this process or another (``attnx._session``).
+
 Thread safety: every bookkeeping operation holds the cache's lock, so several Python threads may
 create, fork, truncate, free and step *different* sequences concurrently. ``Step.attend`` runs
 without the lock (and without the GIL): the blocks it writes were reserved for it alone by
@@ -42,8 +50,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from . import _api, _tensors
-from ._blocks import BlockAllocator, BlockRow, CacheFullError, stack_rows
+from . import _api, _session, _tensors
+from ._blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
 from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
 from ._validate import positive_int as _positive_int, storage_dtype as _dtype
 
@@ -58,14 +66,55 @@ class StaleStepError(RuntimeError):
 
 class _Seq:
     """One sequence: its block table row, its length (tokens reserved so far) and a version
-    that every change bumps (a step made before a change is stale)."""
+    that every change bumps (a step made before a change is stale).
 
-    __slots__ = ("row", "length", "version")
+    Token bookkeeping (prefix caching, sessions): ``tokens`` are its token ids where known (None
+    once a step came without them), possibly running past ``length`` (a prompt given to
+    ``new_sequence`` whose uncached part is still to be computed); ``digests[i]`` is the prefix
+    digest of its block ``i``, for its leading full blocks; ``root`` starts the chain (it carries
+    the extra key)."""
+
+    __slots__ = ("row", "length", "version", "tokens", "digests", "root")
 
     def __init__(self, row: BlockRow, length: int) -> None:
         self.row = row
         self.length = length
         self.version = 0
+        self.tokens: np.ndarray | None = None
+        self.digests: list[bytes] = []
+        self.root = root_digest(b"")
+
+    def copy(self) -> _Seq:
+        """A fork: the same blocks (the caller takes the references) and token bookkeeping."""
+        s = _Seq(self.row.copy(), self.length)
+        s.tokens, s.digests, s.root = self.tokens, list(self.digests), self.root
+        return s
+
+
+def _token_ids(tokens: Any, name: str, n: int | None = None) -> np.ndarray:
+    """``tokens`` as an int64 array ``(len,)`` (of length ``n`` when given)."""
+    a = np.asarray(tokens)
+    if a.ndim != 1 or not (a.dtype.kind in "iu" or (a.size == 0 and a.dtype.kind == "f")):
+        raise TypeError(f"{name}: expected a 1-d sequence of integer token ids, got "
+                        f"{'shape ' + str(a.shape) if a.ndim != 1 else 'dtype ' + a.dtype.name}")
+    if n is not None and len(a) != n:
+        raise ValueError(f"{name}: expected {n} token ids, got {len(a)}")
+    if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: token ids must fit in int64")
+    return a.astype(np.int64)
+
+
+def _extra_bytes(extra_key: Any) -> bytes:
+    """The extra key (None, str, bytes or int) as bytes, tagged by type so that 1 != "1"."""
+    if extra_key is None:
+        return b""
+    if isinstance(extra_key, bytes):
+        return b"b" + extra_key
+    if isinstance(extra_key, str):
+        return b"s" + extra_key.encode()
+    if isinstance(extra_key, (int, np.integer)) and not isinstance(extra_key, bool):
+        return b"i" + str(int(extra_key)).encode()
+    raise TypeError(f"extra_key: expected None, str, bytes or int, got {type(extra_key).__name__}")
 
 
 class PagedKVCache:
@@ -88,6 +137,12 @@ class PagedKVCache:
     value_from_key : bool
         Values are ``keys[..., :value_dim]`` (MLA's shared latent): only keys are stored, and
         ``attend`` takes no ``v``.
+    prefix_caching : bool
+        Register every full block under a digest of its token ids and those before it, so that
+        ``new_sequence(tokens=...)`` attaches the cached blocks of a prompt that starts like an
+        earlier one. Blocks no sequence holds stay cached until an allocation needs them (least
+        recently released first). The token ids come from ``new_sequence(tokens=...)`` and
+        ``begin_step(..., tokens=...)``.
 
     Examples
     --------
@@ -104,7 +159,8 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: Any = "float32", value_dim: int | None = None,
-                 sliding_window: int | None = None, value_from_key: bool = False) -> None:
+                 sliding_window: int | None = None, value_from_key: bool = False,
+                 prefix_caching: bool = False) -> None:
         self.num_layers = _positive_int(num_layers, "num_layers")
         self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = _positive_int(head_dim, "head_dim")
@@ -121,7 +177,9 @@ class PagedKVCache:
         if self.num_blocks * self.block_size >= 2**31:
             raise ValueError("num_blocks * block_size: the pool must hold fewer than 2**31 slots")
         self._k, self._v = self._pool_arrays()
-        self._alloc = BlockAllocator(self.num_blocks)
+        self.prefix_caching = bool(prefix_caching)
+        self._alloc = BlockAllocator(self.num_blocks, caching=self.prefix_caching)
+        self._hit_tokens = self._query_tokens = 0
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self._lock = threading.RLock()
@@ -178,10 +236,46 @@ class PagedKVCache:
         self._seqs[sid] = s
         return sid
 
-    def new_sequence(self) -> int:
-        """Starts an empty sequence (no blocks yet) and returns its id."""
+    def new_sequence(self, tokens: Any = None, *, extra_key: Any = None) -> int:
+        """Starts a sequence and returns its id.
+
+        Parameters
+        ----------
+        tokens : 1-d integer array-like, optional
+            The prompt's token ids. With ``prefix_caching``, the longest run of cached full
+            blocks that holds its first tokens is attached by reference, and :meth:`length`
+            says how many tokens are already there; at least one token is always left to
+            compute (so the caller gets logits). The rest are the ids the next steps register
+            when ``begin_step`` is given no ``tokens``.
+        extra_key : str, bytes or int, optional
+            Something beside the tokens that the keys and values depend on (an adapter, an
+            image): blocks are shared only between sequences with equal extra keys.
+
+        Examples
+        --------
+        >>> import attnx
+        >>> cache = attnx.PagedKVCache(1, 1, 8, num_blocks=8, block_size=4, prefix_caching=True)
+        >>> a = cache.new_sequence(tokens=range(10))
+        >>> step = cache.begin_step([a], [10])   # computes and registers blocks 0 and 1
+        >>> cache.free(a)
+        >>> b = cache.new_sequence(tokens=list(range(9)) + [42])
+        >>> cache.length(b), cache.stats()["prefix_hit_tokens"]
+        (8, 8)
+        """
+        ids = None if tokens is None else _token_ids(tokens, "tokens")
+        root = root_digest(_extra_bytes(extra_key))
         with self._lock:
-            return self._add(_Seq(BlockRow(), 0))
+            s = _Seq(BlockRow(), 0)
+            s.tokens, s.root = ids, root
+            if ids is not None and self.prefix_caching:
+                blocks, s.digests = self._alloc.match(root, ids[:len(ids) - 1], self.block_size)
+                hit = np.array(blocks, np.int32)
+                self._alloc.incref(hit)
+                s.row.append(hit)
+                s.length = len(blocks) * self.block_size
+                self._hit_tokens += s.length
+                self._query_tokens += len(ids)
+            return self._add(s)
 
     def fork(self, seq: int) -> int:
         """A new sequence that shares every block of ``seq`` (no copy); returns its id.
@@ -194,7 +288,7 @@ class PagedKVCache:
         with self._lock:
             s = self._seq(seq)
             self._alloc.incref(s.row.held())
-            return self._add(_Seq(s.row.copy(), s.length))
+            return self._add(s.copy())
 
     def truncate(self, seq: int, length: int) -> None:
         """Rolls ``seq`` back to its first ``length`` tokens, returning whole blocks past them.
@@ -216,6 +310,11 @@ class PagedKVCache:
                     raise ValueError(f"length: cannot roll back to {n}: the sliding window "
                                      "already released blocks that the next token would need")
             self._alloc.decref(s.row.cut(keep))
+            if n % self.block_size:  # the next write lands in this block: its digest goes
+                self._alloc.forget(s.row.last)
+            del s.digests[n // self.block_size:]
+            if s.tokens is not None:
+                s.tokens = s.tokens[:n]
             s.length = n
             s.version += 1
 
@@ -280,16 +379,34 @@ class PagedKVCache:
         ids, filled = ids[order], filled[order]
         return int(filled[np.append(ids[1:] != ids[:-1], True)].sum())
 
+    def _prefix_stats(self) -> dict[str, Any]:
+        a = self._alloc
+        return {
+            "prefix_query_tokens": self._query_tokens,
+            "prefix_hit_tokens": self._hit_tokens,
+            "prefix_miss_tokens": self._query_tokens - self._hit_tokens,
+            "prefix_hit_rate": self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+            "cached_blocks": a.num_cached,
+            "evictable_blocks": a.num_evictable,
+            "evictions": a.evictions,
+        }
+
     def stats(self) -> dict[str, Any]:
-        """Pool figures: blocks, bytes and slot utilisation (tokens stored / slots held).
+        """Pool figures: blocks, bytes and slot utilisation (tokens stored / slots held), and
+        prefix caching's counts.
 
         ``tokens_stored`` counts each physical slot once, however many forks share it, so
         utilisation is at most 1; ``logical_tokens`` is the sum of the sequences' lengths.
+        ``used_blocks`` are held by a sequence; ``free_blocks`` include the evictable ones
+        (cached at reference count 0). ``prefix_query_tokens`` sums the prompts given to
+        ``new_sequence``, ``prefix_hit_tokens`` those of them found cached (``prefix_miss_tokens``
+        the rest); ``cached_blocks`` are registered (held or evictable), ``evictions`` counts
+        cached blocks taken by allocations.
         """
         with self._lock:
             used = self.num_blocks - self._alloc.num_free
             stored = self._tokens_stored()
-            return {
+            return self._prefix_stats() | {
                 "num_blocks": self.num_blocks,
                 "block_size": self.block_size,
                 "used_blocks": used,
@@ -304,8 +421,107 @@ class PagedKVCache:
                 "bytes_total": self.num_blocks * self.bytes_per_block,
             }
 
+    # ---- sessions ------------------------------------------------------------------------------
+    def save(self, seq: int, path: Any, *, tokens: Any = None, meta: Any = None) -> None:
+        """Writes ``seq``'s keys and values, all layers, to the safetensors file ``path``.
+
+        Only the sequence's ``length`` valid slots are written, in token order, so the file does
+        not depend on the block size. The write is atomic (a temporary file in the same
+        directory, fsync, rename): a reader sees the old file or the whole new one. Save
+        between steps (a step's slots are written by its ``attend``). Needs ``safetensors``.
+
+        Parameters
+        ----------
+        seq : int
+        path : str or os.PathLike
+        tokens : 1-d integer array-like, optional
+            The sequence's token ids (default: those the cache knows, if any).
+        meta : JSON-serialisable, optional
+            Stored as is, e.g. ``{"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}``; ``load``'s
+            ``expect`` compares against it.
+
+        Raises
+        ------
+        KeyError
+            ``seq`` is not live.
+        ValueError
+            The sliding window released some of its blocks, or ``tokens`` has not ``length`` ids.
+        TypeError
+            ``meta`` is not JSON-serialisable.
+        """
+        with self._lock:
+            s = self._seq(seq)
+            n = s.length
+            ids = None if tokens is None else _token_ids(tokens, "tokens", n)
+            if ids is None and s.tokens is not None and len(s.tokens) >= n:
+                ids = s.tokens[:n]
+            if s.row.released:
+                raise ValueError("seq: the sliding window released its first blocks: only a "
+                                 "whole sequence can be saved")
+            tensors = self._gather(s.row.ids[:self._blocks_for(n)], n)
+        data = _session.encode(_session.geometry(self), tensors, n, ids, s.root, meta)
+        _session.save(path, data)
+
+    def load(self, path: Any, *, expect: Any = None) -> int:
+        """A new sequence holding the keys and values saved in ``path``; returns its id.
+
+        With ``prefix_caching`` and token ids in the file, its full blocks are registered (a
+        later prompt that starts like the session hits them).
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+        expect : dict, optional
+            Entries that the file's ``meta`` must hold with equal values (e.g. a model id).
+
+        Raises
+        ------
+        attnx.SessionError (a ValueError)
+            Not a session file, truncated or corrupted (checksum), made for another cache
+            geometry (layers, heads, widths, dtype) or with ``meta`` that does not match
+            ``expect``.
+        CacheFullError
+            The pool cannot hold the sequence. In every case the cache is unchanged.
+        """
+        data = _session.read(path)
+        tensors, n, tokens, root = _session.decode(data, str(path), self, expect)
+        with self._lock:
+            blocks = self._alloc.allocate(self._blocks_for(n))
+            self._scatter(blocks, tensors, n)
+            s = _Seq(BlockRow(len(blocks)), n)
+            s.row.append(blocks)
+            s.tokens, s.root = tokens, root
+            if tokens is not None and self.prefix_caching:
+                self._register(s)
+            return self._add(s)
+
+    def _gather(self, blocks: np.ndarray, n: int) -> dict[str, np.ndarray]:
+        """The first ``n`` slots of ``blocks``, every layer, as ``(layers, heads, n, width)``
+        arrays by name (the session file's tensors)."""
+        def rows(pages: np.ndarray) -> np.ndarray:
+            x = pages[:, blocks]  # (L, nb, H, bs, D)
+            x = x.transpose(0, 2, 1, 3, 4).reshape(x.shape[0], x.shape[2], -1, x.shape[4])
+            return x[:, :, :n]
+        out = {"k": rows(self._k)}
+        if self._v is not None:
+            out["v"] = rows(self._v)
+        return out
+
+    def _scatter(self, blocks: np.ndarray, tensors: dict[str, np.ndarray], n: int) -> None:
+        """Writes ``_gather``'s arrays into the first ``n`` slots of ``blocks``."""
+        bs = self.block_size
+        for name, pages in (("k", self._k), ("v", self._v)):
+            if pages is None:
+                continue
+            t = tensors[name]
+            padded = np.zeros(t.shape[:2] + (len(blocks) * bs, t.shape[3]), pages.dtype)
+            padded[:, :, :n] = t
+            pages[:, blocks] = padded.reshape(t.shape[0], t.shape[1], len(blocks), bs,
+                                              t.shape[3]).transpose(0, 2, 1, 3, 4)
+
     # ---- steps ---------------------------------------------------------------------------------
-    def begin_step(self, seq_ids: Iterable[int], num_new_tokens: Sequence[int] | np.ndarray) -> Step:
+    def begin_step(self, seq_ids: Iterable[int], num_new_tokens: Sequence[int] | np.ndarray, *,
+                   tokens: Sequence[Any] | None = None) -> Step:
         """Reserves slots for ``num_new_tokens[i]`` new tokens of each ``seq_ids[i]``, all or none.
 
         A sequence whose partly filled last block is shared with a fork gets its own copy of that
@@ -317,6 +533,12 @@ class PagedKVCache:
             Live sequence ids, each at most once.
         num_new_tokens : sequence of int, or 1-d integer array of any dtype
             New tokens per sequence, ``>= 0``.
+        tokens : sequence of (1-d integer array-like or None), optional
+            The new tokens' ids, one entry per sequence (``num_new_tokens[i]`` ids, or None).
+            With ``prefix_caching`` the blocks a step fills are registered under their digests
+            (when the step begins: step a sequence that hits them after this step's attends).
+            Where an entry is None, the ids given to ``new_sequence`` beyond the sequence's
+            length are used if there are enough; otherwise its later blocks go unregistered.
 
         Returns
         -------
@@ -336,6 +558,7 @@ class PagedKVCache:
         except TypeError:
             raise TypeError(f"seq_ids: expected a sequence of ids, got {type(seq_ids).__name__}") from None
         counts = _counts(num_new_tokens, "num_new_tokens", len(given))
+        new_ids = self._step_tokens(tokens, counts)
         ids = [as_int(i) for i in given]  # None where it is no int: the lookup below refuses it
         known = [i for i in ids if i is not None]
         if len(set(known)) != len(known):
@@ -346,7 +569,47 @@ class PagedKVCache:
             starts = [s.length for s in seqs]
             for s, n, (copy, grow) in zip(seqs, counts, plan):  # from here on nothing can fail
                 self._append_tokens(s, n, copy, grow)
+            for s, n, ids_ in zip(seqs, counts, new_ids):
+                self._note_tokens(s, n, ids_)
             return Step(self, known, seqs, starts, counts)
+
+    @staticmethod
+    def _step_tokens(tokens: Sequence[Any] | None, counts: list[int]) -> list[np.ndarray | None]:
+        """begin_step's ``tokens`` checked against the counts: one int64 array (or None) each."""
+        if tokens is None:
+            return [None] * len(counts)
+        if isinstance(tokens, np.ndarray) and tokens.ndim != 1 or isinstance(tokens, (str, bytes)):
+            raise TypeError("tokens: expected one entry (token ids or None) per sequence")
+        entries = list(tokens)
+        if len(entries) != len(counts):
+            raise ValueError(f"tokens: expected {len(counts)} entries (one per sequence), got {len(entries)}")
+        return [None if t is None else _token_ids(t, f"tokens[{i}]", n)
+                for i, (t, n) in enumerate(zip(entries, counts))]
+
+    def _note_tokens(self, s: _Seq, n: int, ids: np.ndarray | None) -> None:
+        """Records the ids of ``s``'s last ``n`` tokens (just reserved) and registers the blocks
+        they fill (prefix caching)."""
+        start = s.length - n
+        if not n:
+            return
+        if ids is not None:
+            known = s.tokens is not None and len(s.tokens) >= start
+            s.tokens = ids if start == 0 else np.concatenate([s.tokens[:start], ids]) if known else None
+        elif s.tokens is not None and len(s.tokens) < s.length:
+            s.tokens = None  # these tokens' ids are unknown: the chain ends here
+        if s.tokens is not None and self.prefix_caching:
+            self._register(s)
+
+    def _register(self, s: _Seq) -> None:
+        """Registers ``s``'s full blocks past those whose digests it knows."""
+        assert s.tokens is not None
+        bs, ids = self.block_size, s.row.ids
+        for i in range(len(s.digests), s.length // bs):
+            parent = s.digests[-1] if s.digests else s.root
+            chunk = s.tokens[i * bs:(i + 1) * bs]
+            s.digests.append(block_digest(parent, chunk))
+            if ids[i] >= 0:  # (a block the sliding window released is not registered)
+                self._alloc.register(int(ids[i]), s.digests[-1], parent, chunk)
 
     def _blocks_for(self, tokens: int) -> int:
         """Blocks that hold ``tokens`` tokens."""
@@ -443,11 +706,34 @@ class Step:
             starts, dtype=np.int64)[seq_index]
         self.positions = pos.astype(np.int32)
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
+        self._shared: Any = None  # the shared-prefix groups, planned at the first attend
+
+    @property
+    def shared_prefix(self) -> list[tuple[list[int], int, int]]:
+        """The groups of this step's sequences whose shared blocks ``attend`` reads once for all
+        of them (by default): ``(seq_ids, first, end)`` each, the table entries ``[first, end)``
+        they share (groups nest: the members of an inner group also share everything before
+        ``first``); empty when none do (few shared keys, a sliding window)."""
+        if self._cache.sliding_window is not None:
+            return []
+        g = self._shared_groups()
+        return [([self.seq_ids[i] for i in rows], p0, p)
+                for rows, p0, p in zip(g.rows, g.starts, g.blocks)]
+
+    def _shared_groups(self) -> Any:
+        """The groups of this step's sequences that share leading blocks (planned once, for
+        every layer)."""
+        if self._shared is None:
+            from . import _shared
+            self._shared = _shared.plan_groups(self.block_tables, self.seq_lens, self.q_lens,
+                                               self._cache.block_size)
+        return self._shared
 
     @_tensors.tensor_io
     def attend(self, layer: int, q: Any, k: Any, v: Any = None, *, scale: float | None = None,
                num_threads: int | None = None, return_lse: bool = False, window: Any = None,
-               softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None) -> Any:
+               softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
+               shared_prefix: bool = True) -> Any:
         """Writes this step's new keys and values into layer ``layer`` and attends.
 
         Parameters
@@ -460,6 +746,10 @@ class Step:
         window, softcap, sinks, alibi_slopes
             As in :func:`attnx.attention`. A cache with ``sliding_window=W`` uses
             ``window=(W - 1, None)`` by default and refuses a wider left side.
+        shared_prefix : bool
+            Sequences of the step whose tables start with the same blocks (forks, prefix hits)
+            read them once for all their queries, as in :func:`attnx.paged_attention` (default
+            True; not with a window, sinks or ALiBi). False reads each sequence's own.
 
         Returns
         -------
@@ -479,9 +769,38 @@ class Step:
         if not cache.is_current(self):
             raise StaleStepError("attend: a sequence of this step was truncated, freed or "
                                  "stepped again since begin_step")
+        if (shared_prefix and cache.sliding_window is None and window is None and sinks is None
+                and alibi_slopes is None and self._shared_groups()):
+            return self._attend_shared(q, k, v, k_pages, v_pages, scale, num_threads, return_lse,
+                                       softcap)
         return _api.paged_step(
             q, k, v, k_pages, v_pages, self.block_tables, self.seq_lens, self.q_lens, self.slots,
             values_from_keys=cache.value_from_key,
             max_left=None if cache.sliding_window is None else cache.sliding_window - 1,
             scale=scale, num_threads=num_threads, return_lse=return_lse, window=window,
             softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+
+    def _attend_shared(self, q: Any, k: Any, v: Any, k_pages: np.ndarray, v_pages: np.ndarray,
+                       scale: float | None, num_threads: int | None, return_lse: bool,
+                       softcap: float | None) -> Any:
+        """attend through the shared-prefix path: the tails' call writes the new keys and
+        values (into blocks no group shares) and attends; each group's shared blocks follow."""
+        from . import _shared
+        qa = _api._as_array(q, "q")
+        qf = _api._wide(qa) if qa.ndim == 3 and qa.dtype.kind == "f" else qa
+        cache = self._cache
+
+        def tail(table: np.ndarray, lens: np.ndarray) -> Any:
+            return _api.paged_step(qf, k, v, k_pages, v_pages, table, lens, self.q_lens, self.slots,
+                                   values_from_keys=cache.value_from_key, scale=scale,
+                                   num_threads=num_threads, return_lse=True, softcap=softcap)
+
+        def shared(qg: np.ndarray, table: np.ndarray, lens: np.ndarray, ql: np.ndarray) -> Any:
+            return _api.paged_attention(qg, k_pages, v_pages, table, lens, q_lens=ql, causal=False,
+                                        scale=scale, num_threads=num_threads, return_lse=True,
+                                        softcap=softcap, shared_prefix=False)
+
+        out, lse = _shared.attend(qf, self.block_tables, self.seq_lens, self._shared_groups(),
+                                  cache.block_size, tail, shared)
+        out = out.astype(qa.dtype, copy=False)
+        return (out, lse) if return_lse else out

@@ -144,8 +144,10 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
 
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None, causal=True, scale=None,
                     return_lse=False, out=None, num_threads=None, window=None, softcap=None, sinks=None,
-                    alibi_slopes=None):
-    """:func:`attnx.paged_attention` through ``torch.ops.attnx.paged_attention``."""
+                    alibi_slopes=None, shared_prefix=True):
+    """:func:`attnx.paged_attention` through ``torch.ops.attnx.paged_attention``. (The op always
+    reads shared prefixes once where that pays, as the default does: ``shared_prefix`` is
+    accepted for the same signature; the result is the same within fp32 tolerance.)"""
     wl, wr = _split_window(window)
     o, lse = torch.ops.attnx.paged_attention(
         q, _tensor(k_pages), _tensor(v_pages), _tensor(block_tables), _tensor(seq_lens), _tensor(q_lens),

@@ -103,7 +103,9 @@ class Dense:
 @dataclass(frozen=True)
 class Paged:
     """``attnx.paged_attention``: one decode token per sequence against L cached tokens in pages
-    of ``block`` tokens, scrambled through the block table. Counted in bytes of K and V read."""
+    of ``block`` tokens, scrambled through the block table. Counted in bytes of K and V read.
+    With ``shared``, the sequences are forks of one prompt: their first ``shared`` tokens (whole
+    blocks) are the same blocks, which need reading once (the bytes counted)."""
     B: int
     Hq: int
     Hkv: int
@@ -112,21 +114,28 @@ class Paged:
     block: int = 16
     dtype: str = "fp32"
     window: int | None = None
+    shared: int = 0
     kind = "bytes"
     causal = True  # the new token is the last position: it sees every cached one
 
     def keys_seen(self):
-        return self.B * min(self.L, self.window or self.L)
+        return self.B * min(self.L, self.window or self.L) - (self.B - 1) * min(self.shared, self.L)
+
+    def flops(self):
+        """Multiply-adds of the scores and the weighted sum, 2 each: the same shared or not."""
+        return 4.0 * self.Hq * self.D * self.B * min(self.L, self.window or self.L)
 
     def work(self):
         return 2.0 * self.Hkv * self.D * DTYPES[self.dtype] * self.keys_seen()
 
     def cut(self, B=None, S=None):
-        return replace(self, B=min(B or self.B, self.B), L=min(S or self.L, self.L))
+        L = min(S or self.L, self.L)
+        return replace(self, B=min(B or self.B, self.B), L=L, shared=min(self.shared, L - 1))
 
     def describe(self):
         return (_dims(B=self.B, Hq=self.Hq, Hkv=self.Hkv, L=self.L, D=self.D)
-                + f" block{self.block} {self.dtype} KV" + (f" window{self.window}" if self.window else ""))
+                + f" block{self.block} {self.dtype} KV" + (f" window{self.window}" if self.window else "")
+                + (f", {self.B} forks sharing {self.shared}" if self.shared else ""))
 
 
 # ---- targets ---------------------------------------------------------------------------------
@@ -262,6 +271,40 @@ class InLoop:
         return f"{v:.2f}× alone"
 
 
+@dataclass(frozen=True)
+class OverRow:
+    """This row's speed over another row's (the same work without sharing), with the bound the
+    machine's limits allow (see ``shared_bound``). ``x`` None: reported, not judged."""
+    base: str
+    x: float | None = None
+
+    def text(self, row):
+        return f"≥ {self.x:g}× unshared" if self.x else "report × unshared and its bound"
+
+    def value(self, row, rows):
+        base = rows.get(self.base)
+        if base is None or not base.attnx_s or not row.attnx_s:
+            return None
+        return base.attnx_s / row.attnx_s
+
+    def ok(self, v):
+        return True if self.x is None else v >= self.x
+
+    def show(self, v, row):
+        bound = row.extra.get("bound_vs_unshared")
+        text = f"{v:.2f}× unshared" if v is not None else "unshared row n/a"
+        return text + (f" (bound {bound:.1f}×)" if bound else "")
+
+
+def shared_bound(shape, unshared, limits):
+    """The most a shared-prefix step can gain over the unshared one on this machine: each takes
+    at least the longer of its bytes over the read bandwidth and its FLOPs over the FMA peak,
+    and sharing cuts only the bytes (GQA decode is the nearer to the FLOP bound)."""
+    bw, peak = limits["read_gbps_all"] * 1e9, limits["fma_gflops_all"] * 1e9
+    least = lambda s: max(s.work() / bw, s.flops() / peak)  # noqa: E731
+    return least(unshared) / least(shape)
+
+
 def _goal_met(goal, v, row):
     if isinstance(goal, ThreadScaling):
         return v >= goal.frac * row.extra["threads"]
@@ -349,6 +392,7 @@ def suite(*, tiny, quick, threads, repeat):
         cases.append(Case(f"decode_{dt}", f"paged decode {dt} KV", replace(decode, dtype=dt),
                           (TokensOver("decode_f32", 1.7),), {"B": 2 if q_big else B_dec},
                           ref_samples=1 if quick else 3, seed=4))
+    cases += forks(big=big, quick=quick)
     cases += [
         Case("decode_long", "long-context decode", Paged(1, Hq, Hkv, L_long, 128), (PctOfLimit(80),),
              {"S": L_long // (8 if q_big else 1)}, ref_samples=1 if quick else 3, seed=5),
@@ -359,6 +403,22 @@ def suite(*, tiny, quick, threads, repeat):
         Case("memory", "memory", Dense(1, 1, 1, 32768 if big else 2048, 32768 if big else 2048, 64),
              (PeakMemory(),), None, kind="memory"),
     ]
+    return cases
+
+
+def forks(*, big, quick):
+    """Issue 14's rows: B samples forked from one prompt, one decode step each, against the same
+    step over B unshared copies of the prompt (MHA, then GQA)."""
+    B, P = (16, 4096) if big else (4, 256)
+    cases = []
+    for name, (hq, hkv), goal in (("mha", (8, 8), 4.0), ("gqa", (32, 8), None)):
+        copies = Paged(B, hq, hkv, P + 1, 128, dtype="fp16")
+        ref = {"B": 1 if quick else 2}
+        cases += [Case(f"fork_{name}_unshared", f"{B} unshared copies ({name.upper()})", copies,
+                       (PctOfLimit(80),),
+                       ref, seed=8),
+                  Case(f"fork_{name}", f"{B} forks, shared prefix ({name.upper()})",
+                       replace(copies, shared=P), (OverRow(f"fork_{name}_unshared", goal),), ref, seed=8)]
     return cases
 
 

@@ -62,11 +62,15 @@ def paged_inputs(shape: Paged, seed):
     rng = np.random.default_rng(1234 + seed)
     dt = np_dtype(shape.dtype)
     nper = -(-shape.L // shape.block)
-    nb = shape.B * nper
+    common = shape.shared // shape.block  # blocks every sequence shares (forks of one prompt)
+    nb = common + shape.B * (nper - common)
     k_pages = _randn(rng, (nb, shape.Hkv, shape.block, shape.D), dt)
     v_pages = _randn(rng, (nb, shape.Hkv, shape.block, shape.D), dt)
     # a scrambled block table, as a cache that has allocated and freed for a while would have
-    block_tables = rng.permutation(nb).astype(np.int32).reshape(shape.B, nper)
+    perm = rng.permutation(nb).astype(np.int32)
+    block_tables = np.empty((shape.B, nper), np.int32)
+    block_tables[:, :common] = perm[:common]
+    block_tables[:, common:] = perm[common:].reshape(shape.B, nper - common)
     q = _randn(rng, (shape.B, shape.Hq, shape.D), dt)
     return q, k_pages, v_pages, block_tables, np.full(shape.B, shape.L, np.int32)
 

@@ -14,7 +14,7 @@ import numpy as np
 import attnx
 
 from . import _peers
-from ._cases import Case, Dense, judge, target_text
+from ._cases import Case, Dense, OverRow, judge, shared_bound, target_text
 from ._machine import MiB, CpuShare
 from ._timing import Progress, alone, clock, interleaved, median, spread
 
@@ -333,5 +333,10 @@ def finalize(rows, limits):
             r.extra["machine_fma_scaling"] = machine
             r.pct_of_limit = 100 * r.extra["speedup"] / machine
     by_key = {r.key: r for r in rows}
+    for r in rows:
+        for goal in r.spec.goals:  # a shared-prefix row's bound needs the machine's limits
+            if isinstance(goal, OverRow) and goal.base in by_key:
+                r.extra["bound_vs_unshared"] = shared_bound(r.spec.shape, by_key[goal.base].spec.shape,
+                                                            limits.values)
     for r in rows:
         judge(r, by_key)

@@ -1,0 +1,217 @@
+"""Sessions: one sequence's keys and values saved to a safetensors file and loaded back into a
+cache, possibly in another process (:meth:`attnx.PagedKVCache.save` / ``load``).
+
+The file holds the valid slots only, in token order, independent of the block size: ``k``
+``(num_layers, num_kv_heads, length, head_dim)`` and ``v`` likewise with ``value_dim`` (absent
+when values are read from the keys). Storage dtypes that safetensors' NumPy API lacks (bfloat16)
+are stored as unsigned integers of the same width, the real dtype in the header. The header is
+the file's ``__metadata__``: ``"attnx"`` (JSON: format version, geometry, length, token ids, the
+user's ``meta``) and ``"attnx.checksum"`` (blake2b-256 over that JSON and every tensor's name,
+dtype, shape and bytes), so a truncated or altered file is refused before anything is written.
+
+safetensors is imported only when a session is saved or loaded (the ``sessions`` extra).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["SessionError", "FORMAT", "info"]
+
+FORMAT = "attnx-kv-session/1"
+_GEOMETRY = ("num_layers", "num_kv_heads", "head_dim", "value_dim", "dtype", "value_from_key")
+
+
+class SessionError(ValueError):
+    """A session file that cannot be loaded into this cache: not a session, truncated or
+    corrupted (its checksum does not match), or made for another model. The cache is unchanged."""
+
+
+def _safetensors_numpy() -> Any:
+    try:
+        import safetensors.numpy as stn
+    except ImportError:
+        raise ImportError("sessions need the safetensors package: pip install 'attnx[sessions]' "
+                          "(or pip install safetensors)") from None
+    return stn
+
+
+def geometry(cache: Any) -> dict[str, Any]:
+    """The figures a session must share with the cache that loads it."""
+    return {"num_layers": cache.num_layers, "num_kv_heads": cache.num_kv_heads,
+            "head_dim": cache.head_dim, "value_dim": cache.value_dim, "dtype": cache.dtype.name,
+            "value_from_key": cache.value_from_key}
+
+
+def _stored(a: np.ndarray) -> np.ndarray:
+    """``a`` in a dtype safetensors' NumPy API takes: floats it knows as they are, others
+    (bfloat16, float8) as unsigned integers of their width."""
+    if a.dtype in (np.float32, np.float16, np.float64):
+        return np.ascontiguousarray(a)
+    return np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}")
+
+
+def _checksum(header_json: str, tensors: Mapping[str, np.ndarray]) -> str:
+    h = hashlib.blake2b(header_json.encode(), digest_size=32)
+    for name in sorted(tensors):
+        t = np.ascontiguousarray(tensors[name])
+        h.update(f"\0{name}\0{t.dtype.str}\0{t.shape}\0".encode())
+        h.update(t.reshape(-1).view(np.uint8))  # (no copy; an empty sequence is fine too)
+    return h.hexdigest()
+
+
+def _json(value: Any, name: str) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: expected JSON-serialisable data ({e})") from None
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` so that a reader sees the old file or the whole new one:
+    a temporary file in the same directory, fsync, rename over ``path``, fsync the directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".attnx-session-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # (a platform that cannot open directories: the rename is done)
+        return
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def encode(geom: dict[str, Any], tensors: dict[str, np.ndarray], length: int,
+           tokens: np.ndarray | None, root: bytes, meta: Any) -> bytes:
+    """The bytes of a session file (``root``: the prefix digest chain's start, which carries
+    the sequence's extra key, so that a loaded sequence registers its blocks as the saved one)."""
+    header = dict(geom, format=FORMAT, length=length, root=root.hex(),
+                  tokens=None if tokens is None else [int(t) for t in tokens], meta=meta)
+    header_json = _json(header, "meta")
+    stored = {name: _stored(t) for name, t in tensors.items()}
+    metadata = {"attnx": header_json, "attnx.checksum": _checksum(header_json, stored)}
+    return _safetensors_numpy().save(stored, metadata=metadata)
+
+
+def save(path: str | os.PathLike[str], data: bytes) -> None:
+    _write_atomic(os.fspath(path), data)
+
+
+def _metadata(data: bytes, path: str) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes (the format's documented header: a
+    little-endian u64 length, then that much JSON)."""
+    bad = SessionError(f"{path}: not a readable safetensors file (truncated or corrupted)")
+    if len(data) < 8:
+        raise bad
+    (n,) = struct.unpack("<Q", data[:8])
+    if 8 + n > len(data):
+        raise bad
+    try:
+        header = json.loads(data[8:8 + n])
+    except ValueError:
+        raise bad from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or "attnx" not in meta or "attnx.checksum" not in meta:
+        raise SessionError(f"{path}: not an attnx session file (no attnx header in its metadata)")
+    return meta
+
+
+def decode(data: bytes, path: str, cache: Any, expect: Mapping[str, Any] | None
+           ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None, bytes]:
+    """Checks session bytes against ``cache`` and ``expect``: the tensors (in the cache's
+    dtype), the length, the token ids and the chain's root digest. Raises :class:`SessionError`."""
+    meta = _metadata(data, path)
+    try:
+        header = json.loads(meta["attnx"])
+    except ValueError:
+        raise SessionError(f"{path}: corrupted attnx header") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        got = header.get("format") if isinstance(header, dict) else None
+        raise SessionError(f"{path}: format {got!r}, this attnx reads {FORMAT!r}")
+    try:
+        stored = _safetensors_numpy().load(data)
+    except Exception as e:  # safetensors raises its own error type for a malformed file
+        raise SessionError(f"{path}: truncated or corrupted tensors ({e})") from None
+    if _checksum(meta["attnx"], stored) != meta["attnx.checksum"]:
+        raise SessionError(f"{path}: checksum mismatch: the file is corrupted")
+    _check_model(header, geometry(cache), expect, path)
+    return _tensors(header, stored, cache, path)
+
+
+def _check_model(header: dict[str, Any], geom: dict[str, Any], expect: Mapping[str, Any] | None,
+                 path: str) -> None:
+    wrong = [f"{k}: file {header.get(k)!r}, cache {geom[k]!r}" for k in _GEOMETRY
+             if header.get(k) != geom[k]]
+    if wrong:
+        raise SessionError(f"{path}: made for another cache geometry ({'; '.join(wrong)})")
+    if expect is None:
+        return
+    if not isinstance(expect, Mapping):
+        raise TypeError(f"expect: expected a dict of meta entries, got {type(expect).__name__}")
+    user = header.get("meta") if isinstance(header.get("meta"), dict) else {}
+    wrong = [f"{k}: file {user.get(k, '<missing>')!r}, expected {v!r}" for k, v in expect.items()
+             if k not in user or user[k] != json.loads(_json(v, "expect"))]
+    if wrong:
+        raise SessionError(f"{path}: made for another model ({'; '.join(wrong)})")
+
+
+def _tensors(header: dict[str, Any], stored: dict[str, np.ndarray], cache: Any, path: str
+             ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None, bytes]:
+    n, tokens = header.get("length"), header.get("tokens")
+    try:
+        root = bytes.fromhex(header.get("root", ""))
+        ids = None if tokens is None else np.array(tokens, np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise SessionError(f"{path}: corrupted header (token ids or root digest)") from None
+    if not isinstance(n, int) or n < 0 or (ids is not None and ids.shape != (n,)) or len(root) != 32:
+        raise SessionError(f"{path}: corrupted header (length {n!r})")
+    names = ["k"] + ([] if cache.value_from_key else ["v"])
+    widths = {"k": cache.head_dim, "v": cache.value_dim}
+    out = {}
+    for name in names:
+        t = stored.get(name)
+        shape = (cache.num_layers, cache.num_kv_heads, n, widths[name])
+        if t is None or t.shape != shape or t.dtype.itemsize != cache.dtype.itemsize:
+            raise SessionError(f"{path}: tensor {name!r} is not {shape} of {cache.dtype.name}")
+        out[name] = t.view(cache.dtype)
+    if set(stored) != set(names):
+        raise SessionError(f"{path}: unexpected tensors {sorted(set(stored) - set(names))}")
+    return out, n, ids, root
+
+
+def info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The header of the session file ``path`` (geometry, length, token ids, meta), read
+    without its tensors or checking its checksum (``load`` checks)."""
+    with open(os.fspath(path), "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        data = head + f.read(min(n, 1 << 28))
+    try:
+        return dict(json.loads(_metadata(data, os.fspath(path))["attnx"]))
+    except (ValueError, TypeError):
+        raise SessionError(f"{os.fspath(path)}: corrupted attnx header") from None
+
+
+def read(path: str | os.PathLike[str]) -> bytes:
+    with open(os.fspath(path), "rb") as f:
+        return f.read()
