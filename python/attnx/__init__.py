@@ -17,6 +17,7 @@ from . import reference
 from ._api import attention, paged_attention
 from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
 from .layers import MultiHeadAttention
+from .linear import gated_delta_rule
 from .torch_compat import scaled_dot_product_attention
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "StaleStepError",
     "MultiHeadAttention",
     "scaled_dot_product_attention",
+    "gated_delta_rule",
 ]
 
 
