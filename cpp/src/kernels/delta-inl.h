@@ -28,8 +28,10 @@ using kern::kDeltaChunk;
 using kern::kDeltaSub;
 
 constexpr int kC = kDeltaChunk;
-constexpr int kGemmNR = 2;                                // vectors per register block (columns)
-constexpr int kGemmMR = W == 16 ? 8 : (W == 8 ? 6 : 4);  // rows per register block
+// Register block of the chunk's products: kGemmMR rows x kGemmNR vectors of accumulators (24
+// of AVX-512's 32 registers, 12 of AVX2's 16).
+constexpr int kGemmNR = W == 16 ? 4 : 2;
+constexpr int kGemmMR = W == 1 ? 4 : 6;
 constexpr float kL2Eps = 1e-6f;  // q / sqrt(sum q^2 + eps), as flash-linear-attention's l2norm
 
 static inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -115,38 +117,59 @@ static void row_dots(const float* x, const float* Y, int64_t ldy, int64_t ns, in
 
 // C[0:MR, 0:NR*W] (+)= A(0:MR, 0:depth) B(0:depth, 0:NR*W), with A(i, p) = a[i*ai + p*ap]: the
 // register block of `gemm` (MR x NR vectors of accumulators; B rows streamed, A broadcast).
-template <int MR>
+template <int MR, int NR>
 static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int64_t depth,
                                     const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
-  V x[MR][kGemmNR];
+  V x[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kGemmNR; ++v) x[r][v] = acc ? load(c + r * ldc + v * W) : zero();
+    for (int v = 0; v < NR; ++v) x[r][v] = acc ? load(c + r * ldc + v * W) : zero();
   for (int64_t p = 0; p < depth; ++p) {
-    V bv[kGemmNR];
-    for (int v = 0; v < kGemmNR; ++v) bv[v] = load(b + p * ldb + v * W);
+    V bv[NR];
+    for (int v = 0; v < NR; ++v) bv[v] = load(b + p * ldb + v * W);
     for (int r = 0; r < MR; ++r) {
       const V av = set1(a[r * ai + p * ap]);
-      for (int v = 0; v < kGemmNR; ++v) x[r][v] = fmadd(av, bv[v], x[r][v]);
+      for (int v = 0; v < NR; ++v) x[r][v] = fmadd(av, bv[v], x[r][v]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kGemmNR; ++v) store(c + r * ldc + v * W, x[r][v]);
+    for (int v = 0; v < NR; ++v) store(c + r * ldc + v * W, x[r][v]);
 }
 
-// C (m x nc) (+)= A (m x depth) B (depth x nc), nc a multiple of kGemmNR * W. `lower`: A is lower
-// triangular (zero right of its diagonal), so a block of rows starting at i stops at depth i + MR.
-// Column panels outermost: one panel of B (depth x 2W floats) stays in L1 across the row blocks.
+// One panel of NR vectors of columns: full blocks of kGemmMR rows, then the remaining rows as one
+// smaller block. `lower`: A is lower triangular, so a block starting at row i stops at depth
+// i + rows.
+template <int NR>
+static void gemm_panel(int64_t m, int64_t depth, const float* a, int64_t ai, int64_t ap,
+                       const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower) {
+  int64_t i = 0;
+  for (; i + kGemmMR <= m; i += kGemmMR)
+    gemm_block<kGemmMR, NR>(a + i * ai, ai, ap, lower ? dmin(depth, i + kGemmMR) : depth, b, ldb,
+                            c + i * ldc, ldc, acc);
+  const int64_t d = lower ? dmin(depth, m) : depth;
+  a += i * ai;
+  c += i * ldc;
+  switch (m - i) {  // fewer than kGemmMR rows left (kGemmMR <= 8)
+    case 7: gemm_block<7, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 6: gemm_block<6, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 5: gemm_block<5, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 4: gemm_block<4, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 3: gemm_block<3, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 2: gemm_block<2, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 1: gemm_block<1, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    default: break;
+  }
+}
+
+// C (m x nc) (+)= A (m x depth) B (depth x nc), nc a multiple of 2W. Column panels outermost:
+// one panel of B (depth x NR vectors) stays in L1 across the row blocks. Wide panels where the
+// registers allow (32 on AVX-512): one broadcast of A then feeds 4 FMAs instead of 2, and on
+// CPUs that split 512-bit operations in two (Zen 4) the broadcasts are what limits the block.
 static void gemm(int64_t m, int64_t nc, int64_t depth, const float* a, int64_t ai, int64_t ap,
                  const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower) {
-  for (int64_t j = 0; j < nc; j += kGemmNR * W) {
-    int64_t i = 0;
-    for (; i + kGemmMR <= m; i += kGemmMR)
-      gemm_block<kGemmMR>(a + i * ai, ai, ap, lower ? dmin(depth, i + kGemmMR) : depth, b + j,
-                          ldb, c + i * ldc + j, ldc, acc);
-    for (; i < m; ++i)
-      gemm_block<1>(a + i * ai, ai, ap, lower ? dmin(depth, i + 1) : depth, b + j, ldb,
-                    c + i * ldc + j, ldc, acc);
-  }
+  int64_t j = 0;
+  for (; j + kGemmNR * W <= nc; j += kGemmNR * W)
+    gemm_panel<kGemmNR>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower);
+  for (; j < nc; j += 2 * W) gemm_panel<2>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower);
 }
 
 // y += a * x over np floats
@@ -180,6 +203,7 @@ static Chunk carve(float* w, int64_t Kp, int64_t Vp) {
 // is one per head).
 static void load_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
   const int64_t Kp = h.Kp;
+  for (int64_t i = n; i < kC; ++i) c.gs[i] = 0.f;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = t0 + i;
     float* q = c.q + i * Kp;
@@ -203,16 +227,17 @@ static void load_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Ch
   }
 }
 
-// A (scaled by -beta_t, so that forward substitution only adds) and P for a per-head gate: one
-// exp per pair, exp(G_t - G_s) times the dot products.
+// A (scaled by -beta_t, so that forward substitution only adds) and P for a per-head gate: the
+// dot products times exp(G_t - G_s), W of those exps at a time (gs is zero past n).
 static void pair_matrices_head(int64_t n, int64_t Kp, const Chunk& c) {
-  float row[kC];
+  alignas(64) float row[kC], e[kC];
   for (int64_t t = 0; t < n; ++t) {
-    const float gt = c.gs[t];
+    const V gt = set1(c.gs[t]);
+    for (int64_t s = 0; s <= t; s += W) store(e + s, exp(sub(gt, load(c.gs + s))));
     row_dots(c.k + t * Kp, c.k, Kp, t, Kp, c.zero, row);
-    for (int64_t s = 0; s < t; ++s) c.a[t * kC + s] = -c.beta[t] * row[s] * std::exp(gt - c.gs[s]);
+    for (int64_t s = 0; s < t; ++s) c.a[t * kC + s] = -c.beta[t] * row[s] * e[s];
     row_dots(c.q + t * Kp, c.k, Kp, t + 1, Kp, c.zero, row);
-    for (int64_t s = 0; s <= t; ++s) c.p[t * kC + s] = row[s] * std::exp(gt - c.gs[s]);
+    for (int64_t s = 0; s <= t; ++s) c.p[t * kC + s] = row[s] * e[s];
   }
 }
 
@@ -263,19 +288,51 @@ static void forward_substitute(int64_t n, int64_t Vp, const Chunk& c) {
   }
 }
 
+// exp(G) K and exp(G) Q (against S0), exp(G_last - G) K (into the new state), and exp(G_last)
+// (the decay of S0 over the chunk). A per-head gate needs one exp per row, not one per channel.
+static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
+  const int64_t Kp = h.Kp;
+  const float* Gl = c.G + (n - 1) * Kp;
+  for (int64_t i = 0; i < n; ++i) {
+    const float *k = c.k + i * Kp, *q = c.q + i * Kp;
+    float *kg = c.kqg + i * Kp, *qg = c.kqg + (kC + i) * Kp, *kd = c.kd + i * Kp;
+    if (h.g_per_channel) {
+      const float* Gi = c.G + i * Kp;
+      gated_row(k, Gi, nullptr, Kp, kg);
+      gated_row(q, Gi, nullptr, Kp, qg);
+      gated_row(k, Gl, Gi, Kp, kd);
+      continue;
+    }
+    const V e = set1(std::exp(c.gs[i])), ed = set1(std::exp(c.gs[n - 1] - c.gs[i]));
+    for (int64_t ch = 0; ch < Kp; ch += W) {
+      const V kv = load(k + ch);
+      store(kg + ch, mul(kv, e));
+      store(qg + ch, mul(load(q + ch), e));
+      store(kd + ch, mul(kv, ed));
+    }
+  }
+  for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
+}
+
+// Asks for the next chunk's q, k, v rows while this one computes: the rows of one head are
+// strided (the other heads lie between them), and the inputs are usually cold.
+static void prefetch_rows(const kern::DeltaHead& h, int64_t t0, int64_t n) {
+  const int64_t es = h.dtype == DType::f32 ? 4 : 2;  // (dtype_size is inline: see kernels.h)
+  for (int64_t t = t0; t < t0 + n; ++t) {
+    for (int64_t b = 0; b < h.K * es; b += 64) {
+      __builtin_prefetch(h.q + t * h.q_st + b);
+      __builtin_prefetch(h.k + t * h.k_st + b);
+    }
+    for (int64_t b = 0; b < h.V * es; b += 64) __builtin_prefetch(h.v + t * h.v_st + b);
+  }
+}
+
 // One chunk of n tokens from position t0: outputs written, state S advanced.
 static void run_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
   const int64_t Kp = h.Kp, Vp = h.Vp, K = h.K;
   load_chunk(h, t0, n, c);
-  // exp(G) K and exp(G) Q (against S0), exp(G_last - G) K (into the new state), exp(G_last)
-  const float* Gl = c.G + (n - 1) * Kp;
-  for (int64_t i = 0; i < n; ++i) {
-    const float* Gi = c.G + i * Kp;
-    gated_row(c.k + i * Kp, Gi, nullptr, Kp, c.kqg + i * Kp);
-    gated_row(c.q + i * Kp, Gi, nullptr, Kp, c.kqg + (kC + i) * Kp);
-    gated_row(c.k + i * Kp, Gl, Gi, Kp, c.kd + i * Kp);
-  }
-  for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
+  gate_rows(h, n, c);
+  prefetch_rows(h, t0 + n, dmin(kC, h.T - t0 - n));
   // X = [exp(G) K; exp(G) Q] S0: rows 0..n-1 against the keys, kC..kC+n-1 the queries' share
   gemm(n, Vp, K, c.kqg, Kp, 1, h.S, h.lds, c.x, Vp, false, false);
   gemm(n, Vp, K, c.kqg + kC * Kp, Kp, 1, h.S, h.lds, c.x + kC * Vp, Vp, false, false);
