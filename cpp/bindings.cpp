@@ -462,6 +462,7 @@ void expect_shape(const py::array& a, const char* name, std::vector<int64_t> dim
 std::vector<int64_t> strides_of(const py::array& a, const char* name) {
   const int64_t es = int64_t(a.itemsize());
   std::vector<int64_t> s;
+  if (a.size() == 0) return std::vector<int64_t>(std::size_t(a.ndim()), 0);  // nothing is read or written
   for (py::ssize_t i = 0; i < a.ndim(); ++i) {
     if (a.strides(i) % es != 0) fail(std::string(name) + ": strides must be multiples of the item size");
     s.push_back(a.strides(i) / es);
