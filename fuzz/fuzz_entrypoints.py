@@ -19,7 +19,11 @@ logical size of 2**40, NaN/inf values, lists, 0-d). Rules checked on every call:
 * inputs are not modified; when the call raises, ``out`` is not modified either;
 * a cache operation that raises leaves the cache exactly as it was (block tables, lengths,
   reference counts, free list, pages), and after every operation the pool is consistent (no
-  leaked or doubly held block, reference counts = holders).
+  leaked or doubly held block, reference counts = holders);
+* the cache's integer arguments (ids, counts, lengths, layers) come as Python ints or as NumPy
+  integers of random width and sign, 0-d arrays and count arrays, which must act as the same
+  ints: a step or truncation leaves exactly the lengths the ints say, and ids and lengths stay
+  Python ints.
 
 Usage::
 
@@ -403,6 +407,27 @@ def fuzz_paged(p):
 # ---- the cache ----------------------------------------------------------------------------------
 
 
+INT_TYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+
+
+def int_form(p, value):
+    """The int ``value`` as it is, or as a NumPy scalar or 0-d array of a random integer type that
+    holds it: the cache must treat them alike (issue 18)."""
+    kinds = [t for t in INT_TYPES if np.iinfo(t).min <= value <= np.iinfo(t).max]
+    if not kinds or not p.bool(40):
+        return value
+    t = p.pick(kinds)
+    return t(value) if p.bool(70) else np.array(value, t)
+
+
+def counts_form(p, counts):
+    """A list of counts as it is, as NumPy integers, or as one integer array of a random type."""
+    if counts and p.bool(25):
+        kinds = [t for t in INT_TYPES if max(counts) <= np.iinfo(t).max]
+        return np.array(counts, p.pick(kinds))
+    return [int_form(p, n) for n in counts]
+
+
 def cache_state(c):
     return (c._free_ids(), c._refs.copy(), c._next_id,
             {s: (c.length(s), c.block_table(s).tolist(), c._seqs[s].version) for s in c.sequences},
@@ -418,6 +443,8 @@ def same_state(a, b):
 def check_pool(c):
     held = collections.Counter()
     for s in c.sequences:
+        if type(s) is not int or type(c.length(s)) is not int:
+            raise Finding(f"cache: sequence {s!r} or its length {c.length(s)!r} is not a Python int")
         bt = [b for b in c.block_table(s).tolist() if b >= 0]
         if len(set(bt)) != len(bt):
             raise Finding("cache: a sequence holds a block twice")
@@ -458,7 +485,11 @@ def fuzz_cache(p):
 
     def seq_id():
         live = cache.sequences
-        return p.pick(live) if live and p.bool(85) else garbage(p)
+        return int_form(p, p.pick(live)) if live and p.bool(85) else garbage(p)
+
+    def expect_length(s, n, what):
+        if cache.length(s) != n:
+            raise Finding(f"cache: {what} left length {cache.length(s)}, expected {n}")
 
     for _ in range(p.int(1, 14)):
         op = p.pick(CACHE_OPS)
@@ -468,11 +499,15 @@ def fuzz_cache(p):
         elif op == "fork":
             ok, _ = call("cache.fork", lambda: cache.fork(seq_id()))
         elif op == "truncate":
-            s = seq_id()
-            live = isinstance(s, int) and s in cache.sequences
-            n = p.int(0, cache.length(s)) if live and p.bool(80) else (
-                p.int(0, 20) if p.bool(50) else garbage(p))
+            live = cache.sequences
+            sid = p.pick(live) if live and p.bool(85) else None
+            s = garbage(p) if sid is None else int_form(p, sid)
+            live = sid is not None or (type(s) is int and s in live)
+            n = int_form(p, p.int(0, cache.length(s))) if live and p.bool(80) else (
+                int_form(p, p.int(0, 20)) if p.bool(50) else garbage(p))
             ok, _ = call("cache.truncate", lambda: cache.truncate(s, n))
+            if ok:
+                expect_length(s, int(n), "truncate")
         elif op == "free":
             ok, _ = call("cache.free", lambda: cache.free(seq_id()))
         elif op == "length":
@@ -480,7 +515,7 @@ def fuzz_cache(p):
         elif op == "block_table":
             ok, _ = call("cache.block_table", lambda: cache.block_table(seq_id()))
         elif op == "pages":
-            layer = p.int(0, 2) if p.bool(80) else garbage(p)
+            layer = int_form(p, p.int(0, 2)) if p.bool(80) else garbage(p)
             ok, _ = call("cache.k_pages", lambda: (cache.k_pages(layer), cache.v_pages(layer)))
         elif op == "stats":
             ok, _ = call("cache.stats", lambda: (cache.stats(), cache.num_free_blocks,
@@ -490,19 +525,22 @@ def fuzz_cache(p):
         elif op == "step":
             live = cache.sequences
             ids = [s for s in live if p.bool(60)]
-            counts = [p.int(0, 6) for _ in ids]
+            plain = [p.int(0, 6) for _ in ids]
+            ids, counts = [int_form(p, s) for s in ids], counts_form(p, plain)
             if p.bool(20):
                 ids, counts = maybe_bad(p, ids, 100), maybe_bad(p, counts, 100)
             ok, st = call("cache.begin_step", lambda: cache.begin_step(ids, counts))
             if ok:
                 steps.append(st)
+                for s, n in zip(ids, counts):
+                    expect_length(s, state[3][int(s)][0] + int(n), "begin_step")
         else:  # attend a pending step (maybe a stale one) with valid or malformed arrays
             if not steps:
                 continue
             st = steps[-1] if op == "attend" else p.pick(steps)
             T = st.num_tokens
             r = np.random.default_rng(p.int(0, 99))
-            layer = p.int(0, cache.num_layers - 1)
+            layer = int_form(p, p.int(0, cache.num_layers - 1))
             q = r.standard_normal((T, H, cache.head_dim)).astype(p.pick([np.float32, np.float16]))
             k = r.standard_normal((T, cache.num_kv_heads, cache.head_dim)).astype(np.float32)
             v = None if cache.value_from_key else r.standard_normal(

@@ -15,6 +15,10 @@ After every rule: no block leaked (free + distinct held == num_blocks), the cach
 the model's sharing pattern, every sequence's pages read back exactly the model's rows, and every
 attention output of a step equals ``attnx.reference.attention`` on the model's rows.
 
+Integer arguments (ids, counts, lengths, layers) are given as Python ints or, where a rule draws a
+``form``, as NumPy integers of every width and sign, 0-d arrays or integer arrays of counts: they
+must act exactly as the Python ints (issue 18).
+
 The pool is small (24 blocks of 4 slots) so that exhaustion is frequent. Runtime: ``ci`` runs 50
 examples of 30 steps; ``ATTNX_HYPOTHESIS_PROFILE=soak`` runs 1000 of 60.
 """
@@ -37,6 +41,29 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, HKV, HQ, DK = 24, 4, 2, 2, 4, 8
 MAX_SEQS = 6
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
+INT_DTYPES = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
+                                     np.uint8, np.uint16, np.uint32, np.uint64)]
+# how a rule passes its integers to the cache: Python ints, 0-d arrays, NumPy scalars of one dtype,
+# or ("[]") NumPy scalars of one dtype with the counts as one array of it
+FORMS = st.sampled_from(["int", "int", "0-d"] + [d.name for d in INT_DTYPES]
+                        + [d.name + "[]" for d in INT_DTYPES])
+
+
+def as_form(form, value):
+    """The int ``value`` (>= 0) in ``form``; a dtype too narrow for it gives way to int64."""
+    if form == "int":
+        return value
+    if form == "0-d":
+        return np.array(value)
+    dtype = np.dtype(form.rstrip("[]"))
+    return dtype.type(value) if value <= np.iinfo(dtype).max else np.int64(value)
+
+
+def counts_as_form(form, counts):
+    """A step's counts in ``form``."""
+    if form.endswith("[]") and max(counts, default=0) <= np.iinfo(form[:-2]).max:
+        return np.array(counts, form[:-2])
+    return [as_form(form, n) for n in counts]
 
 
 def _isas():
@@ -209,19 +236,19 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), seed=st.integers(0, 2**32 - 1),
           layers=st.sampled_from([(0, 1), (1, 0), (0, 1), (1, 0), (0, 1), (0,), (1,)]),
           bad_first=st.sampled_from([False, False, False, True]),
-          empty=st.sampled_from([False] * 9 + [True]))
-    def step(self, data, seed, layers, bad_first, empty):
+          empty=st.sampled_from([False] * 9 + [True]), form=FORMS)
+    def step(self, data, seed, layers, bad_first, empty, form):
         ids = [] if empty else self._live(data)
         counts = [data.draw(st.integers(0, 12), label=f"count {s}") for s in ids]
-        self._step(ids, counts, seed, layers, bad_first)
+        self._step(ids, counts, seed, layers, bad_first, form)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), n=st.integers(4, 18),
-          layers=st.sampled_from([(0, 1), (1, 0)]))
-    def prefill(self, data, seed, n, layers):
+          layers=st.sampled_from([(0, 1), (1, 0)]), form=FORMS)
+    def prefill(self, data, seed, n, layers, form):
         """A long chunk for one sequence (it fills the pool quickly)."""
         s = data.draw(st.sampled_from(sorted(self.model)), label="seq")
-        self._step([s], [n], seed, layers, False)
+        self._step([s], [n], seed, layers, False, form)
 
     @precondition(lambda self: self.model)
     @rule(seed=st.integers(0, 2**32 - 1), layers=st.sampled_from([(0, 1), (1, 0)]))
@@ -230,19 +257,20 @@ class CacheMachine(RuleBasedStateMachine):
         ids = sorted(self.model)
         self._step(ids, [1] * len(ids), seed, layers, False)
 
-    def _step(self, ids, counts, seed, layers, bad_first):
+    def _step(self, ids, counts, seed, layers, bad_first, form="int"):
         rng = np.random.default_rng(seed)
         need = self._plan(ids, counts)
+        as_ids, as_counts = [as_form(form, s) for s in ids], counts_as_form(form, counts)
         if need > self.mfree:
             snap = self._snapshot()
             try:
-                self.cache.begin_step(ids, counts)
+                self.cache.begin_step(as_ids, as_counts)
             except attnx.CacheFullError:
                 self._assert_unchanged(snap)
                 return
             raise AssertionError(f"begin_step({ids}, {counts}) should need {need} > {self.mfree} blocks")
         starts = [self.model[s].length for s in ids]
-        step = self.cache.begin_step(ids, counts)
+        step = self.cache.begin_step(as_ids, as_counts)
         self._reserve(ids, counts)
         np.testing.assert_array_equal(step.q_lens, counts)
         np.testing.assert_array_equal(step.seq_lens, [self.model[s].length for s in ids])
@@ -255,13 +283,13 @@ class CacheMachine(RuleBasedStateMachine):
             if bad_first:  # a malformed attend is rejected before anything is written
                 snap = self._snapshot()
                 try:
-                    step.attend(layer, q, k, v[:, :, :-1])
+                    step.attend(as_form(form, layer), q, k, v[:, :, :-1])
                 except ValueError:
                     pass
                 else:
                     raise AssertionError("a v of the wrong width was accepted")
                 self._assert_unchanged(snap)
-            o = step.attend(layer, q, k, v)
+            o = step.attend(as_form(form, layer), q, k, v)
             at = 0
             for s, n in zip(ids, counts):
                 m = self.model[s]
@@ -272,8 +300,8 @@ class CacheMachine(RuleBasedStateMachine):
                 at += n
             self._check_step_outputs(layer, ids, counts, q, o)
 
-    @rule(data=st.data())
-    def exhaust(self, data):
+    @rule(data=st.data(), form=FORMS)
+    def exhaust(self, data, form):
         """A batch that does not fit, often only because of its last sequence."""
         ids = self._live(data)
         if not ids:
@@ -285,7 +313,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert self._plan(ids, counts) > self.mfree
         snap = self._snapshot()
         try:
-            self.cache.begin_step(ids, counts)
+            self.cache.begin_step([as_form(form, s) for s in ids], counts_as_form(form, counts))
         except attnx.CacheFullError:
             pass
         else:
@@ -293,13 +321,13 @@ class CacheMachine(RuleBasedStateMachine):
         self._assert_unchanged(snap)
 
     @precondition(lambda self: len(self.model) < MAX_SEQS and self.model)
-    @rule(data=st.data())
-    def fork(self, data):
-        self._fork(data.draw(st.sampled_from(sorted(self.model)), label="parent"))
+    @rule(data=st.data(), form=FORMS)
+    def fork(self, data, form):
+        self._fork(data.draw(st.sampled_from(sorted(self.model)), label="parent"), form)
 
-    def _fork(self, parent):
-        child = self.cache.fork(parent)
-        assert child not in self.model and child not in self.dead
+    def _fork(self, parent, form="int"):
+        child = self.cache.fork(as_form(form, parent))
+        assert type(child) is int and child not in self.model and child not in self.dead
         m = self.model[parent].copy()
         for b in m.blocks:
             self.mrefs[b] += 1
@@ -347,19 +375,19 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.cache.num_free_blocks == 0
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def truncate(self, data):
+    @rule(data=st.data(), form=FORMS)
+    def truncate(self, data, form):
         s = data.draw(st.sampled_from(sorted(self.model)), label="seq")
         length = data.draw(st.integers(0, self.model[s].length), label="length")
-        self.cache.truncate(s, length)
+        self.cache.truncate(as_form(form, s), as_form(form, length))
         self._truncate_model(s, length)
         assert self.cache.length(s) == length
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def free(self, data):
+    @rule(data=st.data(), form=FORMS)
+    def free(self, data, form):
         s = data.draw(st.sampled_from(sorted(self.model)), label="seq")
-        self.cache.free(s)
+        self.cache.free(as_form(form, s))
         self._free_model(s)
 
     @precondition(lambda self: self.model)
@@ -431,7 +459,7 @@ class CacheMachine(RuleBasedStateMachine):
         mapping = {}
         for s, m in self.model.items():
             bt = c.block_table(s).tolist()
-            assert c.length(s) == m.length
+            assert c.length(s) == m.length and type(c.length(s)) is int
             assert len(bt) == len(m.blocks) == -(-m.length // c.block_size)
             for mb, cb in zip(m.blocks, bt):
                 assert mapping.setdefault(mb, cb) == cb, "sharing differs from the model"

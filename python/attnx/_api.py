@@ -295,3 +295,59 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
     return _core.paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens, bool(causal),
                                  _scale(scale, q.shape[2]), out, bool(return_lse),
                                  _threads(num_threads), window, softcap, sinks, alibi_slopes)
+
+
+def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np.ndarray,
+               block_tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, slots: np.ndarray,
+               *, values_from_keys: bool = False, max_left: int | None = None,
+               scale: float | None = None, num_threads: int | None = None, return_lse: bool = False,
+               window: object = None, softcap: float | None = None, sinks: object = None,
+               alibi_slopes: object = None) -> object:
+    """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
+    into their slots, then attends causally from the new queries to their whole sequences.
+
+    Parameters
+    ----------
+    q : ndarray ``(T, Hq, Dk)``, the new queries packed in sequence order
+    k : ndarray ``(T, Hkv, Dk)``; v : ndarray ``(T, Hkv, Dv)``, or None with ``values_from_keys``
+        The new keys and values, converted to the pages' dtype as they are written.
+    k_pages, v_pages, block_tables, seq_lens, q_lens
+        As in :func:`paged_attention`; ``seq_lens`` count the new tokens.
+    slots : int64 ``(T,)``
+        Where each new token goes: ``block * block_size + offset``.
+    values_from_keys : bool
+        ``v_pages`` is a view of ``k_pages`` (latent attention): only the keys are written, and
+        ``v`` must be None.
+    max_left : int, optional
+        The pages keep only each sequence's last ``max_left + 1`` keys (a sliding window):
+        ``window`` defaults to ``(max_left, None)`` and may not reach further left.
+    scale, num_threads, return_lse, window, softcap, sinks, alibi_slopes
+        As in :func:`attention`.
+
+    Returns
+    -------
+    out : ndarray ``(T, Hq, Dv)`` of q's dtype (and lse ``(T, Hq)``). Every argument is checked
+    before the first write.
+    """
+    qa = _unit_last(_as_array(q, "q"))
+    if qa.ndim != 3:
+        raise ValueError(f"q: expected shape (T, Hq, D), got {qa.shape}")
+    if values_from_keys:
+        if v is not None:
+            raise ValueError("v: this cache reads values from the keys (value_from_key=True): pass v=None")
+        va = None
+    elif v is None:
+        raise ValueError("v: expected the new values (T, num_kv_heads, value_dim)")
+    else:
+        va = _unit_last(_as_array(v, "v"))
+    sides = _window(window)
+    if max_left is not None:
+        if sides is None:
+            sides = (max_left, None)
+        elif sides[0] is None or sides[0] > max_left:
+            raise ValueError(f"window: this cache keeps a sliding window of {max_left + 1} tokens, "
+                             f"so the left side must be <= {max_left}, got {window!r}")
+    return _core.paged_attention(
+        qa, k_pages, v_pages, block_tables, seq_lens, q_lens, True, _scale(scale, qa.shape[2]), None,
+        bool(return_lse), _threads(num_threads), sides, _softcap(softcap), sinks, alibi_slopes,
+        k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots)

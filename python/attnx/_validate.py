@@ -6,13 +6,14 @@ Every check names the argument and says what it expected; none of them changes a
 from __future__ import annotations
 
 import numbers
+from typing import Any, cast
 
 import numpy as np
 
-__all__ = ["storage_dtype", "positive_int"]
+__all__ = ["storage_dtype", "positive_int", "as_int", "int_in", "index", "counts"]
 
 
-def storage_dtype(dtype, name="dtype"):
+def storage_dtype(dtype: Any, name: str = "dtype") -> np.dtype[Any]:
     """The NumPy dtype for a storage dtype given by name or type: float32, float16 or bfloat16."""
     label = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     if label == "bfloat16":
@@ -24,8 +25,70 @@ def storage_dtype(dtype, name="dtype"):
     raise TypeError(f"{name}: expected 'float32', 'float16' or 'bfloat16', got {dtype!r}")
 
 
-def positive_int(x, name, minimum=1):
+def positive_int(x: object, name: str, minimum: int = 1) -> int:
     """``x`` as a Python int >= minimum; bools, floats and other non-integers are refused."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < minimum:
+    value = as_int(x)
+    if value is None or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {x!r}")
-    return int(x)
+    return value
+
+
+# ---- integers: lengths, counts, ids, positions, indices ------------------------------------------
+# The rule: an integer argument is a Python int, a NumPy integer scalar of any width and sign, or a
+# 0-d integer array, and it is converted to a Python int (unbounded, so it never wraps) and checked
+# for range before anything is written. A bool (Python or NumPy), a float (even 1.0) or anything
+# else is not an integer. Arrays of counts may have any NumPy integer dtype.
+
+
+def as_int(x: object) -> int | None:
+    """``x`` as a Python int if it is an integer by the rule above, else None."""
+    if type(x) is int:  # the common case, without the slower abstract-class checks below
+        return x
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iu":
+        return int(x)
+    return None
+
+
+def int_in(x: object, name: str, lo: int, hi: int) -> int:
+    """``x`` as a Python int in ``[lo, hi]`` (both included); ValueError naming ``name`` if not."""
+    value = as_int(x)
+    if value is None or not lo <= value <= hi:
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {x!r}")
+    return value
+
+
+def index(x: object, name: str, size: int) -> int:
+    """``x`` as a Python int in ``[0, size)``: an index into ``size`` things (no negative
+    indexing from the end); ValueError naming ``name`` if not."""
+    value = as_int(x)
+    if value is None or not 0 <= value < size:
+        raise ValueError(f"{name}: expected an int in [0, {size}), got {x!r}")
+    return value
+
+
+def counts(x: object, name: str, size: int) -> list[int]:
+    """``x``, a sequence of ``size`` integers >= 0 (a list, a tuple or a 1-d array of any NumPy
+    integer dtype), as a list of Python ints; ValueError (TypeError if ``x`` is not a sequence)
+    naming ``name`` if not."""
+    if isinstance(x, np.ndarray):
+        if x.ndim != 1:
+            raise ValueError(f"{name}: expected a 1-d sequence of counts, got shape {x.shape}")
+        items = x.tolist()  # Python ints, exact for every width and sign (floats stay floats)
+    else:
+        try:
+            if isinstance(x, (str, bytes)):
+                raise TypeError
+            items = list(x)  # type: ignore[call-overload]
+        except TypeError:
+            raise TypeError(f"{name}: expected a sequence of ints, got {type(x).__name__}") from None
+    values = [as_int(n) for n in items]
+    if len(values) != size:
+        raise ValueError(f"{name}: expected {size} counts (one per sequence), got {len(values)}")
+    ints = cast("list[int]", values)  # once None is ruled out
+    if None in values or min(ints, default=0) < 0:
+        raise ValueError(f"{name}: expected ints >= 0, got {x!r}")
+    return ints

@@ -2,10 +2,21 @@
 
 Memory is a pool of ``num_blocks`` pages of ``block_size`` token slots, for every layer at once:
 ``K[layer]`` has shape ``(num_blocks, num_kv_heads, block_size, head_dim)`` (``V`` likewise with
-``value_dim``). A sequence owns a block table (a list of block ids) that serves every layer, so
+``value_dim``). A sequence owns a block table (a row of block ids) that serves every layer, so
 it only ever wastes the unused tail of its last block. Blocks are reference counted: ``fork``
 shares all of a sequence's blocks, and the first write into a shared, partly filled block copies
 that one block (copy-on-write). ``truncate`` and ``free`` return blocks to the pool.
+
+Three parts, each small: the pool arrays and the sequences live here (:class:`PagedKVCache`); the
+reference counts and the free list are a :class:`attnx._blocks.BlockAllocator`; each sequence's
+table is a persistent int32 row that grows in place (:class:`attnx._blocks.BlockRow`), from which
+a step's ``(B, max_blocks)`` table is gathered with one slice copy per sequence.
+
+Integers: sequence ids, layers, lengths and token counts are Python ints, NumPy integer scalars
+of any width and sign, or 0-d integer arrays (counts also a 1-d integer array of any dtype); they
+are converted to Python ints and range-checked before anything changes, so a NumPy count never
+wraps. A bool or a float (even ``1.0``) is not an id, a layer or a count. A sequence holds at most
+``2**31 - 1`` tokens (positions are int32).
 
 Why this page layout: a decode work item is one (sequence, kv head); with the head axis before
 the slot axis, that head's rows in a page are one contiguous run of ``block_size * head_dim``
@@ -27,30 +38,32 @@ Fork a sequence between steps, not while one of its steps is being attended.
 from __future__ import annotations
 
 import threading
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from . import _api, _core
+from . import _api
+from ._blocks import BlockAllocator, BlockRow, CacheFullError, stack_rows
+from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
 from ._validate import positive_int as _positive_int, storage_dtype as _dtype
 
 __all__ = ["PagedKVCache", "Step", "CacheFullError", "StaleStepError"]
 
-
-class CacheFullError(RuntimeError):
-    """The block pool cannot satisfy a reservation; the cache is unchanged."""
+_MAX_TOKENS = 2**31 - 1  # a step's lengths and positions are int32, as the kernels read them
 
 
 class StaleStepError(RuntimeError):
     """A step's sequence was truncated, freed or stepped again after ``begin_step``."""
 
 
-
-
 class _Seq:
-    __slots__ = ("blocks", "length", "version")
+    """One sequence: its block table row, its length (tokens reserved so far) and a version
+    that every change bumps (a step made before a change is stale)."""
 
-    def __init__(self, blocks, length):
-        self.blocks = blocks
+    __slots__ = ("row", "length", "version")
+
+    def __init__(self, row: BlockRow, length: int) -> None:
+        self.row = row
         self.length = length
         self.version = 0
 
@@ -89,8 +102,9 @@ class PagedKVCache:
     (5, [0, 1])
     """
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size=16,
-                 dtype="float32", value_dim=None, sliding_window=None, value_from_key=False):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype: Any = "float32", value_dim: int | None = None,
+                 sliding_window: int | None = None, value_from_key: bool = False) -> None:
         self.num_layers = _positive_int(num_layers, "num_layers")
         self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = _positive_int(head_dim, "head_dim")
@@ -98,175 +112,188 @@ class PagedKVCache:
         self.block_size = _positive_int(block_size, "block_size")
         self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
         self.dtype = _dtype(dtype)
-        self.sliding_window = None if sliding_window is None else _positive_int(sliding_window, "sliding_window")
-        if self.sliding_window is not None and self.sliding_window >= 2**31:
-            raise ValueError(f"sliding_window: expected fewer than 2**31 tokens, got {sliding_window!r}")
+        self.sliding_window = (None if sliding_window is None
+                               else _int_in(sliding_window, "sliding_window", 1, _MAX_TOKENS))
         self.value_from_key = bool(value_from_key)
         if self.value_from_key and self.value_dim > self.head_dim:
             raise ValueError(f"value_dim: with value_from_key the values are the first value_dim features "
                              f"of the keys, so value_dim ({self.value_dim}) must be <= head_dim ({self.head_dim})")
         if self.num_blocks * self.block_size >= 2**31:
             raise ValueError("num_blocks * block_size: the pool must hold fewer than 2**31 slots")
-        shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size)
-        nbytes = self.num_blocks * self.bytes_per_block
-        try:
-            # np.zeros maps fresh pages lazily: memory is committed as blocks are first written
-            self._k = np.zeros(shape + (self.head_dim,), self.dtype)
-            self._v = None if self.value_from_key else np.zeros(shape + (self.value_dim,), self.dtype)
-        except MemoryError:
-            raise MemoryError(f"PagedKVCache: cannot allocate {nbytes / 2**30:.1f} GiB for the pool") from None
-        self._refs = np.zeros(self.num_blocks, np.int32)
-        # Free blocks: every id >= self._fresh (never used yet) plus the stack of returned ids;
-        # O(blocks in use) Python memory, whatever num_blocks is.
-        self._fresh = 0
-        self._returned = []
+        self._k, self._v = self._pool_arrays()
+        self._alloc = BlockAllocator(self.num_blocks)
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self._lock = threading.RLock()
 
+    def _pool_arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
+        shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size)
+        try:
+            # np.zeros maps fresh pages lazily: memory is committed as blocks are first written
+            k = np.zeros(shape + (self.head_dim,), self.dtype)
+            v = None if self.value_from_key else np.zeros(shape + (self.value_dim,), self.dtype)
+        except (MemoryError, ValueError, OverflowError):  # (the last two: beyond any address space)
+            gib = self.num_blocks * self.bytes_per_block / 2**30
+            raise MemoryError(f"PagedKVCache: cannot allocate {gib:.1f} GiB for the pool") from None
+        return k, v
+
     # ---- pages ---------------------------------------------------------------------------------
-    def k_pages(self, layer):
+    def k_pages(self, layer: int) -> np.ndarray:
         """Zero-copy view of layer ``layer``'s keys: ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
-        return self._k[self._layer(layer)]
+        return self._k[_index(layer, "layer", self.num_layers)]
 
-    def v_pages(self, layer):
+    def v_pages(self, layer: int) -> np.ndarray:
         """Zero-copy view of layer ``layer``'s values: ``(num_blocks, num_kv_heads, block_size, value_dim)``."""
-        if self.value_from_key:
-            return self._k[self._layer(layer)][..., :self.value_dim]
-        return self._v[self._layer(layer)]
+        li = _index(layer, "layer", self.num_layers)
+        if self._v is None:
+            return self._k[li][..., :self.value_dim]
+        return self._v[li]
 
-    def _layer(self, layer):
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
-        return int(layer)
+    # ---- the allocator's figures, for checks and tests -----------------------------------------
+    @property
+    def _refs(self) -> np.ndarray:
+        """Reference count of every block (read-only view)."""
+        return self._alloc.refs
+
+    def _free_ids(self) -> list[int]:
+        """Every free block id (O(num_blocks))."""
+        return self._alloc.free_ids()
 
     # ---- sequences -----------------------------------------------------------------------------
-    def _seq(self, seq):
-        try:
-            return self._seqs[seq]
-        except (KeyError, TypeError):
-            raise KeyError(f"seq: no live sequence {seq!r} in this cache") from None
+    def _lookup(self, seq: object) -> tuple[int, _Seq]:
+        """``seq`` as a Python int and its record; KeyError if it is no live sequence."""
+        sid = as_int(seq)
+        s = None if sid is None else self._seqs.get(sid)
+        if sid is None or s is None:
+            why = "" if sid is not None else f" (a sequence id is an int, not {type(seq).__name__})"
+            raise KeyError(f"seq: no live sequence {seq!r} in this cache{why}")
+        return sid, s
 
-    def new_sequence(self):
+    def _seq(self, seq: object) -> _Seq:
+        return self._lookup(seq)[1]
+
+    def _add(self, s: _Seq) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self._seqs[sid] = s
+        return sid
+
+    def new_sequence(self) -> int:
         """Starts an empty sequence (no blocks yet) and returns its id."""
         with self._lock:
-            sid = self._next_id
-            self._next_id += 1
-            self._seqs[sid] = _Seq([], 0)
-            return sid
+            return self._add(_Seq(BlockRow(), 0))
 
-    def fork(self, seq):
-        """A new sequence that shares every block of ``seq`` (no copy); returns its id."""
+    def fork(self, seq: int) -> int:
+        """A new sequence that shares every block of ``seq`` (no copy); returns its id.
+
+        Raises
+        ------
+        KeyError
+            ``seq`` is not a live sequence id (a bool or a float never is).
+        """
         with self._lock:
             s = self._seq(seq)
-            for b in s.blocks:
-                if b >= 0:
-                    self._refs[b] += 1
-            sid = self._next_id
-            self._next_id += 1
-            self._seqs[sid] = _Seq(list(s.blocks), s.length)
-            return sid
+            self._alloc.incref(s.row.held())
+            return self._add(_Seq(s.row.copy(), s.length))
 
-    def _num_free(self):
-        return self.num_blocks - self._fresh + len(self._returned)
+    def truncate(self, seq: int, length: int) -> None:
+        """Rolls ``seq`` back to its first ``length`` tokens, returning whole blocks past them.
 
-    def _free_ids(self):
-        """Every free block id (for checks and tests; O(num_blocks))."""
-        return self._returned + list(range(self.num_blocks - 1, self._fresh - 1, -1))
-
-    def _pop_free(self):
-        if self._returned:
-            return self._returned.pop()
-        self._fresh += 1
-        return self._fresh - 1
-
-    def _release(self, blocks):
-        for b in blocks:
-            if b < 0:  # already released by the sliding window
-                continue
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._returned.append(b)
-
-    def truncate(self, seq, length):
-        """Rolls ``seq`` back to its first ``length`` tokens, returning whole blocks past them."""
+        Raises
+        ------
+        KeyError
+            ``seq`` is not a live sequence id.
+        ValueError
+            ``length`` is not an int in ``[0, length(seq)]``, or (sliding window) the blocks it
+            would need again were already released. Nothing changes.
+        """
         with self._lock:
             s = self._seq(seq)
-            if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= s.length:
-                raise ValueError(f"length: expected an int in [0, {s.length}], got {length!r}")
-            keep = -(-int(length) // self.block_size)
+            n = _int_in(length, "length", 0, s.length)
+            keep = self._blocks_for(n)
             if self.sliding_window is not None:
-                first = max(0, int(length) - self.sliding_window + 1) // self.block_size
-                if any(b < 0 for b in s.blocks[first:keep]):
-                    raise ValueError(f"length: cannot roll back to {length}: the sliding window "
+                if (s.row.ids[self._first_in_window(n):keep] < 0).any():
+                    raise ValueError(f"length: cannot roll back to {n}: the sliding window "
                                      "already released blocks that the next token would need")
-            self._release(s.blocks[keep:])
-            del s.blocks[keep:]
-            s.length = int(length)
+            self._alloc.decref(s.row.cut(keep))
+            s.length = n
             s.version += 1
 
-    def free(self, seq):
-        """Ends ``seq`` and returns its blocks (those it does not share) to the pool."""
+    def free(self, seq: int) -> None:
+        """Ends ``seq`` and returns its blocks (those it does not share) to the pool.
+
+        Raises
+        ------
+        KeyError
+            ``seq`` is not a live sequence id (a bool or a float never is).
+        """
         with self._lock:
-            s = self._seq(seq)
-            self._release(s.blocks)
+            sid, s = self._lookup(seq)
+            self._alloc.decref(s.row.held())
             s.version += 1
-            del self._seqs[seq]
+            del self._seqs[sid]
 
-    def length(self, seq):
-        """Tokens held by ``seq`` (including those reserved by a pending step)."""
+    def length(self, seq: int) -> int:
+        """Tokens held by ``seq`` (including those reserved by a pending step), a Python int."""
         with self._lock:
             return self._seq(seq).length
 
-    def block_table(self, seq):
+    def block_table(self, seq: int) -> np.ndarray:
         """``seq``'s block ids, int32, in token order (-1: released by the sliding window)."""
         with self._lock:
-            return np.array(self._seq(seq).blocks, dtype=np.int32)
+            return self._seq(seq).row.ids.copy()
 
     @property
-    def sequences(self):
+    def sequences(self) -> list[int]:
         """Ids of the live sequences."""
         with self._lock:
             return list(self._seqs)
 
     # ---- pool figures --------------------------------------------------------------------------
     @property
-    def num_free_blocks(self):
+    def num_free_blocks(self) -> int:
+        """Blocks a step can still take."""
         with self._lock:
-            return self._num_free()
+            return self._alloc.num_free
 
     @property
-    def num_used_blocks(self):
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence."""
         with self._lock:
-            return self.num_blocks - self._num_free()
+            return self.num_blocks - self._alloc.num_free
 
     @property
-    def bytes_per_block(self):
+    def bytes_per_block(self) -> int:
         """Bytes of one block id across all layers, keys and values."""
         width = self.head_dim + (0 if self.value_from_key else self.value_dim)
         return self.num_layers * self.num_kv_heads * self.block_size * width * self.dtype.itemsize
 
-    def stats(self):
+    def _tokens_stored(self) -> int:
+        """Filled slots, each physical slot once however many sequences share its block."""
+        rows = [(s.row.held(), s.row.released, s.length) for s in self._seqs.values()]
+        ids = np.concatenate([held for held, _, _ in rows] + [np.zeros(0, np.int32)])
+        if not len(ids):
+            return 0
+        filled = np.concatenate([np.minimum(self.block_size, n - self.block_size * np.arange(
+            first, first + len(held))) for held, first, n in rows])
+        order = np.lexsort((filled, ids))  # by block, the fullest holder last
+        ids, filled = ids[order], filled[order]
+        return int(filled[np.append(ids[1:] != ids[:-1], True)].sum())
+
+    def stats(self) -> dict[str, Any]:
         """Pool figures: blocks, bytes and slot utilisation (tokens stored / slots held).
 
         ``tokens_stored`` counts each physical slot once, however many forks share it, so
         utilisation is at most 1; ``logical_tokens`` is the sum of the sequences' lengths.
         """
         with self._lock:
-            filled = {}
-            for s in self._seqs.values():
-                for i, b in enumerate(s.blocks):
-                    if b < 0:
-                        continue
-                    n = min(self.block_size, s.length - i * self.block_size)
-                    filled[b] = max(filled.get(b, 0), n)
-            used = self.num_blocks - self._num_free()
-            stored = sum(filled.values())
+            used = self.num_blocks - self._alloc.num_free
+            stored = self._tokens_stored()
             return {
                 "num_blocks": self.num_blocks,
                 "block_size": self.block_size,
                 "used_blocks": used,
-                "free_blocks": self._num_free(),
+                "free_blocks": self._alloc.num_free,
                 "sequences": len(self._seqs),
                 "logical_tokens": sum(s.length for s in self._seqs.values()),
                 "tokens_stored": stored,
@@ -278,71 +305,115 @@ class PagedKVCache:
             }
 
     # ---- steps ---------------------------------------------------------------------------------
-    def begin_step(self, seq_ids, num_new_tokens):
+    def begin_step(self, seq_ids: Iterable[int], num_new_tokens: Sequence[int] | np.ndarray) -> Step:
         """Reserves slots for ``num_new_tokens[i]`` new tokens of each ``seq_ids[i]``, all or none.
 
-        Raises :class:`CacheFullError` (and changes nothing) if the pool cannot hold them. A
-        sequence whose partly filled last block is shared with a fork gets its own copy of that
+        A sequence whose partly filled last block is shared with a fork gets its own copy of that
         block here (copy-on-write), so the step writes only to blocks it owns.
 
-        Returns a :class:`Step`, whose ``attend(layer, q, k, v)`` is called once per layer.
+        Parameters
+        ----------
+        seq_ids : sequence of int
+            Live sequence ids, each at most once.
+        num_new_tokens : sequence of int, or 1-d integer array of any dtype
+            New tokens per sequence, ``>= 0``.
+
+        Returns
+        -------
+        Step
+            Its ``attend(layer, q, k, v)`` is called once per layer.
+
+        Raises
+        ------
+        CacheFullError
+            The pool cannot hold the new tokens. Nothing changes.
+        KeyError, ValueError, TypeError
+            An id that is not live, a repeated id, a count that is not an int >= 0, or a
+            sequence that would pass ``2**31 - 1`` tokens. Nothing changes.
         """
-        ids = list(seq_ids)
-        counts = list(num_new_tokens)
-        if len(ids) != len(counts):
-            raise ValueError(f"num_new_tokens: expected {len(ids)} counts (one per sequence), got {len(counts)}")
-        for n in counts:
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-                raise ValueError(f"num_new_tokens: expected ints >= 0, got {counts!r}")
-        if len(set(ids)) != len(ids):
+        try:
+            given = list(seq_ids)
+        except TypeError:
+            raise TypeError(f"seq_ids: expected a sequence of ids, got {type(seq_ids).__name__}") from None
+        counts = _counts(num_new_tokens, "num_new_tokens", len(given))
+        ids = [as_int(i) for i in given]  # None where it is no int: the lookup below refuses it
+        known = [i for i in ids if i is not None]
+        if len(set(known)) != len(known):
             raise ValueError("seq_ids: a sequence may appear only once in a step")
-        bs = self.block_size
         with self._lock:
-            seqs = [self._seq(i) for i in ids]
-            need = 0
-            holders = {}  # shared last block -> holders left once this step's earlier copies are made
-            for s, n in zip(seqs, counts):
-                need += -(-(s.length + n) // bs) - len(s.blocks)
-                if n and s.length % bs:
-                    last = s.blocks[-1]
-                    left = holders.get(last, int(self._refs[last]))
-                    if left > 1:
-                        # copy-on-write of the shared, partly filled last block; when every holder
-                        # of a block is in this step, the last of them keeps it (as below)
-                        need += 1
-                        holders[last] = left - 1
-            if need > self._num_free():
-                raise CacheFullError(
-                    f"begin_step: needs {need} free blocks, the pool has {self._num_free()} "
-                    f"(of {self.num_blocks}); free or truncate sequences, or make the pool larger")
-            # from here on nothing can fail
-            starts = []
-            for s, n in zip(seqs, counts):
-                if n and s.length % bs and self._refs[s.blocks[-1]] > 1:
-                    old, new = s.blocks[-1], self._pop_free()
-                    self._k[:, new] = self._k[:, old]
-                    if self._v is not None:
-                        self._v[:, new] = self._v[:, old]
-                    self._refs[old] -= 1
-                    self._refs[new] = 1
-                    s.blocks[-1] = new
-                for _ in range(-(-(s.length + n) // bs) - len(s.blocks)):
-                    b = self._pop_free()
-                    self._refs[b] = 1
-                    s.blocks.append(b)
-                starts.append(s.length)
-                if self.sliding_window is not None and n:
-                    # the step's first query (position s.length) sees keys from here on
-                    first = max(0, s.length - self.sliding_window + 1) // bs
-                    self._release(s.blocks[:first])
-                    s.blocks[:first] = [-1] * first
-                s.length += n
-                s.version += 1
-            return Step(self, ids, seqs, starts, counts)
+            seqs = [self._seq(i) for i in given]
+            plan = self._plan(known, seqs, counts)
+            starts = [s.length for s in seqs]
+            for s, n, (copy, grow) in zip(seqs, counts, plan):  # from here on nothing can fail
+                self._append_tokens(s, n, copy, grow)
+            return Step(self, known, seqs, starts, counts)
+
+    def _blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` tokens."""
+        return -(-tokens // self.block_size)
+
+    def _first_in_window(self, position: int) -> int:
+        """The first block that a query at ``position`` reads (sliding window)."""
+        assert self.sliding_window is not None
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def _plan(self, ids: list[int], seqs: list[_Seq], counts: list[int]) -> list[tuple[bool, int]]:
+        """Per sequence of a step: whether it copies its last block first (copy-on-write of a
+        shared, partly filled block it writes into) and how many new blocks it takes. Raises,
+        changing nothing, unless the pool and the int32 positions can take the step."""
+        bs, plan, need = self.block_size, [], 0
+        holders: dict[int, int] = {}  # shared last block -> holders left once this step's earlier copies are made
+        for s, n in zip(seqs, counts):
+            copy = False
+            if n and s.length % bs:
+                last = s.row.last
+                left = holders.get(last, self._alloc.refcount(last))
+                copy = left > 1  # when every holder is in this step, the last of them keeps it
+                if copy:
+                    holders[last] = left - 1
+            grow = self._blocks_for(s.length + n) - s.row.len
+            need += grow + copy
+            plan.append((copy, grow))
+        if need > self._alloc.num_free:
+            raise CacheFullError(
+                f"begin_step: needs {need} free blocks, the pool has {self._alloc.num_free} "
+                f"(of {self.num_blocks}); free or truncate sequences, or make the pool larger")
+        for sid, s, n in zip(ids, seqs, counts):
+            if s.length + n > _MAX_TOKENS:  # (only a sliding window lets a sequence get this long)
+                raise ValueError(f"num_new_tokens: sequence {sid} would hold {s.length + n} tokens, "
+                                 f"more than 2**31 - 1")
+        return plan
+
+    def _append_tokens(self, s: _Seq, n: int, copy: bool, grow: int) -> None:
+        """Reserves ``n`` slots at the end of ``s`` as planned: a copy of its last block, ``grow``
+        new blocks, then the release of blocks that fell out of the sliding window."""
+        if copy:
+            old, new = s.row.last, int(self._alloc.allocate(1)[0])
+            self._k[:, new] = self._k[:, old]
+            if self._v is not None:
+                self._v[:, new] = self._v[:, old]
+            self._alloc.decref(np.array([old]))  # held elsewhere too: it stays held
+            s.row.set_last(new)
+        if grow:
+            s.row.append(self._alloc.allocate(grow))
+        if self.sliding_window is not None and n:
+            # the step's first query (position s.length) sees no key before this block
+            self._alloc.decref(s.row.release_before(self._first_in_window(s.length)))
+        s.length += n
+        s.version += 1
+
+    def is_current(self, step: Step) -> bool:
+        """Whether ``step`` may still be attended: it was made by this cache and none of its
+        sequences was truncated, freed or stepped again since."""
+        with self._lock:
+            return step._cache is self and all(
+                s.version == v for s, v in zip(step._seqs, step._versions))
 
 
 class Step:
     """One forward step of a batch of sequences: their new tokens, packed in sequence order.
+
+    Made by :meth:`PagedKVCache.begin_step`.
 
     Attributes
     ----------
@@ -352,32 +423,30 @@ class Step:
     positions : int32 ``(T,)``, absolute position of every new token (for RoPE)
     block_tables : int32 ``(B, max_blocks)``
     slots : int64 ``(T,)``, where each new token is written (``block * block_size + offset``)
+    num_tokens : int, ``T``
     """
 
-    def __init__(self, cache, ids, seqs, starts, counts):
+    def __init__(self, cache: PagedKVCache, ids: list[int], seqs: list[_Seq], starts: list[int],
+                 counts: list[int]) -> None:
         bs = cache.block_size
         self._cache = cache
         self._seqs = seqs
         self._versions = [s.version for s in seqs]
         self.seq_ids = ids
-        self.q_lens = np.asarray(counts, dtype=np.int32)
-        self.seq_lens = np.asarray([s.length for s in seqs], dtype=np.int32)
-        width = max([len(s.blocks) for s in seqs] + [1])
-        self.block_tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for row, s in zip(self.block_tables, seqs):
-            row[:len(s.blocks)] = s.blocks
-        # released entries (-1) are never read (they lie outside every window): any valid id will do
-        np.maximum(self.block_tables, 0, out=self.block_tables)
-        starts = np.asarray(starts, dtype=np.int64)
+        self.q_lens = np.array(counts, dtype=np.int32)
+        self.seq_lens = np.array([s.length for s in seqs], dtype=np.int32)
+        self.block_tables = stack_rows([s.row for s in seqs])
+        self.num_tokens = sum(counts)
         seq_index = np.repeat(np.arange(len(seqs)), self.q_lens)
-        pos = np.arange(int(self.q_lens.sum()), dtype=np.int64) - np.repeat(
-            np.cumsum(self.q_lens) - self.q_lens, self.q_lens) + starts[seq_index]
+        pos = np.arange(self.num_tokens, dtype=np.int64) - np.repeat(
+            np.cumsum(self.q_lens, dtype=np.int64) - self.q_lens, self.q_lens) + np.array(
+            starts, dtype=np.int64)[seq_index]
         self.positions = pos.astype(np.int32)
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
-        self.num_tokens = int(self.q_lens.sum())
 
-    def attend(self, layer, q, k, v=None, *, scale=None, num_threads=None, return_lse=False, window=None,
-               softcap=None, sinks=None, alibi_slopes=None):
+    def attend(self, layer: int, q: Any, k: Any, v: Any = None, *, scale: float | None = None,
+               num_threads: int | None = None, return_lse: bool = False, window: Any = None,
+               softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None) -> Any:
         """Writes this step's new keys and values into layer ``layer`` and attends.
 
         Parameters
@@ -394,36 +463,24 @@ class Step:
         Returns
         -------
         ndarray ``(T, Hq, value_dim)`` of q's dtype: each new query attends causally
-        (bottom-right) to everything its sequence holds, its own new tokens included.
+        (bottom-right) to everything its sequence holds, its own new tokens included. With
+        ``return_lse``, also the log-sum-exp, float32 ``(T, Hq)``.
+
+        Raises
+        ------
+        StaleStepError
+            A sequence of the step changed since :meth:`PagedKVCache.begin_step`.
+        ValueError, TypeError
+            A malformed argument. Nothing is written.
         """
         cache = self._cache
-        li = cache._layer(layer)
-        with cache._lock:
-            if any(s.version != ver for s, ver in zip(self._seqs, self._versions)):
-                raise StaleStepError("attend: a sequence of this step was truncated, freed or "
-                                     "stepped again since begin_step")
-        q = _api._unit_last(_api._as_array(q, "q"))
-        if q.ndim != 3:
-            raise ValueError(f"q: expected shape (T, Hq, D), got {q.shape}")
-        if cache.value_from_key:
-            if v is not None:
-                raise ValueError("v: this cache reads values from the keys (value_from_key=True): pass v=None")
-        elif v is None:
-            raise ValueError("v: expected the new values (T, num_kv_heads, value_dim)")
-        else:
-            v = _api._unit_last(_api._as_array(v, "v"))
-        # as attnx.paged_attention does: numpy ints and lists accepted, clean errors naming them
-        window, softcap = _api._window(window), _api._softcap(softcap)
-        if cache.sliding_window is not None:
-            w = cache.sliding_window - 1
-            if window is None:
-                window = (w, None)
-            elif not isinstance(window, tuple) or len(window) != 2 or window[0] is None or (
-                    isinstance(window[0], int) and window[0] > w):
-                raise ValueError(f"window: this cache keeps a sliding window of {cache.sliding_window} "
-                                 f"tokens, so the left side must be <= {w}, got {window!r}")
-        return _core.paged_attention(
-            q, cache._k[li], cache.v_pages(li), self.block_tables, self.seq_lens, self.q_lens, True,
-            _api._scale(scale, q.shape[2]), None, bool(return_lse), _api._threads(num_threads),
-            window, softcap, sinks, alibi_slopes, k_new=_api._unit_last(_api._as_array(k, "k")),
-            v_new=v, slots=self.slots)
+        k_pages, v_pages = cache.k_pages(layer), cache.v_pages(layer)
+        if not cache.is_current(self):
+            raise StaleStepError("attend: a sequence of this step was truncated, freed or "
+                                 "stepped again since begin_step")
+        return _api.paged_step(
+            q, k, v, k_pages, v_pages, self.block_tables, self.seq_lens, self.q_lens, self.slots,
+            values_from_keys=cache.value_from_key,
+            max_left=None if cache.sliding_window is None else cache.sliding_window - 1,
+            scale=scale, num_threads=num_threads, return_lse=return_lse, window=window,
+            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
