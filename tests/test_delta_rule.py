@@ -220,3 +220,27 @@ def test_hypothesis_shapes(isa, B, T, Hk, group, K, V, per_channel, l2, with_sta
         q /= np.sqrt(K)
     s0 = state0(rng, B, Hk * group, K, V) if with_state else None
     check_delta_rule(q, k, v, g, beta, initial_state=s0, qk_l2norm=l2)
+
+
+def test_bench_delta_rows_declared_with_their_work():
+    from attnx.bench import _cases
+
+    prefill, decode = _cases.delta_cases(tiny=False, quick=False)
+    assert prefill.shape.work() == 6.0 * 4096 * 8 * 128 * 128  # Sᵀk, k uᵀ, Sᵀq per token and head
+    assert prefill.shape.kind == "flops" and decode.shape.kind == "bytes"
+    assert decode.shape.work() == 2.0 * 4 * 8 * 16 * 128 * 128  # the fp32 state read and written
+    assert [type(g).__name__ for g in prefill.goals] == ["PctOfLimit", "FasterThan"]
+    assert prefill.goals[0].pct == 40 and prefill.goals[1].x == 10
+
+
+def test_bench_torch_loop_agrees_with_attnx():
+    torch = pytest.importorskip("torch")
+    from attnx.bench import _cases, _peers
+
+    for gate in ("head", "channel"):
+        for T in (1, 70):
+            shape = _cases.Delta(2, T, 1, 2, 16, 8, gate=gate)
+            data = _peers.delta_inputs(shape, 0)
+            mine = _peers.attnx_delta(shape, data, 1).result()
+            theirs = _peers.torch_impl((torch, None), shape, data, 1).result()
+            np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)

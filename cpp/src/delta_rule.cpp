@@ -21,6 +21,9 @@ namespace {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+constexpr double kWorkPerThread = 1 << 18;  // state multiply-adds (tokens x K x V per head) that
+                                            // make another thread worth waking (~0.1 ms)
+
 struct FreeDeleter {
   void operator()(float* p) const { std::free(p); }
 };
@@ -106,7 +109,12 @@ void gated_delta_rule(const DeltaRuleParams& p) {
   if (items == 0 || p.K == 0 || p.V == 0) return;  // nothing to read or write (no state to advance)
   const kern::KernelTable* table = active_table();
   const DeltaPlan pl = plan(p);
-  const int threads = int(std::min<int64_t>(std::max(resolve_threads(p.num_threads), 1), items));
+  // A thread per work item at most, and only for enough work: starting a team costs more than
+  // a small decode step (a few (sequence, head) states of a few KiB) takes.
+  double work = 0;
+  for (int64_t n = 0; n < p.N; ++n) work += double(std::max<int64_t>(p.seq_len[n], 1)) * p.Hv * p.K * p.V;
+  const int64_t by_work = std::max<int64_t>(1, int64_t(work / kWorkPerThread));
+  const int threads = int(std::min({int64_t(std::max(resolve_threads(p.num_threads), 1)), items, by_work}));
   // All scratch up front: a failed allocation throws here, before any thread starts.
   const std::size_t bytes = sizeof(float) * std::size_t(pl.work) * std::size_t(threads);
   std::unique_ptr<float, FreeDeleter> scratch(static_cast<float*>(std::aligned_alloc(64, bytes)));
