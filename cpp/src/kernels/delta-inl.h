@@ -198,9 +198,9 @@ static Chunk carve(float* w, int64_t Kp, int64_t Vp) {
   return c;
 }
 
-// Positions [t0, t0 + n) in fp32: q (scaled, normalised if asked), k, v, beta, and G, the gates
-// summed from t0 through each position (every channel; gs holds the per-head sum when the gate
-// is one per head).
+// Positions [t0, t0 + n) in fp32: q (scaled, normalised if asked), k, v, beta, and the gates
+// summed from t0 through each position: G (a row per position) for per-channel gates, gs for
+// per-head ones.
 static void load_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
   const int64_t Kp = h.Kp;
   for (int64_t i = n; i < kC; ++i) c.gs[i] = 0.f;
@@ -215,14 +215,13 @@ static void load_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Ch
     scale_row(k, Kp, h.l2norm, 1.f);
     c.beta[i] = h.beta[t * h.beta_st];
     const float* g = h.g + t * h.g_st;
+    if (!h.g_per_channel) {
+      c.gs[i] = (i ? c.gs[i - 1] : 0.f) + g[0];
+      continue;
+    }
     float* G = c.G + i * Kp;
     const float* prev = i ? G - Kp : nullptr;
-    if (h.g_per_channel) {
-      for (int64_t ch = 0; ch < h.K; ++ch) G[ch] = (prev ? prev[ch] : 0.f) + g[ch];
-    } else {
-      c.gs[i] = (i ? c.gs[i - 1] : 0.f) + g[0];
-      for (int64_t ch = 0; ch < h.K; ++ch) G[ch] = c.gs[i];
-    }
+    for (int64_t ch = 0; ch < h.K; ++ch) G[ch] = (prev ? prev[ch] : 0.f) + g[ch];
     for (int64_t ch = h.K; ch < Kp; ++ch) G[ch] = 0.f;
   }
 }
@@ -293,6 +292,8 @@ static void forward_substitute(int64_t n, int64_t Vp, const Chunk& c) {
 static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
   const int64_t Kp = h.Kp;
   const float* Gl = c.G + (n - 1) * Kp;
+  if (!h.g_per_channel)
+    for (int64_t ch = 0; ch < Kp; ++ch) c.dec[ch] = std::exp(c.gs[n - 1]);
   for (int64_t i = 0; i < n; ++i) {
     const float *k = c.k + i * Kp, *q = c.q + i * Kp;
     float *kg = c.kqg + i * Kp, *qg = c.kqg + (kC + i) * Kp, *kd = c.kd + i * Kp;
@@ -311,7 +312,8 @@ static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
       store(kd + ch, mul(kv, ed));
     }
   }
-  for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
+  if (h.g_per_channel)
+    for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
 }
 
 // Asks for the next chunk's q, k, v rows while this one computes: the rows of one head are
