@@ -244,3 +244,18 @@ def test_bench_torch_loop_agrees_with_attnx():
             mine = _peers.attnx_delta(shape, data, 1).result()
             theirs = _peers.torch_impl((torch, None), shape, data, 1).result()
             np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["chunked", "recurrent"])
+def test_state_read_in_place_of_a_copy(isa, rng, mode):
+    """V a multiple of 32: the kernel reads the initial state where it lies and writes the final
+    one into the result (no copy first); the initial state is left as it was, an empty sequence
+    passes it through."""
+    cu = np.array([0, 70, 70, 71])
+    q, k, v, g, beta = inputs(rng, 1, 71, 1, 2, 24, 32, per_channel=True)
+    s0 = state0(rng, 3, 2, 24, 32)
+    before = s0.copy()
+    o, state = check_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, qk_l2norm=True,
+                                _mode=mode)
+    np.testing.assert_array_equal(s0, before)
+    np.testing.assert_array_equal(state[1], s0[1])

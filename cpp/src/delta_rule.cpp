@@ -44,23 +44,26 @@ DeltaPlan plan(const DeltaRuleParams& p) {
   return pl;
 }
 
-// Where (sequence n, head h)'s state lives for the kernel, filled with the initial state.
-float* prepare_state(const DeltaRuleParams& p, const DeltaPlan& pl, int64_t n, int64_t h,
-                     float* scratch, int64_t* lds) {
+// Where (sequence n, head h)'s state lives for the kernel (d.S, d.lds) and where the kernel
+// reads it before the first token (d.S_in): in place, the caller's initial state is read there
+// directly (a decode step then streams the state once in, once out, with no copy before it).
+void prepare_state(const DeltaRuleParams& p, const DeltaPlan& pl, int64_t n, int64_t h,
+                   float* scratch, kern::DeltaHead& d) {
   const int64_t off = (n * p.Hv + h) * p.K * p.V;
   const float* init = p.initial_state ? p.initial_state + off : nullptr;
   if (pl.in_place) {
-    float* s = p.final_state + off;
-    *lds = p.V;
-    if (init == nullptr) std::memset(s, 0, sizeof(float) * p.K * p.V);
-    else if (init != s) std::memcpy(s, init, sizeof(float) * p.K * p.V);
-    return s;
+    d.S = p.final_state + off;
+    d.lds = p.V;
+    if (init == nullptr) std::memset(d.S, 0, sizeof(float) * p.K * p.V);
+    d.S_in = init ? init : d.S;
+    return;
   }
-  *lds = pl.Vp;
+  d.S = scratch;
+  d.S_in = scratch;
+  d.lds = pl.Vp;
   std::memset(scratch, 0, sizeof(float) * p.K * pl.Vp);
   if (init)
     for (int64_t c = 0; c < p.K; ++c) std::memcpy(scratch + c * pl.Vp, init + c * p.V, sizeof(float) * p.V);
-  return scratch;
 }
 
 // The kernel's view of (sequence n, head h): pointers offset to its first position.
@@ -94,8 +97,9 @@ void run_item(const DeltaRuleParams& p, const DeltaPlan& pl, const kern::KernelT
   const int64_t n = item / p.Hv, h = item % p.Hv;
   kern::DeltaHead d = head_view(p, pl, n, h);
   d.work = buf;
-  d.S = prepare_state(p, pl, n, h, buf + kern::delta_work_floats(pl.Kp, pl.Vp), &d.lds);
+  prepare_state(p, pl, n, h, buf + kern::delta_work_floats(pl.Kp, pl.Vp), d);
   if (d.T > 0) table->delta_head(d);
+  else if (d.S_in != d.S) std::memcpy(d.S, d.S_in, sizeof(float) * p.K * p.V);  // empty sequence
   if (p.final_state && !pl.in_place) {
     float* dst = p.final_state + (n * p.Hv + h) * p.K * p.V;
     for (int64_t c = 0; c < p.K; ++c) std::memcpy(dst + c * p.V, d.S + c * d.lds, sizeof(float) * p.V);

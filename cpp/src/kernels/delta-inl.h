@@ -329,15 +329,16 @@ static void prefetch_rows(const kern::DeltaHead& h, int64_t t0, int64_t n) {
   }
 }
 
-// One chunk of n tokens from position t0: outputs written, state S advanced.
-static void run_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
+// One chunk of n tokens from position t0: outputs written, state advanced from src into h.S.
+static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
+                      const Chunk& c) {
   const int64_t Kp = h.Kp, Vp = h.Vp, K = h.K;
   load_chunk(h, t0, n, c);
   gate_rows(h, n, c);
   prefetch_rows(h, t0 + n, dmin(kC, h.T - t0 - n));
   // X = [exp(G) K; exp(G) Q] S0: rows 0..n-1 against the keys, kC..kC+n-1 the queries' share
-  gemm(n, Vp, K, c.kqg, Kp, 1, h.S, h.lds, c.x, Vp, false, false);
-  gemm(n, Vp, K, c.kqg + kC * Kp, Kp, 1, h.S, h.lds, c.x + kC * Vp, Vp, false, false);
+  gemm(n, Vp, K, c.kqg, Kp, 1, src, h.lds, c.x, Vp, false, false);
+  gemm(n, Vp, K, c.kqg + kC * Kp, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, false, false);
   std::memset(c.a, 0, sizeof(float) * kC * kC);
   std::memset(c.p, 0, sizeof(float) * kC * kC);
   if (h.g_per_channel) pair_matrices_channel(n, Kp, c);
@@ -353,8 +354,9 @@ static void run_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chu
   for (int64_t i = 0; i < n; ++i) row_from_f32(o + i * Vp, h.V, h.dtype, h.out + (t0 + i) * h.o_st);
   for (int64_t ch = 0; ch < K; ++ch) {  // S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U
     const V d = set1(c.dec[ch]);
+    const float* in = src + ch * h.lds;
     float* row = h.S + ch * h.lds;
-    for (int64_t j = 0; j < Vp; j += W) store(row + j, mul(d, load(row + j)));
+    for (int64_t j = 0; j < Vp; j += W) store(row + j, mul(d, load(in + j)));
   }
   gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, true, false);
 }
@@ -364,14 +366,14 @@ static void run_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chu
 // (u and o are per column), so each block streams the state's rows twice while its accumulators
 // stay in registers: S^T (decayed) k first, then the update with o = S^T q on the way.
 template <int NB>
-static ATTNX_INLINE void recurrent_cols(float* S, int64_t lds, int64_t K, const float* q,
-                                        const float* k, const float* v, const float* dec,
-                                        float beta, float* o) {
+static ATTNX_INLINE void recurrent_cols(const float* src, float* S, int64_t lds, int64_t K,
+                                        const float* q, const float* k, const float* v,
+                                        const float* dec, float beta, float* o) {
   V acc[NB], u[NB];
   for (int b = 0; b < NB; ++b) acc[b] = zero();
   for (int64_t ch = 0; ch < K; ++ch) {
     const V kd = set1(k[ch] * dec[ch]);
-    for (int b = 0; b < NB; ++b) acc[b] = fmadd(kd, load(S + ch * lds + b * W), acc[b]);
+    for (int b = 0; b < NB; ++b) acc[b] = fmadd(kd, load(src + ch * lds + b * W), acc[b]);
   }
   const V bv = set1(beta);
   for (int b = 0; b < NB; ++b) {
@@ -381,16 +383,15 @@ static ATTNX_INLINE void recurrent_cols(float* S, int64_t lds, int64_t K, const 
   for (int64_t ch = 0; ch < K; ++ch) {
     const V d = set1(dec[ch]), kc = set1(k[ch]), qc = set1(q[ch]);
     for (int b = 0; b < NB; ++b) {
-      float* s = S + ch * lds + b * W;
-      const V sn = fmadd(kc, u[b], mul(d, load(s)));
-      store(s, sn);
+      const V sn = fmadd(kc, u[b], mul(d, load(src + ch * lds + b * W)));
+      store(S + ch * lds + b * W, sn);
       acc[b] = fmadd(qc, sn, acc[b]);
     }
   }
   for (int b = 0; b < NB; ++b) store(o + b * W, acc[b]);
 }
 
-static void recurrent_token(const kern::DeltaHead& h, int64_t t, const Chunk& c) {
+static void recurrent_token(const kern::DeltaHead& h, const float* src, int64_t t, const Chunk& c) {
   const int64_t Kp = h.Kp, Vp = h.Vp;
   row_to_f32(h.q + t * h.q_st, h.dtype, h.K, Kp, c.q);
   row_to_f32(h.k + t * h.k_st, h.dtype, h.K, Kp, c.k);
@@ -402,8 +403,9 @@ static void recurrent_token(const kern::DeltaHead& h, int64_t t, const Chunk& c)
   const float beta = h.beta[t * h.beta_st];
   int64_t j = 0;
   for (; j + 4 * W <= Vp; j += 4 * W)
-    recurrent_cols<4>(h.S + j, h.lds, h.K, c.q, c.k, c.v + j, c.dec, beta, c.o + j);
-  for (; j < Vp; j += W) recurrent_cols<1>(h.S + j, h.lds, h.K, c.q, c.k, c.v + j, c.dec, beta, c.o + j);
+    recurrent_cols<4>(src + j, h.S + j, h.lds, h.K, c.q, c.k, c.v + j, c.dec, beta, c.o + j);
+  for (; j < Vp; j += W)
+    recurrent_cols<1>(src + j, h.S + j, h.lds, h.K, c.q, c.k, c.v + j, c.dec, beta, c.o + j);
   row_from_f32(c.o, h.V, h.dtype, h.out + t * h.o_st);
 }
 
@@ -411,11 +413,12 @@ static void recurrent_token(const kern::DeltaHead& h, int64_t t, const Chunk& c)
 static void delta_head(const kern::DeltaHead& h) {
   const Chunk c = carve(h.work, h.Kp, h.Vp);
   for (int64_t ch = 0; ch < h.Kp; ++ch) c.zero[ch] = 0.f;
+  // The first token (or chunk) reads the state from S_in, every later one from S.
   if (!h.chunked) {
-    for (int64_t t = 0; t < h.T; ++t) recurrent_token(h, t, c);
+    for (int64_t t = 0; t < h.T; ++t) recurrent_token(h, t ? h.S : h.S_in, t, c);
     return;
   }
-  for (int64_t t0 = 0; t0 < h.T; t0 += kC) run_chunk(h, t0, dmin(kC, h.T - t0), c);
+  for (int64_t t0 = 0; t0 < h.T; t0 += kC) run_chunk(h, t0 ? h.S : h.S_in, t0, dmin(kC, h.T - t0), c);
 }
 
 }  // namespace

@@ -34,6 +34,8 @@ struct DeltaHead {
   int64_t o_st = 0;
   float* S = nullptr;  // the state, K rows of Vp floats (row stride lds >= Vp), columns >= V zero
   int64_t lds = 0;
+  const float* S_in = nullptr;  // the state before the first token (row stride lds): S itself, or
+                                // the caller's initial state, read once instead of copied first
   float scale = 1.f;
   bool l2norm = false;
   bool chunked = true;
