@@ -51,7 +51,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from . import _api
+from . import _api, _tensors
 from ._blocks import BlockAllocator, BlockRow, CacheFullError, stack_rows
 from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
 from ._validate import positive_int as _positive_int, storage_dtype as _dtype
@@ -499,6 +499,7 @@ class Step:
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
         self._linear_done: set[int] = set()  # linear layers already advanced by this step
 
+    @_tensors.tensor_io
     def attend(self, layer: int, q: Any, k: Any, v: Any = None, *, scale: float | None = None,
                num_threads: int | None = None, return_lse: bool = False, window: Any = None,
                softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None) -> Any:
