@@ -9,40 +9,16 @@ definition both are tested against.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from . import _core
+from ._api import _threads  # the one rule for num_threads (checked, capped)
 from ._delta_args import delta_args, from_bshd
+from ._tensors import tensor_io
 
 __all__ = ["gated_delta_rule"]
 
 _MODES = {"auto": 0, "chunked": 1, "recurrent": 2}
-
-
-def _from_torch(x, name):
-    """A torch tensor as a NumPy view (bfloat16 through its bits); anything else as is."""
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(x, torch.Tensor):
-        return x, False
-    if x.requires_grad:
-        raise TypeError(f"{name}: attnx computes no gradients; pass a tensor that does not require grad (.detach())")
-    if x.device.type != "cpu":
-        raise TypeError(f"{name}: expected a CPU tensor, got device {x.device}")
-    if x.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16), True
-    return x.numpy(), True
-
-
-def _to_torch(a):
-    import torch
-
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def _storage(a, dtype):
@@ -54,14 +30,7 @@ def _storage(a, dtype):
     return a
 
 
-def _threads(num_threads):
-    if num_threads is None:
-        return 0
-    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads < 1:
-        raise ValueError(f"num_threads: expected a positive int or None, got {num_threads!r}")
-    return int(num_threads)
-
-
+@tensor_io
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                      layout="bshd", qk_l2norm=False, cu_seqlens=None, lengths=None, num_threads=None,
                      _mode="auto"):
@@ -125,14 +94,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     """
     if _mode not in _MODES:
         raise ValueError(f"_mode: expected one of {sorted(_MODES)}, got {_mode!r}")
-    torch_in = False
-    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
-    for name, x in named.items():
-        named[name], was_torch = _from_torch(x, name)
-        torch_in = torch_in or was_torch
-    args = delta_args(named["q"], named["k"], named["v"], named["g"], named["beta"], scale=scale,
-                      initial_state=named["initial_state"], layout=layout, cu_seqlens=cu_seqlens,
-                      lengths=lengths)
+    args = delta_args(q, k, v, g, beta, scale=scale, initial_state=initial_state, layout=layout,
+                      cu_seqlens=cu_seqlens, lengths=lengths)
     threads = _threads(num_threads)
     in_dtype = args.q.dtype
     dtype = np.dtype(np.float32) if in_dtype == np.float64 else in_dtype
@@ -144,7 +107,4 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     if in_dtype == np.float64:
         o = o.astype(np.float64)
     o = from_bshd(o, layout)
-    if torch_in:
-        o = _to_torch(o)
-        final = None if final is None else _to_torch(final)
     return (o, final) if output_final_state else o
