@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attnx/attention.h"
+#include "attnx/delta_rule.h"
 #include "attnx/dispatch.h"
 #include "attnx/paged.h"
 #include "attnx/probes.h"
@@ -692,6 +693,138 @@ py::object py_paged_attention(const Args& a) {
 
 }  // namespace
 
+// ---- gated delta rule (linear attention) ------------------------------------------------------
+// Self-contained on purpose (its own small checks): attnx.linear has already normalised layouts
+// and dtypes, so these checks are the last line and name the same arguments.
+namespace delta_binding {
+
+[[noreturn]] void fail(const std::string& msg) { throw py::value_error(msg); }
+
+std::string shape_of(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+void expect_shape(const py::array& a, const char* name, std::vector<int64_t> dims) {
+  bool ok = a.ndim() == py::ssize_t(dims.size());
+  for (std::size_t i = 0; ok && i < dims.size(); ++i) ok = a.shape(py::ssize_t(i)) == dims[i];
+  if (!ok) {
+    std::string want = "(";
+    for (std::size_t i = 0; i < dims.size(); ++i) want += (i ? ", " : "") + std::to_string(dims[i]);
+    fail(std::string(name) + ": expected shape " + want + "), got " + shape_of(a));
+  }
+}
+
+// (b, t, h) element strides of a 3- or 4-dim array whose last axis (if 4-dim) is contiguous.
+std::vector<int64_t> strides_of(const py::array& a, const char* name) {
+  const int64_t es = int64_t(a.itemsize());
+  std::vector<int64_t> s;
+  if (a.size() == 0) return std::vector<int64_t>(std::size_t(a.ndim()), 0);  // nothing is read or written
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) {
+    if (a.strides(i) % es != 0) fail(std::string(name) + ": strides must be multiples of the item size");
+    s.push_back(a.strides(i) / es);
+  }
+  if (a.ndim() == 4 && a.shape(3) > 1 && s[3] != 1) fail(std::string(name) + ": the last axis must be contiguous");
+  return s;
+}
+
+DType storage_of(const py::array& a, const char* name) {
+  const py::dtype dt = a.dtype();
+  if (dt.kind() == 'f' && dt.itemsize() == 4) return DType::f32;
+  if (dt.kind() == 'f' && dt.itemsize() == 2) return DType::f16;
+  if (dt.itemsize() == 2 && std::string(py::str(dt)) == "bfloat16") return DType::bf16;
+  throw py::type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " + std::string(py::str(dt)));
+}
+
+py::array_t<float> float32_array(const py::array& a, const char* name) {
+  if (!(a.dtype().kind() == 'f' && a.itemsize() == 4)) throw py::type_error(std::string(name) + ": expected float32");
+  return py::array_t<float>::ensure(a);
+}
+
+// Every argument checked; the returned params point into the arrays (kept alive by the caller).
+DeltaRuleParams check_delta_rule(const py::array& q, const py::array& k, const py::array& v,
+                                 const py::array_t<float>& g, const py::array_t<float>& beta,
+                                 const py::array_t<int64_t>& seqs, const py::object& initial_state,
+                                 double scale) {
+  DeltaRuleParams p;
+  if (q.ndim() != 4) fail("q: expected 4 dims (B, T, Hk, K), got " + shape_of(q));
+  if (k.ndim() != 4) fail("k: expected 4 dims (B, T, Hk, K), got " + shape_of(k));
+  if (v.ndim() != 4) fail("v: expected 4 dims (B, T, Hv, V), got " + shape_of(v));
+  p.dtype = storage_of(q, "q");
+  if (storage_of(k, "k") != p.dtype || storage_of(v, "v") != p.dtype) throw py::type_error("q, k, v: expected one dtype");
+  const int64_t B = q.shape(0), T = q.shape(1);
+  p.Hk = q.shape(2); p.K = q.shape(3); p.Hv = v.shape(2); p.V = v.shape(3);
+  expect_shape(k, "k", {B, T, p.Hk, p.K});
+  expect_shape(v, "v", {B, T, p.Hv, p.V});
+  if (p.Hk < 1 || p.Hv % p.Hk != 0)
+    fail("v: the number of value heads (" + std::to_string(p.Hv) + ") must be a multiple of the key heads (" + std::to_string(p.Hk) + ")");
+  p.g_per_channel = g.ndim() == 4;
+  if (p.g_per_channel) expect_shape(g, "g", {B, T, p.Hv, p.K});
+  else expect_shape(g, "g", {B, T, p.Hv});
+  expect_shape(beta, "beta", {B, T, p.Hv});
+  if (seqs.ndim() != 2 || seqs.shape(1) != 3) fail("sequences: expected (N, 3) int64 rows (batch, start, length)");
+  p.N = seqs.shape(0);
+  auto sq = seqs.unchecked<2>();
+  for (int64_t n = 0; n < p.N; ++n)
+    if (sq(n, 0) < 0 || sq(n, 0) >= B || sq(n, 1) < 0 || sq(n, 2) < 0 || sq(n, 1) + sq(n, 2) > T)
+      fail("sequence " + std::to_string(n) + ": positions [" + std::to_string(sq(n, 1)) + ", " +
+           std::to_string(sq(n, 1) + sq(n, 2)) + ") of batch row " + std::to_string(sq(n, 0)) + " are outside (B=" +
+           std::to_string(B) + ", T=" + std::to_string(T) + ")");
+  if (!initial_state.is_none()) {
+    py::array s = py::array::ensure(initial_state);
+    if (!s || !(s.dtype().kind() == 'f' && s.itemsize() == 4) || !(s.flags() & py::array::c_style))
+      throw py::type_error("initial_state: expected a C-contiguous float32 array");
+    expect_shape(s, "initial_state", {p.N, p.Hv, p.K, p.V});
+    p.initial_state = static_cast<const float*>(s.data());
+  }
+  if (!std::isfinite(scale)) fail("scale: expected a finite number");
+  p.scale = float(scale);
+  auto qs = strides_of(q, "q"), ks = strides_of(k, "k"), vs = strides_of(v, "v");
+  auto gs = strides_of(g, "g"), bs = strides_of(beta, "beta");
+  p.q = {q.data(), qs[0], qs[1], qs[2]};
+  p.k = {k.data(), ks[0], ks[1], ks[2]};
+  p.v = {v.data(), vs[0], vs[1], vs[2]};
+  p.g = g.data(); p.g_sb = gs[0]; p.g_st = gs[1]; p.g_sh = gs[2];
+  p.beta = beta.data(); p.beta_sb = bs[0]; p.beta_st = bs[1]; p.beta_sh = bs[2];
+  return p;
+}
+
+py::object gated_delta_rule(py::array q, py::array k, py::array v, py::array g, py::array beta,
+                            py::array_t<int64_t, py::array::c_style | py::array::forcecast> seqs,
+                            py::object initial_state, bool output_final_state, double scale,
+                            bool qk_l2norm, int mode, int num_threads) {
+  py::array_t<float> g32 = float32_array(g, "g"), b32 = float32_array(beta, "beta");
+  DeltaRuleParams p = check_delta_rule(q, k, v, g32, b32, seqs, initial_state, scale);
+  if (mode < 0 || mode > 2) fail("mode: expected 0 (automatic), 1 (chunked) or 2 (recurrent)");
+  if (num_threads < 0) fail("num_threads: expected a positive int or None");
+  auto sq = seqs.unchecked<2>();
+  std::vector<int64_t> sb(std::size_t(p.N)), st(std::size_t(p.N)), sl(std::size_t(p.N));
+  for (int64_t n = 0; n < p.N; ++n) { sb[n] = sq(n, 0); st[n] = sq(n, 1); sl[n] = sq(n, 2); }
+  p.seq_batch = sb.data(); p.seq_start = st.data(); p.seq_len = sl.data();
+  // Positions outside every sequence stay zero.
+  py::array o = py::module_::import("numpy").attr("zeros")(
+      py::make_tuple(q.shape(0), q.shape(1), p.Hv, p.V), q.dtype()).cast<py::array>();
+  const auto os = strides_of(o, "out");
+  p.out = o.mutable_data(); p.o_sb = os[0]; p.o_st = os[1]; p.o_sh = os[2];
+  py::object final_state = py::none();
+  if (output_final_state) {
+    py::array_t<float> fs(std::vector<py::ssize_t>{p.N, p.Hv, p.K, p.V});
+    p.final_state = fs.mutable_data();
+    final_state = fs;
+  }
+  p.qk_l2norm = qk_l2norm;
+  p.mode = DeltaMode(mode);
+  p.num_threads = num_threads;
+  {
+    py::gil_scoped_release nogil;
+    attnx::gated_delta_rule(p);
+  }
+  return py::make_tuple(o, final_state);
+}
+
+}  // namespace delta_binding
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attnx C++ core (see the attnx package for the documented API)";
 
@@ -735,4 +868,8 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release nogil;
     return probe_read_gbps(resolve_threads(nt), bytes, seconds);
   }, py::arg("num_threads"), py::arg("bytes") = int64_t(1) << 30, py::arg("seconds") = 0.5);
+  m.def("gated_delta_rule", &delta_binding::gated_delta_rule, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("g"), py::arg("beta"), py::arg("sequences"), py::arg("initial_state"),
+        py::arg("output_final_state"), py::arg("scale"), py::arg("qk_l2norm"), py::arg("mode"),
+        py::arg("num_threads"));
 }

@@ -16,6 +16,8 @@ Sections (the seed's numbering):
   07  multi-head attention: the two-head river/bank/flooded example
   08  what it costs: n² scores versus tiling; the KV cache (attnx.PagedKVCache); variants
   09  the mechanism in one view
+  10  hybrid models: gated delta-rule (linear) layers beside full attention, a fixed-size state
+      per sequence instead of a growing cache, and the attention map a linear layer implies
 
 The model weights here are random or hand-made (selector matrices, designed queries): the
 point is the arithmetic, which is exactly what a trained model runs. A bright heatmap cell only
@@ -481,6 +483,120 @@ def s09_summary():
           fmt(attnx.attention(Q, K, V)[0], 3), "(the river row of head 1)")
 
 
+# --------------------------------------------------------------------------------------------
+class DeltaLayer:
+    """A gated delta-rule layer (Gated DeltaNet / Qwen3-Next's linear attention), random weights:
+    q, k (Hk heads of K), v (Hv heads of V), a log-decay g = -softplus(x W_g - 3) <= 0 and a write
+    strength beta = sigmoid(x W_b) per value head; o is mixed back to the model width by W_o."""
+
+    def __init__(self, rng, d_model, Hk, Hv, K, V):
+        w = lambda n: (rng.standard_normal((d_model, n)) / math.sqrt(d_model)).astype(F32)  # noqa: E731
+        self.Hk, self.Hv, self.K, self.V = Hk, Hv, K, V
+        self.W_q, self.W_k, self.W_v, self.W_g, self.W_b = w(Hk * K), w(Hk * K), w(Hv * V), w(Hv), w(Hv)
+        self.W_o = (rng.standard_normal((Hv * V, d_model)) / math.sqrt(Hv * V)).astype(F32)
+
+    def inputs(self, x):
+        """q, k (T, Hk, K), v (T, Hv, V), g, beta (T, Hv) for the rows x (T, d_model)."""
+        T = x.shape[0]
+        g = -np.logaddexp(0, x @ self.W_g - 3.0).astype(F32)  # mild decays: e^g about 0.95
+        beta = (1 / (1 + np.exp(-(x @ self.W_b)))).astype(F32)
+        return ((x @ self.W_q).reshape(T, self.Hk, self.K), (x @ self.W_k).reshape(T, self.Hk, self.K),
+                (x @ self.W_v).reshape(T, self.Hv, self.V), g, beta)
+
+    def map(self, x):
+        """The (Hv, T, T) matrices A with o = A v: the recurrence is linear in the values (S starts
+        at 0, and u_t = beta_t (v_t - Sᵀ k_t) is linear in S and v_t), so running it on one-hot
+        values, v_t = e_t (a width of T), makes o_t[s] the weight of v_s in o_t: row t of A."""
+        q, k, _, g, beta = self.inputs(x)
+        onehot = np.broadcast_to(np.eye(x.shape[0], dtype=F32)[:, None, :], (x.shape[0], self.Hv, x.shape[0]))
+        a = attnx.gated_delta_rule(q[None], k[None], onehot[None], g[None], beta[None], qk_l2norm=True)
+        return a[0].transpose(1, 0, 2)
+
+
+def _hybrid_stack(rng, d_model):
+    """Three linear layers, then one full-attention layer (the 3:1 pattern of Qwen3-Next and
+    Kimi Linear)."""
+    linear = [DeltaLayer(rng, d_model, Hk=1, Hv=2, K=8, V=8) for _ in range(3)]
+    full = attnx.MultiHeadAttention(d_model, 2, num_kv_heads=1, seed=40)
+    return linear, full
+
+
+def _hybrid_run(linear, full, cache, seqs, rows, counts):
+    """One cache step for several sequences (their new rows packed in order): each linear layer
+    advances the sequences' states, the full layer appends to and reads their paged KV."""
+    step = cache.begin_step(seqs, counts)
+    x = rows
+    for li, lyr in enumerate(linear):
+        o = step.linear(li, *lyr.inputs(x), qk_l2norm=True)
+        x = x + o.reshape(x.shape[0], -1) @ lyr.W_o
+    H, Hkv, D = full.num_heads, full.num_kv_heads, full.head_dim
+    z = step.attend(0, (x @ full.W_Q).reshape(-1, H, D), (x @ full.W_K).reshape(-1, Hkv, D),
+                    (x @ full.W_V).reshape(-1, Hkv, D))
+    return x + z.reshape(x.shape[0], -1) @ full.W_O
+
+
+def s10_hybrid(rng, pics):
+    section("10  Hybrid models: gated delta-rule layers beside full attention")
+    d_model = 16
+    words = ["the", "road", "curves", "along", "river", "bank", "she", "paid", "cash", "into", "her"]
+    table = {w: (0.5 * rng.standard_normal(d_model)).astype(F32) for w in words}
+    s1 = ["the", "road", "curves", "along", "river", "bank"]
+    s2 = ["she", "paid", "cash", "into", "her", "bank"]
+    X1, X2 = (np.stack([table[w] for w in s]) for s in (s1, s2))
+    linear, full = _hybrid_stack(rng, d_model)
+    print("per linear layer and value head: S (K x V) <- exp(g_t) S;  u = beta_t (v_t - Sᵀ k_t);"
+          "  S <- S + k_t uᵀ;  o_t = Sᵀ (scale q_t)")
+
+    def whole(x):  # no cache: every layer over the whole sentence at once
+        for lyr in linear:
+            q, k, v, g, beta = (a[None] for a in lyr.inputs(x))
+            x = x + attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True)[0].reshape(x.shape[0], -1) @ lyr.W_o
+        return x + full(x, causal=True)
+
+    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=full.num_kv_heads, head_dim=full.head_dim,
+                               num_blocks=16, block_size=2, linear_layers=3,
+                               state_shape=(linear[0].Hv, linear[0].K, linear[0].V))
+    a, b = cache.new_sequence(), cache.new_sequence()
+    prompt = 3
+    per_token = cache.stats()["bytes_per_token"]
+    print(f"{'tokens':>6} | linear layers: state bytes per sequence | full layer: KV bytes per sequence")
+
+    def show(n):
+        print(f"{n:>6} | {cache.bytes_per_state:>39} | {per_token * n:>10}")
+
+    outs = [_hybrid_run(linear, full, cache, [a, b], np.concatenate([X1[:prompt], X2[:prompt]]),
+                        [prompt, prompt])]
+    show(prompt)
+    for t in range(prompt, len(s1)):  # both sentences decode one token per step, together
+        outs.append(_hybrid_run(linear, full, cache, [a, b], np.stack([X1[t], X2[t]]), [1, 1]))
+        show(t + 1)
+    show(32768)
+    print("(the last row is what a 32k-token conversation would hold)")
+    y1 = np.concatenate([outs[0][:prompt]] + [o[0:1] for o in outs[1:]])
+    y2 = np.concatenate([outs[0][prompt:]] + [o[1:2] for o in outs[1:]])
+    err = max(np.abs(y1 - whole(X1)).max(), np.abs(y2 - whole(X2)).max())
+    print(f"prefill {prompt} tokens, then decode one at a time through the cache: max |diff| vs "
+          f"the whole sentence at once = {err:.1e}")
+    assert err < 1e-4
+    print("a linear layer's state is 3 layers x Hv x K x V x 4 bytes whatever the length; the full "
+          "layer's KV grows by layers x kv heads x (d_k + d_v) x 4 bytes per token. fork copies the "
+          "states; truncate refuses to roll them back (only a fork kept as a checkpoint can)")
+
+    # The attention map a linear layer implies, beside a softmax map.
+    A = linear[0].map(X1)
+    q, k, v, g, beta = linear[0].inputs(X1)
+    o = attnx.gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], qk_l2norm=True)[0]
+    assert np.allclose(np.einsum("hts,shv->thv", A, v), o, atol=1e-5)
+    print("\nlinear layer 1, head 1: o = A v with A from the recurrence on one-hot values, row 'bank':",
+          fmt(A[0, -1], 2))
+    print("causal (A[t, s] = 0 for s > t); unlike softmax, rows need not sum to 1 and weights can be "
+          "negative (the delta rule subtracts what the state already predicts); older tokens fade "
+          "by the product of their gates")
+    _, w = full(X1, causal=True, return_weights=True)
+    pics.heads("10_hybrid_linear_vs_softmax.png", [A[0], w[0]], s1,
+               ["Delta-rule layer: A in o = A v (< 0 dark)", "Full attention: softmax"])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="walkthrough_out", help="folder for the PNG heatmaps")
@@ -503,6 +619,7 @@ def main(argv=None):
     s08_kv_cache(rng)
     s08_variants(rng, pics)
     s09_summary()
+    s10_hybrid(rng, pics)
     print(f"\ndone in {time.perf_counter() - t0:.1f} s; {len(pics.saved)} pictures in {args.out}/")
     return pics.saved
 

@@ -317,3 +317,48 @@ def assert_matches(o, r, lse, rlse, visible, tol_out, tol_lse):
     fl = np.isfinite(rlse)
     err_lse = float(np.max(np.abs(lse[fl] - rlse[fl]), initial=0.0))
     assert err_lse <= tol_lse, f"lse: max error {err_lse:.3g} > tolerance {tol_lse:.3g}"
+
+
+# ---------------------------------------------------------------------------
+# gated delta rule: the float32 recurrence as yardstick, and the tolerance rule
+# ---------------------------------------------------------------------------
+
+DELTA_ERR_FACTOR = 4.0  # x the float32 recurrence's own error
+DELTA_ULPS = 64.0  # float32 ulps of the largest reference value, one per token of a chunk: the
+#                    chunked form reassociates sums over up to 64 tokens (a triangular solve)
+
+
+def delta_tolerance(ref64, low32):
+    """Tolerance for a delta-rule result (output or state) whose float64 reference is ``ref64``
+    and whose plain float32 recurrence (rounded to the output dtype) is ``low32``: DELTA_ERR_FACTOR
+    times the float32 recurrence's own error, plus DELTA_ULPS float32 ulps of the largest value.
+    So the bound follows the dtype (bf16 outputs: their rounding) instead of being guessed."""
+    scale = float(np.max(np.abs(ref64), initial=0.0))
+    own = float(np.max(np.abs(low32 - ref64), initial=0.0))
+    return DELTA_ERR_FACTOR * own + DELTA_ULPS * F32_EPS * scale
+
+
+def check_delta_rule(q, k, v, g, beta, **kw):
+    """attnx.gated_delta_rule against the float64 recurrence (output and final state), within
+    ``delta_tolerance``; returns the kernel's (o, state)."""
+    from attnx._delta_args import delta_args
+
+    o, state = attnx.gated_delta_rule(q, k, v, g, beta, output_final_state=True, **kw)
+    kw.pop("_mode", None)
+    kw.pop("num_threads", None)
+    ro, rs = ref.gated_delta_rule(q, k, v, g, beta, output_final_state=True, out_dtype=np.float64, **kw)
+    args = delta_args(q, k, v, g, beta, scale=kw.get("scale"), initial_state=kw.get("initial_state"),
+                      layout=kw.get("layout", "bshd"), cu_seqlens=kw.get("cu_seqlens"),
+                      lengths=kw.get("lengths"))
+    lo, ls = ref._delta_recurrence(args, qk_l2norm=kw.get("qk_l2norm", False), dtype=np.float32)
+    from attnx._delta_args import from_bshd
+
+    lo = from_bshd(ref._round_to(lo.astype(np.float64), q.dtype).astype(np.float64), kw.get("layout", "bshd"))
+    assert o.dtype == q.dtype and o.shape == ro.shape, (o.dtype, o.shape, ro.shape)
+    assert state.dtype == np.float32 and state.shape == rs.shape
+    for name, x, r, low in (("out", o.astype(np.float64), ro, lo), ("state", state, rs, ls)):
+        np.testing.assert_array_equal(np.isfinite(x), np.isfinite(r), err_msg=f"{name}: inf/NaN pattern")
+        err = float(np.max(np.abs(x - r), initial=0.0))
+        tol = delta_tolerance(r, low)
+        assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
+    return o, state

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 ROWS = ["prefill", "gqa_causal", "encoder", "decode_f32", "decode_fp16", "decode_bf16",
         "fork_mha_unshared", "fork_mha", "fork_gqa_unshared", "fork_gqa",
-        "decode_long", "small", "threads", "memory"]
+        "decode_long", "small", "threads", "memory", "delta_prefill", "delta_decode"]
 ROW_KEYS = {"key", "case", "shape", "kind", "target", "attnx_s", "numpy_s", "torch_s", "rate",
             "rate_unit", "pct_of_limit", "vs_numpy", "vs_torch", "met", "met_text", "samples"}
 

@@ -37,14 +37,15 @@ def test_walkthrough_writes_heatmaps(tmp_path):
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert len(pngs) >= 8, pngs
     for name in ("02_cross_attention_de_en.png", "06_causal_mask.png", "07_two_heads.png",
-                 "08_cost_memory.png"):
+                 "08_cost_memory.png", "10_hybrid_linear_vs_softmax.png"):
         assert name in pngs
     for p in out.glob("*.png"):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     # the seed's numbers, printed
     for needle in ("[0.05 0.10 0.18 0.67]", "[0.401 0.198 0.401]", "[0.802 0.599]",
                    "[0.503 0.248]", "[0.802 0.599 0.503 0.248]", "   1 0 0\n   1 1 0\n   1 1 1",
-                   "[0.04 0.42 0.28 0.06 0.08 0.12]", "PagedKVCache"):
+                   "[0.04 0.42 0.28 0.06 0.08 0.12]", "PagedKVCache",
+                   "state bytes per sequence", "32768 |                                    1536 |"):
         assert needle in text, needle
 
 

@@ -18,6 +18,7 @@ from .layers import MultiHeadAttention
 from .merge import merge_attention
 from ._session import SessionError
 from ._session import info as session_info
+from .linear import gated_delta_rule
 from .torch_compat import scaled_dot_product_attention
 
 # The version lives in pyproject.toml only; read back from the installed metadata on first use
@@ -53,6 +54,7 @@ __all__ = [
     "session_info",
     "MultiHeadAttention",
     "scaled_dot_product_attention",
+    "gated_delta_rule",
 ]
 
 

@@ -36,6 +36,15 @@ sequences share leading blocks (forks, hits) reads those blocks once for all of 
 by log-sum-exp (``attnx._shared``). ``save`` / ``load`` write one sequence to a safetensors file
 and read it back, in this process or another (``attnx._session``).
 
+Hybrid models (Qwen3-Next, Kimi Linear: gated delta-rule layers beside full attention): with
+``linear_layers=n, state_shape=(Hv, K, V)`` each sequence also carries a float32 recurrent state
+per linear layer, ``(n, Hv, K, V)``, beside the paged KV of the ``num_layers`` full-attention
+layers; ``Step.linear(layer, q, k, v, g, beta)`` runs such a layer over the step's tokens and
+advances the states. A state has a fixed size whatever the sequence's length. ``fork`` copies it,
+``free`` releases it. A recurrent state cannot be rolled back: ``truncate`` of a sequence whose
+state has been written refuses every length except its current one and 0 (which resets the state
+to zeros); keep a fork as a checkpoint where rollback is needed (speculative decoding).
+
 Thread safety: every bookkeeping operation holds the cache's lock, so several Python threads may
 create, fork, truncate, free and step *different* sequences concurrently. ``Step.attend`` runs
 without the lock (and without the GIL): the blocks it writes were reserved for it alone by
@@ -60,13 +69,32 @@ __all__ = ["PagedKVCache", "Step", "CacheFullError", "StaleStepError"]
 _MAX_TOKENS = 2**31 - 1  # a step's lengths and positions are int32, as the kernels read them
 
 
+def _linear_config(linear_layers: object, state_shape: object) -> tuple[int, tuple[int, int, int] | None]:
+    """``(linear_layers, (Hv, K, V))`` checked: a shape is needed exactly when there are layers."""
+    n = _int_in(linear_layers, "linear_layers", 0, 2**31 - 1)
+    if n == 0:
+        if state_shape is not None:
+            raise ValueError("state_shape: given without linear_layers")
+        return 0, None
+    try:
+        dims = [as_int(d) for d in state_shape]  # type: ignore[union-attr]
+    except TypeError:
+        dims = []
+    if len(dims) != 3 or any(d is None or d < 1 for d in dims):
+        raise ValueError(f"state_shape: expected (Hv, K, V), ints >= 1, with linear_layers={n}; "
+                         f"got {state_shape!r}")
+    hv, k, v = (int(d) for d in dims if d is not None)
+    return n, (hv, k, v)
+
+
 class StaleStepError(RuntimeError):
     """A step's sequence was truncated, freed or stepped again after ``begin_step``."""
 
 
 class _Seq:
     """One sequence: its block table row, its length (tokens reserved so far) and a version
-    that every change bumps (a step made before a change is stale).
+    that every change bumps (a step made before a change is stale); in a hybrid cache, the
+    recurrent states of its linear layers (None until a linear layer first writes them: zeros).
 
     Token bookkeeping (prefix caching, sessions): ``tokens`` are its token ids where known (None
     once a step came without them), possibly running past ``length`` (a prompt given to
@@ -74,19 +102,21 @@ class _Seq:
     digest of its block ``i``, for its leading full blocks; ``root`` starts the chain (it carries
     the extra key)."""
 
-    __slots__ = ("row", "length", "version", "tokens", "digests", "root")
+    __slots__ = ("row", "length", "version", "tokens", "digests", "root", "state")
 
-    def __init__(self, row: BlockRow, length: int) -> None:
+    def __init__(self, row: BlockRow, length: int, state: np.ndarray | None = None) -> None:
         self.row = row
         self.length = length
         self.version = 0
         self.tokens: np.ndarray | None = None
         self.digests: list[bytes] = []
         self.root = root_digest(b"")
+        self.state = state
 
     def copy(self) -> _Seq:
-        """A fork: the same blocks (the caller takes the references) and token bookkeeping."""
-        s = _Seq(self.row.copy(), self.length)
+        """A fork: the same blocks (the caller takes the references), token bookkeeping, and a copy
+        of the recurrent states."""
+        s = _Seq(self.row.copy(), self.length, None if self.state is None else self.state.copy())
         s.tokens, s.digests, s.root = self.tokens, list(self.digests), self.root
         return s
 
@@ -143,6 +173,11 @@ class PagedKVCache:
         earlier one. Blocks no sequence holds stay cached until an allocation needs them (least
         recently released first). The token ids come from ``new_sequence(tokens=...)`` and
         ``begin_step(..., tokens=...)``.
+    linear_layers : int
+        Gated delta-rule layers of a hybrid model (default 0): each sequence keeps one float32
+        state ``state_shape`` per linear layer, advanced by ``Step.linear``.
+    state_shape : (Hv, K, V), required with ``linear_layers``
+        Value heads, key width and value width of the linear layers.
 
     Examples
     --------
@@ -160,7 +195,8 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: Any = "float32", value_dim: int | None = None,
                  sliding_window: int | None = None, value_from_key: bool = False,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, linear_layers: int = 0,
+                 state_shape: Sequence[int] | None = None) -> None:
         self.num_layers = _positive_int(num_layers, "num_layers")
         self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = _positive_int(head_dim, "head_dim")
@@ -176,6 +212,7 @@ class PagedKVCache:
                              f"of the keys, so value_dim ({self.value_dim}) must be <= head_dim ({self.head_dim})")
         if self.num_blocks * self.block_size >= 2**31:
             raise ValueError("num_blocks * block_size: the pool must hold fewer than 2**31 slots")
+        self.linear_layers, self.state_shape = _linear_config(linear_layers, state_shape)
         self._k, self._v = self._pool_arrays()
         self.prefix_caching = bool(prefix_caching)
         self._alloc = BlockAllocator(self.num_blocks, caching=self.prefix_caching)
@@ -299,17 +336,25 @@ class PagedKVCache:
             ``seq`` is not a live sequence id.
         ValueError
             ``length`` is not an int in ``[0, length(seq)]``, or (sliding window) the blocks it
-            would need again were already released. Nothing changes.
+            would need again were already released, or ``seq`` has a recurrent state (linear
+            layers) and ``length`` is neither its length nor 0. Nothing changes.
         """
         with self._lock:
             s = self._seq(seq)
             n = _int_in(length, "length", 0, s.length)
+            if s.state is not None and n not in (0, s.length):
+                raise ValueError(f"length: cannot roll back to {n}: sequence {seq} has a recurrent "
+                                 f"state (linear layers), which cannot be undone; only {s.length} "
+                                 "(no change) or 0 (a fresh state) are possible. Fork before the "
+                                 "tokens you may drop and keep the fork as a checkpoint")
             keep = self._blocks_for(n)
             if self.sliding_window is not None:
                 if (s.row.ids[self._first_in_window(n):keep] < 0).any():
                     raise ValueError(f"length: cannot roll back to {n}: the sliding window "
                                      "already released blocks that the next token would need")
             self._alloc.decref(s.row.cut(keep))
+            if n == 0:
+                s.state = None
             if n % self.block_size:  # the next write lands in this block: its digest goes
                 self._alloc.forget(s.row.last)
             del s.digests[n // self.block_size:]
@@ -329,6 +374,7 @@ class PagedKVCache:
         with self._lock:
             sid, s = self._lookup(seq)
             self._alloc.decref(s.row.held())
+            s.state = None  # its recurrent states go with it
             s.version += 1
             del self._seqs[sid]
 
@@ -366,6 +412,13 @@ class PagedKVCache:
         """Bytes of one block id across all layers, keys and values."""
         width = self.head_dim + (0 if self.value_from_key else self.value_dim)
         return self.num_layers * self.num_kv_heads * self.block_size * width * self.dtype.itemsize
+
+    @property
+    def bytes_per_state(self) -> int:
+        """Bytes of one sequence's recurrent states (all linear layers; 0 without any): the same
+        however long the sequence is."""
+        hv, k, v = self.state_shape or (0, 0, 0)
+        return self.linear_layers * hv * k * v * 4
 
     def _tokens_stored(self) -> int:
         """Filled slots, each physical slot once however many sequences share its block."""
@@ -419,6 +472,7 @@ class PagedKVCache:
                 "bytes_per_token": self.bytes_per_block // self.block_size,
                 "bytes_used": used * self.bytes_per_block,
                 "bytes_total": self.num_blocks * self.bytes_per_block,
+                "state_bytes": sum(s.state.nbytes for s in self._seqs.values() if s.state is not None),
             }
 
     # ---- sessions ------------------------------------------------------------------------------
@@ -707,6 +761,7 @@ class Step:
         self.positions = pos.astype(np.int32)
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
         self._shared: Any = None  # the shared-prefix groups, planned at the first attend
+        self._linear_done: set[int] = set()  # linear layers already advanced by this step
 
     @property
     def shared_prefix(self) -> list[tuple[list[int], int, int]]:
@@ -804,3 +859,62 @@ class Step:
                                   cache.block_size, tail, shared)
         out = out.astype(qa.dtype, copy=False)
         return (out, lse) if return_lse else out
+
+    def linear(self, layer: int, q: Any, k: Any, v: Any, g: Any, beta: Any, *,
+               scale: float | None = None, qk_l2norm: bool = False,
+               num_threads: int | None = None) -> Any:
+        """Runs gated delta-rule layer ``layer`` (of the cache's ``linear_layers``) over this
+        step's tokens, from each sequence's state, and stores the advanced states.
+
+        Parameters
+        ----------
+        layer : int, in ``[0, linear_layers)`` (numbered apart from the full-attention layers)
+        q, k : ndarray ``(T, Hk, K)``; v : ``(T, Hv, V)``, the step's tokens packed in sequence
+            order (as ``attend``), with ``(Hv, K, V)`` the cache's ``state_shape``
+        g : ``(T, Hv)`` or ``(T, Hv, K)``; beta : ``(T, Hv)``
+        scale, qk_l2norm, num_threads : as in :func:`attnx.gated_delta_rule`
+
+        Returns
+        -------
+        ndarray ``(T, Hv, V)`` of q's dtype.
+
+        Raises
+        ------
+        StaleStepError
+            A sequence of the step changed since ``begin_step``.
+        ValueError, TypeError
+            A malformed argument, or ``layer`` already run in this step (a state advances once
+            per step). Nothing is written.
+        """
+        from .linear import gated_delta_rule
+
+        cache = self._cache
+        if cache.linear_layers == 0:
+            raise ValueError("layer: this cache has no linear layers (PagedKVCache(..., linear_layers=n, state_shape=...))")
+        li = _index(layer, "layer", cache.linear_layers)
+        if li in self._linear_done:
+            raise ValueError(f"layer: linear layer {li} already ran in this step (its states advance once per step)")
+        assert cache.state_shape is not None
+        hv, kw, vw = cache.state_shape
+        q, k, v, g, beta = (x if hasattr(x, "shape") else np.asarray(x) for x in (q, k, v, g, beta))
+        for name, x, heads, width in (("q", q, None, kw), ("k", k, None, kw), ("v", v, hv, vw)):
+            shape = tuple(x.shape)
+            if len(shape) != 3 or shape[0] != self.num_tokens or shape[2] != width or (heads and shape[1] != heads):
+                want = f"(T={self.num_tokens}, {'Hv=' + str(heads) if heads else 'Hk'}, {width})"
+                raise ValueError(f"{name}: expected {want} for this step and the cache's state_shape, got {shape}")
+        if not cache.is_current(self):
+            raise StaleStepError("linear: a sequence of this step was truncated, freed or "
+                                 "stepped again since begin_step")
+        zero = np.zeros((hv, kw, vw), np.float32)
+        init = np.stack([zero if s.state is None else s.state[li] for s in self._seqs])
+        cu = np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)])
+        o, final = gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+                                    initial_state=init, output_final_state=True, qk_l2norm=qk_l2norm,
+                                    cu_seqlens=cu, num_threads=num_threads)
+        final = np.asarray(final)
+        for i, s in enumerate(self._seqs):  # nothing above wrote anything: now the states advance
+            if s.state is None:
+                s.state = np.zeros((cache.linear_layers, hv, kw, vw), np.float32)
+            s.state[li] = final[i]
+        self._linear_done.add(li)
+        return o[0]

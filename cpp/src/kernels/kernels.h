@@ -77,6 +77,8 @@ struct FlashState {
   float* l = nullptr;
 };
 
+struct DeltaHead;  // delta_kernels.h
+
 struct KernelTable {
   const char* name;
   // Accumulates keys [j_begin, j_end) into the state (which the driver initialised).
@@ -99,7 +101,13 @@ struct KernelTable {
   float (*fma_probe)(int64_t iters);
   // Read-bandwidth probe body: sums n floats.
   float (*read_probe)(const float* p, int64_t n);
+  // Gated delta rule over one (sequence, value head) (delta_kernels.h, delta-inl.h).
+  void (*delta_head)(const DeltaHead& h);
 };
+
+void delta_head_scalar(const DeltaHead& h);
+void delta_head_avx2(const DeltaHead& h);
+void delta_head_avx512(const DeltaHead& h);
 
 const KernelTable* table_scalar();
 const KernelTable* table_avx2();

@@ -19,7 +19,8 @@ namespace kern {
 const KernelTable* table_scalar() {
   static const KernelTable table{"scalar", &scalar::flash, &scalar::flash_group,
                                  &scalar::pack_k, &scalar::load_row, &scalar::store_row,
-                                 &scalar::fma_probe, &scalar::read_probe};
+                                 &scalar::fma_probe, &scalar::read_probe,
+                                 &delta_head_scalar};
   return &table;
 }
 }  // namespace kern

@@ -138,6 +138,40 @@ class Paged:
                 + (f", {self.B} forks sharing {self.shared}" if self.shared else ""))
 
 
+@dataclass(frozen=True)
+class Delta:
+    """``attnx.gated_delta_rule`` (qk_l2norm, gates per head or per channel) over B sequences of T
+    tokens. Prefill (T > 1) is counted in the recurrence's FLOPs: per token and value head Sᵀk,
+    k uᵀ and Sᵀq, 2·K·V each (the chunked form does about a third more, not counted). Decode
+    (T == 1) is counted in bytes of the float32 state read and written once."""
+    B: int
+    T: int
+    Hk: int
+    Hv: int
+    K: int
+    V: int
+    gate: str = "head"  # or "channel" (Kimi Delta Attention)
+    dtype: str = "fp32"
+    causal = True
+
+    @property
+    def kind(self):
+        return "bytes" if self.T == 1 else "flops"
+
+    def work(self):
+        if self.kind == "bytes":
+            return 2.0 * 4 * self.B * self.Hv * self.K * self.V
+        return 6.0 * self.B * self.T * self.Hv * self.K * self.V
+
+    def cut(self, B=None, S=None):
+        return replace(self, B=min(B or self.B, self.B), T=min(S or self.T, self.T))
+
+    def describe(self):
+        heads = {"H": self.Hv} if self.Hk == self.Hv else {"Hk": self.Hk, "Hv": self.Hv}
+        return (_dims(B=self.B, T=self.T, **heads, K=self.K, V=self.V) + f" gate/{self.gate}"
+                + ("" if self.dtype == "fp32" else f" {self.dtype}"))
+
+
 # ---- targets ---------------------------------------------------------------------------------
 # A goal names what it measures, the bound, and how it reads in the table. `value` gets the row
 # (see _suite.Row) and the rows measured so far by key; None means it could not be measured.
@@ -347,7 +381,7 @@ class Case:
     else (latency, threads, memory)."""
     key: str
     name: str
-    shape: Dense | Paged
+    shape: Dense | Paged | Delta
     goals: tuple = ()
     ref: dict | None = field(default_factory=dict)
     ref_samples: int = 1
@@ -403,7 +437,20 @@ def suite(*, tiny, quick, threads, repeat):
         Case("memory", "memory", Dense(1, 1, 1, 32768 if big else 2048, 32768 if big else 2048, 64),
              (PeakMemory(),), None, kind="memory"),
     ]
-    return cases
+    return cases + delta_cases(tiny=tiny, quick=quick)
+
+
+def delta_cases(*, tiny, quick):
+    """Gated delta rule (issue 16): chunked prefill against a torch loop over t running the same
+    recurrence, and one decode token per sequence from its state."""
+    T, (Hk, Hv), KV = (4096, (4, 8), 128) if not tiny else (256, (1, 2), 32)
+    return [
+        Case("delta_prefill", "gated delta rule prefill", Delta(1, T, Hk, Hv, KV, KV),
+             (PctOfLimit(40), FasterThan("torch", 10, "(loop over t)")),
+             {"S": T // (32 if quick else 8)}, seed=12),
+        Case("delta_decode", "gated delta rule decode", Delta(8 if not tiny else 2, 1, 2 * Hk, 2 * Hv, KV, KV),
+             (FasterThan("torch", 2, "(the same step)"),), {"B": 2}, ref_samples=1 if quick else 3, seed=13),
+    ]
 
 
 def forks(*, big, quick):

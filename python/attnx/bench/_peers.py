@@ -15,7 +15,7 @@ import numpy as np
 import attnx
 from attnx import reference
 
-from ._cases import Dense, Paged, np_dtype, visible_range
+from ._cases import Delta, Dense, Paged, np_dtype, visible_range
 
 
 @dataclass
@@ -75,6 +75,21 @@ def paged_inputs(shape: Paged, seed):
     return q, k_pages, v_pages, block_tables, np.full(shape.B, shape.L, np.int32)
 
 
+def delta_inputs(shape: Delta, seed):
+    """q, k (B, T, Hk, K), v (B, T, Hv, V), log-gates in (-0.1, 0], beta in (0, 1), and a state
+    to start from (decode continues a sequence; prefill starts one)."""
+    rng = np.random.default_rng(1234 + seed)
+    dt = np_dtype(shape.dtype)
+    B, T = shape.B, shape.T
+    q = _randn(rng, (B, T, shape.Hk, shape.K), dt)
+    k = _randn(rng, (B, T, shape.Hk, shape.K), dt)
+    v = _randn(rng, (B, T, shape.Hv, shape.V), dt)
+    g = -0.1 * rng.random((B, T, shape.Hv) + ((shape.K,) if shape.gate == "channel" else ()), dtype=np.float32)
+    beta = rng.random((B, T, shape.Hv), dtype=np.float32)
+    s0 = None if T > 1 else 0.1 * rng.standard_normal((B, shape.Hv, shape.K, shape.V), dtype=np.float32)
+    return q, k, v, g, beta, s0
+
+
 def gather(pages, block_tables, L):
     """(num_blocks, H, bs, D) pages -> contiguous (B, H, L, D): the same work for the peers."""
     g = pages[block_tables]                       # (B, nper, H, bs, D)
@@ -115,8 +130,23 @@ def attnx_paged(shape, data, threads):
     return Impl(fn, lambda: (fn(), _f32(out))[1])
 
 
+def attnx_delta(shape, data, threads):
+    q, k, v, g, beta, s0 = data
+    box = {}
+
+    def fn():
+        box["out"] = attnx.gated_delta_rule(q, k, v, g, beta, initial_state=s0, qk_l2norm=True,
+                                            output_final_state=s0 is not None, num_threads=threads)
+    return Impl(fn, lambda: (fn(), _f32(box["out"][0] if s0 is not None else box["out"]))[1])
+
+
 def reference_call(shape, data, cut):
     """The reference on the first ``cut.B`` batches and ``cut`` positions of the full inputs."""
+    if isinstance(shape, Delta):
+        *arrays, s0 = data
+        q, k, v, g, beta = (x[:cut.B, :cut.T] for x in arrays)
+        rs = None if s0 is None else s0[:cut.B]
+        return lambda: reference.gated_delta_rule(q, k, v, g, beta, initial_state=rs, qk_l2norm=True)
     if isinstance(shape, Paged):
         q, kp, vp, bt, _ = data
         nper = -(-cut.L // cut.block)
@@ -174,7 +204,36 @@ def torch_dense(torch_F, shape, q, k, v, kv_lens, threads):
     return fn
 
 
+def torch_delta(torch, shape, data, threads):
+    """The recurrence as one would first write it in torch: q and k normalised, then a Python loop
+    over t with every head of every sequence in each op."""
+    q, k, v, g, beta, s0 = (None if x is None else _tensor(torch, x).float() for x in data)
+    rep = shape.Hv // shape.Hk
+    q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))  # as qk_l2norm
+    q = q.repeat_interleave(rep, dim=2) / shape.K ** 0.5
+    k = k.repeat_interleave(rep, dim=2)
+    decay = torch.exp(g)
+
+    def fn():
+        with torch.no_grad():
+            S = torch.zeros(shape.B, shape.Hv, shape.K, shape.V) if s0 is None else s0.clone()
+            o = torch.empty(shape.B, shape.T, shape.Hv, shape.V)
+            for t in range(shape.T):
+                d = decay[:, t]
+                S = S * (d[..., None] if shape.gate == "channel" else d[..., None, None])
+                kt = k[:, t]
+                u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kt))
+                S = S + kt[..., None] * u[..., None, :]
+                o[:, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, t])
+            return o, S
+    torch.set_num_threads(threads)
+    return fn
+
+
 def torch_impl(torch_F, shape, data, threads):
+    if isinstance(shape, Delta):
+        fn = torch_delta(torch_F[0], shape, data, threads)
+        return Impl(fn, lambda: fn()[0].numpy())
     if isinstance(shape, Paged):
         q, kp, vp, bt, _ = data
         fn = torch_dense(torch_F, shape, q[:, :, None, :], gather(kp, bt, shape.L),
@@ -199,6 +258,8 @@ def _gib(n):
 def ort_skip_reason(shape):
     """Why onnxruntime's GQA cannot run this shape (None: it can). GQA is always causal and has
     no per-sequence key mask; its CPU kernel takes float32 and float16."""
+    if isinstance(shape, Delta):
+        return "onnxruntime: no delta-rule operator"
     if shape.dtype not in ORT_DTYPES:
         return f"onnxruntime GQA: no {shape.dtype} on CPU"
     if isinstance(shape, Dense) and shape.Sq > 1 and not (shape.causal and shape.Sq == shape.Sk

@@ -14,7 +14,7 @@ import numpy as np
 import attnx
 
 from . import _peers
-from ._cases import Case, Dense, OverRow, judge, shared_bound, target_text
+from ._cases import Case, Delta, Dense, OverRow, judge, shared_bound, target_text
 from ._machine import MiB, CpuShare
 from ._timing import Progress, alone, clock, interleaved, median, spread
 
@@ -95,13 +95,17 @@ def _dense(case: Case) -> Dense:
 
 
 def _inputs(shape, seed):
+    if isinstance(shape, Delta):
+        return _peers.delta_inputs(shape, seed)
     return _peers.paged_inputs(shape, seed) if not isinstance(shape, Dense) else _peers.dense_inputs(shape, seed)
 
 
 def _impls(case, data, bench):
     """attnx and every peer that can run the case, by name; and why the others cannot."""
     shape, nt = case.shape, bench.threads
-    if isinstance(shape, Dense):
+    if isinstance(shape, Delta):
+        impls = {"attnx": _peers.attnx_delta(shape, data, nt)}
+    elif isinstance(shape, Dense):
         impls = {"attnx": _peers.attnx_dense(shape, data, nt, plain=case.kind == "latency")}
     else:
         impls = {"attnx": _peers.attnx_paged(shape, data, nt)}

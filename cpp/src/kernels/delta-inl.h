@@ -1,0 +1,424 @@
+// delta-inl.h: gated delta-rule linear attention for one (sequence, value head), written once
+// against the vector vocabulary `simd` (vec_*.h) and compiled once per instruction set (the
+// including file opens `namespace attnx::<isa>`; everything here has internal linkage).
+//
+// The recurrence (per head, state S of K x V floats, gate G_t the cumulative log-decay):
+//   S <- diag(exp(g_t)) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
+// (q_t already multiplied by scale). Decode runs it token by token (recurrent_token). Prefill
+// runs it a chunk of C tokens at a time (the WY / UT-transform form). Within a chunk, with G_t
+// the gate summed from the chunk start through t and S0 the state before the chunk:
+//   A_ts = sum_c k_t[c] k_s[c] exp(G_t[c] - G_s[c])      (s < t)
+//   P_ts = sum_c q_t[c] k_s[c] exp(G_t[c] - G_s[c])      (s <= t)
+//   (I + diag(beta) A) U = diag(beta) (V - (exp(G) * K) S0)      lower triangular: forward substitution
+//   O = (exp(G) * Q) S0 + P U
+//   S = diag(exp(G_last)) S0 + (exp(G_last - G) * K)^T U
+// Every exp() argument is a difference G_t - G_s with s <= t (<= 0 for decaying gates), never an
+// exp(-G_s) on its own, which overflows once a chunk's decays sum past -88. With one gate per
+// channel, A and P need exp(G_t[c] - G_s[c]) for every pair: pairs inside one sub-chunk of
+// kDeltaSub tokens take it directly; for the others the sub-chunk's last position e splits it as
+// exp(G_t - G_e) exp(G_e - G_s), both factors <= 1, so those pairs become plain dot products.
+
+// The including file provides <cmath>, <cstring>, kernels.h and delta_kernels.h before opening
+// the namespace: no header may be included from inside it.
+
+namespace {
+
+using namespace simd;
+using kern::kDeltaChunk;
+using kern::kDeltaSub;
+
+constexpr int kC = kDeltaChunk;
+// Register block of the chunk's products: kGemmMR rows x kGemmNR vectors of accumulators (24
+// of AVX-512's 32 registers, 12 of AVX2's 16).
+constexpr int kGemmNR = W == 16 ? 4 : 2;
+constexpr int kGemmMR = W == 1 ? 4 : 6;
+constexpr float kL2Eps = 1e-6f;  // q / sqrt(sum q^2 + eps), as flash-linear-attention's l2norm
+
+static inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// ---- rows in and out ------------------------------------------------------------------------
+// n elements of src (dtype) to fp32 at dst, zero-padded to np.
+static inline void row_to_f32(const char* src, DType dt, int64_t n, int64_t np, float* dst) {
+  int64_t i = 0;
+  if (dt == DType::f32) {
+    std::memcpy(dst, src, size_t(n) * sizeof(float));
+    i = n;
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+    if (dt == DType::f16) {
+      for (; i + W <= n; i += W) store(dst + i, load_f16(h + i));
+      for (; i < n; ++i) dst[i] = cvt::f16_to_f32(h[i]);
+    } else {
+      for (; i + W <= n; i += W) store(dst + i, load_bf16(h + i));
+      for (; i < n; ++i) dst[i] = cvt::bf16_to_f32(h[i]);
+    }
+  }
+  for (; i < np; ++i) dst[i] = 0.f;
+}
+
+static inline void row_from_f32(const float* src, int64_t n, DType dt, char* dst) {
+  if (dt == DType::f32) {
+    std::memcpy(dst, src, size_t(n) * sizeof(float));
+    return;
+  }
+  uint16_t* h = reinterpret_cast<uint16_t*>(dst);
+  if (dt == DType::f16) {
+    for (int64_t i = 0; i < n; ++i) h[i] = cvt::f32_to_f16(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) h[i] = cvt::f32_to_bf16(src[i]);
+  }
+}
+
+// x (np floats, a multiple of W) scaled by `scale`, after an l2 normalisation if asked.
+static inline void scale_row(float* x, int64_t np, bool l2norm, float scale) {
+  if (l2norm) {
+    V acc = zero();
+    for (int64_t c = 0; c < np; c += W) acc = fmadd(load(x + c), load(x + c), acc);
+    scale /= std::sqrt(reduce_add(acc) + kL2Eps);
+  }
+  if (scale == 1.f) return;
+  const V s = set1(scale);
+  for (int64_t c = 0; c < np; c += W) store(x + c, mul(load(x + c), s));
+}
+
+// dst[c] = src[c] * exp(a[c] - b[c]) over np floats (b may be null: exp(a[c]))
+static inline void gated_row(const float* src, const float* a, const float* b, int64_t np,
+                             float* dst) {
+  for (int64_t c = 0; c < np; c += W) {
+    const V e = b ? exp(sub(load(a + c), load(b + c))) : exp(load(a + c));
+    store(dst + c, mul(load(src + c), e));
+  }
+}
+
+// ---- dense products ---------------------------------------------------------------------------
+// out[r] = x . y[r] for r < 8 (rows of np floats): 8 accumulators reduced together.
+static ATTNX_INLINE void dots8(const float* x, const float* const* y, int64_t np, float* out) {
+  V acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = zero();
+  for (int64_t c = 0; c < np; c += W) {
+    const V xv = load(x + c);
+    for (int r = 0; r < 8; ++r) acc[r] = fmadd(xv, load(y[r] + c), acc[r]);
+  }
+  hsum8(acc, out);
+}
+
+// out[s] = x . Y[s] for s < ns (Y rows of np floats, ld ldy); `zero` is a row of np zeros that
+// stands in for the missing rows of the last group of 8.
+static void row_dots(const float* x, const float* Y, int64_t ldy, int64_t ns, int64_t np,
+                     const float* zero_row, float* out) {
+  for (int64_t s0 = 0; s0 < ns; s0 += 8) {
+    const float* y[8];
+    float res[8];
+    for (int r = 0; r < 8; ++r) y[r] = s0 + r < ns ? Y + (s0 + r) * ldy : zero_row;
+    dots8(x, y, np, res);
+    for (int r = 0; r < 8 && s0 + r < ns; ++r) out[s0 + r] = res[r];
+  }
+}
+
+// C[0:MR, 0:NR*W] (+)= A(0:MR, 0:depth) B(0:depth, 0:NR*W), with A(i, p) = a[i*ai + p*ap]: the
+// register block of `gemm` (MR x NR vectors of accumulators; B rows streamed, A broadcast).
+template <int MR, int NR>
+static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int64_t depth,
+                                    const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
+  V x[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NR; ++v) x[r][v] = acc ? load(c + r * ldc + v * W) : zero();
+  for (int64_t p = 0; p < depth; ++p) {
+    V bv[NR];
+    for (int v = 0; v < NR; ++v) bv[v] = load(b + p * ldb + v * W);
+    for (int r = 0; r < MR; ++r) {
+      const V av = set1(a[r * ai + p * ap]);
+      for (int v = 0; v < NR; ++v) x[r][v] = fmadd(av, bv[v], x[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NR; ++v) store(c + r * ldc + v * W, x[r][v]);
+}
+
+// One panel of NR vectors of columns: full blocks of kGemmMR rows, then the remaining rows as one
+// smaller block. `lower`: A is lower triangular, so a block starting at row i stops at depth
+// i + rows.
+template <int NR>
+static void gemm_panel(int64_t m, int64_t depth, const float* a, int64_t ai, int64_t ap,
+                       const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower) {
+  int64_t i = 0;
+  for (; i + kGemmMR <= m; i += kGemmMR)
+    gemm_block<kGemmMR, NR>(a + i * ai, ai, ap, lower ? dmin(depth, i + kGemmMR) : depth, b, ldb,
+                            c + i * ldc, ldc, acc);
+  const int64_t d = lower ? dmin(depth, m) : depth;
+  a += i * ai;
+  c += i * ldc;
+  switch (m - i) {  // fewer than kGemmMR rows left (kGemmMR <= 8)
+    case 7: gemm_block<7, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 6: gemm_block<6, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 5: gemm_block<5, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 4: gemm_block<4, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 3: gemm_block<3, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 2: gemm_block<2, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 1: gemm_block<1, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    default: break;
+  }
+}
+
+// C (m x nc) (+)= A (m x depth) B (depth x nc), nc a multiple of 2W. Column panels outermost:
+// one panel of B (depth x NR vectors) stays in L1 across the row blocks. Wide panels where the
+// registers allow (32 on AVX-512): one broadcast of A then feeds 4 FMAs instead of 2, and on
+// CPUs that split 512-bit operations in two (Zen 4) the broadcasts are what limits the block.
+static void gemm(int64_t m, int64_t nc, int64_t depth, const float* a, int64_t ai, int64_t ap,
+                 const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower) {
+  int64_t j = 0;
+  for (; j + kGemmNR * W <= nc; j += kGemmNR * W)
+    gemm_panel<kGemmNR>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower);
+  for (; j < nc; j += 2 * W) gemm_panel<2>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower);
+}
+
+// y += a * x over np floats
+static inline void axpy(float a, const float* x, float* y, int64_t np) {
+  const V av = set1(a);
+  for (int64_t c = 0; c < np; c += W) store(y + c, fmadd(av, load(x + c), load(y + c)));
+}
+
+// ---- the chunk's working set --------------------------------------------------------------
+struct Chunk {
+  float *q, *k, *G, *kqg, *kd, *lk, *lq, *r, *dec, *zero;  // rows of Kp
+  float *v, *x, *u, *o;                                    // rows of Vp
+  float *a, *p;                                            // C x C
+  float *gs, *beta;                                        // C
+};
+
+static Chunk carve(float* w, int64_t Kp, int64_t Vp) {
+  Chunk c;
+  auto take = [&w](int64_t n) { float* p = w; w += n; return p; };
+  c.q = take(kC * Kp); c.k = take(kC * Kp); c.G = take(kC * Kp); c.kqg = take(2 * kC * Kp);
+  c.kd = take(kC * Kp); c.lk = take(kC * Kp); c.lq = take(kC * Kp); c.r = take(kDeltaSub * Kp);
+  c.dec = take(Kp); c.zero = take(Kp);
+  c.v = take(kC * Vp); c.x = take(2 * kC * Vp); c.u = take(kC * Vp); c.o = take(Vp);
+  c.a = take(kC * kC); c.p = take(kC * kC);
+  c.gs = take(kC); c.beta = take(kC);
+  return c;
+}
+
+// Positions [t0, t0 + n) in fp32: q (scaled, normalised if asked), k, v, beta, and the gates
+// summed from t0 through each position: G (a row per position) for per-channel gates, gs for
+// per-head ones.
+static void load_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
+  const int64_t Kp = h.Kp;
+  for (int64_t i = n; i < kC; ++i) c.gs[i] = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = t0 + i;
+    float* q = c.q + i * Kp;
+    float* k = c.k + i * Kp;
+    row_to_f32(h.q + t * h.q_st, h.dtype, h.K, Kp, q);
+    row_to_f32(h.k + t * h.k_st, h.dtype, h.K, Kp, k);
+    row_to_f32(h.v + t * h.v_st, h.dtype, h.V, h.Vp, c.v + i * h.Vp);
+    scale_row(q, Kp, h.l2norm, h.scale);
+    scale_row(k, Kp, h.l2norm, 1.f);
+    c.beta[i] = h.beta[t * h.beta_st];
+    const float* g = h.g + t * h.g_st;
+    if (!h.g_per_channel) {
+      c.gs[i] = (i ? c.gs[i - 1] : 0.f) + g[0];
+      continue;
+    }
+    float* G = c.G + i * Kp;
+    const float* prev = i ? G - Kp : nullptr;
+    for (int64_t ch = 0; ch < h.K; ++ch) G[ch] = (prev ? prev[ch] : 0.f) + g[ch];
+    for (int64_t ch = h.K; ch < Kp; ++ch) G[ch] = 0.f;
+  }
+}
+
+// A (scaled by -beta_t, so that forward substitution only adds) and P for a per-head gate: the
+// dot products times exp(G_t - G_s), W of those exps at a time (gs is zero past n).
+static void pair_matrices_head(int64_t n, int64_t Kp, const Chunk& c) {
+  alignas(64) float row[kC], e[kC];
+  for (int64_t t = 0; t < n; ++t) {
+    const V gt = set1(c.gs[t]);
+    for (int64_t s = 0; s <= t; s += W) store(e + s, exp(sub(gt, load(c.gs + s))));
+    row_dots(c.k + t * Kp, c.k, Kp, t, Kp, c.zero, row);
+    for (int64_t s = 0; s < t; ++s) c.a[t * kC + s] = -c.beta[t] * row[s] * e[s];
+    row_dots(c.q + t * Kp, c.k, Kp, t + 1, Kp, c.zero, row);
+    for (int64_t s = 0; s <= t; ++s) c.p[t * kC + s] = row[s] * e[s];
+  }
+}
+
+// The same for per-channel gates (see the head of this file): pairs inside a sub-chunk directly,
+// the others through the sub-chunk's last position e.
+static void pair_matrices_channel(int64_t n, int64_t Kp, const Chunk& c) {
+  for (int64_t j0 = 0; j0 < n; j0 += kDeltaSub) {
+    const int64_t j1 = dmin(j0 + kDeltaSub, n);
+    for (int64_t t = j0; t < j1; ++t) {  // same sub-chunk: s in [j0, t]
+      const float *kt = c.k + t * Kp, *qt = c.q + t * Kp, *Gt = c.G + t * Kp;
+      for (int64_t s = j0; s <= t; ++s) {
+        const float *ks = c.k + s * Kp, *Gs = c.G + s * Kp;
+        V aa = zero(), pp = zero();
+        for (int64_t ch = 0; ch < Kp; ch += W) {
+          const V ke = mul(load(ks + ch), exp(sub(load(Gt + ch), load(Gs + ch))));
+          aa = fmadd(load(kt + ch), ke, aa);
+          pp = fmadd(load(qt + ch), ke, pp);
+        }
+        if (s < t) c.a[t * kC + s] = -c.beta[t] * reduce_add(aa);
+        c.p[t * kC + s] = reduce_add(pp);
+      }
+    }
+    if (j1 == n) break;
+    const int64_t e = j1 - 1;  // later rows t > e against this sub-chunk's columns s <= e
+    const float* Ge = c.G + e * Kp;
+    for (int64_t s = j0; s < j1; ++s)
+      gated_row(c.k + s * Kp, Ge, c.G + s * Kp, Kp, c.r + (s - j0) * Kp);
+    float row[kDeltaSub];
+    for (int64_t t = j1; t < n; ++t) {
+      gated_row(c.k + t * Kp, c.G + t * Kp, Ge, Kp, c.lk);
+      gated_row(c.q + t * Kp, c.G + t * Kp, Ge, Kp, c.lq);
+      row_dots(c.lk, c.r, Kp, j1 - j0, Kp, c.zero, row);
+      for (int64_t s = j0; s < j1; ++s) c.a[t * kC + s] = -c.beta[t] * row[s - j0];
+      row_dots(c.lq, c.r, Kp, j1 - j0, Kp, c.zero, row);
+      for (int64_t s = j0; s < j1; ++s) c.p[t * kC + s] = row[s - j0];
+    }
+  }
+}
+
+// U <- (I + diag(beta) A)^-1 U, A strictly lower (stored as -beta_t A_ts): blocks of kGemmMR
+// rows take the rows above them as one product, then resolve among themselves.
+static void forward_substitute(int64_t n, int64_t Vp, const Chunk& c) {
+  for (int64_t i0 = 0; i0 < n; i0 += kGemmMR) {
+    const int64_t i1 = dmin(i0 + kGemmMR, n);
+    if (i0 > 0) gemm(i1 - i0, Vp, i0, c.a + i0 * kC, kC, 1, c.u, Vp, c.u + i0 * Vp, Vp, true, false);
+    for (int64_t t = i0 + 1; t < i1; ++t)
+      for (int64_t s = i0; s < t; ++s) axpy(c.a[t * kC + s], c.u + s * Vp, c.u + t * Vp, Vp);
+  }
+}
+
+// exp(G) K and exp(G) Q (against S0), exp(G_last - G) K (into the new state), and exp(G_last)
+// (the decay of S0 over the chunk). A per-head gate needs one exp per row, not one per channel.
+static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
+  const int64_t Kp = h.Kp;
+  const float* Gl = c.G + (n - 1) * Kp;
+  if (!h.g_per_channel)
+    for (int64_t ch = 0; ch < Kp; ++ch) c.dec[ch] = std::exp(c.gs[n - 1]);
+  for (int64_t i = 0; i < n; ++i) {
+    const float *k = c.k + i * Kp, *q = c.q + i * Kp;
+    float *kg = c.kqg + i * Kp, *qg = c.kqg + (kC + i) * Kp, *kd = c.kd + i * Kp;
+    if (h.g_per_channel) {
+      const float* Gi = c.G + i * Kp;
+      gated_row(k, Gi, nullptr, Kp, kg);
+      gated_row(q, Gi, nullptr, Kp, qg);
+      gated_row(k, Gl, Gi, Kp, kd);
+      continue;
+    }
+    const V e = set1(std::exp(c.gs[i])), ed = set1(std::exp(c.gs[n - 1] - c.gs[i]));
+    for (int64_t ch = 0; ch < Kp; ch += W) {
+      const V kv = load(k + ch);
+      store(kg + ch, mul(kv, e));
+      store(qg + ch, mul(load(q + ch), e));
+      store(kd + ch, mul(kv, ed));
+    }
+  }
+  if (h.g_per_channel)
+    for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
+}
+
+// Asks for the next chunk's q, k, v rows while this one computes: the rows of one head are
+// strided (the other heads lie between them), and the inputs are usually cold.
+static void prefetch_rows(const kern::DeltaHead& h, int64_t t0, int64_t n) {
+  const int64_t es = h.dtype == DType::f32 ? 4 : 2;  // (dtype_size is inline: see kernels.h)
+  for (int64_t t = t0; t < t0 + n; ++t) {
+    for (int64_t b = 0; b < h.K * es; b += 64) {
+      __builtin_prefetch(h.q + t * h.q_st + b);
+      __builtin_prefetch(h.k + t * h.k_st + b);
+    }
+    for (int64_t b = 0; b < h.V * es; b += 64) __builtin_prefetch(h.v + t * h.v_st + b);
+  }
+}
+
+// One chunk of n tokens from position t0: outputs written, state advanced from src into h.S.
+static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
+                      const Chunk& c) {
+  const int64_t Kp = h.Kp, Vp = h.Vp, K = h.K;
+  load_chunk(h, t0, n, c);
+  gate_rows(h, n, c);
+  prefetch_rows(h, t0 + n, dmin(kC, h.T - t0 - n));
+  // X = [exp(G) K; exp(G) Q] S0: rows 0..n-1 against the keys, kC..kC+n-1 the queries' share
+  gemm(n, Vp, K, c.kqg, Kp, 1, src, h.lds, c.x, Vp, false, false);
+  gemm(n, Vp, K, c.kqg + kC * Kp, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, false, false);
+  std::memset(c.a, 0, sizeof(float) * kC * kC);
+  std::memset(c.p, 0, sizeof(float) * kC * kC);
+  if (h.g_per_channel) pair_matrices_channel(n, Kp, c);
+  else pair_matrices_head(n, Kp, c);
+  for (int64_t i = 0; i < n; ++i) {  // U = diag(beta) (V - exp(G) K S0), then solved
+    const V b = set1(c.beta[i]);
+    const float *vi = c.v + i * Vp, *xi = c.x + i * Vp;
+    for (int64_t j = 0; j < Vp; j += W) store(c.u + i * Vp + j, mul(b, sub(load(vi + j), load(xi + j))));
+  }
+  forward_substitute(n, Vp, c);
+  float* o = c.x + kC * Vp;  // O = exp(G) Q S0 + P U
+  gemm(n, Vp, n, c.p, kC, 1, c.u, Vp, o, Vp, true, true);
+  for (int64_t i = 0; i < n; ++i) row_from_f32(o + i * Vp, h.V, h.dtype, h.out + (t0 + i) * h.o_st);
+  for (int64_t ch = 0; ch < K; ++ch) {  // S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U
+    const V d = set1(c.dec[ch]);
+    const float* in = src + ch * h.lds;
+    float* row = h.S + ch * h.lds;
+    for (int64_t j = 0; j < Vp; j += W) store(row + j, mul(d, load(in + j)));
+  }
+  gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, true, false);
+}
+
+// ---- the recurrence, one token at a time (decode) ----------------------------------------------
+// Columns [j, j + NB*W) of the state for one token: they are independent of the other columns
+// (u and o are per column), so each block streams the state's rows twice while its accumulators
+// stay in registers: S^T (decayed) k first, then the update with o = S^T q on the way.
+template <int NB>
+static ATTNX_INLINE void recurrent_cols(const float* src, float* S, int64_t lds, int64_t K,
+                                        const float* q, const float* k, const float* v,
+                                        const float* dec, float beta, float* o) {
+  V acc[NB], u[NB];
+  for (int b = 0; b < NB; ++b) acc[b] = zero();
+  for (int64_t ch = 0; ch < K; ++ch) {
+    const V kd = set1(k[ch] * dec[ch]);
+    for (int b = 0; b < NB; ++b) acc[b] = fmadd(kd, load(src + ch * lds + b * W), acc[b]);
+  }
+  const V bv = set1(beta);
+  for (int b = 0; b < NB; ++b) {
+    u[b] = mul(bv, sub(load(v + b * W), acc[b]));
+    acc[b] = zero();
+  }
+  for (int64_t ch = 0; ch < K; ++ch) {
+    const V d = set1(dec[ch]), kc = set1(k[ch]), qc = set1(q[ch]);
+    for (int b = 0; b < NB; ++b) {
+      const V sn = fmadd(kc, u[b], mul(d, load(src + ch * lds + b * W)));
+      store(S + ch * lds + b * W, sn);
+      acc[b] = fmadd(qc, sn, acc[b]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) store(o + b * W, acc[b]);
+}
+
+static void recurrent_token(const kern::DeltaHead& h, const float* src, int64_t t, const Chunk& c) {
+  const int64_t Kp = h.Kp, Vp = h.Vp;
+  row_to_f32(h.q + t * h.q_st, h.dtype, h.K, Kp, c.q);
+  row_to_f32(h.k + t * h.k_st, h.dtype, h.K, Kp, c.k);
+  row_to_f32(h.v + t * h.v_st, h.dtype, h.V, Vp, c.v);
+  scale_row(c.q, Kp, h.l2norm, h.scale);
+  scale_row(c.k, Kp, h.l2norm, 1.f);
+  const float* g = h.g + t * h.g_st;
+  for (int64_t ch = 0; ch < h.K; ++ch) c.dec[ch] = std::exp(g[h.g_per_channel ? ch : 0]);
+  const float beta = h.beta[t * h.beta_st];
+  int64_t j = 0;
+  for (; j + 4 * W <= Vp; j += 4 * W)
+    recurrent_cols<4>(src + j, h.S + j, h.lds, h.K, c.q, c.k, c.v + j, c.dec, beta, c.o + j);
+  for (; j < Vp; j += W)
+    recurrent_cols<1>(src + j, h.S + j, h.lds, h.K, c.q, c.k, c.v + j, c.dec, beta, c.o + j);
+  row_from_f32(c.o, h.V, h.dtype, h.out + t * h.o_st);
+}
+
+// The whole sequence of one head: chunks of kC tokens, or the token-by-token recurrence.
+static void delta_head(const kern::DeltaHead& h) {
+  const Chunk c = carve(h.work, h.Kp, h.Vp);
+  for (int64_t ch = 0; ch < h.Kp; ++ch) c.zero[ch] = 0.f;
+  // The first token (or chunk) reads the state from S_in, every later one from S.
+  if (!h.chunked) {
+    for (int64_t t = 0; t < h.T; ++t) recurrent_token(h, t ? h.S : h.S_in, t, c);
+    return;
+  }
+  for (int64_t t0 = 0; t0 < h.T; t0 += kC) run_chunk(h, t0 ? h.S : h.S_in, t0, dmin(kC, h.T - t0), c);
+}
+
+}  // namespace
