@@ -6,7 +6,7 @@ in this order). ``py::array`` parameters take NumPy arrays only; the
 ``py::object`` ones (masks, lengths, per-head vectors, new K/V) take anything NumPy converts.
 """
 
-from typing import Any, Literal, overload
+from typing import Any, Literal, Optional, Tuple, overload
 
 import numpy as np
 import numpy.typing as npt

@@ -63,7 +63,7 @@ def _checksum(header_json: str, tensors: Mapping[str, np.ndarray]) -> str:
     for name in sorted(tensors):
         t = np.ascontiguousarray(tensors[name])
         h.update(f"\0{name}\0{t.dtype.str}\0{t.shape}\0".encode())
-        h.update(t.reshape(-1).view(np.uint8))  # (no copy; an empty sequence is fine too)
+        h.update(t.reshape(-1).view(np.uint8).data)  # (no copy; an empty one is fine too)
     return h.hexdigest()
 
 
@@ -168,7 +168,8 @@ def _check_model(header: dict[str, Any], geom: dict[str, Any], expect: Mapping[s
         return
     if not isinstance(expect, Mapping):
         raise TypeError(f"expect: expected a dict of meta entries, got {type(expect).__name__}")
-    user = header.get("meta") if isinstance(header.get("meta"), dict) else {}
+    meta = header.get("meta")
+    user: dict[str, Any] = meta if isinstance(meta, dict) else {}
     wrong = [f"{k}: file {user.get(k, '<missing>')!r}, expected {v!r}" for k, v in expect.items()
              if k not in user or user[k] != json.loads(_json(v, "expect"))]
     if wrong:

@@ -55,7 +55,7 @@ Fork a sequence between steps, not while one of its steps is being attended.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 import numpy as np
 
@@ -77,7 +77,7 @@ def _linear_config(linear_layers: object, state_shape: object) -> tuple[int, tup
             raise ValueError("state_shape: given without linear_layers")
         return 0, None
     try:
-        dims = [as_int(d) for d in state_shape]  # type: ignore[union-attr]
+        dims = [as_int(d) for d in cast(Iterable[Any], state_shape)]
     except TypeError:
         dims = []
     if len(dims) != 3 or any(d is None or d < 1 for d in dims):
@@ -648,7 +648,8 @@ class PagedKVCache:
             return
         if ids is not None:
             known = s.tokens is not None and len(s.tokens) >= start
-            s.tokens = ids if start == 0 else np.concatenate([s.tokens[:start], ids]) if known else None
+            s.tokens = (ids if start == 0 else None if not known
+                        else np.concatenate([cast(np.ndarray, s.tokens)[:start], ids]))
         elif s.tokens is not None and len(s.tokens) < s.length:
             s.tokens = None  # these tokens' ids are unknown: the chain ends here
         if s.tokens is not None and self.prefix_caching:

@@ -235,7 +235,8 @@ print(json.dumps(dict(rss_before=rss_before, hwm_before=hwm_before, hwm_after=st
 def memory_case(case: Case, bench: Bench) -> Row:
     """Peak RSS growth of one full-attention call, measured in a fresh subprocess."""
     row = Row(case)
-    S, D = _dense(case).Sk, case.shape.D
+    dense = _dense(case)
+    S, D = dense.Sk, dense.D
     env = dict(os.environ)
     env.pop("PYTHONSTARTUP", None)
     res = subprocess.run([sys.executable, "-c", _MEMORY_CHILD.format(S=S, D=D, threads=bench.threads)],
