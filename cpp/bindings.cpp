@@ -48,15 +48,16 @@ constexpr double kGilFreeWork = 1 << 16;
 [[noreturn]] void value_error(const std::string& msg) { throw py::value_error(msg); }
 [[noreturn]] void type_error(const std::string& msg) { throw py::type_error(msg); }
 
-// ml_dtypes.bfloat16's NumPy type number (assigned at registration), or -1 without ml_dtypes.
+// An ml_dtypes type's NumPy type number (assigned at registration), or -1 without ml_dtypes.
+int ml_dtype_num(const char* name) {
+  try {
+    return py::module_::import("numpy").attr("dtype")(py::module_::import("ml_dtypes").attr(name)).cast<py::dtype>().num();
+  } catch (py::error_already_set&) {
+    return -1;
+  }
+}
 int bfloat16_num() {
-  static int num = [] {
-    try {
-      return py::module_::import("numpy").attr("dtype")(py::module_::import("ml_dtypes").attr("bfloat16")).cast<py::dtype>().num();
-    } catch (py::error_already_set&) {
-      return -1;
-    }
-  }();
+  static int num = ml_dtype_num("bfloat16");
   return num;
 }
 
@@ -70,6 +71,18 @@ DType dtype_of(const py::array& a, const char* name) {
   const char k = dt.kind();
   type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " + got +
              (k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
+}
+
+// The dtype of KV pages: a float dtype, or a quantised one (int8, float8_e4m3fn, float8_e5m2).
+DType page_dtype_of(const py::array& a, const char* name) {
+  static const int e4m3 = ml_dtype_num("float8_e4m3fn"), e5m2 = ml_dtype_num("float8_e5m2");
+  const py::dtype dt = a.dtype();
+  if (dt.itemsize() != 1) return dtype_of(a, name);
+  if (dt.kind() == 'i') return DType::i8;
+  if (dt.num() == e4m3) return DType::e4m3;
+  if (dt.num() == e5m2) return DType::e5m2;
+  type_error(std::string(name) + ": expected dtype float32, float16, bfloat16, int8, float8_e4m3fn or "
+             "float8_e5m2, got " + std::string(py::str(dt)));
 }
 
 // Element strides of `a` (which must have `ndim` dims and a unit-stride last axis).
@@ -292,8 +305,8 @@ struct PagedArrays {
 void check_pages(const py::array& kp, const py::array& vp, PagedParams& p) {
   if (kp.ndim() != 4) value_error("k_pages: expected 4 dims (num_blocks, Hkv, block_size, Dk), got " + shape_str(kp));
   if (vp.ndim() != 4) value_error("v_pages: expected 4 dims (num_blocks, Hkv, block_size, Dv), got " + shape_str(vp));
-  p.kv_dtype = dtype_of(kp, "k_pages");
-  if (dtype_of(vp, "v_pages") != p.kv_dtype) type_error("v_pages: expected the dtype of k_pages");
+  p.kv_dtype = page_dtype_of(kp, "k_pages");
+  if (page_dtype_of(vp, "v_pages") != p.kv_dtype) type_error("v_pages: expected the dtype of k_pages");
   p.num_blocks = kp.shape(0); p.Hkv = kp.shape(1); p.block_size = kp.shape(2); p.Dk = kp.shape(3);
   p.Dv = vp.shape(3);
   check_shape(vp, "v_pages", {{"num_blocks", p.num_blocks}, {"Hkv", p.Hkv}, {"block_size", p.block_size}, {"Dv", p.Dv}});
@@ -302,6 +315,36 @@ void check_pages(const py::array& kp, const py::array& vp, PagedParams& p) {
   auto ks = elem_strides(kp, "k_pages"), vs = elem_strides(vp, "v_pages");
   p.k_pages = kp.data(); p.k_sblk = ks[0]; p.k_sh = ks[1]; p.k_ss = ks[2];
   p.v_pages = vp.data(); p.v_sblk = vs[0]; p.v_sh = vs[1]; p.v_ss = vs[2];
+}
+
+// The scale pages of quantised pages (and only of them): float32 in native byte order,
+// (num_blocks, Hkv, block_size), writable when a step writes into them.
+py::array scale_pages(const py::object& obj, const char* name, const PagedParams& p, bool quantised,
+                      bool write) {
+  const std::string n(name);
+  if (obj.is_none() != !quantised)
+    type_error(n + (quantised ? ": pages of dtype " + std::string(dtype_name(p.kv_dtype)) + " need their float32 scales"
+                              : ": only quantised pages (int8, float8_e4m3fn, float8_e5m2) have scales; pass None"));
+  if (!quantised) return py::array();
+  if (!py::isinstance<py::array>(obj)) type_error(n + ": expected a numpy float32 array, got " + std::string(py::str(obj.get_type())));
+  py::array a = py::reinterpret_borrow<py::array>(obj);
+  const py::dtype dt = a.dtype();
+  if (dt.kind() != 'f' || dt.itemsize() != 4 || !dt.attr("isnative").cast<bool>())
+    type_error(n + ": expected float32 in native byte order, got " + std::string(py::str(dt)));
+  check_shape(a, name, {{"num_blocks", p.num_blocks}, {"Hkv", p.Hkv}, {"block_size", p.block_size}});
+  if (write && !a.writeable()) value_error(n + ": array is not writable (a step stores the new rows' scales)");
+  return a;
+}
+
+void check_scales(const py::object& k_scales, const py::object& v_scales, bool write, PagedParams& p,
+                  py::array& ks, py::array& vs) {
+  const bool q = is_quantised(p.kv_dtype);
+  ks = scale_pages(k_scales, "k_scales", p, q, write);
+  vs = scale_pages(v_scales, "v_scales", p, q, write);
+  if (!q) return;
+  auto kst = elem_strides(ks, "k_scales"), vst = elem_strides(vs, "v_scales");
+  p.k_scales = static_cast<const float*>(ks.data()); p.ks_sblk = kst[0]; p.ks_sh = kst[1]; p.ks_ss = kst[2];
+  p.v_scales = static_cast<const float*>(vs.data()); p.vs_sblk = vst[0]; p.vs_sh = vst[1]; p.vs_ss = vst[2];
 }
 
 // The new keys and values of a cache step: checked with everything else before the first write.
@@ -313,7 +356,7 @@ struct NewKV {
 
 // v_new may be None when the values are a view of the keys (latent attention: one write).
 void prepare_new_kv(NewKV& n, py::object k_new, py::object v_new, py::object slots, const PagedParams& p,
-                    py::array& kp, py::array& vp) {
+                    py::array& kp, py::array& vp, py::array& ksc, py::array& vsc) {
   n.k = py::array::ensure(k_new);
   if (!n.k) type_error("k: expected a numpy array");
   if (!kp.writeable()) value_error("k_pages: array is not writable");
@@ -327,6 +370,10 @@ void prepare_new_kv(NewKV& n, py::object k_new, py::object v_new, py::object slo
   auto ks = elem_strides(n.k, "k");
   n.wk = PagedWrite{p.N, p.Hkv, p.Dk, n.k.data(), kd, ks[0], ks[1], kp.mutable_data(), p.kv_dtype,
                     p.block_size, p.k_sblk, p.k_sh, p.k_ss, n.slots.data()};
+  if (p.k_scales != nullptr) {
+    n.wk.scales = static_cast<float*>(ksc.mutable_data());
+    n.wk.sc_sblk = p.ks_sblk; n.wk.sc_sh = p.ks_sh; n.wk.sc_ss = p.ks_ss;
+  }
   if (v_new.is_none()) return;
   n.v = py::array::ensure(v_new);
   if (!n.v) type_error("v: expected a numpy array");
@@ -336,15 +383,22 @@ void prepare_new_kv(NewKV& n, py::object k_new, py::object v_new, py::object slo
   auto vs = elem_strides(n.v, "v");
   n.wv = PagedWrite{p.N, p.Hkv, p.Dv, n.v.data(), vd, vs[0], vs[1], vp.mutable_data(), p.kv_dtype,
                     p.block_size, p.v_sblk, p.v_sh, p.v_ss, n.slots.data()};
+  if (p.v_scales != nullptr) {
+    n.wv.scales = static_cast<float*>(vsc.mutable_data());
+    n.wv.sc_sblk = p.vs_sblk; n.wv.sc_sh = p.vs_sh; n.wv.sc_ss = p.vs_ss;
+  }
 }
 
 py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array block_tables,
                               py::array seq_lens, py::object q_lens, bool causal, double scale,
                               py::object out, bool return_lse, int num_threads, py::object window,
                               py::object softcap, py::object sinks, py::object alibi_slopes,
-                              py::object k_new, py::object v_new, py::object slots) {
+                              py::object k_new, py::object v_new, py::object slots,
+                              py::object k_scales, py::object v_scales) {
   PagedParams p;
   check_pages(kp, vp, p);
+  py::array ksc, vsc;
+  check_scales(k_scales, v_scales, !k_new.is_none(), p, ksc, vsc);
   if (q.ndim() != 3) value_error("q: expected 3 dims (N, Hq, Dk), got " + shape_str(q));
   p.q_dtype = dtype_of(q, "q");
   p.N = q.shape(0); p.Hq = q.shape(1);
@@ -411,7 +465,7 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
   p.num_threads = threads_arg(num_threads);
   NewKV nkv;
   const bool write = !k_new.is_none();
-  if (write) prepare_new_kv(nkv, k_new, v_new, slots, p, kp, vp);
+  if (write) prepare_new_kv(nkv, k_new, v_new, slots, p, kp, vp, ksc, vsc);
   auto run = [&]() {
     if (write) {
       paged_write(nkv.wk);
@@ -446,7 +500,8 @@ PYBIND11_MODULE(_core, m) {
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("q_lens"), py::arg("causal"),
         py::arg("scale"), py::arg("out"), py::arg("return_lse"), py::arg("num_threads"),
         py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("alibi_slopes"),
-        py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none());
+        py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none(),
+        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
 
   m.def("cpu_features", []() {
     const CpuFeatures f = cpu_features();

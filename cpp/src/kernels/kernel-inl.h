@@ -27,28 +27,78 @@ static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Addresses of rows j0 .. j0+n-1: one block-table lookup per page, not a division per row, and
-// a branch-free inner loop over each page's run of rows.
-static inline void kv_rows(const kern::KVSource& s, int64_t j0, int64_t n, const char** out) {
-  const int64_t rs = s.row_stride;
+static inline bool quantised(DType t) { return t == DType::i8 || t == DType::e4m3 || t == DType::e5m2; }
+static inline int64_t elem_bytes(DType t) {
+  return t == DType::f32 ? 4 : (t == DType::f16 || t == DType::bf16) ? 2 : 1;
+}
+
+// Rows j0 .. j0+n-1 as runs of consecutive slots: fn(t, page, off, run) for rows t .. t+run-1 at
+// slots off .. off+run-1 of `page` (the block id; -1 and off = j0 for a contiguous source). One
+// block-table lookup per page, not a division per row.
+template <class Fn>
+static inline void each_run(const kern::KVSource& s, int64_t j0, int64_t n, Fn&& fn) {
   if (s.block_table == nullptr) {
-    const char* p = s.base + j0 * rs;
-    for (int64_t t = 0; t < n; ++t) out[t] = p + t * rs;
+    fn(int64_t(0), int64_t(-1), j0, n);
     return;
   }
   int64_t blk = j0 / s.block_size, off = j0 % s.block_size;
   for (int64_t t = 0; t < n; ++blk, off = 0) {
-    const char* p = s.base + int64_t(s.block_table[blk]) * s.block_stride + off * rs;
     const int64_t run = imin(s.block_size - off, n - t);
-    for (int64_t k = 0; k < run; ++k) out[t + k] = p + k * rs;
+    fn(t, int64_t(s.block_table[blk]), off, run);
     t += run;
   }
+}
+
+// Addresses of rows j0 .. j0+n-1 (a branch-free inner loop over each page's run of rows).
+static inline void kv_rows(const kern::KVSource& s, int64_t j0, int64_t n, const char** out) {
+  const int64_t rs = s.row_stride;
+  each_run(s, j0, n, [&](int64_t t, int64_t page, int64_t off, int64_t run) {
+    const char* p = s.base + (page < 0 ? 0 : page * s.block_stride) + off * rs;
+    for (int64_t k = 0; k < run; ++k) out[t + k] = p + k * rs;
+  });
+}
+
+// The scales of rows j0 .. j0+n-1 of a quantised source.
+static inline void kv_scales(const kern::KVSource& s, int64_t j0, int64_t n, float* out) {
+  const int64_t rs = s.scale_row_stride;
+  each_run(s, j0, n, [&](int64_t t, int64_t page, int64_t off, int64_t run) {
+    const float* p = s.scale + (page < 0 ? 0 : page * s.scale_block_stride) + off * rs;
+    for (int64_t k = 0; k < run; ++k) out[t + k] = p[k * rs];
+  });
+}
+
+// n 1-byte codes to fp32 (the scale is applied by the caller). fp8 goes through float16 lanes:
+// e5m2 is a float16's top byte; e4m3fn is a scaled float16 (convert.h) and its NaN code is fixed
+// up after the vector pass.
+static void load_codes(const void* src, DType dtype, int64_t n, float* dst) {
+  const uint8_t* c = static_cast<const uint8_t*>(src);
+  if (dtype == DType::i8) {
+    const int8_t* s8 = static_cast<const int8_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = float(s8[i]);
+    return;
+  }
+  const bool e4 = dtype == DType::e4m3;
+  const V mult = set1(e4 ? 256.f : 1.f);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    uint16_t h[W];
+    for (int k = 0; k < W; ++k) h[k] = e4 ? cvt::e4m3_as_f16(c[i + k]) : uint16_t(uint16_t(c[i + k]) << 8);
+    store(dst + i, mul(load_f16(h), mult));
+  }
+  for (; i < n; ++i) dst[i] = e4 ? cvt::e4m3_to_f32(c[i]) : cvt::e5m2_to_f32(c[i]);
+  if (e4)
+    for (int64_t k = 0; k < n; ++k)
+      if ((c[k] & 0x7fu) == 0x7fu) dst[k] = std::numeric_limits<float>::quiet_NaN();
 }
 
 static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
   int64_t i = 0;
   if (dtype == DType::f32) {
     std::memcpy(dst, src, size_t(n) * sizeof(float));
+    return;
+  }
+  if (quantised(dtype)) {
+    load_codes(src, dtype, n, dst);
     return;
   }
   const uint16_t* h = static_cast<const uint16_t*>(src);
@@ -61,6 +111,7 @@ static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
   }
 }
 
+// (float dtypes only: quantised rows are written with their scale by the paged write)
 static void store_row(const float* src, int64_t n, DType dtype, void* dst) {
   if (dtype == DType::f32) {
     std::memcpy(dst, src, size_t(n) * sizeof(float));
@@ -77,6 +128,24 @@ static void store_row(const float* src, int64_t n, DType dtype, void* dst) {
 static inline void load_row_padded(const char* src, DType dtype, int64_t D, int64_t Dp, float* dst) {
   load_row(src, dtype, D, dst);
   for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
+}
+
+// Rows [j0, j0 + n) of `s` at addresses `addr`, converted to fp32 into buf (n x Dp, zero-padded)
+// with their scales if quantised (code * scale, one float32 product: attnx.reference's
+// dequantize_kv); rows[t] points at row t.
+static void convert_rows(const kern::KVSource& s, int64_t j0, int64_t n, const char* const* addr,
+                         int64_t D, int64_t Dp, float* buf, const float** rows) {
+  float scl[kTileK];
+  if (s.scale != nullptr) kv_scales(s, j0, n, scl);
+  for (int64_t t = 0; t < n; ++t) {
+    float* dst = buf + t * Dp;
+    load_row_padded(addr[t], s.dtype, D, Dp, dst);
+    if (s.scale != nullptr) {
+      const V f = set1(scl[t]);
+      for (int64_t d = 0; d < Dp; d += W) store(dst + d, mul(load(dst + d), f));
+    }
+    rows[t] = dst;
+  }
 }
 
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
@@ -360,14 +429,10 @@ static const float** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, i
   const int64_t Dkp = round_up(Dk, kPad);
   kv_rows(ks, j0, n, sc.kaddr);
   const float** krow = sc.krow;
-  for (int64_t t = 0; t < n; ++t) {
-    if (inplace) {
-      krow[t] = reinterpret_cast<const float*>(sc.kaddr[t]);
-    } else {
-      float* dst = sc.kf + t * Dkp;
-      load_row_padded(sc.kaddr[t], ks.dtype, Dk, Dkp, dst);
-      krow[t] = dst;
-    }
+  if (inplace) {
+    for (int64_t t = 0; t < n; ++t) krow[t] = reinterpret_cast<const float*>(sc.kaddr[t]);
+  } else {
+    convert_rows(ks, j0, n, sc.kaddr, Dk, Dkp, sc.kf, krow);
   }
   for (int64_t t = n; t < kTileK; ++t) krow[t] = sc.zero;
   return krow;
@@ -422,8 +487,9 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   const bool packed = M > kDotRows;
   // Rows whose width is a whole number of register blocks are read in place (fp16/bf16 widened
   // in registers); the packed (prefill) QK path needs fp32 rows to transpose.
-  const bool k_inplace = packed ? ks.dtype == DType::f32 && Dk % 8 == 0 : Dk % W == 0;
-  const bool v_inplace = Dv % (NR * W) == 0;
+  // Quantised rows are always converted (with their scales) into the tile buffers.
+  const bool k_inplace = !quantised(ks.dtype) && (packed ? ks.dtype == DType::f32 && Dk % 8 == 0 : Dk % W == 0);
+  const bool v_inplace = !quantised(vs.dtype) && Dv % (NR * W) == 0;
   const DType kdt = k_inplace ? ks.dtype : DType::f32, vdt = v_inplace ? vs.dtype : DType::f32;
   const int64_t vw = v_inplace ? Dv : Dvp;  // value features the PV kernel walks
 
@@ -473,7 +539,7 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
       const float** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
       with_type(kdt, [&](auto t) {
         qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
-                            Dk * (ks.dtype == DType::f32 ? 4 : 2));
+                            Dk * elem_bytes(ks.dtype));
       });
     }
     // softmax rows
@@ -492,14 +558,10 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
     }
     // O += P V
     const float** vrow = sc.vrow;
-    for (int64_t t = 0; t < n; ++t) {
-      if (v_inplace) {
-        vrow[t] = reinterpret_cast<const float*>(vaddr[t]);
-      } else {
-        float* dst = sc.vf + t * Dvp;
-        load_row_padded(vaddr[t], vs.dtype, Dv, Dvp, dst);
-        vrow[t] = dst;
-      }
+    if (v_inplace) {
+      for (int64_t t = 0; t < n; ++t) vrow[t] = reinterpret_cast<const float*>(vaddr[t]);
+    } else {
+      convert_rows(vs, j0, n, vaddr, Dv, Dvp, sc.vf, vrow);
     }
     // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would
     // still leak into the row. Tiles that some row sees only in part are checked for
@@ -519,7 +581,7 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
       }
     }
     with_type(vdt, [&](auto t) {
-      pv<decltype(t)>(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * (vs.dtype == DType::f32 ? 4 : 2));
+      pv<decltype(t)>(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * elem_bytes(vs.dtype));
     });
   }
 }
