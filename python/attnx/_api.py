@@ -248,7 +248,7 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
 
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None, causal=True,
                     scale=None, return_lse=False, out=None, num_threads=None, window=None,
-                    softcap=None, sinks=None, alibi_slopes=None):
+                    softcap=None, sinks=None, alibi_slopes=None, k_scales=None, v_scales=None):
     """Attention of packed queries against KV stored in pages of a block pool, read in place.
 
     Parameters
@@ -258,7 +258,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
         (``N = B`` when ``q_lens`` is None: one decode token per sequence).
     k_pages : ndarray ``(num_blocks, Hkv, block_size, Dk)``
     v_pages : ndarray ``(num_blocks, Hkv, block_size, Dv)``
-        The pools (one layer). float32, float16 or bfloat16; q may have another dtype.
+        The pools (one layer). float32, float16 or bfloat16; q may have another dtype. Or
+        quantised, int8, float8_e4m3fn or float8_e5m2, with their scales.
     block_tables : int array ``(B, max_blocks)``
         Sequence ``b``'s kv token ``t`` lives in block ``block_tables[b, t // block_size]`` at
         slot ``t % block_size``. Entries past a sequence's last block are not read.
@@ -270,6 +271,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
         Bottom-right aligned, as in :func:`attention` (default True).
     scale, return_lse, out, num_threads, window, softcap, sinks, alibi_slopes
         As in :func:`attention`; lse has shape ``(N, Hq)``.
+    k_scales, v_scales : float32 ndarray ``(num_blocks, Hkv, block_size)``, optional
+        With quantised pages, and only then: row ``(block, head, slot)`` reads as its codes
+        times its scale (:func:`attnx.reference.dequantize_kv`), converted as the kernel loads
+        it (never a dequantised copy of a page).
 
     Returns
     -------
@@ -294,7 +299,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
     window, softcap = _window(window), _softcap(softcap)
     return _core.paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens, bool(causal),
                                  _scale(scale, q.shape[2]), out, bool(return_lse),
-                                 _threads(num_threads), window, softcap, sinks, alibi_slopes)
+                                 _threads(num_threads), window, softcap, sinks, alibi_slopes,
+                                 **_scale_pages(k_scales, v_scales))
+
+
+def _scale_pages(k_scales, v_scales):
+    """The scale pages as keyword arguments of the binding (none for float pages)."""
+    if k_scales is None and v_scales is None:
+        return {}
+    return {"k_scales": None if k_scales is None else _as_array(k_scales, "k_scales"),
+            "v_scales": None if v_scales is None else _as_array(v_scales, "v_scales")}
 
 
 def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np.ndarray,
@@ -302,7 +316,8 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
                *, values_from_keys: bool = False, max_left: int | None = None,
                scale: float | None = None, num_threads: int | None = None, return_lse: bool = False,
                window: object = None, softcap: float | None = None, sinks: object = None,
-               alibi_slopes: object = None) -> object:
+               alibi_slopes: object = None, k_scales: np.ndarray | None = None,
+               v_scales: np.ndarray | None = None) -> object:
     """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
     into their slots, then attends causally from the new queries to their whole sequences.
 
@@ -323,6 +338,8 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
         ``window`` defaults to ``(max_left, None)`` and may not reach further left.
     scale, num_threads, return_lse, window, softcap, sinks, alibi_slopes
         As in :func:`attention`.
+    k_scales, v_scales : float32 ``(num_blocks, Hkv, block_size)``, optional
+        The scale pages of quantised pages: each new row is quantised and its scale stored.
 
     Returns
     -------
@@ -350,4 +367,4 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
     return _core.paged_attention(
         qa, k_pages, v_pages, block_tables, seq_lens, q_lens, True, _scale(scale, qa.shape[2]), None,
         bool(return_lse), _threads(num_threads), sides, _softcap(softcap), sinks, alibi_slopes,
-        k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots)
+        k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots, **_scale_pages(k_scales, v_scales))

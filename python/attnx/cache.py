@@ -28,6 +28,12 @@ a long conversation holds about ``W / block_size`` blocks. Their entries in ``bl
 -1. Latent attention (DeepSeek MLA): with ``value_from_key=True`` the values are the first
 ``value_dim`` features of each key (the compressed latent serves as both), stored once.
 
+Quantised pages (``dtype="int8"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``): each (token, kv head)
+row of K and of V is stored as 1-byte codes plus one float32 scale, in scale pages
+``(num_blocks, num_kv_heads, block_size)`` beside the data (:meth:`PagedKVCache.k_scales`); a
+step quantises its new rows as it writes them (:func:`attnx.reference.quantize_kv` defines how)
+and the kernels read ``code * scale``. Copy-on-write copies a block's scales with its codes.
+
 Thread safety: every bookkeeping operation holds the cache's lock, so several Python threads may
 create, fork, truncate, free and step *different* sequences concurrently. ``Step.attend`` runs
 without the lock (and without the GIL): the blocks it writes were reserved for it alone by
@@ -43,6 +49,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from . import _api
+from . import reference as _ref
 from ._blocks import BlockAllocator, BlockRow, CacheFullError, stack_rows
 from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
 from ._validate import positive_int as _positive_int, storage_dtype as _dtype
@@ -78,8 +85,9 @@ class PagedKVCache:
         Pages in the pool (per layer; one block id addresses the same page in every layer).
     block_size : int
         Token slots per page (default 16).
-    dtype : ``"float32"``, ``"float16"`` or ``"bfloat16"``
-        Storage dtype of keys and values; attention accumulates in float32.
+    dtype : ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int8"``, ``"float8_e4m3fn"`` or ``"float8_e5m2"``
+        Storage dtype of keys and values; attention accumulates in float32. The last three are
+        quantised: one float32 scale per (token, kv head) row, see :meth:`k_scales`.
     value_dim : int, optional
         Width of the values (default ``head_dim``).
     sliding_window : int, optional
@@ -111,7 +119,8 @@ class PagedKVCache:
         self.num_blocks = _positive_int(num_blocks, "num_blocks")
         self.block_size = _positive_int(block_size, "block_size")
         self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
-        self.dtype = _dtype(dtype)
+        self.dtype = _kv_dtype(dtype)
+        self.quantised = _ref.quantised_dtype(self.dtype) is not None
         self.sliding_window = (None if sliding_window is None
                                else _int_in(sliding_window, "sliding_window", 1, _MAX_TOKENS))
         self.value_from_key = bool(value_from_key)
@@ -121,6 +130,7 @@ class PagedKVCache:
         if self.num_blocks * self.block_size >= 2**31:
             raise ValueError("num_blocks * block_size: the pool must hold fewer than 2**31 slots")
         self._k, self._v = self._pool_arrays()
+        self._k_scales, self._v_scales = self._scale_arrays()
         self._alloc = BlockAllocator(self.num_blocks)
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
@@ -137,6 +147,19 @@ class PagedKVCache:
             raise MemoryError(f"PagedKVCache: cannot allocate {gib:.1f} GiB for the pool") from None
         return k, v
 
+    def _scale_arrays(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The scale pages of a quantised cache, float32 ``(layers, blocks, heads, block_size)``
+        for K and for V (None for V when the values are read from the keys)."""
+        if not self.quantised:
+            return None, None
+        shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size)
+        try:
+            return (np.zeros(shape, np.float32),
+                    None if self.value_from_key else np.zeros(shape, np.float32))
+        except (MemoryError, ValueError, OverflowError):
+            gib = self.num_blocks * self.bytes_per_block / 2**30
+            raise MemoryError(f"PagedKVCache: cannot allocate {gib:.1f} GiB for the pool") from None
+
     # ---- pages ---------------------------------------------------------------------------------
     def k_pages(self, layer: int) -> np.ndarray:
         """Zero-copy view of layer ``layer``'s keys: ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
@@ -148,6 +171,20 @@ class PagedKVCache:
         if self._v is None:
             return self._k[li][..., :self.value_dim]
         return self._v[li]
+
+    def k_scales(self, layer: int) -> np.ndarray | None:
+        """Zero-copy view of layer ``layer``'s key scales, float32 ``(num_blocks, num_kv_heads,
+        block_size)`` (a quantised cache; None for float pages): key row ``(block, head, slot)``
+        reads back as ``k_pages(layer)[block, head, slot] * k_scales(layer)[block, head, slot]``."""
+        li = _index(layer, "layer", self.num_layers)
+        return None if self._k_scales is None else self._k_scales[li]
+
+    def v_scales(self, layer: int) -> np.ndarray | None:
+        """Zero-copy view of layer ``layer``'s value scales, as :meth:`k_scales` (with
+        ``value_from_key`` the values are the keys' first features: the keys' scales)."""
+        li = _index(layer, "layer", self.num_layers)
+        scales = self._k_scales if self._v_scales is None else self._v_scales
+        return None if scales is None else scales[li]
 
     # ---- the allocator's figures, for checks and tests -----------------------------------------
     @property
@@ -264,9 +301,11 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block id across all layers, keys and values."""
+        """Bytes of one block id across all layers, keys and values (and their scales)."""
+        rows = 1 if self.value_from_key else 2  # K rows, and V rows
         width = self.head_dim + (0 if self.value_from_key else self.value_dim)
-        return self.num_layers * self.num_kv_heads * self.block_size * width * self.dtype.itemsize
+        per_slot = width * self.dtype.itemsize + (rows * 4 if self.quantised else 0)
+        return self.num_layers * self.num_kv_heads * self.block_size * per_slot
 
     def _tokens_stored(self) -> int:
         """Filled slots, each physical slot once however many sequences share its block."""
@@ -389,9 +428,9 @@ class PagedKVCache:
         new blocks, then the release of blocks that fell out of the sliding window."""
         if copy:
             old, new = s.row.last, int(self._alloc.allocate(1)[0])
-            self._k[:, new] = self._k[:, old]
-            if self._v is not None:
-                self._v[:, new] = self._v[:, old]
+            for pool in (self._k, self._v, self._k_scales, self._v_scales):
+                if pool is not None:
+                    pool[:, new] = pool[:, old]
             self._alloc.decref(np.array([old]))  # held elsewhere too: it stays held
             s.row.set_last(new)
         if grow:
@@ -454,7 +493,8 @@ class Step:
         layer : int
         q : ndarray ``(T, Hq, head_dim)``, the new queries packed in sequence order
         k : ndarray ``(T, num_kv_heads, head_dim)``; v : ``(T, num_kv_heads, value_dim)``
-            Converted to the cache's dtype as they are stored. ``v`` must be None when the cache
+            Converted to the cache's dtype as they are stored (quantised, each row with its
+            scale, in a quantised cache). ``v`` must be None when the cache
             has ``value_from_key`` (the values are read from the keys).
         window, softcap, sinks, alibi_slopes
             As in :func:`attnx.attention`. A cache with ``sliding_window=W`` uses
@@ -483,4 +523,18 @@ class Step:
             values_from_keys=cache.value_from_key,
             max_left=None if cache.sliding_window is None else cache.sliding_window - 1,
             scale=scale, num_threads=num_threads, return_lse=return_lse, window=window,
-            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+            k_scales=cache.k_scales(layer), v_scales=cache.v_scales(layer))
+
+
+def _kv_dtype(dtype: Any) -> np.dtype[Any]:
+    """The cache's storage dtype: a float one (:func:`attnx._validate.storage_dtype`) or a
+    quantised one (:data:`attnx.reference.QUANTISED_DTYPES`)."""
+    quantised = _ref.quantised_dtype(dtype)
+    if quantised is not None:
+        return quantised
+    try:
+        return _dtype(dtype)
+    except TypeError:
+        raise TypeError("dtype: expected 'float32', 'float16', 'bfloat16', 'int8', 'float8_e4m3fn' "
+                        f"or 'float8_e5m2', got {dtype!r}") from None
