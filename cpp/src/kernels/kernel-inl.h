@@ -67,25 +67,27 @@ static inline void kv_scales(const kern::KVSource& s, int64_t j0, int64_t n, flo
   });
 }
 
-// n 1-byte codes to fp32 (the scale is applied by the caller). fp8 goes through float16 lanes:
-// e5m2 is a float16's top byte; e4m3fn is a scaled float16 (convert.h) and its NaN code is fixed
-// up after the vector pass.
-static void load_codes(const void* src, DType dtype, int64_t n, float* dst) {
+// n 1-byte codes times `scale` to fp32, in one pass: code * scale, one float32 product (what
+// attnx.reference.dequantize_kv computes). int8 is a plain loop that the compiler vectorises
+// (sign-extend, convert, multiply). fp8 goes through float16 lanes: e5m2 is a float16's top byte;
+// e4m3fn is a float16 scaled by 2^-8 (convert.h), so it is multiplied by 256 * scale (exact: a
+// power of two) and its NaN code is fixed up after the vector pass.
+static void load_codes(const void* src, DType dtype, int64_t n, float scale, float* dst) {
   const uint8_t* c = static_cast<const uint8_t*>(src);
   if (dtype == DType::i8) {
     const int8_t* s8 = static_cast<const int8_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = float(s8[i]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = float(s8[i]) * scale;
     return;
   }
   const bool e4 = dtype == DType::e4m3;
-  const V mult = set1(e4 ? 256.f : 1.f);
+  const float mult = e4 ? 256.f * scale : scale;
   int64_t i = 0;
   for (; i + W <= n; i += W) {
     uint16_t h[W];
     for (int k = 0; k < W; ++k) h[k] = e4 ? cvt::e4m3_as_f16(c[i + k]) : uint16_t(uint16_t(c[i + k]) << 8);
-    store(dst + i, mul(load_f16(h), mult));
+    store(dst + i, mul(load_f16(h), set1(mult)));
   }
-  for (; i < n; ++i) dst[i] = e4 ? cvt::e4m3_to_f32(c[i]) : cvt::e5m2_to_f32(c[i]);
+  for (; i < n; ++i) dst[i] = (e4 ? cvt::f16_to_f32(cvt::e4m3_as_f16(c[i])) : cvt::e5m2_to_f32(c[i])) * mult;
   if (e4)
     for (int64_t k = 0; k < n; ++k)
       if ((c[k] & 0x7fu) == 0x7fu) dst[k] = std::numeric_limits<float>::quiet_NaN();
@@ -97,8 +99,8 @@ static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
     std::memcpy(dst, src, size_t(n) * sizeof(float));
     return;
   }
-  if (quantised(dtype)) {
-    load_codes(src, dtype, n, dst);
+  if (quantised(dtype)) {  // the codes alone (scale 1): the tile loads apply each row's scale
+    load_codes(src, dtype, n, 1.f, dst);
     return;
   }
   const uint16_t* h = static_cast<const uint16_t*>(src);
@@ -139,10 +141,11 @@ static void convert_rows(const kern::KVSource& s, int64_t j0, int64_t n, const c
   if (s.scale != nullptr) kv_scales(s, j0, n, scl);
   for (int64_t t = 0; t < n; ++t) {
     float* dst = buf + t * Dp;
-    load_row_padded(addr[t], s.dtype, D, Dp, dst);
     if (s.scale != nullptr) {
-      const V f = set1(scl[t]);
-      for (int64_t d = 0; d < Dp; d += W) store(dst + d, mul(load(dst + d), f));
+      load_codes(addr[t], s.dtype, D, scl[t], dst);
+      for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
+    } else {
+      load_row_padded(addr[t], s.dtype, D, Dp, dst);
     }
     rows[t] = dst;
   }
