@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 ROWS = ["prefill", "gqa_causal", "encoder", "decode_f32", "decode_fp16", "decode_bf16",
-        "decode_long", "small", "threads", "memory"]
+        "decode_int8", "decode_fp8", "decode_long", "decode_long_fp16", "decode_long_int8",
+        "decode_long_fp8", "small", "threads", "memory"]
 ROW_KEYS = {"key", "case", "shape", "kind", "target", "attnx_s", "numpy_s", "torch_s", "rate",
             "rate_unit", "pct_of_limit", "vs_numpy", "vs_torch", "met", "met_text", "samples"}
 
@@ -65,6 +66,9 @@ def test_bench_quick_writes_valid_json(tmp_path):
             assert rows[key]["vs_torch"] > 0
     assert rows["memory"]["extra"]["rss_growth_bytes"] >= 0
     assert "tokens_per_s_vs_fp32" in rows["decode_fp16"]["extra"]
+    for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):  # issue 13
+        assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(rows[key]["extra"]), key
+        assert "fp16 tokens/s" in rows[key]["target"] and rows[key]["vs_numpy"] > 0, key
     # the table is printed
     assert "| case | shape |" in res.stdout and "targets missed:" in res.stdout
     if plot:

@@ -57,17 +57,19 @@ static inline uint16_t f32_to_f16(float f) {
 
 // ---- fp8 (ml_dtypes float8_e4m3fn: bias 7, 3 mantissa bits, no inf, NaN = S.1111.111;
 // float8_e5m2: bias 15, 2 mantissa bits, IEEE-like: the top byte of a float16) ------------------
-static inline float e5m2_to_f32(uint8_t b) { return f16_to_f32(uint16_t(uint16_t(b) << 8)); }
+static inline float e5m2_to_f32(uint8_t b);
 
 // An e4m3fn code with its 7 magnitude bits moved to float16's exponent and mantissa fields is
 // the same number scaled by 2^(7 - 15) (subnormals included): decode through float16, times 256.
+// Its NaN code (magnitude 0x7f) becomes a float16 NaN (0x7e00 or-ed in). The vector loads
+// (vec_*.h, load_fp8) do the same, lane by lane.
 static inline uint16_t e4m3_as_f16(uint8_t b) {
-  return uint16_t(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+  const uint32_t mag = b & 0x7fu;
+  return uint16_t(((b & 0x80u) << 8) | (mag << 7) | (mag == 0x7fu ? 0x7e00u : 0u));
 }
-static inline float e4m3_to_f32(uint8_t b) {
-  if ((b & 0x7fu) == 0x7fu) return std::numeric_limits<float>::quiet_NaN();
-  return f16_to_f32(e4m3_as_f16(b)) * 256.f;
-}
+static inline float e4m3_to_f32(uint8_t b) { return f16_to_f32(e4m3_as_f16(b)) * 256.f; }
+static inline uint16_t e5m2_as_f16(uint8_t b) { return uint16_t(uint16_t(b) << 8); }
+static inline float e5m2_to_f32(uint8_t b) { return f16_to_f32(e5m2_as_f16(b)); }
 
 // x (finite, |x| <= the format's largest finite value) to the fp8 code with `mbits` mantissa bits
 // and exponent bias `bias`, rounded to nearest even (the quantised cache clips before this).

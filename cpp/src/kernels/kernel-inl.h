@@ -68,29 +68,24 @@ static inline void kv_scales(const kern::KVSource& s, int64_t j0, int64_t n, flo
 }
 
 // n 1-byte codes times `scale` to fp32, in one pass: code * scale, one float32 product (what
-// attnx.reference.dequantize_kv computes). int8 is a plain loop that the compiler vectorises
-// (sign-extend, convert, multiply). fp8 goes through float16 lanes: e5m2 is a float16's top byte;
-// e4m3fn is a float16 scaled by 2^-8 (convert.h), so it is multiplied by 256 * scale (exact: a
-// power of two) and its NaN code is fixed up after the vector pass.
+// attnx.reference.dequantize_kv computes). fp8 goes through float16 lanes (vec_*.h load_fp8):
+// e4m3fn's float16 view is its value / 256, so it is multiplied by 256 * scale (exact: a power
+// of two).
 static void load_codes(const void* src, DType dtype, int64_t n, float scale, float* dst) {
-  const uint8_t* c = static_cast<const uint8_t*>(src);
+  int64_t i = 0;
   if (dtype == DType::i8) {
-    const int8_t* s8 = static_cast<const int8_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = float(s8[i]) * scale;
+    const int8_t* c = static_cast<const int8_t*>(src);
+    const V f = set1(scale);
+    for (; i + W <= n; i += W) store(dst + i, mul(load_i8(c + i), f));
+    for (; i < n; ++i) dst[i] = float(c[i]) * scale;
     return;
   }
+  const uint8_t* c = static_cast<const uint8_t*>(src);
   const bool e4 = dtype == DType::e4m3;
   const float mult = e4 ? 256.f * scale : scale;
-  int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    uint16_t h[W];
-    for (int k = 0; k < W; ++k) h[k] = e4 ? cvt::e4m3_as_f16(c[i + k]) : uint16_t(uint16_t(c[i + k]) << 8);
-    store(dst + i, mul(load_f16(h), set1(mult)));
-  }
-  for (; i < n; ++i) dst[i] = (e4 ? cvt::f16_to_f32(cvt::e4m3_as_f16(c[i])) : cvt::e5m2_to_f32(c[i])) * mult;
-  if (e4)
-    for (int64_t k = 0; k < n; ++k)
-      if ((c[k] & 0x7fu) == 0x7fu) dst[k] = std::numeric_limits<float>::quiet_NaN();
+  const V f = set1(mult);
+  for (; i + W <= n; i += W) store(dst + i, mul(load_fp8(c + i, e4), f));
+  for (; i < n; ++i) dst[i] = cvt::f16_to_f32(e4 ? cvt::e4m3_as_f16(c[i]) : cvt::e5m2_as_f16(c[i])) * mult;
 }
 
 static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
