@@ -190,3 +190,47 @@ def test_cli(smollm2, loaded, monkeypatch, capsys):
     lines = out.splitlines()
     assert len(lines) == 4 and all(len(line.split()) <= 4 for line in lines)
     assert "tok/s" in err and "KV memory" in err
+
+
+# --------------------------------------------------------------------------------------------
+# Quantised KV (issue 13)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_quantised_kv_greedy_tokens_match_float32(smollm2, model, tokenizer, prompt_ids, kv_dtype):
+    """An int8 / fp8 cache (codes plus one scale per token and head, quantised in the step) gives
+    the first 16 greedy tokens of a float32 cache on the test prompts."""
+    f32 = _generate(smollm2, model, prompt_ids, stop=tokenizer.stop_ids)
+    quant = _generate(smollm2, model, prompt_ids, stop=tokenizer.stop_ids, kv_dtype=kv_dtype)
+    assert quant.tokens == f32.tokens
+
+
+def test_quantised_kv_error_on_real_keys_and_values(smollm2, model, prompt_ids):
+    """The attention error of quantised K/V on SmolLM2's real keys and values (every layer of a
+    prefilled prompt, its last token attending to all of them), relative to the float32 output's
+    largest magnitude: printed for the README, and bounded."""
+    from attnx import reference
+
+    engine = _engine(smollm2, model, prompt_ids[:1])
+    cache = engine.cache
+    s = cache.new_sequence()
+    step = cache.begin_step([s], [len(prompt_ids[0])])
+    tokens = np.asarray(prompt_ids[0])
+    model.forward(tokens, step.positions, step.attend, np.arange(len(tokens)))
+    n, table, bs = cache.length(s), cache.block_table(s), cache.block_size
+    rng = np.random.default_rng(0)
+    errs = {}
+    for kv_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
+        worst = 0.0
+        for layer in range(cache.num_layers):
+            K = cache.k_pages(layer)[table].transpose(0, 2, 1, 3).reshape(-1, 3, 64)[:n]
+            V = cache.v_pages(layer)[table].transpose(0, 2, 1, 3).reshape(-1, 3, 64)[:n]
+            q = rng.standard_normal((1, 9, 64)).astype(np.float32) * np.abs(K).mean() * 8
+            exact = reference.attention(q, K, V, layout="bshd")
+            deq = [reference.dequantize_kv(*reference.quantize_kv(x, kv_dtype)) for x in (K, V)]
+            approx = reference.attention(q, *deq, layout="bshd")
+            worst = max(worst, float(np.abs(approx - exact).max() / np.abs(exact).max()))
+        errs[kv_dtype] = worst
+    print("SmolLM2 K/V, worst layer, max |quantised - float32| / max |float32|:", errs)
+    assert errs["int8"] < 0.05 and errs["float8_e4m3fn"] < 0.2 and errs["float8_e5m2"] < 0.4

@@ -58,8 +58,12 @@ static inline void kv_rows(const kern::KVSource& s, int64_t j0, int64_t n, const
   });
 }
 
-// The scales of rows j0 .. j0+n-1 of a quantised source.
+// The scales of rows j0 .. j0+n-1 of a quantised source (1 without a scale pointer).
 static inline void kv_scales(const kern::KVSource& s, int64_t j0, int64_t n, float* out) {
+  if (s.scale == nullptr) {
+    for (int64_t t = 0; t < n; ++t) out[t] = 1.f;
+    return;
+  }
   const int64_t rs = s.scale_row_stride;
   each_run(s, j0, n, [&](int64_t t, int64_t page, int64_t off, int64_t run) {
     const float* p = s.scale + (page < 0 ? 0 : page * s.scale_block_stride) + off * rs;
@@ -226,13 +230,45 @@ template <> inline V ld<F16>(const float* row, int64_t d) {
 template <> inline V ld<BF16>(const float* row, int64_t d) {
   return load_bf16(reinterpret_cast<const uint16_t*>(row) + d);
 }
+// Quantised rows read in place give their codes (e4m3: code / 256, see load_fp8); the row's scale
+// is applied to the scores (K) or the probabilities (V) instead: scale_keys below.
+struct I8 {};
+struct E4M3 {};
+struct E5M2 {};
+template <> inline V ld<I8>(const float* row, int64_t d) {
+  return load_i8(reinterpret_cast<const int8_t*>(row) + d);
+}
+template <> inline V ld<E4M3>(const float* row, int64_t d) {
+  return load_fp8(reinterpret_cast<const uint8_t*>(row) + d, true);
+}
+template <> inline V ld<E5M2>(const float* row, int64_t d) {
+  return load_fp8(reinterpret_cast<const uint8_t*>(row) + d, false);
+}
 
 // Calls f(tag) with the tag type of `dtype`.
 template <class Fn>
 static inline void with_type(DType dtype, Fn&& f) {
-  if (dtype == DType::f16) f(F16{});
-  else if (dtype == DType::bf16) f(BF16{});
-  else f(F32{});
+  switch (dtype) {
+    case DType::f16: f(F16{}); break;
+    case DType::bf16: f(BF16{}); break;
+    case DType::i8: f(I8{}); break;
+    case DType::e4m3: f(E4M3{}); break;
+    case DType::e5m2: f(E5M2{}); break;
+    default: f(F32{}); break;
+  }
+}
+
+// Keys [j0, j0 + n) of a quantised source read in place: multiplies column j of the M rows of
+// `s` (scores, or probabilities before P V) by key j's scale (times 256 for e4m3's code / 256).
+// q . (code * scale) = (q . code) * scale and p (code * scale) = (p scale) code, so this is
+// attention over the dequantised rows up to float32 rounding.
+static void scale_keys(int M, float* s, const kern::KVSource& src, int64_t j0, int64_t n) {
+  float f[kTileK];
+  kv_scales(src, j0, n, f);
+  if (src.dtype == DType::e4m3)
+    for (int64_t j = 0; j < n; ++j) f[j] *= 256.f;
+  for (int r = 0; r < M; ++r)
+    for (int64_t j = 0; j < n; ++j) s[r * kTileK + j] *= f[j];
 }
 
 // ---- QK^T, dot form for few rows: K rows read in place ---------------------------------------
@@ -485,9 +521,10 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   const bool packed = M > kDotRows;
   // Rows whose width is a whole number of register blocks are read in place (fp16/bf16 widened
   // in registers); the packed (prefill) QK path needs fp32 rows to transpose.
-  // Quantised rows are always converted (with their scales) into the tile buffers.
-  const bool k_inplace = !quantised(ks.dtype) && (packed ? ks.dtype == DType::f32 && Dk % 8 == 0 : Dk % W == 0);
-  const bool v_inplace = !quantised(vs.dtype) && Dv % (NR * W) == 0;
+  // Quantised rows too (their scales applied to the scores and probabilities: scale_keys); the
+  // packed path and ragged widths convert them, with their scales, into the tile buffers.
+  const bool k_inplace = packed ? ks.dtype == DType::f32 && Dk % 8 == 0 : Dk % W == 0;
+  const bool v_inplace = Dv % (NR * W) == 0;
   const DType kdt = k_inplace ? ks.dtype : DType::f32, vdt = v_inplace ? vs.dtype : DType::f32;
   const int64_t vw = v_inplace ? Dv : Dvp;  // value features the PV kernel walks
 
@@ -539,6 +576,7 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
         qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
                             Dk * elem_bytes(ks.dtype));
       });
+      if (k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
     }
     // softmax rows
     bool partial = bias != nullptr;
@@ -566,11 +604,8 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
     // non-finite values; if there are any, each row adds only the keys it sees.
     if (partial) {
       const float* const* fv = vrow;
-      if (vdt != DType::f32) {  // the check and its slow path read fp32 rows
-        for (int64_t t = 0; t < n; ++t) {
-          load_row_padded(vaddr[t], vs.dtype, Dv, Dvp, sc.vf + t * Dvp);
-          sc.krow[t] = sc.vf + t * Dvp;  // K's pointers are no longer needed in this tile
-        }
+      if (vdt != DType::f32) {  // the check and its slow path read fp32 rows (with their scales)
+        convert_rows(vs, j0, n, vaddr, Dv, Dvp, sc.vf, sc.krow);  // K's pointers are done with
         fv = sc.krow;
       }
       if (!values_finite(fv, n, vw)) {
@@ -578,6 +613,7 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
         return;
       }
     }
+    if (v_inplace && quantised(vs.dtype)) scale_keys(M, sc.s, vs, j0, n);
     with_type(vdt, [&](auto t) {
       pv<decltype(t)>(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * elem_bytes(vs.dtype));
     });
