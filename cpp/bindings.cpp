@@ -61,15 +61,38 @@ int bfloat16_num() {
   return num;
 }
 
-// Kind and size decide (dtype.name is computed in Python by NumPy: too slow for a 5 us call).
+// ---- dtypes, byte order and strides ----------------------------------------------------------
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+constexpr char kNativeOrder = '>';
+#else
+constexpr char kNativeOrder = '<';
+#endif
+
+// Kind, size and byte order decide (dtype.name is computed in Python by NumPy: too slow for a
+// 5 us call). A byte-swapped array would be read as garbage, so every dtype check asks for the
+// native order: inputs are converted to it first (native_input), what is written in place (pages,
+// `out`) is refused.
+bool native_order(const py::dtype& dt) {
+  const char b = dt.byteorder();
+  return b == '=' || b == '|' || b == kNativeOrder;
+}
+
+std::string dtype_str(const py::array& a) { return std::string(py::str(a.dtype())); }
+
+void check_native(const py::array& a, const char* name) {
+  if (!native_order(a.dtype()))
+    type_error(std::string(name) + ": expected native byte order, got dtype " + dtype_str(a) +
+               " (convert with a.astype(a.dtype.newbyteorder('=')))");
+}
+
 DType dtype_of(const py::array& a, const char* name) {
   const py::dtype dt = a.dtype();
+  check_native(a, name);
   if (dt.kind() == 'f' && dt.itemsize() == 4) return DType::f32;
   if (dt.kind() == 'f' && dt.itemsize() == 2) return DType::f16;
   if (dt.itemsize() == 2 && dt.num() == bfloat16_num()) return DType::bf16;
-  const std::string got = py::str(dt);
   const char k = dt.kind();
-  type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " + got +
+  type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " + dtype_str(a) +
              (k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
 }
 
@@ -82,22 +105,47 @@ DType page_dtype_of(const py::array& a, const char* name) {
   if (dt.num() == e4m3) return DType::e4m3;
   if (dt.num() == e5m2) return DType::e5m2;
   type_error(std::string(name) + ": expected dtype float32, float16, bfloat16, int8, float8_e4m3fn or "
-             "float8_e5m2, got " + std::string(py::str(dt)));
+             "float8_e5m2, got " + dtype_str(a));
 }
 
-// Element strides of `a` (which must have `ndim` dims and a unit-stride last axis).
-std::vector<int64_t> elem_strides(const py::array& a, const char* name) {
-  std::vector<int64_t> s(std::size_t(a.ndim()));
-  if (a.size() == 0) return s;  // nothing is read or written: NumPy's strides may be anything
-  const int64_t es = int64_t(a.itemsize());
+// A read-only array argument in native byte order (a byte-swapped one is converted: one copy).
+py::array native_input(py::handle obj, const char* name) {
+  py::array a = py::array::ensure(obj);
+  if (!a) type_error(std::string(name) + ": expected a numpy array");
+  if (native_order(a.dtype())) return a;
+  return py::array::ensure(a.attr("astype")(a.dtype().attr("newbyteorder")("=")));
+}
+
+// NumPy's ALIGNED flag: asked of every array that pybind11 converts here, so that a misaligned
+// integer array is copied rather than read through a misaligned pointer. The conversion also
+// brings any byte order to the native one.
+constexpr int kAligned = py::detail::npy_api::NPY_ARRAY_ALIGNED_;
+template <typename T>
+using Native = py::array_t<T, py::array::c_style | py::array::forcecast | kAligned>;
+
+// Why the kernels cannot address `a` through element strides, or nullptr if they can. Axes of
+// extent 1 are never stepped, so their strides (NumPy may report anything there) do not count.
+const char* stride_problem(const py::array& a, bool unit_last) {
+  if (a.size() == 0) return nullptr;  // nothing is read or written
+  const auto es = a.itemsize();
   if (reinterpret_cast<std::uintptr_t>(a.data()) % std::uintptr_t(es) != 0)
-    value_error(std::string(name) + ": the array is not aligned to its item size (use np.ascontiguousarray)");
-  for (py::ssize_t i = 0; i < a.ndim(); ++i) {
-    if (a.strides(i) % es != 0) value_error(std::string(name) + ": strides must be multiples of the item size");
-    s[std::size_t(i)] = a.strides(i) / es;
-  }
-  if (a.ndim() > 0 && a.shape(a.ndim() - 1) > 1 && s.back() != 1)
-    value_error(std::string(name) + ": the last axis must be contiguous (use np.ascontiguousarray)");
+    return "the array is not aligned to its item size (copy it with np.array(a))";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i)
+    if (a.shape(i) > 1 && a.strides(i) % es != 0)
+      return "byte strides must be multiples of the item size (a field of a structured array? "
+             "copy it with np.array(a))";
+  if (unit_last && a.ndim() > 0 && a.shape(a.ndim() - 1) > 1 && a.strides(a.ndim() - 1) != es)
+    return "the last axis must be contiguous (use np.ascontiguousarray)";
+  return nullptr;
+}
+
+// Element strides of `a` (0 on axes of extent 1); refuses what element strides cannot express.
+std::vector<int64_t> elem_strides(const py::array& a, const char* name, bool unit_last = true) {
+  if (const char* why = stride_problem(a, unit_last)) value_error(std::string(name) + ": " + why);
+  std::vector<int64_t> s(std::size_t(a.ndim()), 0);
+  if (a.size() == 0) return s;
+  for (py::ssize_t i = 0; i < a.ndim(); ++i)
+    if (a.shape(i) > 1) s[std::size_t(i)] = a.strides(i) / a.itemsize();
   return s;
 }
 
@@ -111,121 +159,322 @@ void check_shape(const py::array& a, const char* name, std::initializer_list<std
   if (!ok) value_error(std::string(name) + ": expected shape " + dims_str(dims) + ", got " + shape_str(a));
 }
 
+[[noreturn]] void out_of_range(const char* name, int64_t i, const std::string& value, int64_t hi,
+                               const char* hi_name) {
+  value_error(std::string(name) + "[" + std::to_string(i) + "] = " + value + " is out of range [0, " +
+              std::to_string(hi) + "] (" + hi_name + ")");
+}
+
 // An optional (n,) integer array as int32, every value in [0, hi].
-py::array_t<int32_t> int_vector(const py::object& obj, const char* name, int64_t n, int64_t hi,
+py::array_t<int32_t> int_vector(py::handle obj, const char* name, int64_t n, int64_t hi,
                                 const char* hi_name) {
   py::array a = py::array::ensure(obj);
   if (!a) type_error(std::string(name) + ": expected an integer array");
   const char kind = a.dtype().kind();
-  if (kind != 'i' && kind != 'u') type_error(std::string(name) + ": expected an integer array, got dtype " + std::string(py::str(a.dtype())));
+  if (kind != 'i' && kind != 'u') type_error(std::string(name) + ": expected an integer array, got dtype " + dtype_str(a));
   if (a.ndim() != 1 || a.shape(0) != n)
     value_error(std::string(name) + ": expected shape (" + std::to_string(n) + ",), got " + shape_str(a));
   // Lengths are int32 in the kernels: anything larger is refused, never narrowed.
   hi = std::min<int64_t>(hi, std::numeric_limits<int32_t>::max());
   if (kind == 'i' && a.itemsize() == 4) {  // already int32: checked and used as it is (no copy
-    py::array_t<int32_t, py::array::c_style | py::array::forcecast> r(a);  // unless strided)
+    Native<int32_t> r(a);                   // unless strided, misaligned or byte-swapped)
     for (int64_t i = 0; i < n; ++i)
-      if (r.data()[i] < 0 || r.data()[i] > hi)
-        value_error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(r.data()[i]) +
-                    " is out of range [0, " + std::to_string(hi) + "] (" + hi_name + ")");
+      if (r.data()[i] < 0 || r.data()[i] > hi) out_of_range(name, i, std::to_string(r.data()[i]), hi, hi_name);
     return r;
   }
   if (kind == 'u') {
-    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> u(a);
+    Native<uint64_t> u(a);
     for (int64_t i = 0; i < n; ++i)
-      if (u.data()[i] > uint64_t(hi))
-        value_error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(u.data()[i]) +
-                    " is out of range [0, " + std::to_string(hi) + "] (" + hi_name + ")");
+      if (u.data()[i] > uint64_t(hi)) out_of_range(name, i, std::to_string(u.data()[i]), hi, hi_name);
   }
-  py::array_t<int64_t, py::array::c_style | py::array::forcecast> w(a);
+  Native<int64_t> w(a);
   const int64_t* p = w.data();
   py::array_t<int32_t> r(n);
   for (int64_t i = 0; i < n; ++i) {
-    if (p[i] < 0 || p[i] > hi)
-      value_error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(p[i]) +
-                  " is out of range [0, " + std::to_string(hi) + "] (" + hi_name + ")");
+    if (p[i] < 0 || p[i] > hi) out_of_range(name, i, std::to_string(p[i]), hi, hi_name);
     r.mutable_data()[i] = int32_t(p[i]);
   }
   return r;
 }
 
-// An optional (n,) float32 vector of per-head parameters.
-py::array_t<float> head_vector(const py::object& obj, const char* name, int64_t n) {
+// ---- scalars ---------------------------------------------------------------------------------
+// The kernels hold scale and softcap in float32 (and use 1/softcap): outside float32's normal
+// range a value would become inf or 0, or its reciprocal overflow, and change the result without
+// a word. Refused there, with the range.
+constexpr double kFloatMin = double(std::numeric_limits<float>::min());  // smallest normal
+constexpr double kFloatMax = double(std::numeric_limits<float>::max());
+
+std::string num_str(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+
+float positive_float(double x, const char* name) {
+  if (!(x >= kFloatMin && x <= kFloatMax))
+    value_error(std::string(name) + ": expected a finite positive number within float32's normal range [" +
+                num_str(kFloatMin) + ", " + num_str(kFloatMax) + "], got " + num_str(x));
+  return float(x);
+}
+
+double real_arg(py::handle h, const char* name) {
+  const double x = PyFloat_AsDouble(h.ptr());
+  if (x == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    type_error(std::string(name) + ": expected a real number, got " + std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+  }
+  return x;
+}
+
+// None: the default 1/sqrt(Dk).
+float scale_arg(py::handle h, int64_t Dk) {
+  if (h.is_none()) {
+    if (Dk == 0) value_error("scale: the default 1/sqrt(Dk) needs Dk > 0");
+    return float(1.0 / std::sqrt(double(Dk)));
+  }
+  return positive_float(real_arg(h, "scale"), "scale");
+}
+
+int64_t int_arg(py::handle h, const char* name, int64_t dflt) {
+  if (h.is_none()) return dflt;
+  if (PyBool_Check(h.ptr())) type_error(std::string(name) + ": expected an int, got a bool");
+  py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(h.ptr()));
+  if (!i) {
+    PyErr_Clear();
+    type_error(std::string(name) + ": expected an int, got " + std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow) value_error(std::string(name) + ": " + std::string(py::str(h)) + " is out of range");
+  return int64_t(v);
+}
+
+// An optional (n,) vector of per-head float parameters, as float32: finite and within float32's
+// range (a float64 1e39 would become inf).
+py::array_t<float> head_vector(py::handle obj, const char* name, int64_t n) {
   py::array a = py::array::ensure(obj);
   const char kind = a ? a.dtype().kind() : 'O';
   if (!a || (kind != 'f' && kind != 'i' && kind != 'u' && a.dtype().num() != bfloat16_num()))
     type_error(std::string(name) + ": expected a real array of shape (" + std::to_string(n) + ",)");
   if (a.ndim() != 1 || a.shape(0) != n)
     value_error(std::string(name) + ": expected shape (Hq=" + std::to_string(n) + ",), got " + shape_str(a));
-  py::array_t<float, py::array::c_style | py::array::forcecast> f(py::module_::import("numpy").attr("asarray")(a, "float32"));
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(f.data()[i])) value_error(std::string(name) + ": values must be finite");
+  Native<double> d(py::module_::import("numpy").attr("asarray")(a, "float64"));
+  py::array_t<float> f(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = d.data()[i];
+    if (!(std::fabs(x) <= kFloatMax))
+      value_error(std::string(name) + ": values must be finite and within float32's range, got " +
+                  num_str(x) + " at [" + std::to_string(i) + "]");
+    f.mutable_data()[i] = float(x);
+  }
   return f;
 }
 
-float check_scale(double scale) {
-  if (!std::isfinite(scale) || scale <= 0)
-    value_error("scale: expected a finite positive number, got " + std::to_string(scale));
-  return float(scale);
-}
-
-Variants variants(const py::object& window, const py::object& softcap) {
+Variants variants(py::handle window, py::handle softcap) {
   Variants v;
   if (!window.is_none()) {
-    auto t = window.cast<py::tuple>();
+    if (!py::isinstance<py::tuple>(window) && !py::isinstance<py::list>(window))
+      value_error("window: expected (left, right)");
+    auto t = py::reinterpret_borrow<py::sequence>(window);
     if (t.size() != 2) value_error("window: expected (left, right)");
     int64_t side[2];
     for (int i = 0; i < 2; ++i) {
-      if (t[i].is_none()) {
+      const py::object s = t[i];
+      if (s.is_none()) {
         side[i] = -1;
         continue;
       }
-      if (!py::isinstance<py::int_>(t[i]) || py::isinstance<py::bool_>(t[i]))
+      if (!py::isinstance<py::int_>(s) || py::isinstance<py::bool_>(s))
         type_error("window: sides must be ints or None");
       // A side wider than any sequence is no bound at all: it must not overflow int64 positions.
       const py::int_ huge(int64_t(1) << 40), zero(0);
-      if (PyObject_RichCompareBool(t[i].ptr(), zero.ptr(), Py_LT) == 1)
-        value_error("window: sides must be >= 0 or None, got " + std::string(py::str(t[i])));
-      side[i] = PyObject_RichCompareBool(t[i].ptr(), huge.ptr(), Py_GE) == 1 ? -1 : t[i].cast<int64_t>();
+      if (PyObject_RichCompareBool(s.ptr(), zero.ptr(), Py_LT) == 1)
+        value_error("window: sides must be >= 0 or None, got " + std::string(py::str(s)));
+      side[i] = PyObject_RichCompareBool(s.ptr(), huge.ptr(), Py_GE) == 1 ? -1 : s.cast<int64_t>();
     }
     v.window_left = side[0];
     v.window_right = side[1];
   }
-  if (!softcap.is_none()) {
-    const double c = softcap.cast<double>();
-    if (!std::isfinite(c) || c <= 0) value_error("softcap: expected a finite positive number, got " + std::to_string(c));
-    v.softcap = float(c);
-  }
+  if (!softcap.is_none()) v.softcap = positive_float(real_arg(softcap, "softcap"), "softcap");
   return v;
 }
 
-py::array check_out(const py::object& out, const char* what, DType dt, std::initializer_list<std::pair<const char*, int64_t>> dims) {
-  py::array o = py::array::ensure(out);
-  if (!o) type_error("out: expected a numpy array");
-  if (dtype_of(o, "out") != dt) type_error(std::string("out: expected dtype ") + dtype_name(dt) + " (the dtype of " + what + "), got " + std::string(py::str(o.dtype())));
-  check_shape(o, "out", dims);
-  if (!o.writeable()) value_error("out: array is not writable");
-  return o;
+int threads_arg(int64_t n) {
+  if (n < 0 || n > std::numeric_limits<int>::max()) value_error("num_threads: expected a positive int or None");
+  return int(n);
 }
 
-int threads_arg(int n) {
-  if (n < 0) value_error("num_threads: expected a positive int or None");
-  return n;
+// ---- out -------------------------------------------------------------------------------------
+// The bytes [first, last] that `a` spans: np.may_share_memory's rule (no overlap for an empty array).
+bool may_share_memory(const py::array& a, const py::array& b) {
+  if (a.size() == 0 || b.size() == 0) return false;
+  auto span = [](const py::array& x) {
+    auto lo = reinterpret_cast<std::intptr_t>(x.data()), hi = lo;
+    for (py::ssize_t i = 0; i < x.ndim(); ++i) {
+      const std::intptr_t step = std::intptr_t(x.shape(i) - 1) * std::intptr_t(x.strides(i));
+      (step < 0 ? lo : hi) += step;
+    }
+    return std::make_pair(lo, hi + std::intptr_t(x.itemsize()) - 1);
+  };
+  const auto sa = span(a), sb = span(b);
+  return sa.first <= sb.second && sb.first <= sa.second;
+}
+
+// Where the kernel writes a call's result. `out` (checked first: dtype, byte order, shape,
+// writable) is written directly when the kernel can address it and it shares no memory with
+// anything the call reads; otherwise the kernel writes a fresh array that result() copies into
+// `out`, so an `out` aliasing q, the pages or a mask never changes what is read. Every entry
+// point with `out=` goes through here. An `out` that element strides cannot address is copied
+// into the same way where `strided_ok` (dense attention's contract), refused otherwise.
+struct OutTarget {
+  py::object out = py::none();  // the caller's array, or None
+  py::array write;  // what the kernel writes
+  py::object result() const {
+    if (out.is_none()) return write;
+    if (!out.is(write)) {
+      static const py::handle copyto = py::object(py::module_::import("numpy").attr("copyto")).release();  // kept for good
+      copyto(out, write);
+    }
+    return out;
+  }
+};
+
+OutTarget out_target(py::handle out, const char* of, DType dt, const py::dtype& fresh,
+                     std::initializer_list<std::pair<const char*, int64_t>> dims,
+                     std::initializer_list<py::handle> reads, bool strided_ok) {
+  std::vector<py::ssize_t> shape;
+  for (auto& d : dims) shape.push_back(d.second);
+  OutTarget t;
+  if (out.is_none()) {
+    t.write = py::array(fresh, shape);
+    return t;
+  }
+  if (!py::isinstance<py::array>(out)) type_error("out: expected a numpy array");
+  const auto o = py::reinterpret_borrow<py::array>(out);
+  if (dtype_of(o, "out") != dt)
+    type_error(std::string("out: expected dtype ") + dtype_name(dt) + " (the dtype of " + of + "), got " + dtype_str(o));
+  check_shape(o, "out", dims);
+  if (!o.writeable()) value_error("out: array is not writable");
+  if (!strided_ok) elem_strides(o, "out");  // refuses what the kernel cannot address
+  bool direct = stride_problem(o, true) == nullptr;
+  for (py::handle r : reads)
+    if (direct && py::isinstance<py::array>(r)) direct = !may_share_memory(o, py::reinterpret_borrow<py::array>(r));
+  t.out = o;
+  t.write = direct ? o : py::array(fresh, shape);
+  return t;
+}
+
+// ---- calls -----------------------------------------------------------------------------------
+// The entry points are METH_FASTCALL functions that bind their arguments here, by name, as Python
+// does (positional first, then keywords). pybind11's dispatcher looks every declared parameter up
+// by string (about 60 ns each: a quarter of a small call with fifteen of them); a caller's keyword
+// names are interned, so they match here by pointer. Bad values get errors that name them.
+struct Signature {
+  const char* function;
+  std::vector<const char*> params;  // in positional order
+  std::size_t required;             // the first `required` must be given
+  std::vector<py::object> names;    // interned, on first use (with the GIL held)
+};
+
+class Args {
+ public:
+  Args(Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames)
+      : sig_(sig), vals_(sig.params.size(), nullptr) {
+    if (sig.names.empty())
+      for (const char* p : sig.params) sig.names.push_back(py::reinterpret_steal<py::object>(PyUnicode_InternFromString(p)));
+    if (std::size_t(nargs) > vals_.size())
+      type_error(std::string(sig.function) + "() takes at most " + std::to_string(vals_.size()) + " positional arguments");
+    for (Py_ssize_t i = 0; i < nargs; ++i) vals_[std::size_t(i)] = args[i];
+    const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < nkw; ++i) {
+      const std::size_t j = index(PyTuple_GET_ITEM(kwnames, i));
+      if (vals_[j]) type_error(std::string(sig.function) + "() got multiple values for argument '" + sig.params[j] + "'");
+      vals_[j] = args[nargs + i];
+    }
+    for (std::size_t j = 0; j < sig.required; ++j)
+      if (!vals_[j]) type_error(std::string(sig.function) + "() missing required argument '" + sig.params[j] + "'");
+  }
+  // The argument, None when absent.
+  py::handle operator[](std::size_t j) const { return vals_[j] ? py::handle(vals_[j]) : py::handle(Py_None); }
+  // A bool argument: its truth value, or `dflt` when absent.
+  bool flag(std::size_t j, bool dflt) const {
+    if (!vals_[j]) return dflt;
+    const int t = PyObject_IsTrue(vals_[j]);
+    if (t < 0) {
+      PyErr_Clear();
+      type_error(std::string(sig_.params[j]) + ": expected a bool");
+    }
+    return t == 1;
+  }
+
+ private:
+  std::size_t index(PyObject* key) const {
+    for (std::size_t j = 0; j < sig_.names.size(); ++j)
+      if (key == sig_.names[j].ptr()) return j;
+    for (std::size_t j = 0; j < sig_.names.size(); ++j)
+      if (PyUnicode_Compare(key, sig_.names[j].ptr()) == 0) return j;
+    PyErr_Clear();
+    type_error(std::string(sig_.function) + "() got an unexpected keyword argument '" + std::string(py::str(key)) + "'");
+  }
+  const Signature& sig_;
+  std::vector<PyObject*> vals_;  // borrowed from the call
+};
+
+// C++ errors become Python exceptions as pybind11 would map them (its dispatcher is bypassed).
+PyObject* invalid_argument_type = nullptr;  // attnx._core.InvalidArgument, a ValueError
+
+void set_python_error() {
+  try {
+    throw;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+  } catch (const InvalidArgument& e) {
+    PyErr_SetString(invalid_argument_type ? invalid_argument_type : PyExc_ValueError, e.what());
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "attnx: unknown C++ exception");
+  }
+}
+
+template <py::object (*F)(const Args&), Signature* S>
+PyObject* fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  try {
+    return F(Args(*S, args, nargs, kwnames)).release().ptr();
+  } catch (...) {
+    set_python_error();
+    return nullptr;
+  }
+}
+
+// Runs `f` without the GIL unless the work (multiply-adds) is too small to pay for releasing it.
+template <typename F>
+void run_kernel(double work, F&& f) {
+  if (work < kGilFreeWork) {
+    f();  // a few microseconds: releasing the GIL would cost more than it frees
+  } else {
+    py::gil_scoped_release nogil;
+    f();
+  }
 }
 
 // ---- attention ------------------------------------------------------------------------------
-py::object py_attention(py::array q, py::array k, py::array v, py::object mask, py::object kv_lens,
-                        py::object q_lens, bool causal, double scale, py::object out, bool return_lse,
-                        int num_threads, py::object window, py::object softcap, py::object sinks,
-                        py::object alibi_slopes) {
-  AttentionParams p;
+enum DenseArg { kQ, kK, kV, kMask, kKvLens, kQLens, kCausal, kScale, kOut, kReturnLse, kThreads,
+                kWindow, kSoftcap, kSinks, kAlibi };
+Signature dense_signature{"attention", {"q", "k", "v", "mask", "kv_lens", "q_lens", "causal", "scale", "out",
+                          "return_lse", "num_threads", "window", "softcap", "sinks", "alibi_slopes"}, 3, {}};
+
+void check_dense_qkv(const py::array& q, const py::array& k, const py::array& v, AttentionParams& p) {
   if (q.ndim() != 4) value_error("q: expected 4 dims (B, Hq, Sq, Dk), got " + shape_str(q));
   if (k.ndim() != 4) value_error("k: expected 4 dims (B, Hkv, Sk, Dk), got " + shape_str(k));
   if (v.ndim() != 4) value_error("v: expected 4 dims (B, Hkv, Sk, Dv), got " + shape_str(v));
   p.dtype = dtype_of(q, "q");
   if (dtype_of(k, "k") != p.dtype || dtype_of(v, "v") != p.dtype)
-    type_error(std::string("q, k, v: expected one dtype, got ") + std::string(py::str(q.dtype())) + ", " +
-               std::string(py::str(k.dtype())) + ", " + std::string(py::str(v.dtype())));
+    type_error("q, k, v: expected one dtype, got " + dtype_str(q) + ", " + dtype_str(k) + ", " + dtype_str(v));
   p.B = q.shape(0); p.Hq = q.shape(1); p.Sq = q.shape(2); p.Dk = q.shape(3);
   p.Hkv = k.shape(1); p.Sk = k.shape(2); p.Dv = v.shape(3);
   // Positions and lengths are int32 inside the kernels.
@@ -236,69 +485,78 @@ py::object py_attention(py::array q, py::array k, py::array v, py::object mask, 
   check_shape(v, "v", {{"B", p.B}, {"Hkv", p.Hkv}, {"Sk", p.Sk}, {"Dv", p.Dv}});
   if (p.Hkv == 0 || p.Hq % p.Hkv != 0)
     value_error("k: the number of kv heads (" + std::to_string(p.Hkv) + ") must divide the number of query heads (" + std::to_string(p.Hq) + ")");
-  p.scale = check_scale(scale);
-  p.causal = causal;
-  p.var = variants(window, softcap);
   auto qs = elem_strides(q, "q"), ks = elem_strides(k, "k"), vs = elem_strides(v, "v");
   p.q = {q.data(), qs[0], qs[1], qs[2]};
   p.k = {k.data(), ks[0], ks[1], ks[2]};
   p.v = {v.data(), vs[0], vs[1], vs[2]};
+}
 
-  py::array mask_arr;
-  if (!mask.is_none()) {
-    mask_arr = py::array::ensure(mask);
-    if (mask_arr.ndim() != 4) value_error("mask: expected 4 dims after broadcasting to (B, Hq, Sq, Sk)");
-    const int64_t target[4] = {p.B, p.Hq, p.Sq, p.Sk};
-    int64_t ms[4];
-    const char kind = mask_arr.dtype().kind();
-    if (kind == 'b') p.mask_kind = MaskKind::boolean;
-    else if (kind == 'f' && mask_arr.itemsize() == 4) p.mask_kind = MaskKind::additive;
-    else type_error("mask: expected a boolean or float32 additive mask, got " + std::string(py::str(mask_arr.dtype())));
-    for (int i = 0; i < 4; ++i) {
-      if (mask_arr.shape(i) != target[i] && mask_arr.shape(i) != 1)
-        value_error("mask: shape " + shape_str(mask_arr) + " does not broadcast to " +
-                    dims_str({{"B", p.B}, {"Hq", p.Hq}, {"Sq", p.Sq}, {"Sk", p.Sk}}));
-      ms[i] = mask_arr.shape(i) == 1 ? 0 : mask_arr.strides(i) / mask_arr.itemsize();
-    }
-    p.mask = mask_arr.data();
-    p.m_sb = ms[0]; p.m_sh = ms[1]; p.m_sq = ms[2]; p.m_sk = ms[3];
-  }
+// A boolean or float32 additive mask, 4-D and broadcastable to (B, Hq, Sq, Sk); None if none.
+py::object dense_mask(py::handle mask, AttentionParams& p) {
+  if (mask.is_none()) return py::none();
+  py::array m = py::array::ensure(mask);
+  if (!m) type_error("mask: expected a numpy array");
+  if (m.ndim() != 4) value_error("mask: expected 4 dims after broadcasting to (B, Hq, Sq, Sk)");
+  const char kind = m.dtype().kind();
+  if (kind == 'b') p.mask_kind = MaskKind::boolean;
+  else if (kind == 'f' && m.itemsize() == 4) p.mask_kind = MaskKind::additive;
+  else type_error("mask: expected a boolean or float32 additive mask, got " + dtype_str(m));
+  check_native(m, "mask");
+  const int64_t target[4] = {p.B, p.Hq, p.Sq, p.Sk};
+  for (int i = 0; i < 4; ++i)
+    if (m.shape(i) != target[i] && m.shape(i) != 1)
+      value_error("mask: shape " + shape_str(m) + " does not broadcast to " +
+                  dims_str({{"B", p.B}, {"Hq", p.Hq}, {"Sq", p.Sq}, {"Sk", p.Sk}}));
+  const auto ms = elem_strides(m, "mask", false);  // broadcast axes (extent 1) get stride 0
+  p.mask = m.data();
+  p.m_sb = ms[0]; p.m_sh = ms[1]; p.m_sq = ms[2]; p.m_sk = ms[3];
+  return m;
+}
+
+py::object py_attention(const Args& a) {
+  AttentionParams p;
+  const py::array q = native_input(a[kQ], "q"), k = native_input(a[kK], "k"), v = native_input(a[kV], "v");
+  check_dense_qkv(q, k, v, p);
+  p.scale = scale_arg(a[kScale], p.Dk);
+  p.causal = a.flag(kCausal, false);
+  p.var = variants(a[kWindow], a[kSoftcap]);
+  const py::object mask = dense_mask(a[kMask], p);
   py::array_t<int32_t> kvl, ql;
-  if (!kv_lens.is_none()) { kvl = int_vector(kv_lens, "kv_lens", p.B, p.Sk, "Sk"); p.kv_lens = kvl.data(); }
-  if (!q_lens.is_none()) { ql = int_vector(q_lens, "q_lens", p.B, p.Sq, "Sq"); p.q_lens = ql.data(); }
+  if (!a[kKvLens].is_none()) { kvl = int_vector(a[kKvLens], "kv_lens", p.B, p.Sk, "Sk"); p.kv_lens = kvl.data(); }
+  if (!a[kQLens].is_none()) { ql = int_vector(a[kQLens], "q_lens", p.B, p.Sq, "Sq"); p.q_lens = ql.data(); }
   py::array_t<float> sk, al;
-  if (!sinks.is_none()) { sk = head_vector(sinks, "sinks", p.Hq); p.var.sinks = sk.data(); }
-  if (!alibi_slopes.is_none()) { al = head_vector(alibi_slopes, "alibi_slopes", p.Hq); p.var.alibi_slopes = al.data(); }
-
-  py::array o;
-  if (out.is_none()) {
-    o = py::array(q.dtype(), std::vector<py::ssize_t>{p.B, p.Hq, p.Sq, p.Dv});
-  } else {
-    o = check_out(out, "q", p.dtype, {{"B", p.B}, {"Hq", p.Hq}, {"Sq", p.Sq}, {"Dv", p.Dv}});
-  }
-  auto os = elem_strides(o, "out");
-  p.out = o.mutable_data();
+  if (!a[kSinks].is_none()) { sk = head_vector(a[kSinks], "sinks", p.Hq); p.var.sinks = sk.data(); }
+  if (!a[kAlibi].is_none()) { al = head_vector(a[kAlibi], "alibi_slopes", p.Hq); p.var.alibi_slopes = al.data(); }
+  OutTarget o = out_target(a[kOut], "q", p.dtype, q.dtype(), {{"B", p.B}, {"Hq", p.Hq}, {"Sq", p.Sq}, {"Dv", p.Dv}},
+                                 {q, k, v, mask, kvl, ql, sk, al}, true);
+  auto os = elem_strides(o.write, "out");
+  p.out = o.write.mutable_data();
   p.o_sb = os[0]; p.o_sh = os[1]; p.o_ss = os[2];
+  const bool return_lse = a.flag(kReturnLse, false);
   py::array_t<float> lse;
   if (return_lse) {
     lse = py::array_t<float>(std::vector<py::ssize_t>{p.B, p.Hq, p.Sq});
     p.lse = lse.mutable_data();
     p.l_sb = p.Hq * p.Sq; p.l_sh = p.Sq; p.l_ss = 1;
   }
-  p.num_threads = threads_arg(num_threads);
-  if (double(p.B) * double(p.Hq) * double(p.Sq) * double(p.Sk) * double(p.Dk + p.Dv) < kGilFreeWork) {
-    attention(p);  // a few microseconds: releasing the GIL would cost more than it frees
-  } else {
-    py::gil_scoped_release nogil;
-    attention(p);
-  }
-  if (return_lse) return py::make_tuple(o, lse);
-  return o;
+  p.num_threads = threads_arg(int_arg(a[kThreads], "num_threads", 0));
+  run_kernel(double(p.B) * double(p.Hq) * double(p.Sq) * double(p.Sk) * double(p.Dk + p.Dv),
+             [&] { attention(p); });
+  if (return_lse) return py::make_tuple(o.result(), lse);
+  return o.result();
 }
 
 // ---- paged attention -----------------------------------------------------------------------
+enum PagedArg { pQ, pKPages, pVPages, pBlockTables, pSeqLens, pQLens, pCausal, pScale, pOut,
+                pReturnLse, pThreads, pWindow, pSoftcap, pSinks, pAlibi, pKNew, pVNew, pSlots,
+                pKScales, pVScales };
+Signature paged_signature{"paged_attention", {"q", "k_pages", "v_pages", "block_tables", "seq_lens", "q_lens",
+                          "causal", "scale", "out", "return_lse", "num_threads", "window", "softcap",
+                          "sinks", "alibi_slopes", "k_new", "v_new", "slots", "k_scales", "v_scales"},
+                          5, {}};
+
 struct PagedArrays {
-  py::array_t<int32_t> bt, sl;
+  py::array_t<int32_t> bt, sl, ql;  // ql: empty when q_lens is None
   std::vector<int64_t> q_start;
 };
 
@@ -319,8 +577,7 @@ void check_pages(const py::array& kp, const py::array& vp, PagedParams& p) {
 
 // The scale pages of quantised pages (and only of them): float32 in native byte order,
 // (num_blocks, Hkv, block_size), writable when a step writes into them.
-py::array scale_pages(const py::object& obj, const char* name, const PagedParams& p, bool quantised,
-                      bool write) {
+py::array scale_pages(py::handle obj, const char* name, const PagedParams& p, bool quantised, bool write) {
   const std::string n(name);
   if (obj.is_none() != !quantised)
     type_error(n + (quantised ? ": pages of dtype " + std::string(dtype_name(p.kv_dtype)) + " need their float32 scales"
@@ -329,15 +586,15 @@ py::array scale_pages(const py::object& obj, const char* name, const PagedParams
   if (!py::isinstance<py::array>(obj)) type_error(n + ": expected a numpy float32 array, got " + std::string(py::str(obj.get_type())));
   py::array a = py::reinterpret_borrow<py::array>(obj);
   const py::dtype dt = a.dtype();
-  if (dt.kind() != 'f' || dt.itemsize() != 4 || !dt.attr("isnative").cast<bool>())
-    type_error(n + ": expected float32 in native byte order, got " + std::string(py::str(dt)));
+  if (dt.kind() != 'f' || dt.itemsize() != 4 || !native_order(dt))
+    type_error(n + ": expected float32 in native byte order, got " + dtype_str(a));
   check_shape(a, name, {{"num_blocks", p.num_blocks}, {"Hkv", p.Hkv}, {"block_size", p.block_size}});
   if (write && !a.writeable()) value_error(n + ": array is not writable (a step stores the new rows' scales)");
   return a;
 }
 
-void check_scales(const py::object& k_scales, const py::object& v_scales, bool write, PagedParams& p,
-                  py::array& ks, py::array& vs) {
+void check_scales(py::handle k_scales, py::handle v_scales, bool write, PagedParams& p, py::array& ks,
+                  py::array& vs) {
   const bool q = is_quantised(p.kv_dtype);
   ks = scale_pages(k_scales, "k_scales", p, q, write);
   vs = scale_pages(v_scales, "v_scales", p, q, write);
@@ -347,87 +604,32 @@ void check_scales(const py::object& k_scales, const py::object& v_scales, bool w
   p.v_scales = static_cast<const float*>(vs.data()); p.vs_sblk = vst[0]; p.vs_sh = vst[1]; p.vs_ss = vst[2];
 }
 
-// The new keys and values of a cache step: checked with everything else before the first write.
-struct NewKV {
-  py::array k, v;
-  py::array_t<int64_t, py::array::c_style | py::array::forcecast> slots;
-  PagedWrite wk, wv;
-};
-
-// v_new may be None when the values are a view of the keys (latent attention: one write).
-void prepare_new_kv(NewKV& n, py::object k_new, py::object v_new, py::object slots, const PagedParams& p,
-                    py::array& kp, py::array& vp, py::array& ksc, py::array& vsc) {
-  n.k = py::array::ensure(k_new);
-  if (!n.k) type_error("k: expected a numpy array");
-  if (!kp.writeable()) value_error("k_pages: array is not writable");
-  if (n.k.ndim() != 3) value_error("k: expected 3 dims (T, Hkv, Dk), got " + shape_str(n.k));
-  check_shape(n.k, "k", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dk", p.Dk}});
-  const DType kd = dtype_of(n.k, "k");
-  n.slots = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(slots);
-  if (n.slots.ndim() != 1 || n.slots.shape(0) != p.N) value_error("slots: expected shape (T,)");
-  for (int64_t t = 0; t < p.N; ++t)
-    if (n.slots.data()[t] < 0 || n.slots.data()[t] >= p.num_blocks * p.block_size) value_error("slots: slot out of range");
-  auto ks = elem_strides(n.k, "k");
-  n.wk = PagedWrite{p.N, p.Hkv, p.Dk, n.k.data(), kd, ks[0], ks[1], kp.mutable_data(), p.kv_dtype,
-                    p.block_size, p.k_sblk, p.k_sh, p.k_ss, n.slots.data()};
-  if (p.k_scales != nullptr) {
-    n.wk.scales = static_cast<float*>(ksc.mutable_data());
-    n.wk.sc_sblk = p.ks_sblk; n.wk.sc_sh = p.ks_sh; n.wk.sc_ss = p.ks_ss;
-  }
-  if (v_new.is_none()) return;
-  n.v = py::array::ensure(v_new);
-  if (!n.v) type_error("v: expected a numpy array");
-  if (!vp.writeable()) value_error("v_pages: array is not writable");
-  check_shape(n.v, "v", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dv", p.Dv}});
-  const DType vd = dtype_of(n.v, "v");
-  auto vs = elem_strides(n.v, "v");
-  n.wv = PagedWrite{p.N, p.Hkv, p.Dv, n.v.data(), vd, vs[0], vs[1], vp.mutable_data(), p.kv_dtype,
-                    p.block_size, p.v_sblk, p.v_sh, p.v_ss, n.slots.data()};
-  if (p.v_scales != nullptr) {
-    n.wv.scales = static_cast<float*>(vsc.mutable_data());
-    n.wv.sc_sblk = p.vs_sblk; n.wv.sc_sh = p.vs_sh; n.wv.sc_ss = p.vs_ss;
-  }
-}
-
-py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array block_tables,
-                              py::array seq_lens, py::object q_lens, bool causal, double scale,
-                              py::object out, bool return_lse, int num_threads, py::object window,
-                              py::object softcap, py::object sinks, py::object alibi_slopes,
-                              py::object k_new, py::object v_new, py::object slots,
-                              py::object k_scales, py::object v_scales) {
-  PagedParams p;
-  check_pages(kp, vp, p);
-  py::array ksc, vsc;
-  check_scales(k_scales, v_scales, !k_new.is_none(), p, ksc, vsc);
-  if (q.ndim() != 3) value_error("q: expected 3 dims (N, Hq, Dk), got " + shape_str(q));
-  p.q_dtype = dtype_of(q, "q");
-  p.N = q.shape(0); p.Hq = q.shape(1);
-  check_shape(q, "q", {{"N", p.N}, {"Hq", p.Hq}, {"Dk", p.Dk}});
-  if (p.Hq % p.Hkv != 0)
-    value_error("k_pages: the number of kv heads (" + std::to_string(p.Hkv) + ") must divide the number of query heads (" + std::to_string(p.Hq) + ")");
-  {
-    const char kind = block_tables.dtype().kind();
-    if (kind != 'i' && kind != 'u') type_error("block_tables: expected an integer array");
-  }
+// block_tables (B, max_blocks) as int32, with seq_lens and q_lens: every entry a sequence reads
+// is checked < num_blocks, and q_start gets the prefix sums of q_lens.
+void check_tables(py::handle bt_obj, py::handle seq_lens, py::handle q_lens, PagedParams& p, PagedArrays& keep) {
+  py::array block_tables = py::array::ensure(bt_obj);
+  const char kind = block_tables ? block_tables.dtype().kind() : 'O';
+  if (kind != 'i' && kind != 'u') type_error("block_tables: expected an integer array");
   if (block_tables.ndim() != 2) value_error("block_tables: expected 2 dims (B, max_blocks), got " + shape_str(block_tables));
   p.B = block_tables.shape(0); p.max_blocks = block_tables.shape(1);
-  PagedArrays keep;
   // An int32 table is read as it is (the usual case: no copy). Any other integer type is
   // range-checked in int64 first (a cast to int32 would wrap 2**32 + b to a valid-looking b) and
   // copied to int32.
-  const bool bt_int32 = block_tables.dtype().kind() == 'i' && block_tables.itemsize() == 4;
-  py::array_t<int64_t, py::array::c_style | py::array::forcecast> bt64;
+  const bool bt_int32 = kind == 'i' && block_tables.itemsize() == 4;
+  Native<int64_t> bt64;
   if (bt_int32) {
-    keep.bt = py::array_t<int32_t, py::array::c_style | py::array::forcecast>(block_tables);
+    keep.bt = Native<int32_t>(block_tables);
   } else {
-    bt64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(block_tables);
+    bt64 = Native<int64_t>(block_tables);
     keep.bt = py::array_t<int32_t>(std::vector<py::ssize_t>{p.B, p.max_blocks});
   }
-  keep.sl = int_vector(seq_lens, "seq_lens", p.B, std::numeric_limits<int32_t>::max(), "int32");
-  py::array_t<int32_t> ql = q_lens.is_none() ? py::array_t<int32_t>() : int_vector(q_lens, "q_lens", p.B, std::numeric_limits<int32_t>::max(), "int32");
+  constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
+  keep.sl = int_vector(seq_lens, "seq_lens", p.B, kMax32, "int32");
+  const bool has_ql = !q_lens.is_none();
+  if (has_ql) keep.ql = int_vector(q_lens, "q_lens", p.B, kMax32, "int32");
   keep.q_start.assign(std::size_t(p.B + 1), 0);
   for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t nq = q_lens.is_none() ? 1 : ql.data()[b];
+    const int64_t nq = has_ql ? keep.ql.data()[b] : 1;
     const int64_t len = keep.sl.data()[b];
     if (nq > len) value_error("q_lens[" + std::to_string(b) + "] = " + std::to_string(nq) + " exceeds seq_lens[" + std::to_string(b) + "] = " + std::to_string(len));
     const int64_t nb = (len + p.block_size - 1) / p.block_size;
@@ -442,66 +644,127 @@ py::object py_paged_attention(py::array q, py::array kp, py::array vp, py::array
     keep.q_start[std::size_t(b + 1)] = keep.q_start[std::size_t(b)] + nq;
   }
   if (keep.q_start.back() != p.N)
-    value_error("q: expected N = " + std::string(q_lens.is_none() ? "B" : "sum(q_lens)") + " = " + std::to_string(keep.q_start.back()) + " query tokens, got " + std::to_string(p.N));
+    value_error("q: expected N = " + std::string(has_ql ? "sum(q_lens)" : "B") + " = " + std::to_string(keep.q_start.back()) + " query tokens, got " + std::to_string(p.N));
   p.block_tables = keep.bt.data(); p.bt_stride = p.max_blocks;
   p.seq_lens = keep.sl.data(); p.q_start = keep.q_start.data();
-  p.causal = causal;
-  p.scale = check_scale(scale);
-  p.var = variants(window, softcap);
+}
+
+// The new keys and values of a cache step: checked with everything else before the first write.
+struct NewKV {
+  py::array k, v;
+  Native<int64_t> slots;
+  PagedWrite wk, wv;
+};
+
+// A step's new rows, read while the pages are written: a copy if they share memory with the pages.
+py::array new_rows(py::handle obj, const char* name, const py::array& kp, const py::array& vp) {
+  py::array x = native_input(obj, name);
+  if (may_share_memory(x, kp) || may_share_memory(x, vp)) x = py::array::ensure(x.attr("copy")());
+  return x;
+}
+
+// v_new may be None when the values are a view of the keys (latent attention: one write).
+void prepare_new_kv(NewKV& n, py::handle k_new, py::handle v_new, py::handle slots, const PagedParams& p,
+                    py::array& kp, py::array& vp, py::array& ksc, py::array& vsc) {
+  n.k = new_rows(k_new, "k", kp, vp);
+  if (!kp.writeable()) value_error("k_pages: array is not writable");
+  if (n.k.ndim() != 3) value_error("k: expected 3 dims (T, Hkv, Dk), got " + shape_str(n.k));
+  check_shape(n.k, "k", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dk", p.Dk}});
+  const DType kd = dtype_of(n.k, "k");
+  n.slots = Native<int64_t>(py::reinterpret_borrow<py::object>(slots));
+  if (n.slots.ndim() != 1 || n.slots.shape(0) != p.N) value_error("slots: expected shape (T,)");
+  for (int64_t t = 0; t < p.N; ++t)
+    if (n.slots.data()[t] < 0 || n.slots.data()[t] >= p.num_blocks * p.block_size) value_error("slots: slot out of range");
+  auto ks = elem_strides(n.k, "k");
+  n.wk = PagedWrite{p.N, p.Hkv, p.Dk, n.k.data(), kd, ks[0], ks[1], kp.mutable_data(), p.kv_dtype,
+                    p.block_size, p.k_sblk, p.k_sh, p.k_ss, n.slots.data()};
+  if (p.k_scales != nullptr) {
+    n.wk.scales = static_cast<float*>(ksc.mutable_data());
+    n.wk.sc_sblk = p.ks_sblk; n.wk.sc_sh = p.ks_sh; n.wk.sc_ss = p.ks_ss;
+  }
+  if (v_new.is_none()) return;
+  n.v = new_rows(v_new, "v", kp, vp);
+  if (!vp.writeable()) value_error("v_pages: array is not writable");
+  check_shape(n.v, "v", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dv", p.Dv}});
+  const DType vd = dtype_of(n.v, "v");
+  auto vs = elem_strides(n.v, "v");
+  n.wv = PagedWrite{p.N, p.Hkv, p.Dv, n.v.data(), vd, vs[0], vs[1], vp.mutable_data(), p.kv_dtype,
+                    p.block_size, p.v_sblk, p.v_sh, p.v_ss, n.slots.data()};
+  if (p.v_scales != nullptr) {
+    n.wv.scales = static_cast<float*>(vsc.mutable_data());
+    n.wv.sc_sblk = p.vs_sblk; n.wv.sc_sh = p.vs_sh; n.wv.sc_ss = p.vs_ss;
+  }
+}
+
+py::object py_paged_attention(const Args& a) {
+  PagedParams p;
+  py::array kp = py::array::ensure(a[pKPages]), vp = py::array::ensure(a[pVPages]);
+  if (!kp) type_error("k_pages: expected a numpy array");
+  if (!vp) type_error("v_pages: expected a numpy array");
+  check_pages(kp, vp, p);
+  py::array ksc, vsc;
+  check_scales(a[pKScales], a[pVScales], !a[pKNew].is_none(), p, ksc, vsc);
+  const py::array q = native_input(a[pQ], "q");
+  if (q.ndim() != 3) value_error("q: expected 3 dims (N, Hq, Dk), got " + shape_str(q));
+  p.q_dtype = dtype_of(q, "q");
+  p.N = q.shape(0); p.Hq = q.shape(1);
+  check_shape(q, "q", {{"N", p.N}, {"Hq", p.Hq}, {"Dk", p.Dk}});
+  if (p.Hq % p.Hkv != 0)
+    value_error("k_pages: the number of kv heads (" + std::to_string(p.Hkv) + ") must divide the number of query heads (" + std::to_string(p.Hq) + ")");
+  PagedArrays keep;
+  check_tables(a[pBlockTables], a[pSeqLens], a[pQLens], p, keep);
+  p.causal = a.flag(pCausal, true);
+  p.scale = scale_arg(a[pScale], p.Dk);
+  p.var = variants(a[pWindow], a[pSoftcap]);
   py::array_t<float> sk, al;
-  if (!sinks.is_none()) { sk = head_vector(sinks, "sinks", p.Hq); p.var.sinks = sk.data(); }
-  if (!alibi_slopes.is_none()) { al = head_vector(alibi_slopes, "alibi_slopes", p.Hq); p.var.alibi_slopes = al.data(); }
+  if (!a[pSinks].is_none()) { sk = head_vector(a[pSinks], "sinks", p.Hq); p.var.sinks = sk.data(); }
+  if (!a[pAlibi].is_none()) { al = head_vector(a[pAlibi], "alibi_slopes", p.Hq); p.var.alibi_slopes = al.data(); }
   auto qs = elem_strides(q, "q");
   p.q = q.data(); p.q_sn = qs[0]; p.q_sh = qs[1];
-  py::array o = out.is_none() ? py::array(q.dtype(), std::vector<py::ssize_t>{p.N, p.Hq, p.Dv})
-                              : check_out(out, "q", p.q_dtype, {{"N", p.N}, {"Hq", p.Hq}, {"Dv", p.Dv}});
-  auto os = elem_strides(o, "out");
-  p.out = o.mutable_data(); p.o_sn = os[0]; p.o_sh = os[1];
+  const bool write = !a[pKNew].is_none();
+  NewKV nkv;
+  if (write) prepare_new_kv(nkv, a[pKNew], a[pVNew], a[pSlots], p, kp, vp, ksc, vsc);
+  OutTarget o = out_target(a[pOut], "q", p.q_dtype, q.dtype(), {{"N", p.N}, {"Hq", p.Hq}, {"Dv", p.Dv}},
+                                 {q, kp, vp, keep.bt, keep.sl, keep.ql, sk, al, nkv.k, nkv.v, ksc, vsc}, false);
+  auto os = elem_strides(o.write, "out");
+  p.out = o.write.mutable_data(); p.o_sn = os[0]; p.o_sh = os[1];
+  const bool return_lse = a.flag(pReturnLse, false);
   py::array_t<float> lse;
   if (return_lse) {
     lse = py::array_t<float>(std::vector<py::ssize_t>{p.N, p.Hq});
     p.lse = lse.mutable_data(); p.l_sn = p.Hq; p.l_sh = 1;
   }
-  p.num_threads = threads_arg(num_threads);
-  NewKV nkv;
-  const bool write = !k_new.is_none();
-  if (write) prepare_new_kv(nkv, k_new, v_new, slots, p, kp, vp, ksc, vsc);
-  auto run = [&]() {
-    if (write) {
-      paged_write(nkv.wk);
-      if (nkv.v) paged_write(nkv.wv);
-    }
-    paged_attention(p);
-  };
+  p.num_threads = threads_arg(int_arg(a[pThreads], "num_threads", 0));
+  const PagedStep step{p, nkv.wk, nkv.wv};  // no new keys: both writes are empty
   double work = 0;
   for (int64_t b = 0; b < p.B; ++b)
     work += double(keep.q_start[std::size_t(b + 1)] - keep.q_start[std::size_t(b)]) * double(keep.sl.data()[b]);
-  if (work * double(p.Hq) * double(p.Dk + p.Dv) < kGilFreeWork) {
-    run();  // a few microseconds: releasing the GIL would cost more than it frees
-  } else {
-    py::gil_scoped_release nogil;
-    run();
-  }
-  if (return_lse) return py::make_tuple(o, lse);
-  return o;
+  run_kernel(work * double(p.Hq) * double(p.Dk + p.Dv), [&]() { paged_step(step); });
+  if (return_lse) return py::make_tuple(o.result(), lse);
+  return o.result();
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attnx C++ core (see the attnx package for the documented API)";
-  py::register_local_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
 
-  m.def("attention", &py_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
-        py::arg("kv_lens"), py::arg("q_lens"), py::arg("causal"), py::arg("scale"), py::arg("out"),
-        py::arg("return_lse"), py::arg("num_threads"), py::arg("window"), py::arg("softcap"),
-        py::arg("sinks"), py::arg("alibi_slopes"));
-  m.def("paged_attention", &py_paged_attention, py::arg("q"), py::arg("k_pages"), py::arg("v_pages"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("q_lens"), py::arg("causal"),
-        py::arg("scale"), py::arg("out"), py::arg("return_lse"), py::arg("num_threads"),
-        py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("alibi_slopes"),
-        py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none(),
-        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
+  invalid_argument_type = py::register_local_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError).ptr();
+
+  // The entry points bind their arguments themselves (see Args); the attnx package documents them.
+  static PyMethodDef entry_points[] = {
+      {"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<py_attention, &dense_signature>)),
+       METH_FASTCALL | METH_KEYWORDS,
+       "attention(q, k, v, mask=None, kv_lens=None, q_lens=None, causal=False, scale=None, out=None, "
+       "return_lse=False, num_threads=0, window=None, softcap=None, sinks=None, alibi_slopes=None)"},
+      {"paged_attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<py_paged_attention, &paged_signature>)),
+       METH_FASTCALL | METH_KEYWORDS,
+       "paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens=None, causal=True, scale=None, "
+       "out=None, return_lse=False, num_threads=0, window=None, softcap=None, sinks=None, "
+       "alibi_slopes=None, k_new=None, v_new=None, slots=None, k_scales=None, v_scales=None)"},
+  };
+  for (PyMethodDef& def : entry_points)
+    m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, m.ptr(), m.attr("__name__").ptr())));
 
   m.def("cpu_features", []() {
     const CpuFeatures f = cpu_features();

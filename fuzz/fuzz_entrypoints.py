@@ -9,14 +9,20 @@ Entry points: ``attnx.attention``, ``attnx.paged_attention``, ``attnx.PagedKVCac
 
 Each input (a byte string) is decoded into one call: a valid-looking problem of small shapes,
 then 0-4 of its arguments replaced by garbage (``None``, strings, lists, huge and negative ints,
-NaN/inf, objects of the wrong type) or by a mutated array (wrong dtype, rank, shape, zero-size,
-transposed, strided, negative strides, read-only, misaligned, a zero-stride broadcast of a
-logical size of 2**40, NaN/inf values, lists, 0-d). Rules checked on every call:
+NaN/inf, scalars past float32's range, NumPy scalars of every width, objects of the wrong type)
+or by a mutated array (wrong dtype, rank, shape, zero-size, transposed, strided, negative strides,
+read-only, misaligned, byte-swapped, a field of a structured array, a zero-stride broadcast of a
+logical size of 2**40, NaN/inf values, lists, 0-d). Valid-looking problems draw integer arguments
+(lengths, tables) in every integer width and byte order (NumPy scalars where one length will do),
+window sides as NumPy integers or wider than any sequence, extreme scale/softcap values, an
+``out`` that overlaps q, k, v, the mask or the pages, and new keys read from the very pool a
+step writes. Rules checked on every call:
 
 * the outcome is a result or one of ``ALLOWED`` (ValueError, TypeError, KeyError, IndexError,
   MemoryError, attnx.CacheFullError, attnx.StaleStepError); anything else (SystemError,
   RuntimeError, a segfault, a sanitizer report) is a finding;
-* inputs are not modified; when the call raises, ``out`` is not modified either;
+* inputs are not modified (except where they share memory with ``out`` or the pool a step
+  writes); when the call raises, ``out`` is not modified either;
 * a cache operation that raises leaves the cache exactly as it was (block tables, lengths,
   reference counts, free list, pages), and after every operation the pool is consistent (no
   leaked or doubly held block, reference counts = holders);
@@ -139,7 +145,17 @@ GARBAGE = [
     np.array([]), np.array([[1]]), np.array([1, 2, 3]), np.array([-1, 5]), np.array([2**40]),
     np.array(["a"]), np.array([None], dtype=object), np.zeros((2, 2), np.complex64),
     np.zeros((0, 3), np.float32), np.ones((1, 1, 1, 1), np.float32), slice(1), Ellipsis,
+    # scalars at and past the ends of float32's range (scale, softcap), NumPy scalars of every width
+    1e-40, 1e-46, 1.1754943508222875e-38, 3.4028234663852886e38, 3.5e38, 1e39, -1e-40,
+    np.float32(1e-40), np.float16(6e-8), np.float64(1e39), np.int8(-3), np.uint8(200),
+    np.int16(7), np.uint16(9), np.uint32(2**32 - 1), np.int64(2**62),
 ]
+INT_DTYPES = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
+                                    np.int64, np.uint64)]
+INT_DTYPES += [t.newbyteorder(">") for t in INT_DTYPES if t.itemsize > 1]  # byte-swapped too
+INT_SCALARS = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, int]
+EXTREME_SCALES = [1e-46, 1e-40, 1.1754943508222875e-38, 1e38, 3.4028234663852886e38, 1e39,
+                  np.float32(0.5), np.float16(2)]
 
 
 def garbage(p):
@@ -157,11 +173,12 @@ def mutate_array(p, x):
     """A malformed (or merely unusual) variant of array ``x``."""
     kinds = ["dtype", "dtype", "rank+", "rank-", "flat", "transpose", "zero", "one", "repeat",
              "strided", "negative", "fortran", "readonly", "huge", "huge_last", "nan", "inf",
-             "big", "list", "scalar", "garbage", "unaligned", "bool", "empty_like"]
+             "big", "list", "scalar", "garbage", "unaligned", "bool", "empty_like", "swapped",
+             "field"]
     kind = p.pick(kinds)
     if x.size > 1 << 16:  # already a huge (broadcast) array: leave it
         return x
-    if kind == "unaligned" and not UNALIGNED:
+    if kind in ("unaligned", "field") and not UNALIGNED:
         kind = "strided"
     try:
         if kind == "dtype":
@@ -223,6 +240,12 @@ def mutate_array(p, x):
             return x.reshape(-1)[0] if x.size else np.float32(1)
         if kind == "unaligned":
             return misaligned(x) if x.size else x
+        if kind == "swapped":  # the same values in the other byte order
+            return x.astype(x.dtype.newbyteorder("S"))
+        if kind == "field":  # a field of a structured array: odd byte strides, misaligned
+            st = np.zeros(x.shape, dtype=[("pad", f"V{p.int(1, 3)}"), ("x", x.dtype)])
+            st["x"] = x
+            return st["x"]
         if kind == "bool":
             return x != 0
         if kind == "empty_like":
@@ -239,6 +262,40 @@ def maybe_bad(p, value, percent=12):
     if isinstance(value, np.ndarray) and p.bool(70):
         return mutate_array(p, value)
     return garbage(p)
+
+
+def int_arg(p, values, scalar_ok):
+    """Integer array ``values`` in any integer dtype and byte order, or (when ``scalar_ok`` and it
+    has one element) a NumPy integer scalar of any width."""
+    values = np.asarray(values)
+    if scalar_ok and values.size == 1 and p.bool(30):
+        return p.pick(INT_SCALARS)(values.reshape(-1)[0])
+    dt = p.pick(INT_DTYPES)
+    return values.astype(dt) if values.size and np.iinfo(dt).max >= values.max() else values
+
+
+def window_arg(p):
+    def side():
+        return p.pick([None, 0, 2, 3, 2**40, 2**63 - 1, 2**64]) if p.bool(70) else \
+            p.pick(INT_SCALARS)(p.int(0, 5))
+    return (side(), side())
+
+
+def overlapping_out(p, shape, dtype, inputs):
+    """An ``out`` of ``shape`` sharing memory with one of ``inputs`` of ``dtype`` (values kept:
+    the input is moved into a buffer that ``out`` overlaps), or None. Returns (out, inputs)."""
+    inputs = list(inputs)
+    same = [i for i, x in enumerate(inputs) if isinstance(x, np.ndarray) and x.dtype == dtype]
+    if not same:
+        return None, inputs
+    i = p.pick(same)
+    x = inputs[i]
+    size = int(np.prod(shape))
+    buf = np.full(x.size + size, 7.0, dtype)
+    inputs[i] = buf[:x.size].reshape(x.shape)
+    inputs[i][...] = x
+    start = p.int(0, x.size)
+    return buf[start:start + size].reshape(shape), inputs
 
 
 def rand_array(p, shape, dtype):
@@ -264,8 +321,9 @@ def _same(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
-def call(entry, fn, inputs=(), out=None):
-    """Runs fn(); checks the outcome rules; returns (ok, result)."""
+def call(entry, fn, inputs=(), out=None, writes=()):
+    """Runs fn(); checks the outcome rules; returns (ok, result). An input that shares memory with
+    ``out`` or with one of ``writes`` (arrays the call writes) may change."""
     before = [(x, _snap(x)) for x in inputs]
     out_before = _snap(out)
     try:
@@ -286,8 +344,9 @@ def call(entry, fn, inputs=(), out=None):
     else:
         STATS[(entry, "result")] += 1
         ok = True
+    written = [w for w in (out, *writes) if isinstance(w, np.ndarray)]
     for x, x0 in before:
-        if x0 is not None and x is not out and not _same(x, x0):
+        if x0 is not None and not any(np.may_share_memory(x, w) for w in written) and not _same(x, x0):
             raise Finding(f"{entry}: an input was modified")
     return ok, result
 
@@ -321,20 +380,29 @@ def fuzz_attention(p):
             np.where(np.random.default_rng(2).random(shape) < 0.7, 0.0, -np.inf).astype(
                 p.pick([np.float32, np.float16, np.float64]))
     if p.bool(25):
-        kw["kv_lens"] = np.full(B, min(Sk, p.int(0, Sk)))
+        kw["kv_lens"] = int_arg(p, np.full(B, min(Sk, p.int(0, Sk))), rank < 4)
     if p.bool(25):
-        kw["q_lens"] = np.full(B, min(Sq, p.int(0, Sq)))
-    for name, make in (("causal", lambda: p.bool()), ("scale", lambda: p.pick([0.1, 1.0, 3.0])),
+        kw["q_lens"] = int_arg(p, np.full(B, min(Sq, p.int(0, Sq))), rank < 4)
+    for name, make in (("causal", lambda: p.bool()),
+                       ("scale", lambda: p.pick([0.1, 1.0, 3.0] + EXTREME_SCALES)),
                        ("layout", lambda: layout), ("return_lse", lambda: p.bool()),
                        ("num_threads", lambda: p.pick([None, 1, 2, 3])),
-                       ("window", lambda: (p.pick([None, 0, 2]), p.pick([None, 0, 3]))),
-                       ("softcap", lambda: p.pick([0.5, 30.0])),
+                       ("window", lambda: window_arg(p)),
+                       ("softcap", lambda: p.pick([0.5, 30.0] + EXTREME_SCALES)),
                        ("sinks", lambda: np.zeros(Hq, np.float32)),
                        ("alibi_slopes", lambda: np.ones(Hq, np.float32))):
         if name == "layout" or p.bool(25):
             kw[name] = make()
     if p.bool(30):
-        kw["out"] = np.full(_layout_user(np.empty((B, Hq, Sq, Dv)), layout, rank).shape, 7.0, dtype)
+        out_shape = _layout_user(np.empty((B, Hq, Sq, Dv)), layout, rank).shape
+        kw["out"] = np.full(out_shape, 7.0, dtype)
+        if p.bool(40):  # an out overlapping q, k, v or the mask
+            out, (q, k, v, mask) = overlapping_out(p, out_shape, np.dtype(dtype),
+                                                   (q, k, v, kw.get("mask")))
+            if out is not None:
+                kw["out"] = out
+                if mask is not None:
+                    kw["mask"] = mask
     args = {"q": q, "k": k, "v": v, **kw}
     names = list(args) + ["mask", "kv_lens", "q_lens", "out", "scale", "window", "bogus_kwarg"]
     for _ in range(p.int(0, 4)):
@@ -360,7 +428,7 @@ def _pool(p, B, Hkv, Dk, Dv, dtype, bs):
     for b, n in enumerate(need):
         tables[b, :n] = perm[at:at + n]
         at += n
-    return kp, vp, tables.astype(p.pick([np.int32, np.int64, np.uint16])), lens
+    return kp, vp, int_arg(p, tables, False), lens
 
 
 def fuzz_paged(p):
@@ -373,18 +441,26 @@ def fuzz_paged(p):
     if decode and not np.all(q_lens == 1):
         decode = False
     q = rand_array(p, (int(q_lens.sum()), Hq, Dk), p.pick([np.float32, np.float16, BF16]))
-    args = {"q": q, "k_pages": kp, "v_pages": vp, "block_tables": tables, "seq_lens": lens}
+    args = {"q": q, "k_pages": kp, "v_pages": vp, "block_tables": tables,
+            "seq_lens": int_arg(p, lens, False)}
     if not decode:
-        args["q_lens"] = q_lens
-    for name, make in (("causal", lambda: p.bool(80)), ("scale", lambda: p.pick([0.1, 1.0])),
+        args["q_lens"] = int_arg(p, q_lens, False)
+    for name, make in (("causal", lambda: p.bool(80)),
+                       ("scale", lambda: p.pick([0.1, 1.0] + EXTREME_SCALES)),
                        ("return_lse", lambda: p.bool()), ("num_threads", lambda: p.pick([None, 1, 2])),
-                       ("window", lambda: (p.pick([None, 0, 2]), p.pick([None, 0]))),
-                       ("softcap", lambda: 5.0), ("sinks", lambda: np.zeros(Hq, np.float32)),
+                       ("window", lambda: window_arg(p)),
+                       ("softcap", lambda: p.pick([5.0] + EXTREME_SCALES)),
+                       ("sinks", lambda: np.zeros(Hq, np.float32)),
                        ("alibi_slopes", lambda: np.ones(Hq, np.float32))):
         if p.bool(20):
             args[name] = make()
     if p.bool(30):
         args["out"] = np.full((q.shape[0], Hq, Dv), 7.0, q.dtype)
+        if p.bool(40):  # an out overlapping q or the pages it reads
+            out, (args["q"], args["k_pages"], args["v_pages"]) = overlapping_out(
+                p, args["out"].shape, q.dtype, (q, kp, vp))
+            if out is not None:
+                args["out"] = out
     names = list(args) + ["q_lens", "out", "bogus_kwarg"]
     for _ in range(p.int(0, 4)):
         name = p.pick(names)
@@ -545,6 +621,9 @@ def fuzz_cache(p):
             k = r.standard_normal((T, cache.num_kv_heads, cache.head_dim)).astype(np.float32)
             v = None if cache.value_from_key else r.standard_normal(
                 (T, cache.num_kv_heads, cache.value_dim)).astype(np.float32)
+            if p.bool(10) and T <= cache.block_size and cache.dtype == np.float32:
+                # new keys read from the pool the step writes (a view: must be read before written)
+                k = cache.k_pages(layer)[p.int(0, cache.num_blocks - 1)].transpose(1, 0, 2)[:T]
             args = {"layer": layer, "q": q, "k": k, "v": v}
             opt = {}
             if p.bool(30):
@@ -559,7 +638,7 @@ def fuzz_cache(p):
                     opt[name] = garbage(p)
             ok, _ = call("Step.attend", lambda: st.attend(args["layer"], args["q"], args["k"],
                                                           args["v"], **opt),
-                         inputs=[args["q"], args["k"], args["v"]])
+                         inputs=[args["q"], args["k"], args["v"]], writes=[cache._k, cache._v])
             if ok:
                 state = cache_state(cache)  # the pages changed: that was the point
         if not ok and not same_state(state, cache_state(cache)):
@@ -585,7 +664,8 @@ def fuzz_sdpa(p):
     if p.bool(30):
         args["attn_mask"] = np.ones((L, S), bool) if p.bool() else np.zeros((L, S), np.float32)
     for name, vals in (("dropout_p", [0.0, 0.1]), ("is_causal", [True, False]),
-                       ("scale", [None, 0.5]), ("enable_gqa", [True, False])):
+                       ("scale", [None, 0.5, 0.0, -1.0, float("nan"), float("inf"), 1e39, 1e-46]),
+                       ("enable_gqa", [True, False])):
         if p.bool(25):
             args[name] = p.pick(vals)
     for _ in range(p.int(0, 3)):

@@ -21,22 +21,19 @@ const char* dtype_name(DType t) {
 
 namespace {
 
-struct DenseProblem {
+// Dense (B, H, S, D) tensors as a problem for run_flash.
+struct DenseProblem : detail::FlashProblem {
   const AttentionParams& a;
-  int64_t B, Hq, Hkv, Dk, Dv;
-  float scale;
-  const Variants& var;
-  bool causal;
-  DType q_dtype, out_dtype;
-  MaskKind mask_kind;
-  int64_t mask_sk;
-  std::size_t es;
+  std::size_t es;  // bytes per element of q, k, v and out
 
   explicit DenseProblem(const AttentionParams& p)
-      : a(p), B(p.B), Hq(p.Hq), Hkv(p.Hkv), Dk(p.Dk), Dv(p.Dv), scale(p.scale), var(p.var),
-        causal(p.causal), q_dtype(p.dtype), out_dtype(p.dtype), mask_kind(p.mask_kind),
-        mask_sk(p.m_sk * (p.mask_kind == MaskKind::boolean ? 1 : 4)), es(dtype_size(p.dtype)) {}
+      : FlashProblem(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.dtype), a(p),
+        es(dtype_size(p.dtype)) {
+    mask_kind = p.mask_kind;
+    mask_sk = p.m_sk * mask_elem();
+  }
 
+  int64_t mask_elem() const { return mask_kind == MaskKind::boolean ? 1 : 4; }
   int64_t rows(int64_t) const { return a.Sq; }
   int64_t lq(int64_t b) const { return a.q_lens ? a.q_lens[b] : a.Sq; }
   int64_t lk(int64_t b) const { return a.kv_lens ? a.kv_lens[b] : a.Sk; }
@@ -50,8 +47,7 @@ struct DenseProblem {
     return a.lse ? a.lse + b * a.l_sb + h * a.l_sh + i * a.l_ss : nullptr;
   }
   const char* mask_row(int64_t b, int64_t h, int64_t i) const {
-    const int64_t esz = mask_kind == MaskKind::boolean ? 1 : 4;
-    return static_cast<const char*>(a.mask) + (b * a.m_sb + h * a.m_sh + i * a.m_sq) * esz;
+    return static_cast<const char*>(a.mask) + (b * a.m_sb + h * a.m_sh + i * a.m_sq) * mask_elem();
   }
   kern::KVSource src(const Strided4& t, int64_t b, int64_t kvh) const {
     kern::KVSource s;

@@ -14,21 +14,15 @@ namespace attnx {
 
 namespace {
 
-struct PagedProblem {
+// Pages of a block pool, read in place through each sequence's block table, as a problem for
+// run_flash (no user mask).
+struct PagedProblem : detail::FlashProblem {
   const PagedParams& a;
-  int64_t B, Hq, Hkv, Dk, Dv;
-  float scale;
-  const Variants& var;
-  bool causal;
-  DType q_dtype, out_dtype;
-  MaskKind mask_kind = MaskKind::none;
-  int64_t mask_sk = 0;
-  std::size_t qes, kes;
+  std::size_t qes, kes;  // bytes per element of q and out, and of the pages
 
   explicit PagedProblem(const PagedParams& p)
-      : a(p), B(p.B), Hq(p.Hq), Hkv(p.Hkv), Dk(p.Dk), Dv(p.Dv), scale(p.scale), var(p.var),
-        causal(p.causal), q_dtype(p.q_dtype), out_dtype(p.q_dtype), qes(dtype_size(p.q_dtype)),
-        kes(dtype_size(p.kv_dtype)) {}
+      : FlashProblem(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.q_dtype), a(p),
+        qes(dtype_size(p.q_dtype)), kes(dtype_size(p.kv_dtype)) {}
 
   int64_t rows(int64_t b) const { return a.q_start[b + 1] - a.q_start[b]; }
   int64_t lq(int64_t b) const { return rows(b); }
@@ -42,7 +36,6 @@ struct PagedProblem {
   float* lse_at(int64_t b, int64_t h, int64_t i) const {
     return a.lse ? a.lse + (a.q_start[b] + i) * a.l_sn + h * a.l_sh : nullptr;
   }
-  const char* mask_row(int64_t, int64_t, int64_t) const { return nullptr; }
   kern::KVSource src(const void* pages, int64_t sblk, int64_t sh, int64_t ss, int64_t b,
                      int64_t kvh, const float* scales, int64_t c_sblk, int64_t c_sh,
                      int64_t c_ss) const {
@@ -68,12 +61,10 @@ struct PagedProblem {
   }
 };
 
-}  // namespace
-
-void paged_attention(const PagedParams& p) {
+// The binding checks the tables; this re-check keeps the C++ API safe on its own: never read
+// outside the pool.
+void check_tables(const PagedParams& p) {
   if (p.Hkv <= 0 || p.Hq % p.Hkv != 0) throw InvalidArgument("Hq must be a multiple of Hkv");
-  // The binding checks the tables; this re-check keeps the C++ API safe on its own: never read
-  // outside the pool.
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t len = p.seq_lens[b];
     const int64_t nq = p.q_start[b + 1] - p.q_start[b];
@@ -84,9 +75,26 @@ void paged_attention(const PagedParams& p) {
       if (blk < 0 || blk >= p.num_blocks) throw InvalidArgument("block table entry out of range");
     }
   }
+}
+
+void attend_checked(const PagedParams& p) {
   if (p.N == 0 || p.Hq == 0) return;
   PagedProblem prob(p);
   detail::run_flash(prob, resolve_threads(p.num_threads));
+}
+
+}  // namespace
+
+void paged_attention(const PagedParams& p) {
+  check_tables(p);
+  attend_checked(p);
+}
+
+void paged_step(const PagedStep& step) {
+  check_tables(step.attend);
+  paged_write(step.k);
+  paged_write(step.v);
+  attend_checked(step.attend);
 }
 
 float quantise_row(const float* x, int64_t n, DType dtype, void* dst) {
@@ -111,6 +119,7 @@ float quantise_row(const float* x, int64_t n, DType dtype, void* dst) {
 }
 
 void paged_write(const PagedWrite& w) {
+  if (w.n == 0) return;
   const kern::KernelTable* table = active_table();
   const std::size_t ses = dtype_size(w.src_dtype), pes = dtype_size(w.page_dtype);
   std::vector<float> row(std::size_t(w.D));

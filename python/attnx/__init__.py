@@ -17,6 +17,7 @@ from . import reference
 from ._api import attention, paged_attention
 from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
 from .layers import MultiHeadAttention
+from .merge import merge_attention
 from .torch_compat import scaled_dot_product_attention
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "paged_attention",
+    "merge_attention",
     "cpu_features",
     "set_num_threads",
     "get_num_threads",

@@ -1,42 +1,30 @@
 """The kernel entry points: normalise ranks, layouts and dtypes, then one call into C++.
 
 Only normalisation lives here (views, never copies of data that is already usable); the C++
-binding (``cpp/bindings.cpp``) checks every array and names the argument in its errors.
+binding (``cpp/bindings.cpp``) checks every array and scalar, names the argument in its errors,
+and takes its arguments by keyword.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _core
+from ._validate import as_array as _as_array, kernel_array as _unit_last, real as _real
+from ._validate import window_sides as _window
 
 __all__ = ["attention", "paged_attention"]
 
 _LAYOUTS = ("bhsd", "bshd")
 _KIND_FLOAT = "f"
 
-
-def _as_array(x, name):
-    if isinstance(x, np.ndarray):
-        return x
-    try:
-        return np.asarray(x)
-    except Exception as exc:  # noqa: BLE001 - anything unconvertible is a type error
-        raise TypeError(f"{name}: expected a numpy array, got {type(x).__name__}") from exc
-
-
-def _unit_last(a):
-    """``a``, or a contiguous copy if its last axis is strided or its data misaligned (the
-    kernels read whole elements through typed pointers)."""
-    flags = a.flags
-    if flags.c_contiguous and flags.aligned:  # the common case, in one look at the flags
-        return a
-    if (a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1) or not flags.aligned:
-        return a.copy(order="C")  # (ascontiguousarray would keep a contiguous misaligned array)
-    return a
+ArrayLike = Any  # an ndarray, or anything np.asarray takes
+IntsLike = Union[int, np.integer, ArrayLike]  # one length (ranks 2 and 3) or an int array
+Window = Tuple[Optional[int], Optional[int]]
+Result = Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]  # out, or (out, lse)
 
 
 def _to4(a, name, rank, layout):
@@ -67,11 +55,12 @@ def _lens(x, rank):
 
 
 def _mask4(mask, rank, logical):
+    """``mask`` as a 4-D boolean or native float32 array that the kernels can read."""
     m = _as_array(mask, "mask")
     if m.dtype != np.bool_:
         if m.dtype.kind != _KIND_FLOAT and m.dtype.name != "bfloat16":
             raise TypeError(f"mask: expected boolean (True = may attend) or additive float, got dtype {m.dtype}")
-        if m.dtype != np.float32:
+        if m.dtype != np.float32:  # (a byte-swapped float32 too)
             m = m.astype(np.float32)  # additive masks are read as float32
     if m.ndim > rank:
         raise ValueError(f"mask: shape {m.shape} does not broadcast to {logical}")
@@ -79,42 +68,29 @@ def _mask4(mask, rank, logical):
         np.broadcast_shapes(m.shape, logical)
     except ValueError:
         raise ValueError(f"mask: shape {m.shape} does not broadcast to {logical}") from None
+    if not m.flags.aligned:  # e.g. a field of a structured array: element strides cannot reach it
+        m = np.array(m)
     return m.reshape((1,) * (4 - m.ndim) + m.shape)
 
 
-def _scale(scale, dk):
-    if scale is None:
-        if dk == 0:
-            raise ValueError("scale: the default 1/sqrt(Dk) needs Dk > 0")
-        return 1.0 / math.sqrt(dk)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-    return float(scale)
-
-
-def _window(window):
-    """``(left, right)`` as a tuple of Python ints or None (numpy ints and lists accepted); the
-    binding checks the signs."""
-    if window is None:
-        return None
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window: expected (left, right), got {window!r}") from None
-    sides = []
-    for side in (left, right):
-        if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral)):
-            raise TypeError(f"window: sides must be ints or None, got {window!r}")
-        sides.append(None if side is None else int(side))
-    return tuple(sides)
+def _scale(scale, dk=None):
+    """``scale`` as a float, or None for the binding's default ``1/sqrt(Dk)`` (``dk`` is unused:
+    kept for callers that pass it)."""
+    return None if scale is None else _real(scale, "scale")
 
 
 def _softcap(softcap):
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected a positive float, got {type(softcap).__name__}")
-    return float(softcap)  # the binding rejects <= 0, NaN and inf
+    return None if softcap is None else _real(softcap, "softcap")
+
+
+def _out4(out, rank, layout):
+    """``out`` viewed as (B, Hq, Sq, Dv) like q; the binding checks its shape and dtype, and
+    writes a temporary that it copies in when ``out`` overlaps an input."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
+    if out.ndim != rank:
+        raise ValueError(f"out: expected rank {rank} like q, got shape {out.shape}")
+    return _to4(out, "out", rank, layout)
 
 
 def _threads(num_threads):
@@ -125,9 +101,13 @@ def _threads(num_threads):
     return int(num_threads)
 
 
-def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None,
-              layout="bhsd", return_lse=False, out=None, num_threads=None, window=None,
-              softcap=None, sinks=None, alibi_slopes=None):
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
+              mask: Optional[ArrayLike] = None, kv_lens: Optional[IntsLike] = None,
+              q_lens: Optional[IntsLike] = None, scale: Optional[float] = None,
+              layout: str = "bhsd", return_lse: bool = False, out: Optional[np.ndarray] = None,
+              num_threads: Optional[int] = None, window: Optional[Window] = None,
+              softcap: Optional[float] = None, sinks: Optional[ArrayLike] = None,
+              alibi_slopes: Optional[ArrayLike] = None) -> Result:
     """Exact scaled dot-product attention, ``softmax(q kᵀ · scale + M) v``, without ever forming
     the full score matrix.
 
@@ -185,14 +165,13 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
     (3, 4)
     """
     # (the common case, 4-D "bhsd" NumPy arrays, takes the shortest path: a small call from
-    # Python should cost a few microseconds)
+    # Python should cost a few microseconds, so defaults pass through without calls)
     q = q if type(q) is np.ndarray else _as_array(q, "q")
     k = k if type(k) is np.ndarray else _as_array(k, "k")
     v = v if type(v) is np.ndarray else _as_array(v, "v")
-    if window is not None or softcap is not None:
-        window, softcap = _window(window), _softcap(softcap)
     rank = q.ndim
-    if rank == 4 and layout == "bhsd" and k.ndim == 4 and v.ndim == 4:
+    plain = rank == 4 and layout == "bhsd" and k.ndim == 4 and v.ndim == 4
+    if plain:
         q4, k4, v4 = q, k, v
     else:
         if rank not in (2, 3, 4):
@@ -201,54 +180,35 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
             raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
         q4, k4, v4 = _to4(q, "q", rank, layout), _to4(k, "k", rank, layout), _to4(v, "v", rank, layout)
     q4, k4, v4 = _unit_last(q4), _unit_last(k4), _unit_last(v4)
-    B, Hq, Sq, Dk = q4.shape
-    Sk = k4.shape[2]
     if mask is not None:
-        logical = (B, Hq, Sq, Sk)[4 - rank:]
-        mask = _mask4(mask, rank, logical)
-    copy_back = None
-    out4 = None
-    if out is not None:
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
-        if out.ndim != rank:
-            raise ValueError(f"out: expected rank {rank} like q, got shape {out.shape}")
-        out4 = _to4(out, "out", rank, layout)
-        if _unit_last(out4) is not out4 or any(
-                np.may_share_memory(out, x) for x in (q, k, v)):
-            # the kernel writes a fresh array; copy it into `out` once it is complete
-            copy_back, out4 = out4, None
-    # (the None / bool defaults are passed through without calls: a few hundred ns per call)
-    res = _core.attention(q4, k4, v4, mask,
-                          kv_lens if kv_lens is None else _lens(kv_lens, rank),
-                          q_lens if q_lens is None else _lens(q_lens, rank),
-                          causal if causal is False or causal is True else bool(causal),
-                          1.0 / math.sqrt(Dk) if scale is None and Dk else _scale(scale, Dk), out4,
-                          return_lse if return_lse is False or return_lse is True
-                          else bool(return_lse),
-                          0 if num_threads is None else _threads(num_threads), window, softcap,
-                          sinks, alibi_slopes)
-    o4, lse = res if return_lse else (res, None)
-    if copy_back is not None:
-        if copy_back.shape != o4.shape or copy_back.dtype != o4.dtype:
-            # let the binding produce the precise message
-            _core.attention(q4, k4, v4, mask, _lens(kv_lens, rank), _lens(q_lens, rank), bool(causal),
-                            _scale(scale, Dk), copy_back, False, 1, window, softcap, sinks, alibi_slopes)
-        if not copy_back.flags.writeable:
-            raise ValueError("out: array is not writable")
-        np.copyto(copy_back, o4)
-        o = out
-    else:
-        o = (out if out is not None else o4 if rank == 4 and layout == "bhsd"
-             else _from4(o4, rank, layout))
+        mask = _mask4(mask, rank, (q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])[4 - rank:])
+    res = _core.attention(
+        q4, k4, v4, mask=mask, causal=causal, return_lse=return_lse, sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        kv_lens=kv_lens if kv_lens is None else _lens(kv_lens, rank),
+        q_lens=q_lens if q_lens is None else _lens(q_lens, rank),
+        scale=scale if scale is None else _real(scale, "scale"),
+        out=out if out is None else _out4(out, rank, layout),
+        num_threads=0 if num_threads is None else _threads(num_threads),
+        window=window if window is None else _window(window),
+        softcap=softcap if softcap is None else _real(softcap, "softcap"))
     if not return_lse:
-        return o
+        return out if out is not None else res if plain else _from4(res, rank, layout)
+    o4, lse = res
+    o = out if out is not None else o4 if plain else _from4(o4, rank, layout)
     return o, (lse if rank == 4 else lse[0] if rank == 3 else lse[0, 0])
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None, causal=True,
-                    scale=None, return_lse=False, out=None, num_threads=None, window=None,
-                    softcap=None, sinks=None, alibi_slopes=None, k_scales=None, v_scales=None):
+def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
+                    block_tables: IntsLike, seq_lens: IntsLike, *,
+                    q_lens: Optional[IntsLike] = None, causal: bool = True,
+                    scale: Optional[float] = None, return_lse: bool = False,
+                    out: Optional[np.ndarray] = None, num_threads: Optional[int] = None,
+                    window: Optional[Window] = None, softcap: Optional[float] = None,
+                    sinks: Optional[ArrayLike] = None,
+                    alibi_slopes: Optional[ArrayLike] = None,
+                    k_scales: Optional[np.ndarray] = None,
+                    v_scales: Optional[np.ndarray] = None) -> Result:
     """Attention of packed queries against KV stored in pages of a block pool, read in place.
 
     Parameters
@@ -289,26 +249,19 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
     array([1., 1., 1.], dtype=float32)
     """
     q = _unit_last(_as_array(q, "q"))
-    k_pages = _unit_last(_as_array(k_pages, "k_pages"))
-    v_pages = _unit_last(_as_array(v_pages, "v_pages"))
-    block_tables = _as_array(block_tables, "block_tables")
     if q.ndim != 3:
         raise ValueError(f"q: expected shape (N, Hq, Dk), got {q.shape}")
-    if out is not None and not isinstance(out, np.ndarray):
-        raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
-    window, softcap = _window(window), _softcap(softcap)
-    return _core.paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens, bool(causal),
-                                 _scale(scale, q.shape[2]), out, bool(return_lse),
-                                 _threads(num_threads), window, softcap, sinks, alibi_slopes,
-                                 **_scale_pages(k_scales, v_scales))
+    return _core.paged_attention(
+        q, _unit_last(_as_array(k_pages, "k_pages")), _unit_last(_as_array(v_pages, "v_pages")),
+        _as_array(block_tables, "block_tables"), seq_lens, q_lens=q_lens, causal=causal,
+        scale=_scale(scale), out=out, return_lse=return_lse, num_threads=_threads(num_threads),
+        window=_window(window), softcap=_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
+        k_scales=_scales(k_scales, "k_scales"), v_scales=_scales(v_scales, "v_scales"))
 
 
-def _scale_pages(k_scales, v_scales):
-    """The scale pages as keyword arguments of the binding (none for float pages)."""
-    if k_scales is None and v_scales is None:
-        return {}
-    return {"k_scales": None if k_scales is None else _as_array(k_scales, "k_scales"),
-            "v_scales": None if v_scales is None else _as_array(v_scales, "v_scales")}
+def _scales(x: object, name: str) -> Optional[np.ndarray]:
+    """A scale-pages argument as an array (the binding checks it), or None."""
+    return None if x is None else _as_array(x, name)
 
 
 def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np.ndarray,
@@ -365,6 +318,8 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
             raise ValueError(f"window: this cache keeps a sliding window of {max_left + 1} tokens, "
                              f"so the left side must be <= {max_left}, got {window!r}")
     return _core.paged_attention(
-        qa, k_pages, v_pages, block_tables, seq_lens, q_lens, True, _scale(scale, qa.shape[2]), None,
-        bool(return_lse), _threads(num_threads), sides, _softcap(softcap), sinks, alibi_slopes,
-        k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots, **_scale_pages(k_scales, v_scales))
+        qa, k_pages, v_pages, block_tables, seq_lens, q_lens=q_lens, causal=True,
+        scale=_scale(scale), return_lse=return_lse, num_threads=_threads(num_threads), window=sides,
+        softcap=_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
+        k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots,
+        k_scales=_scales(k_scales, "k_scales"), v_scales=_scales(v_scales, "v_scales"))

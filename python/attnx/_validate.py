@@ -1,16 +1,20 @@
 """Argument checks shared by the Python entry points: one rule, one place.
 
-Every check names the argument and says what it expected; none of them changes anything.
+Every check names the argument and says what it expected; none of them changes its argument
+(a conversion returns a new object). Ranges that depend on the kernels (float32 scalars, lengths,
+shapes) are checked once, in the binding (``cpp/bindings.cpp``); these helpers only bring Python
+values to the types it reads.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, cast
+from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
-__all__ = ["storage_dtype", "positive_int", "as_int", "int_in", "index", "counts"]
+__all__ = ["storage_dtype", "positive_int", "as_int", "int_in", "index", "counts", "as_array",
+           "native_order", "kernel_array", "real", "window_sides"]
 
 
 def storage_dtype(dtype: Any, name: str = "dtype") -> np.dtype[Any]:
@@ -92,3 +96,56 @@ def counts(x: object, name: str, size: int) -> list[int]:
     if None in values or min(ints, default=0) < 0:
         raise ValueError(f"{name}: expected ints >= 0, got {x!r}")
     return ints
+
+
+def as_array(x: Any, name: str) -> np.ndarray:
+    """``x`` as a NumPy array (itself when it is one); anything unconvertible is a TypeError."""
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except Exception as exc:  # noqa: BLE001 - anything unconvertible is a type error
+        raise TypeError(f"{name}: expected a numpy array, got {type(x).__name__}") from exc
+
+
+def native_order(a: np.ndarray) -> np.ndarray:
+    """``a`` in the machine's byte order (a byte-swapped ``'>f4'`` array is converted)."""
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
+def kernel_array(a: np.ndarray) -> np.ndarray:
+    """``a``, or a contiguous copy when the kernels could not read it through element strides:
+    its last axis strided, or its data or strides misaligned (a field of a structured array has
+    byte strides that are no multiple of its item size). Byte order is left to the binding, which
+    converts inputs and refuses what it writes in place."""
+    flags = a.flags
+    if flags.c_contiguous and flags.aligned:  # the common case, in one look at the flags
+        return a
+    if (a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1) or not flags.aligned:
+        return np.array(a, order="C")  # (ascontiguousarray would keep a contiguous misaligned array)
+    return a
+
+
+def real(x: Any, name: str) -> float:
+    """``x`` as a Python float: ints and NumPy scalars of any width; bools and non-numbers are a
+    TypeError. The range is the binding's to check."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(x).__name__}")
+    return float(x)
+
+
+def window_sides(window: Any) -> Optional[Tuple[Optional[int], Optional[int]]]:
+    """``(left, right)`` as a tuple of Python ints or None (NumPy ints of any width and lists
+    accepted); the binding checks the signs."""
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window: expected (left, right), got {window!r}") from None
+    sides = []
+    for side in (left, right):
+        if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral)):
+            raise TypeError(f"window: sides must be ints or None, got {window!r}")
+        sides.append(None if side is None else int(side))
+    return sides[0], sides[1]

@@ -23,6 +23,7 @@ Columns ``h*head_dim : (h+1)*head_dim`` of W_Q belong to head ``h`` (torch's spl
 
 from __future__ import annotations
 
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
@@ -136,8 +137,10 @@ class MultiHeadAttention:
     b_V = _param("b_V", "Value bias ``(num_kv_heads*head_dim,)`` or None.")
     b_O = _param("b_O", "Output bias ``(d_model,)`` or None.")
 
-    def __init__(self, d_model, num_heads, num_kv_heads=None, head_dim=None, bias=False,
-                 dtype=np.float32, *, context_dim=None, seed=None, rng=None):
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, bias: bool = False, dtype: Any = np.float32, *,
+                 context_dim: Optional[int] = None, seed: Optional[int] = None,
+                 rng: Optional[np.random.Generator] = None) -> None:
         self.d_model = _positive(d_model, "d_model")
         self.num_heads = _positive(num_heads, "num_heads")
         self.num_kv_heads = (self.num_heads if num_kv_heads is None
@@ -181,7 +184,7 @@ class MultiHeadAttention:
             "b_Q": (q,), "b_K": (kv,), "b_V": (kv,), "b_O": (self.d_model,),
         }
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"bias={self.b_Q is not None}, dtype={self.dtype.name})")
@@ -195,8 +198,10 @@ class MultiHeadAttention:
             y += b if b.dtype == _F32 else b.astype(_F32)
         return y
 
-    def __call__(self, x, context=None, *, causal=False, mask=None, kv_lens=None, q_lens=None,
-                 return_weights=False):
+    def __call__(self, x: Any, context: Optional[Any] = None, *, causal: bool = False,
+                 mask: Optional[Any] = None, kv_lens: Optional[Any] = None,
+                 q_lens: Optional[Any] = None,
+                 return_weights: bool = False) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
         """Self-attention (``context=None``) or cross-attention over ``context``.
 
         Parameters
@@ -287,7 +292,7 @@ class MultiHeadAttention:
     forward = __call__
 
     # ---- state dicts -----------------------------------------------------------------------
-    def state_dict(self, prefix=""):
+    def state_dict(self, prefix: str = "") -> Dict[str, np.ndarray]:
         """The weights under torch-style names and torch's ``(out, in)`` convention:
         ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``, ``out_proj.weight`` (and
         ``.bias``), as copies."""
@@ -300,7 +305,8 @@ class MultiHeadAttention:
         return d
 
     @classmethod
-    def from_state_dict(cls, d, num_heads, num_kv_heads=None, prefix="", *, dtype=np.float32):
+    def from_state_dict(cls, d: Dict[str, Any], num_heads: int, num_kv_heads: Optional[int] = None,
+                        prefix: str = "", *, dtype: Any = np.float32) -> "MultiHeadAttention":
         """Builds a layer from a model's state dict (torch's ``(out, in)`` weights).
 
         Accepted names (after ``prefix``), NumPy arrays or torch tensors:

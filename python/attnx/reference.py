@@ -62,8 +62,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
     _ml_dtypes = None
     _BFLOAT16 = None
 
-__all__ = ["attention", "attention_weights", "paged_attention", "scaled_dot_product_attention",
-           "quantize_kv", "dequantize_kv", "quantised_dtype", "QUANTISED_DTYPES"]
+__all__ = ["attention", "attention_weights", "paged_attention", "scaled_dot_product_attention"]
 
 _LAYOUTS = ("bhsd", "bshd")
 _FLOAT_DTYPES = tuple(
@@ -714,6 +713,67 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 # --------------------------------------------------------------------------
+# merging partial results (the twin of attnx.merge_attention)
+# --------------------------------------------------------------------------
+
+__all__ += ["merge_attention"]
+
+
+def merge_attention(outs, lses, *, layout="bhsd", out_dtype=None):
+    """Merge partial results over disjoint key sets: the union's ``(out, lse)``.
+
+    ``lse = log(sum_i exp(lses[i]))`` and ``out = sum_i exp(lses[i] - lse) * outs[i]``,
+    computed in float64. A part with lse ``-inf`` saw no key and contributes nothing; a row
+    where every part is ``-inf`` is 0 with lse ``-inf``; a NaN lse makes its row NaN, and so
+    does a NaN output of a part that contributes.
+
+    Parameters
+    ----------
+    outs : sequence of array_like, one shape and dtype, any attnx output shape (rank >= 1)
+    lses : sequence of array_like, the output's leading axes in bhsd order: ``out.shape[:-1]``
+        for ``layout="bhsd"``; for ``"bshd"`` outputs ``(B, S, H, D)`` / ``(S, H, D)`` the lse is
+        ``(B, H, S)`` / ``(H, S)``.
+    layout : {"bhsd", "bshd"}
+    out_dtype : dtype, optional
+        Output dtype; default the outputs' dtype.
+
+    Returns
+    -------
+    out : ndarray of the outputs' shape, ``out_dtype``
+    lse : ndarray, float32 (float64 when the output is float64)
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    outs = [_float_array(o, f"outs[{i}]") for i, o in enumerate(outs)]
+    lses = [_float_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"outs, lses: expected one lse per output and at least one part, got "
+                         f"{len(outs)} outputs and {len(lses)} lses")
+    shape = outs[0].shape
+    # the output's axes, in the order of the lse's axes
+    swap = layout == "bshd" and len(shape) in (3, 4)
+    to_lse_order = (lambda o: np.swapaxes(o, -2, -3)) if swap else (lambda o: o)
+    parts = []
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if o.shape != shape or to_lse_order(o).shape[:-1] != x.shape:
+            raise ValueError(f"outs[{i}], lses[{i}]: shapes {o.shape} and {x.shape} do not pair "
+                             f"with outs[0]'s {shape} (layout {layout!r})")
+        parts.append((to_lse_order(o.astype(np.float64)), x.astype(np.float64)))
+    out = np.zeros(parts[0][0].shape, np.float64)
+    with np.errstate(invalid="ignore"):
+        lse = parts[0][1]
+        for _, x in parts[1:]:
+            lse = np.logaddexp(lse, x)  # -inf with -inf stays -inf; NaN propagates
+        for o, x in parts:
+            contributes = x != -np.inf
+            # exp(x - lse) is NaN only where lse or x is NaN (x finite or +inf otherwise)
+            w = np.where(contributes, np.exp(x - np.where(lse == -np.inf, 0.0, lse)), 0.0)
+            out = out + np.where(contributes[..., None], w[..., None] * o, 0.0)
+    out_dt = _out_dtype(out_dtype, outs[0].dtype)
+    return _round_to(to_lse_order(out), out_dt), lse.astype(_lse_dtype(out_dt))
+
+
+# --------------------------------------------------------------------------
 # quantised KV: the definition of int8 / fp8 pages and their per-row scales
 # --------------------------------------------------------------------------
 #
@@ -735,6 +795,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 #     subnormal and inexact, where a plain cast would overflow to NaN (e4m3fn has no inf).
 # Reading back, x_q * s is a float32 product (exact for int8 codes and fp8 values times a
 # float32 scale up to one rounding), which is what the kernels compute.
+
+__all__ += ["quantize_kv", "dequantize_kv", "quantised_dtype", "QUANTISED_DTYPES"]
 
 QUANTISED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 

@@ -9,10 +9,13 @@ differently when the query and key lengths differ (see the docstring below).
 from __future__ import annotations
 
 import numbers
+from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
 from . import _api
+from . import reference as _reference
+from ._validate import as_array as _as_array, native_order as _native_order
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -24,6 +27,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
     _BF16 = None
 
 _KERNEL_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float16), _BF16) if d is not None)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
 def _check_dropout(dropout_p):
@@ -39,7 +43,7 @@ def _check_inputs(query, key, value, enable_gqa):
     """Shape and dtype checks shared in spirit with the reference twin; returns (q, k, v)."""
     arrays = []
     for name, x in (("query", query), ("key", key), ("value", value)):
-        a = _api._as_array(x, name)
+        a = _native_order(_as_array(x, name))  # dtypes compare equal whatever the byte order
         if a.ndim < 2:
             raise ValueError(f"{name}: expected shape (..., S, E) with rank >= 2, got {a.shape}")
         arrays.append(a)
@@ -99,8 +103,35 @@ def _to_bhsd(a, lead, out_batch, heads):
     return a.reshape((b,) + a.shape[-3:])
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False):
+def _torch_scale(q: np.ndarray, scale: Optional[float]) -> Optional[Tuple[np.ndarray, Optional[float]]]:
+    """``(q, scale)`` for the kernels, which take a positive normal float32 scale (or None for
+    ``1/sqrt(E)``), giving what torch gives for any ``scale``; None when only the float64
+    reference can (an infinite scale).
+
+    torch's CPU kernels hold the scale in float32, so this does too. A negative scale flips the
+    scores: ``-q`` (exact) with ``|scale|``. Zero, subnormal or NaN is folded into q as the
+    kernels themselves fold the scale (``q * scale`` in float32): zero gives uniform attention,
+    NaN propagates. An infinite scale makes every score ``±inf`` (or NaN where ``q·k`` is 0), which
+    a scaled q cannot represent (``inf * q_d`` terms of both signs would sum to NaN).
+    """
+    if scale is None:
+        return q, (None if q.shape[-1] else 1.0)  # torch's 1/sqrt(0) is inf; nothing to scale
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    with np.errstate(over="ignore"):
+        s = np.float32(scale)
+    if np.isinf(s):
+        return None
+    if abs(s) >= _F32_TINY:
+        return (q, float(s)) if s > 0 else (np.negative(q), float(-s))
+    with np.errstate(all="ignore"):
+        return (q.astype(np.float32) * s).astype(q.dtype), 1.0
+
+
+def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False,
+                                 scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> np.ndarray:
     """``torch.nn.functional.scaled_dot_product_attention`` on NumPy arrays, on attnx's kernels.
 
     Same arguments, shapes and results as PyTorch's function (inference only)::
@@ -130,7 +161,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         2.13's CPU kernel returns for 4-D inputs, while torch's documentation (and its
         fallback path for other ranks) raises an error for this combination.
     scale : float, optional
-        Defaults to ``1/sqrt(E)``.
+        Defaults to ``1/sqrt(E)``. Any float, as in torch: 0 gives uniform attention over the
+        visible keys, a negative scale flips the scores, NaN propagates. Held in float32 like
+        torch's CPU kernels (so ``1e39`` is inf and ``1e-46`` is 0); an infinite scale, whose
+        scores are all ``±inf``, is computed by :func:`attnx.reference.scaled_dot_product_attention`
+        (float64, slow).
     enable_gqa : bool
         Grouped-query attention: ``key``/``value`` may have fewer heads (axis ``-3``) than
         ``query``; query head ``h`` reads kv head ``h // (Hq // Hkv)`` (torch's
@@ -168,17 +203,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         q, k, v = (a.astype(np.float32) for a in (q, k, v))
     L, E = q.shape[-2:]
     S = k.shape[-2]
-    if scale is None:
-        scale = None if E else 1.0  # torch's 1/sqrt(0) is inf; there is nothing to scale anyway
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    scaled = _torch_scale(q, scale)
+    if scaled is None:
+        with np.errstate(over="ignore"):
+            s32 = float(np.float32(scale))
+        return _reference.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=s32,
+            enable_gqa=enable_gqa).astype(out_dtype, copy=False)
+    q, scale = scaled
 
     (q_lead, k_lead, v_lead), out_lead = _lead_shapes(q, k, v, bool(enable_gqa))
     rank = len(out_lead) + 2
 
     mask = None
     if attn_mask is not None:
-        m = _api._as_array(attn_mask, "attn_mask")
+        m = _as_array(attn_mask, "attn_mask")
         if m.dtype != np.bool_ and m.dtype.kind != "f" and m.dtype != _BF16:
             raise TypeError(f"attn_mask: expected a boolean (True = takes part) or float mask, "
                             f"got dtype {m.dtype}")
@@ -213,7 +252,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             window = (None, int(L - S))
 
     if rank == 2:
-        out = _api.attention(q, k, v, causal=causal, mask=mask, scale=scale, window=window)
+        out = cast(np.ndarray, _api.attention(q, k, v, causal=causal, mask=mask, scale=scale,
+                                              window=window))
         return out.astype(out_dtype, copy=False)
 
     hq = out_lead[-1]
@@ -238,6 +278,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             m4 = mask.reshape((1,) + mask.shape[-3:])
         else:
             m4 = _to_bhsd(mask, mask.shape[:-2], out_batch, mask.shape[-3])
-    out = _api.attention(q4, k4, v4, causal=causal, mask=m4, scale=scale, window=window)
+    out = cast(np.ndarray, _api.attention(q4, k4, v4, causal=causal, mask=m4, scale=scale,
+                                          window=window))
     out = out.reshape(out_lead + out.shape[-2:])
     return out.astype(out_dtype, copy=False)

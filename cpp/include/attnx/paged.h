@@ -5,7 +5,7 @@
 // page of the sequence, and with this layout those rows are one contiguous run of
 // block_size * D elements per page, which the hardware prefetcher streams at full bandwidth.
 #pragma once
-#include "attnx/attention.h"
+#include "attnx/types.h"
 
 namespace attnx {
 
@@ -66,5 +66,15 @@ struct PagedWrite {
 // or the row is zero; s = NaN (zero codes) when the row holds a NaN or an inf.
 float quantise_row(const float* x, int64_t n, DType dtype, void* dst);
 void paged_write(const PagedWrite& w);
+
+// One step of a paged cache: writes the step's new keys and values into their slots, then attends
+// over the pages (which then hold them). Everything is checked before the first write. A write
+// of n = 0 rows writes nothing: v is empty when the values are a view of the keys (latent
+// attention), and both are for a step that only attends.
+struct PagedStep {
+  PagedParams attend;
+  PagedWrite k, v;
+};
+void paged_step(const PagedStep& step);
 
 }  // namespace attnx

@@ -7,11 +7,10 @@
 //   for each KV tile:  s_j = q.k_j (scaled) -> softcap -> + bias (ALiBi, mask) -> -inf outside
 //                      the visible range; m' = max(m, max_j s_j); alpha = exp(m - m');
 //                      p_j = exp(s_j - m'); l = alpha l + sum_j p_j; O = alpha O + sum_j p_j v_j.
-// A row that has seen no visible key keeps m = -inf, l = 0, O = 0 (the driver finalises it to
-// zeros and lse = -inf): the update is skipped instead of computing exp(-inf - -inf) = NaN.
+// The rules for a row that has seen no visible key, or a NaN score, are those of row_state.h.
 
-// The including file provides <cmath>, <cstring>, <limits> and kernels.h before opening the
-// namespace: no header may be included from inside it.
+// The including file provides <cmath>, <cstring>, <limits>, kernels.h and row_state.h before
+// opening the namespace: no header may be included from inside it.
 
 namespace {
 
@@ -102,6 +101,7 @@ static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
     load_codes(src, dtype, n, 1.f, dst);
     return;
   }
+
   const uint16_t* h = static_cast<const uint16_t*>(src);
   if (dtype == DType::f16) {
     for (; i + W <= n; i += W) store(dst + i, load_f16(h + i));
@@ -129,25 +129,6 @@ static void store_row(const float* src, int64_t n, DType dtype, void* dst) {
 static inline void load_row_padded(const char* src, DType dtype, int64_t D, int64_t Dp, float* dst) {
   load_row(src, dtype, D, dst);
   for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
-}
-
-// Rows [j0, j0 + n) of `s` at addresses `addr`, converted to fp32 into buf (n x Dp, zero-padded)
-// with their scales if quantised (code * scale, one float32 product: attnx.reference's
-// dequantize_kv); rows[t] points at row t.
-static void convert_rows(const kern::KVSource& s, int64_t j0, int64_t n, const char* const* addr,
-                         int64_t D, int64_t Dp, float* buf, const float** rows) {
-  float scl[kTileK];
-  if (s.scale != nullptr) kv_scales(s, j0, n, scl);
-  for (int64_t t = 0; t < n; ++t) {
-    float* dst = buf + t * Dp;
-    if (s.scale != nullptr) {
-      load_codes(addr[t], s.dtype, D, scl[t], dst);
-      for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
-    } else {
-      load_row_padded(addr[t], s.dtype, D, Dp, dst);
-    }
-    rows[t] = dst;
-  }
 }
 
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
@@ -230,6 +211,7 @@ template <> inline V ld<F16>(const float* row, int64_t d) {
 template <> inline V ld<BF16>(const float* row, int64_t d) {
   return load_bf16(reinterpret_cast<const uint16_t*>(row) + d);
 }
+
 // Quantised rows read in place give their codes (e4m3: code / 256, see load_fp8); the row's scale
 // is applied to the scores (K) or the probabilities (V) instead: scale_keys below.
 struct I8 {};
@@ -414,10 +396,8 @@ static inline void softmax_row(float* srow, const float* brow, int64_t n, int64_
   const float tile_max = reduce_max(mv);
   const float m_old = *m;
   const float m_new = tile_max > m_old ? tile_max : m_old;
-  if (m_new == kNegInf) {
-    // Nothing visible so far. A NaN score is still a score: keep it (l = NaN poisons the row).
-    for (int64_t j = vlo; j < vhi; ++j)
-      if (std::isnan(srow[j])) *l = std::numeric_limits<float>::quiet_NaN();
+  if (m_new == kNegInf) {  // nothing visible so far: skip the update, but keep a NaN score
+    for (int64_t j = vlo; j < vhi; ++j) row::keep_nan(l, srow[j]);
     std::memset(srow, 0, sizeof(float) * kTileK);
     return;
   }
@@ -428,7 +408,7 @@ static inline void softmax_row(float* srow, const float* brow, int64_t n, int64_
     store(srow + j, e);
     sum = add(sum, e);
   }
-  const float alpha = m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
+  const float alpha = row::rescale(m_old, m_new);
   *l = *l * alpha + reduce_add(sum);
   *m = m_new;
   if (alpha != 1.f) {
@@ -456,18 +436,40 @@ static void pv_visible(const kern::RowSet& rs, int64_t j0, const float* bias, co
     }
 }
 
+// fp32 row pointers (into `rows`) to rows [j0, j0 + n) of `s` at addr (D elements each): the
+// rows themselves where read in place, else their fp32 copies, zero-padded, in buf (n x Dp
+// floats), quantised rows with their scales (code * scale, one float32 product: what
+// attnx.reference.dequantize_kv computes).
+static inline const float** fp32_rows(const kern::KVSource& s, int64_t j0, const char* const* addr,
+                                      int64_t n, int64_t D, bool inplace, float* buf,
+                                      const float** rows) {
+  const int64_t Dp = round_up(D, kPad);
+  if (inplace) {
+    for (int64_t t = 0; t < n; ++t) rows[t] = reinterpret_cast<const float*>(addr[t]);
+    return rows;
+  }
+  float scl[kTileK];
+  const bool scaled = quantised(s.dtype);
+  if (scaled) kv_scales(s, j0, n, scl);
+  for (int64_t t = 0; t < n; ++t) {
+    float* dst = buf + t * Dp;
+    if (scaled) {
+      load_codes(addr[t], s.dtype, D, scl[t], dst);
+      for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
+    } else {
+      load_row_padded(addr[t], s.dtype, D, Dp, dst);
+    }
+    rows[t] = dst;
+  }
+  return rows;
+}
+
 // fp32 row pointers to keys [j0, j0 + n), converted into scratch unless read in place; rows past
 // n point at zeros so register blocks never read past the tile.
 static const float** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
                               bool inplace, const kern::Scratch& sc) {
-  const int64_t Dkp = round_up(Dk, kPad);
   kv_rows(ks, j0, n, sc.kaddr);
-  const float** krow = sc.krow;
-  if (inplace) {
-    for (int64_t t = 0; t < n; ++t) krow[t] = reinterpret_cast<const float*>(sc.kaddr[t]);
-  } else {
-    convert_rows(ks, j0, n, sc.kaddr, Dk, Dkp, sc.kf, krow);
-  }
+  const float** krow = fp32_rows(ks, j0, sc.kaddr, n, Dk, inplace, sc.kf, sc.krow);
   for (int64_t t = n; t < kTileK; ++t) krow[t] = sc.zero;
   return krow;
 }
@@ -505,6 +507,25 @@ static const float* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n,
   return sc.kt;
 }
 
+// The user mask over keys [j0, j0 + n) as an additive bias tile (M rows of kTileK, zero past n to
+// a whole vector). Returns whether any row's visible range has a key the mask lets through.
+static inline bool mask_tile(const kern::RowSet& rs, int64_t j0, int64_t n, float* bias) {
+  bool open = false;
+  for (int r = 0; r < rs.M; ++r) {
+    float* br = bias + int64_t(r) * kTileK;
+    const char* mr = rs.mask_row[r] + j0 * rs.mask_sk;
+    if (rs.mask_kind == MaskKind::boolean) {
+      for (int64_t t = 0; t < n; ++t) br[t] = mr[t * rs.mask_sk] ? 0.f : kNegInf;
+    } else {
+      for (int64_t t = 0; t < n; ++t) std::memcpy(br + t, mr + t * rs.mask_sk, sizeof(float));
+    }
+    for (int64_t t = n; t < round_up(n, W); ++t) br[t] = 0.f;
+    const int64_t a = imax(rs.lo[r] - j0, 0), b = imin(rs.hi[r] - j0, n);
+    for (int64_t t = a; t < b && !open; ++t) open = br[t] != kNegInf;
+  }
+  return open;
+}
+
 // Keys to prefetch while a tile is computed: rows [j, j + n) of the sources k and v (n = 0: none).
 struct Ahead {
   const kern::KVSource* k = nullptr;
@@ -528,96 +549,75 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   const DType kdt = k_inplace ? ks.dtype : DType::f32, vdt = v_inplace ? vs.dtype : DType::f32;
   const int64_t vw = v_inplace ? Dv : Dvp;  // value features the PV kernel walks
 
-  {
-    const int64_t n = imin(kTileK, j_end - j0), j1 = j0 + n;
-    // Skip tiles no row can see (outside every row's causal / window / padding range).
-    bool any = false;
-    for (int r = 0; r < M && !any; ++r) any = rs.lo[r] < j1 && rs.hi[r] > j0;
-    if (!any) return;
-    // User mask as an additive bias tile; skip the tile if it blocks every visible pair.
-    const float* bias = nullptr;
-    if (rs.mask_kind != MaskKind::none) {
-      bool open = false;
-      for (int r = 0; r < M; ++r) {
-        float* br = sc.bias + int64_t(r) * kTileK;
-        const char* mr = rs.mask_row[r] + j0 * rs.mask_sk;
-        if (rs.mask_kind == MaskKind::boolean) {
-          for (int64_t t = 0; t < n; ++t) br[t] = mr[t * rs.mask_sk] ? 0.f : kNegInf;
-        } else {
-          for (int64_t t = 0; t < n; ++t) std::memcpy(br + t, mr + t * rs.mask_sk, sizeof(float));
-        }
-        for (int64_t t = n; t < round_up(n, W); ++t) br[t] = 0.f;
-        const int64_t a = imax(rs.lo[r] - j0, 0), b = imin(rs.hi[r] - j0, n);
-        for (int64_t t = a; t < b && !open; ++t) open = br[t] != kNegInf;
-      }
-      if (!open) return;
-      bias = sc.bias;
-    }
-    // Row addresses of this tile (of K only where QK^T reads the rows themselves).
-    const char** vaddr = sc.vaddr;
-    kv_rows(vs, j0, n, vaddr);
-    // Few rows (decode) make this loop memory bound, and pages are scattered, so the hardware
-    // prefetcher cannot guess what comes next: ask for a later tile while this one is computed.
-    const char** kn = nullptr;
-    const char** vn = nullptr;
-    const int64_t nn = ahead.n;
-    if (!packed && nn > 0) {
-      kn = sc.kaddr + kTileK;
-      vn = sc.vaddr + kTileK;
-      kv_rows(*ahead.k, ahead.j, nn, kn);
-      kv_rows(*ahead.v, ahead.j, nn, vn);
-    }
-    // S = Q K^T
-    if (packed) {
-      qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s);
-    } else {
-      const float** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
-      with_type(kdt, [&](auto t) {
-        qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
-                            Dk * elem_bytes(ks.dtype));
-      });
-      if (k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
-    }
-    // softmax rows
-    bool partial = bias != nullptr;
-    for (int r = 0; r < M; ++r) {
-      const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
-      partial = partial || vlo > 0 || vhi < n;
-      float* srow = sc.s + int64_t(r) * kTileK;
-      if (vlo >= vhi) {
-        std::memset(srow, 0, sizeof(float) * kTileK);
-        continue;
-      }
-      softmax_row(srow, bias ? bias + int64_t(r) * kTileK : nullptr, n, vlo, vhi, j0, softcap,
-                  rs.slope ? rs.slope[r] : 0.f, rs.pos[r], st.m + r, st.l + r,
-                  st.o + int64_t(r) * st.ldo, Dvp);
-    }
-    // O += P V
-    const float** vrow = sc.vrow;
-    if (v_inplace) {
-      for (int64_t t = 0; t < n; ++t) vrow[t] = reinterpret_cast<const float*>(vaddr[t]);
-    } else {
-      convert_rows(vs, j0, n, vaddr, Dv, Dvp, sc.vf, vrow);
-    }
-    // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would
-    // still leak into the row. Tiles that some row sees only in part are checked for
-    // non-finite values; if there are any, each row adds only the keys it sees.
-    if (partial) {
-      const float* const* fv = vrow;
-      if (vdt != DType::f32) {  // the check and its slow path read fp32 rows (with their scales)
-        convert_rows(vs, j0, n, vaddr, Dv, Dvp, sc.vf, sc.krow);  // K's pointers are done with
-        fv = sc.krow;
-      }
-      if (!values_finite(fv, n, vw)) {
-        pv_visible(rs, j0, bias, sc.s, fv, n, vw, st.o, st.ldo);
-        return;
-      }
-    }
-    if (v_inplace && quantised(vs.dtype)) scale_keys(M, sc.s, vs, j0, n);
-    with_type(vdt, [&](auto t) {
-      pv<decltype(t)>(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * elem_bytes(vs.dtype));
-    });
+  const int64_t n = imin(kTileK, j_end - j0), j1 = j0 + n;
+  // Skip tiles no row can see (outside every row's causal / window / padding range).
+  bool any = false;
+  for (int r = 0; r < M && !any; ++r) any = rs.lo[r] < j1 && rs.hi[r] > j0;
+  if (!any) return;
+  // User mask as an additive bias tile; skip the tile if it blocks every visible pair.
+  const float* bias = nullptr;
+  if (rs.mask_kind != MaskKind::none) {
+    if (!mask_tile(rs, j0, n, sc.bias)) return;
+    bias = sc.bias;
   }
+  // Row addresses of this tile (of K only where QK^T reads the rows themselves).
+  const char** vaddr = sc.vaddr;
+  kv_rows(vs, j0, n, vaddr);
+  // Few rows (decode) make this loop memory bound, and pages are scattered, so the hardware
+  // prefetcher cannot guess what comes next: ask for a later tile while this one is computed.
+  const char** kn = nullptr;
+  const char** vn = nullptr;
+  const int64_t nn = ahead.n;
+  if (!packed && nn > 0) {
+    kn = sc.kaddr + kTileK;
+    vn = sc.vaddr + kTileK;
+    kv_rows(*ahead.k, ahead.j, nn, kn);
+    kv_rows(*ahead.v, ahead.j, nn, vn);
+  }
+  // S = Q K^T
+  if (packed) {
+    qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s);
+  } else {
+    const float** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
+    with_type(kdt, [&](auto t) {
+      qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
+                          Dk * elem_bytes(ks.dtype));
+    });
+    if (k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
+  }
+  // softmax rows
+  bool partial = bias != nullptr;
+  for (int r = 0; r < M; ++r) {
+    const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
+    partial = partial || vlo > 0 || vhi < n;
+    float* srow = sc.s + int64_t(r) * kTileK;
+    if (vlo >= vhi) {
+      std::memset(srow, 0, sizeof(float) * kTileK);
+      continue;
+    }
+    softmax_row(srow, bias ? bias + int64_t(r) * kTileK : nullptr, n, vlo, vhi, j0, softcap,
+                rs.slope ? rs.slope[r] : 0.f, rs.pos[r], st.m + r, st.l + r,
+                st.o + int64_t(r) * st.ldo, Dvp);
+  }
+  // O += P V
+  const float* const* vrow = fp32_rows(vs, j0, vaddr, n, Dv, v_inplace, sc.vf, sc.vrow);
+  // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would
+  // still leak into the row. Tiles that some row sees only in part are checked for
+  // non-finite values; if there are any, each row adds only the keys it sees.
+  if (partial) {
+    const float* const* fv = vrow;
+    if (vdt != DType::f32)  // the check and its slow path read fp32 rows (in K's pointers,
+                            // no longer needed in this tile), quantised ones with their scales
+      fv = fp32_rows(vs, j0, vaddr, n, Dv, false, sc.vf, sc.krow);
+    if (!values_finite(fv, n, vw)) {
+      pv_visible(rs, j0, bias, sc.s, fv, n, vw, st.o, st.ldo);
+      return;
+    }
+  }
+  if (v_inplace && quantised(vs.dtype)) scale_keys(M, sc.s, vs, j0, n);
+  with_type(vdt, [&](auto t) {
+    pv<decltype(t)>(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * elem_bytes(vs.dtype));
+  });
 }
 
 // One work item: keys [j_begin, j_end) tile by tile, prefetching the tile kPrefetchTiles ahead.

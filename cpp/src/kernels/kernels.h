@@ -4,7 +4,7 @@
 #pragma once
 #include <cstdint>
 
-#include "attnx/attention.h"
+#include "attnx/types.h"
 
 // Micro-kernels and the reductions inside them must inline into their loops: as calls, GCC kept
 // their accumulator arrays on the stack (zeroed with rep stos, spilled, reloaded), which cost the
@@ -74,7 +74,8 @@ struct Scratch {
   const char** vaddr = nullptr;
 };
 
-// Running online-softmax state of M rows: O (M, ldo) unnormalised, m the running max, l the sum.
+// Running online-softmax state of M rows: O (M, ldo) unnormalised, m the running max, l the sum
+// (its rules: row_state.h).
 struct FlashState {
   float* o = nullptr;
   int64_t ldo = 0;

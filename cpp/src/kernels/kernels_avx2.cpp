@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "kernels/kernels.h"
+#include "row_state.h"
 #include "kernels/vec_avx2.h"
 
 namespace attnx {

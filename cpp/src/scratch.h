@@ -1,0 +1,161 @@
+// scratch.h: each thread's working memory for run_flash, kept between calls, and the one layout
+// that gives both its size and the pointers into it (so the two cannot fall out of step).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace attnx {
+namespace detail {
+
+// 64-byte aligned float storage that only grows: one per thread, reused across calls.
+class FloatBuf {
+ public:
+  float* get(std::size_t n) {
+    if (n > cap_) {
+      std::free(ptr_);
+      ptr_ = static_cast<float*>(std::aligned_alloc(64, (n * 4 + 63) / 64 * 64));
+      if (ptr_ == nullptr) {
+        cap_ = 0;
+        throw std::bad_alloc();
+      }
+      cap_ = n;
+    }
+    return ptr_;
+  }
+  // Frees the storage if it holds more than max_floats.
+  void trim(std::size_t max_floats) {
+    if (cap_ <= max_floats) return;
+    std::free(ptr_);
+    ptr_ = nullptr;
+    cap_ = 0;
+  }
+  ~FloatBuf() { std::free(ptr_); }
+
+ private:
+  float* ptr_ = nullptr;
+  std::size_t cap_ = 0;
+};
+
+struct ThreadScratch {
+  FloatBuf buf;
+  FloatBuf packed_k;  // the calling thread's: K tiles packed once per call (see plan_packed_k)
+  std::vector<int> packed_ready;
+  std::vector<const float*> ptrs;
+  std::vector<const char*> addrs;
+  std::vector<int64_t> ints;
+  std::vector<const char*> mask_rows;
+  std::vector<float> slopes;
+};
+
+inline ThreadScratch& thread_scratch() {
+  static thread_local ThreadScratch ts;
+  return ts;
+}
+
+// One slot per item of a unit: the item's query rows and their state while it runs.
+struct Slot {
+  float* q;                 // (M_max, Dkp) queries, scaled and zero-padded
+  float* o;                 // (M_max, Dvp) unnormalised output
+  float* m;                 // M_max running maxima
+  float* l;                 // M_max running sums
+  int64_t* lo;              // 3 x M_max: each row's visible keys [lo, hi) and its position
+  const char** mask_rows;   // M_max mask row addresses
+  float* slopes;            // M_max ALiBi slopes
+};
+
+// A thread's buffers for one call: the kernels' tile scratch, a row to finish output rows in and
+// one to merge split-KV parts into (Dvp floats each), and max_group slots (see slot()).
+struct ThreadBuffers {
+  kern::Scratch sc;
+  float* tmp = nullptr;
+  float* merged = nullptr;
+  float *q = nullptr, *o = nullptr, *m = nullptr, *l = nullptr;
+  int64_t* ints = nullptr;
+  const char** mask_rows = nullptr;
+  float* slopes = nullptr;
+  int64_t M_max = 0, Dkp = 0, Dvp = 0;
+
+  Slot slot(int64_t g) const;
+};
+
+inline Slot ThreadBuffers::slot(int64_t g) const {
+  return {q + g * M_max * Dkp, o + g * M_max * Dvp,      m + g * M_max, l + g * M_max,
+          ints + g * 3 * M_max, mask_rows + g * M_max, slopes + g * M_max};
+}
+
+// The per-thread float scratch of a call with `group` slots of M rows, Dk and Dv padded to Dkp
+// and Dvp: every buffer starts on a 64-byte line (kern::Scratch promises the kernels that).
+class ScratchLayout {
+ public:
+  ScratchLayout(int64_t group, int64_t M, int64_t Dkp, int64_t Dvp)
+      : group_(group), M_(M), Dkp_(Dkp), Dvp_(Dvp) {
+    const int64_t sizes[kParts] = {
+        group * M * Dkp,      // kQ
+        group * M * Dvp,      // kO
+        group * M,            // kM
+        group * M,            // kL
+        Dkp * kern::kTileK,   // kKt
+        kern::kTileK * Dkp,   // kKf
+        kern::kTileK * Dvp,   // kVf
+        M * kern::kTileK,     // kS
+        M * kern::kTileK,     // kBias
+        std::max(Dkp, Dvp),   // kZero
+        Dvp,                  // kTmp
+        Dvp,                  // kMerged
+    };
+    int64_t at = 0;
+    for (int i = 0; i < kParts; ++i) {
+      offset_[i] = at;
+      at += (sizes[i] + kLine - 1) / kLine * kLine;
+    }
+    floats_ = at;
+  }
+
+  std::size_t floats() const { return std::size_t(floats_); }
+
+  // Sizes this thread's scratch for the layout and returns the pointers into it (throws
+  // std::bad_alloc, before anything is written, if it cannot).
+  ThreadBuffers carve(ThreadScratch& ts) const {
+    float* base = ts.buf.get(floats());
+    ts.ptrs.resize(2 * kern::kTileK);
+    ts.addrs.resize(4 * kern::kTileK);
+    ts.ints.resize(std::size_t(group_ * 3 * M_));
+    ts.mask_rows.resize(std::size_t(group_ * M_));
+    ts.slopes.resize(std::size_t(group_ * M_));
+    ThreadBuffers tb;
+    auto at = [&](Part part) { return base + offset_[part]; };
+    tb.sc = kern::Scratch{at(kKt),          at(kKf), at(kVf), at(kS), at(kBias), at(kZero),
+                          ts.ptrs.data(),   ts.ptrs.data() + kern::kTileK,
+                          ts.addrs.data(),  ts.addrs.data() + 2 * kern::kTileK};
+    std::memset(at(kZero), 0, sizeof(float) * std::size_t(std::max(Dkp_, Dvp_)));
+    tb.tmp = at(kTmp);
+    tb.merged = at(kMerged);
+    tb.q = at(kQ);
+    tb.o = at(kO);
+    tb.m = at(kM);
+    tb.l = at(kL);
+    tb.ints = ts.ints.data();
+    tb.mask_rows = ts.mask_rows.data();
+    tb.slopes = ts.slopes.data();
+    tb.M_max = M_;
+    tb.Dkp = Dkp_;
+    tb.Dvp = Dvp_;
+    return tb;
+  }
+
+ private:
+  enum Part { kQ, kO, kM, kL, kKt, kKf, kVf, kS, kBias, kZero, kTmp, kMerged, kParts };
+  static constexpr int64_t kLine = 64 / sizeof(float);
+  int64_t group_, M_, Dkp_, Dvp_;
+  int64_t offset_[kParts] = {};
+  int64_t floats_ = 0;
+};
+
+}  // namespace detail
+}  // namespace attnx
