@@ -26,6 +26,9 @@ static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Local twins of types.h's is_quantised and dtype_size: an inline function of a shared header,
+// compiled here with wide-instruction flags, could be the copy the linker keeps for baseline code
+// (see kernels.h); these are static, inside this ISA's namespace.
 static inline bool quantised(DType t) { return t == DType::i8 || t == DType::e4m3 || t == DType::e5m2; }
 static inline int64_t elem_bytes(DType t) {
   return t == DType::f32 ? 4 : (t == DType::f16 || t == DType::bf16) ? 2 : 1;
