@@ -218,30 +218,36 @@ def test_quantised_kv_greedy_tokens_match_float32(smollm2, model, tokenizer, pro
 
 
 def test_quantised_kv_error_on_real_keys_and_values(smollm2, model, prompt_ids):
-    """The attention error of quantised K/V on SmolLM2's real keys and values (every layer of a
-    prefilled prompt, its last token attending to all of them), relative to the float32 output's
-    largest magnitude: printed for the README, and bounded."""
+    """The attention error of quantised K/V on SmolLM2's real queries, keys and values: every
+    layer of a packed prefill of the test prompts, attending causally over its own K/V in float32
+    and over the same K/V quantised then read back. Printed for the README (worst layer, max
+    |error| / max |float32 output|, and the median layer), and bounded."""
     from attnx import reference
 
-    engine = _engine(smollm2, model, prompt_ids[:1])
+    engine = _engine(smollm2, model, prompt_ids)
     cache = engine.cache
-    s = cache.new_sequence()
-    step = cache.begin_step([s], [len(prompt_ids[0])])
-    tokens = np.asarray(prompt_ids[0])
-    model.forward(tokens, step.positions, step.attend, np.arange(len(tokens)))
-    n, table, bs = cache.length(s), cache.block_table(s), cache.block_size
-    rng = np.random.default_rng(0)
-    errs = {}
-    for kv_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
-        worst = 0.0
-        for layer in range(cache.num_layers):
-            K = cache.k_pages(layer)[table].transpose(0, 2, 1, 3).reshape(-1, 3, 64)[:n]
-            V = cache.v_pages(layer)[table].transpose(0, 2, 1, 3).reshape(-1, 3, 64)[:n]
-            q = rng.standard_normal((1, 9, 64)).astype(np.float32) * np.abs(K).mean() * 8
-            exact = reference.attention(q, K, V, layout="bshd")
-            deq = [reference.dequantize_kv(*reference.quantize_kv(x, kv_dtype)) for x in (K, V)]
-            approx = reference.attention(q, *deq, layout="bshd")
-            worst = max(worst, float(np.abs(approx - exact).max() / np.abs(exact).max()))
-        errs[kv_dtype] = worst
-    print("SmolLM2 K/V, worst layer, max |quantised - float32| / max |float32|:", errs)
-    assert errs["int8"] < 0.05 and errs["float8_e4m3fn"] < 0.2 and errs["float8_e5m2"] < 0.4
+    seqs = [cache.new_sequence() for _ in prompt_ids]
+    step = cache.begin_step(seqs, [len(p) for p in prompt_ids])
+    kinds = ("int8", "float8_e4m3fn", "float8_e5m2")
+    errs = {kind: [] for kind in kinds}
+
+    def attend(layer, q, k, v):
+        at = 0
+        for n in step.q_lens:
+            qs, ks, vs = q[at:at + n], k[at:at + n], v[at:at + n]
+            exact = reference.attention(qs, ks, vs, causal=True, layout="bshd")
+            for kind in kinds:
+                kq, vq = (reference.dequantize_kv(*reference.quantize_kv(x, kind)) for x in (ks, vs))
+                approx = reference.attention(qs, kq, vq, causal=True, layout="bshd")
+                errs[kind].append(float(np.abs(approx - exact).max() / np.abs(exact).max()))
+            at += n
+        return step.attend(layer, q, k, v)
+
+    tokens = np.concatenate(prompt_ids)
+    model.forward(tokens, step.positions, attend, np.arange(len(tokens)))
+    worst = {kind: max(e) for kind, e in errs.items()}
+    print("SmolLM2 q/K/V, max |quantised - float32| / max |float32| per (layer, prompt): worst",
+          worst, "median", {kind: float(np.median(e)) for kind, e in errs.items()})
+    # (deterministic inputs; measured 0.082, 0.167, 0.285: int8 suffers more here than on random
+    # data because a few key channels are far larger than the rest and set each row's scale)
+    assert worst["int8"] < 0.15 and worst["float8_e4m3fn"] < 0.3 and worst["float8_e5m2"] < 0.5
