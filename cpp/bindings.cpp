@@ -599,7 +599,7 @@ void check_scales(py::handle k_scales, py::handle v_scales, bool write, PagedPar
   ks = scale_pages(k_scales, "k_scales", p, q, write);
   vs = scale_pages(v_scales, "v_scales", p, q, write);
   if (!q) return;
-  auto kst = elem_strides(ks, "k_scales"), vst = elem_strides(vs, "v_scales");
+  auto kst = elem_strides(ks, "k_scales", false), vst = elem_strides(vs, "v_scales", false);  // any strides
   p.k_scales = static_cast<const float*>(ks.data()); p.ks_sblk = kst[0]; p.ks_sh = kst[1]; p.ks_ss = kst[2];
   p.v_scales = static_cast<const float*>(vs.data()); p.vs_sblk = vst[0]; p.vs_sh = vst[1]; p.vs_ss = vst[2];
 }

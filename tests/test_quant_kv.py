@@ -379,3 +379,15 @@ def test_property_any_pool_matches_reference(isa, dtype, block_size, batch, head
     pool = QPool(rng, lens, dtype=dtype, block_size=block_size, hkv=hkv, dk=d, dv=d)
     q = rng.standard_normal((int(q_lens.sum()), hq, d)).astype(np.float32)
     check_against_reference(q, pool, q_lens=q_lens)
+
+
+def test_strided_scale_pages(isa):
+    """Scale pages of any strides (here a transposed copy's view) are read where they are."""
+    rng = make_rng(10)
+    pool = QPool(rng, [40, 7], dtype="int8", block_size=8, hkv=2, dk=16, dv=16)
+    ks = np.ascontiguousarray(pool.k_scales.transpose(2, 1, 0)).transpose(2, 1, 0)
+    assert ks.strides[-1] != 4
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    got = attnx.paged_attention(q, *pool.args(), k_scales=ks, v_scales=pool.v_scales)
+    want = ref.paged_attention(q, *pool.args(), **pool.scales())
+    np.testing.assert_allclose(got, want, **TOL)
