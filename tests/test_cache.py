@@ -7,23 +7,16 @@ it holds; every page read-back is compared bit for bit with those rows.
 
 from __future__ import annotations
 
-import os
 import threading
 
-import ml_dtypes
 import numpy as np
 import pytest
+from conftest import BF16, SEED, make_rng
 
 import attnx
 from attnx import reference
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
-SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
-
-
-def make_rng(*salt):
-    return np.random.default_rng([SEED, 0xCAC4E, *salt])
 
 
 def bits(a):

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import os
 
-import ml_dtypes
 import numpy as np
+from conftest import BF16
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
@@ -37,7 +37,6 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import attnx
 from attnx import reference
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, HKV, HQ, DK = 24, 4, 2, 2, 4, 8
 MAX_SEQS = 6
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"

@@ -1,7 +1,8 @@
 """Concurrency: 8 Python threads at once give bit-for-bit the results of the same work done
 serially, for ``attnx.attention``, ``attnx.paged_attention`` and one shared ``PagedKVCache`` whose
 sequences the threads step, fork, truncate and free; with ``num_threads=1`` and with
-``num_threads=2`` per call (an OpenMP team inside each of the 8 Python threads).
+``num_threads=2`` per call (a team of attnx's pool inside each of the 8 Python threads: each
+calling thread has its own workers, so the calls run side by side).
 
 What may be shared between threads (what these tests rely on):
 
@@ -22,17 +23,15 @@ from __future__ import annotations
 import os
 import threading
 
-import ml_dtypes
 import numpy as np
 import pytest
+from conftest import BF16, SEED
 
 import attnx
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 THREADS = 8
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
 ROUNDS = int(os.environ.get("ATTNX_CONCURRENCY_ROUNDS", "30" if SOAK else "3"))
-SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
 
 
 def bits(a):
@@ -104,7 +103,7 @@ def _dense_work(shared, i, nt):
     return outs
 
 
-@pytest.mark.parametrize("nt", [1, 2], ids=["1-thread-calls", "2-thread-calls"])
+@pytest.mark.parametrize("nt", [1, 2, 3], ids=["1-thread-calls", "2-thread-calls", "3-thread-calls"])
 def test_attention_threads_match_serial(nt):
     shared = _dense_inputs()
     serial = [_dense_work(shared, i, nt) for i in range(THREADS)]

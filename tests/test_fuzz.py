@@ -39,18 +39,16 @@ from __future__ import annotations
 
 import os
 
-import ml_dtypes
 import numpy as np
 import pytest
-from conftest import (F32_EPS, ISAS, SEED, assert_matches, attention_tolerance, dense_views, from4,
-                      lowp_attention)
+from conftest import (BF16, F32_EPS, ISAS, SEED, assert_matches, attention_tolerance, dense_views,
+                      from4, lowp_attention)
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
 FUZZ_EXAMPLES = int(os.environ.get("ATTNX_FUZZ_EXAMPLES", "3000")) * (40 if SOAK else 1)

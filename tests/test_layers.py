@@ -7,21 +7,16 @@ torch.nn.MultiheadAttention when torch is installed.
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import make_rng
 
 import attnx
 from attnx import layers as layers_mod
 
-SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
-
-
-def make_rng(*salt):
-    return np.random.default_rng([SEED, zlib.crc32(repr(salt).encode())])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,12 +18,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import BF16
 from test_fuzz import check_dense, check_paged, pool_from_sequences
 
 import attnx
 from attnx import reference as ref
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
 DTYPES = [F32, F16, BF16]
 DT_IDS = ["f32", "f16", "bf16"]

@@ -11,26 +11,19 @@ Kernel tests run under every instruction set the CPU offers (fixture ``isa`` of 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
-import ml_dtypes
 import numpy as np
 import pytest
+from conftest import BF16, make_rng
 
 import attnx
 from attnx import reference
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 KV_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
-SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
 JUNK = 1 << 20  # a block id far outside every pool here: table columns past a sequence's end
-
-
-def make_rng(*salt):
-    return np.random.default_rng([SEED, 0x9A6E, *salt])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ run without the compiled core (``attnx._core``) being built.
 
 import importlib.util
 import math
-import os
 import pathlib
 
-import ml_dtypes
 import numpy as np
 import pytest
+from conftest import BF16, SEED
+from conftest import make_rng as rng  # rng(*salt): this file's name for it
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
@@ -22,13 +22,7 @@ _spec = importlib.util.spec_from_file_location("attnx_reference_under_test", _PA
 ref = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ref)
 
-SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
-BF16 = np.dtype(ml_dtypes.bfloat16)
 NEG_INF = float("-inf")
-
-
-def rng(*salt):
-    return np.random.default_rng([SEED, *salt])
 
 
 # ---------------------------------------------------------------------------

@@ -8,22 +8,15 @@ L > S, ``enable_gqa`` and ``scale``.
 
 from __future__ import annotations
 
-import os
-import zlib
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import BF16, make_rng
 
 import attnx
 from attnx import reference as ref
 
-SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
-BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def make_rng(*salt):
-    return np.random.default_rng([SEED, zlib.crc32(repr(salt).encode())])
 
 
 def close(got, want, v, tol=1e-5):

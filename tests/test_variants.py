@@ -7,23 +7,17 @@ their bad inputs, which must raise ``ValueError`` naming the argument before any
 from __future__ import annotations
 
 import itertools
-import os
-import zlib
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import make_rng
 
 import attnx
 from attnx import reference as ref
 
-SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
 VARIANTS = ("window", "softcap", "sinks", "alibi")
 COMBOS = [c for r in range(1, 5) for c in itertools.combinations(VARIANTS, r)]
-
-
-def make_rng(*salt):
-    return np.random.default_rng([SEED, zlib.crc32(repr(salt).encode())])
 
 
 def variant_kwargs(rng, names, Hq, *, window=None):

@@ -2,17 +2,15 @@
 // ATTNX_ISA), and the thread-count policy.
 #include "attnx/dispatch.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "attnx/attention.h"
 #include "kernels/kernels.h"
+#include "parallel.h"
 
 namespace attnx {
 
@@ -80,16 +78,33 @@ void set_isa(const std::string& name) {
                 std::memory_order_release);
 }
 
+namespace {
+
+// OMP_NUM_THREADS's first entry ("8" or "8,2" for nested levels), as OpenMP reads it; 0 when it is
+// unset or malformed. Read at each call: attnx documented "follows OMP_NUM_THREADS at call time"
+// when it ran on OpenMP, and os.environ changes reach getenv.
+int omp_num_threads_env() {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  if (env == nullptr) return 0;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  while (end != env && (*end == ' ' || *end == '\t')) ++end;
+  if (end == env || (*end != '\0' && *end != ',') || v < 1) return 0;
+  return int(std::min<long>(v, kThreadLimit));
+}
+
+// Every thread count passes here: at most max_threads(), which is never below 4 (so the common
+// small counts skip its affinity system call).
+int capped(int n) { return n <= 4 ? n : std::min(n, max_threads()); }
+
+}  // namespace
+
 void set_num_threads(int n) { g_threads.store(n < 0 ? 0 : n); }
 int get_num_threads() {
-  const int n = g_threads.load();
-  if (n > 0) return n;
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
+  int n = g_threads.load();
+  if (n <= 0) n = omp_num_threads_env();
+  return capped(n > 0 ? n : available_cpus());
 }
-int resolve_threads(int requested) { return requested > 0 ? requested : get_num_threads(); }
+int resolve_threads(int requested) { return requested > 0 ? capped(requested) : get_num_threads(); }
 
 }  // namespace attnx

@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "attnx/dispatch.h"  // available_cpus, max_threads
+
 namespace attnx {
 
 struct TeamShared;  // the runtime's per-region state (parallel.cpp)
@@ -51,7 +53,14 @@ class Team {
 };
 
 // Runs fn(ctx, team) on up to num_threads threads (the caller is member 0) and returns when every
-// member has finished. num_threads <= 1 runs it on the calling thread alone. fn must not throw.
+// member has finished. num_threads <= 1 runs it on the calling thread alone, and so does a call
+// from inside a region; fewer threads run it when no more can be started (the team's size says
+// how many). The workers are the calling thread's own (parallel.cpp), so calls from several
+// threads run side by side, and a fork()ed child starts fresh ones.
+//
+// fn must not throw: an exception is carried out to the caller once every member has finished,
+// but members waiting at a barrier the thrower never reaches wait forever. Catch inside fn
+// (flash_driver.h records the first exception and rethrows it after the region).
 void run_team(int num_threads, void (*fn)(void*, Team&), void* ctx);
 
 // The same for any callable: parallel(n, [&](Team& team) { ... }).
@@ -59,5 +68,13 @@ template <class F>
 void parallel(int num_threads, F&& body) {
   run_team(num_threads, [](void* ctx, Team& team) { (*static_cast<F*>(ctx))(team); }, &body);
 }
+
+// The most threads a call uses (max_threads(), declared with the thread-count policy in
+// attnx/dispatch.h): 4x the CPUs this process may run on (available_cpus), never more than
+// kThreadLimit. More threads than CPUs only time-slice (attnx's work is compute- or
+// memory-bound, never waiting on I/O), and each costs a stack and a scratch buffer; 4x leaves room
+// to oversubscribe on purpose (a CPU quota smaller than the CPU set), not to start 4096 threads.
+// kThreadLimit bounds it on the largest machines, where one team's barrier would dominate.
+constexpr int kThreadLimit = 1024;
 
 }  // namespace attnx

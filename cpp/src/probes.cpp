@@ -3,20 +3,19 @@
 #include "attnx/probes.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
 
 #include "flash_driver.h"
+#include "parallel.h"
 
 namespace attnx {
 
@@ -24,7 +23,7 @@ namespace {
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
-volatile float g_sink;
+std::atomic<float> g_sink;  // results the compiler must keep (members store at once)
 }  // namespace
 
 double probe_fma_gflops(int num_threads, double seconds) {
@@ -35,11 +34,14 @@ double probe_fma_gflops(int num_threads, double seconds) {
   const double t_end = now() + seconds;
   while (now() < t_end) {
     const double t0 = now();
-#pragma omp parallel num_threads(num_threads)
-    { g_sink = t->fma_probe(iters); }
+    int team_size = 1;
+    parallel(num_threads, [&](Team& team) {
+      g_sink.store(t->fma_probe(iters), std::memory_order_relaxed);
+      if (team.id() == 0) team_size = team.size();
+    });
     const double dt = now() - t0;
     // 10 accumulators x `width` lanes x 2 flops per FMA, per iteration, per thread
-    best = std::max(best, double(iters) * 10 * width * 2 * num_threads / dt / 1e9);
+    best = std::max(best, double(iters) * 10 * width * 2 * team_size / dt / 1e9);
   }
   return best;
 }
@@ -57,22 +59,27 @@ double probe_read_gbps(int num_threads, int64_t bytes, double seconds) {
 #ifdef MADV_HUGEPAGE
   madvise(buf, size, MADV_HUGEPAGE);  // a hint: without THP the probe runs on small pages
 #endif
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) buf[i] = 1.0f;  // first touch by the reading thread
+  // Each member's contiguous share of the buffer; the same share for the first touch and the
+  // reads, so a share sits on its reader's NUMA node.
+  auto share = [n](const Team& team, int64_t& b, int64_t& e) {
+    const int64_t chunk = (n + team.size() - 1) / team.size();
+    b = std::min(n, team.id() * chunk);
+    e = std::min(n, b + chunk);
+  };
+  parallel(num_threads, [&](Team& team) {
+    int64_t b, e;
+    share(team, b, e);
+    for (int64_t i = b; i < e; ++i) buf[i] = 1.0f;  // first touch by the reading thread
+  });
   double best = 0;
   const double t_end = now() + seconds;
   while (now() < t_end) {
     const double t0 = now();
-#pragma omp parallel num_threads(num_threads)
-    {
-#ifdef _OPENMP
-      const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-      const int nt = 1, id = 0;
-#endif
-      const int64_t chunk = (n + nt - 1) / nt, b = std::min(n, id * chunk), e = std::min(n, b + chunk);
-      g_sink = t->read_probe(buf + b, e - b);
-    }
+    parallel(num_threads, [&](Team& team) {
+      int64_t b, e;
+      share(team, b, e);
+      g_sink.store(t->read_probe(buf + b, e - b), std::memory_order_relaxed);
+    });
     best = std::max(best, double(n) * 4 / (now() - t0) / 1e9);
   }
   std::free(buf);

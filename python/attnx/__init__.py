@@ -1,18 +1,16 @@
 """attnx: exact, fast attention for the CPU.
 
 ``attnx.attention`` computes ``softmax(q kᵀ · scale + M) v`` with a tiled, online-softmax C++
-kernel (SIMD chosen at import, OpenMP threads); ``attnx.PagedKVCache`` keeps keys and values in a
-pool of fixed-size blocks and decodes many sequences at once; ``attnx.reference`` is the pure-NumPy
-definition that every kernel is tested against.
+kernel (SIMD chosen at import, threads from attnx's own fork-safe pool); ``attnx.PagedKVCache``
+keeps keys and values in a pool of fixed-size blocks and decodes many sequences at once;
+``attnx.reference`` is the pure-NumPy definition that every kernel is tested against.
 """
 
 from __future__ import annotations
 
 import os as _os
 
-import numpy as _np
-
-from . import _core
+from . import _api, _core
 from . import reference
 from ._api import attention, paged_attention
 from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
@@ -20,7 +18,22 @@ from .layers import MultiHeadAttention
 from .merge import merge_attention
 from .torch_compat import scaled_dot_product_attention
 
-__version__ = "0.1.0"
+# The version lives in pyproject.toml only; read back from the installed metadata on first use
+# (importlib.metadata costs tens of ms to import, so `import attnx` does not pay for it).
+__version__: str
+
+
+def __getattr__(name: str) -> str:
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            version = metadata.version("attnx")
+        except metadata.PackageNotFoundError:  # a source tree that was never installed
+            version = "0+unknown"
+        globals()["__version__"] = version
+        return version
+    raise AttributeError(f"module 'attnx' has no attribute {name!r}")
 
 __all__ = [
     "attention",
@@ -39,25 +52,23 @@ __all__ = [
 ]
 
 
-def cpu_features():
+def cpu_features() -> dict[str, bool | str]:
     """What this CPU offers and which kernel path is active.
 
     Returns a dict: ``{"sse2", "avx2", "fma", "f16c", "avx512f": bool, "isa": "scalar" | "avx2" |
-    "avx512", "openmp": bool}``. The path is the best the CPU supports unless ``ATTNX_ISA``
+    "avx512"}``. The path is the best the CPU supports unless ``ATTNX_ISA``
     (``scalar``, ``avx2`` or ``avx512``) forced one at import.
     """
-    f = dict(_core.cpu_features())
+    f: dict[str, bool | str] = dict(_core.cpu_features())
     f["isa"] = _core.active_isa()
-    f["openmp"] = bool(_core.has_openmp)
     return f
 
 
 def set_num_threads(n):
-    """Threads for every later call (``n >= 1``); ``0`` returns to OpenMP's setting
-    (``OMP_NUM_THREADS``), read at each call. The process's OpenMP setting is never changed."""
-    if isinstance(n, bool) or not isinstance(n, (int, _np.integer)) or n < 0:
-        raise ValueError(f"n: expected an int >= 0, got {n!r}")
-    _core.set_num_threads(int(n))
+    """Threads for every later call (``n >= 1``); ``0`` returns to the default, read at each
+    call: ``OMP_NUM_THREADS`` if set, else the CPUs this process may run on. A count above 4 per
+    such CPU (or above 1024) is capped, with a RuntimeWarning. The environment is never changed."""
+    _core.set_num_threads(_api._thread_count(n, "n", 0, "an int >= 0", stacklevel=3))
 
 
 def get_num_threads():

@@ -19,8 +19,8 @@ def info():
     f = attnx.cpu_features()
     flags = ", ".join(k for k in ("sse2", "avx2", "fma", "f16c", "avx512f") if f.get(k))
     print(f"attnx {attnx.__version__}")
-    print(f"instruction set: {f['isa']} (CPU offers: {flags}; OpenMP: {'yes' if f['openmp'] else 'no'})")
-    print(f"threads: {attnx.get_num_threads()}")
+    print(f"instruction set: {f['isa']} (CPU offers: {flags})")
+    print(f"threads: {attnx.get_num_threads()} (attnx's own pool, fork-safe)")
     print()
     # The seed's multi-head example: three tokens, four features, two heads of two features each,
     # each head using its slice of X as Q = K = V, scale 1/sqrt(2) (the default for d_k = 2).

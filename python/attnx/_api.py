@@ -8,11 +8,12 @@ and takes its arguments by keyword.
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _core
+from . import _core, _tensors
 from ._validate import as_array as _as_array, kernel_array as _unit_last, real as _real
 from ._validate import window_sides as _window
 
@@ -93,14 +94,33 @@ def _out4(out, rank, layout):
     return _to4(out, "out", rank, layout)
 
 
+def _thread_count(n, name, minimum, expected, stacklevel):
+    """``n`` as a thread count for the core: a Python int in [minimum, 2**31), at most
+    ``_core._max_threads()`` (4 per CPU this process may run on, at most 1024); a larger count is
+    capped with a RuntimeWarning. ``stacklevel`` is the user's frame, counted from here."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < minimum:
+        raise ValueError(f"{name}: expected {expected}, got {n!r}")
+    if n >= 2**31:
+        raise ValueError(f"{name}: expected at most 2**31 - 1, got {n!r}")
+    n = int(n)
+    if n > 4:  # the cap is never below 4: the usual counts skip its affinity system call
+        cap = _core._max_threads()
+        if n > cap:
+            warnings.warn(f"{name}={n} capped at {cap} threads (attnx starts at most 4 per CPU this "
+                          f"process may run on, and at most 1024)", RuntimeWarning,
+                          stacklevel=stacklevel)
+            n = cap
+    return n
+
+
 def _threads(num_threads):
+    """A call's ``num_threads``: 0 (the default) for None."""
     if num_threads is None:
         return 0
-    if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral) or num_threads < 1:
-        raise ValueError(f"num_threads: expected a positive int or None, got {num_threads!r}")
-    return int(num_threads)
+    return _thread_count(num_threads, "num_threads", 1, "a positive int or None", stacklevel=4)
 
 
+@_tensors.tensor_io(torch_op="attention")
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               mask: Optional[ArrayLike] = None, kv_lens: Optional[IntsLike] = None,
               q_lens: Optional[IntsLike] = None, scale: Optional[float] = None,
@@ -140,7 +160,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     out : ndarray, optional
         Written in place (shape and dtype of the result) and returned.
     num_threads : int, optional
-        Threads for this call; default :func:`attnx.get_num_threads`.
+        Threads for this call; default :func:`attnx.get_num_threads`. At most 4 per CPU this
+        process may run on (and 1024): a larger count is capped, with a RuntimeWarning.
     window : (left, right), optional
         Sliding window: row ``i`` sees keys ``i' - left <= j <= i' + right``, ``i' = i + Lk - Lq``;
         ``None`` for an unbounded side.
@@ -199,6 +220,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     return o, (lse if rank == 4 else lse[0] if rank == 3 else lse[0, 0])
 
 
+@_tensors.tensor_io(torch_op="paged_attention")
 def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
                     block_tables: IntsLike, seq_lens: IntsLike, *,
                     q_lens: Optional[IntsLike] = None, causal: bool = True,
@@ -268,9 +290,9 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
                block_tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, slots: np.ndarray,
                *, values_from_keys: bool = False, max_left: int | None = None,
                scale: float | None = None, num_threads: int | None = None, return_lse: bool = False,
-               window: object = None, softcap: float | None = None, sinks: object = None,
-               alibi_slopes: object = None, k_scales: np.ndarray | None = None,
-               v_scales: np.ndarray | None = None) -> object:
+               window: Any = None, softcap: float | None = None, sinks: Any = None,
+               alibi_slopes: Any = None, k_scales: np.ndarray | None = None,
+               v_scales: np.ndarray | None = None) -> Result:
     """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
     into their slots, then attends causally from the new queries to their whole sequences.
 

@@ -1,34 +1,84 @@
-# Type stub of the C++ core (cpp/bindings.cpp). The attnx package documents the behaviour; the two
-# entry points take their arguments by keyword (positional in this order works too).
-from typing import Any, Dict, Optional, Tuple, Union
+"""Types of attnx._core, the pybind11 module built from cpp/bindings.cpp.
+
+Written by hand from the module's definitions: keep the two in step (the names are the keyword
+names the binding accepts; the two entry points take every argument by keyword, or positionally
+in this order). ``py::array`` parameters take NumPy arrays only; the
+``py::object`` ones (masks, lengths, per-head vectors, new K/V) take anything NumPy converts.
+"""
+
+from typing import Any, Literal, overload
 
 import numpy as np
+import numpy.typing as npt
 
-_Result = Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]
+_Array = npt.NDArray[Any]
+_Lse = npt.NDArray[np.float32]
+_Window = tuple[int | None, int | None]
 
 class InvalidArgument(ValueError): ...
 
-has_openmp: bool
+@overload
+def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, mask: npt.ArrayLike | None = None,
+              kv_lens: npt.ArrayLike | None = None, q_lens: npt.ArrayLike | None = None,
+              causal: bool = False, scale: float | None = None, out: _Array | None = None,
+              return_lse: Literal[False] = ..., num_threads: int = 0, window: _Window | None = None,
+              softcap: float | None = None, sinks: npt.ArrayLike | None = None,
+              alibi_slopes: npt.ArrayLike | None = None) -> _Array: ...
+@overload
+def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, mask: npt.ArrayLike | None = None,
+              kv_lens: npt.ArrayLike | None = None, q_lens: npt.ArrayLike | None = None,
+              causal: bool = False, scale: float | None = None, out: _Array | None = None,
+              *, return_lse: Literal[True], num_threads: int = 0, window: _Window | None = None,
+              softcap: float | None = None, sinks: npt.ArrayLike | None = None,
+              alibi_slopes: npt.ArrayLike | None = None) -> tuple[_Array, _Lse]: ...
+@overload
+def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, mask: npt.ArrayLike | None = None,
+              kv_lens: npt.ArrayLike | None = None, q_lens: npt.ArrayLike | None = None,
+              causal: bool = False, scale: float | None = None, out: _Array | None = None,
+              return_lse: bool = ..., num_threads: int = 0, window: _Window | None = None,
+              softcap: float | None = None, sinks: npt.ArrayLike | None = None,
+              alibi_slopes: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _Lse]: ...
 
-def attention(q: Any, k: Any, v: Any, mask: Any = None, kv_lens: Any = None, q_lens: Any = None,
-              causal: bool = False, scale: Optional[float] = None, out: Optional[np.ndarray] = None,
-              return_lse: bool = False, num_threads: int = 0,
-              window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-              softcap: Optional[float] = None, sinks: Any = None,
-              alibi_slopes: Any = None) -> _Result: ...
-def paged_attention(q: Any, k_pages: Any, v_pages: Any, block_tables: Any, seq_lens: Any,
-                    q_lens: Any = None, causal: bool = True, scale: Optional[float] = None,
-                    out: Optional[np.ndarray] = None, return_lse: bool = False,
-                    num_threads: int = 0,
-                    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                    softcap: Optional[float] = None, sinks: Any = None, alibi_slopes: Any = None,
-                    k_new: Any = None, v_new: Any = None, slots: Any = None,
-                    k_scales: Optional[np.ndarray] = None,
-                    v_scales: Optional[np.ndarray] = None) -> _Result: ...
-def cpu_features() -> Dict[str, bool]: ...
+@overload
+def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
+                    seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
+                    scale: float | None = None, out: _Array | None = None,
+                    return_lse: Literal[False] = ..., num_threads: int = 0,
+                    window: _Window | None = None, softcap: float | None = None,
+                    sinks: npt.ArrayLike | None = None,
+                    alibi_slopes: npt.ArrayLike | None = None, k_new: npt.ArrayLike | None = None,
+                    v_new: npt.ArrayLike | None = None,
+                    slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
+                    v_scales: npt.ArrayLike | None = None) -> _Array: ...
+@overload
+def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
+                    seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
+                    scale: float | None = None, out: _Array | None = None,
+                    *, return_lse: Literal[True], num_threads: int = 0,
+                    window: _Window | None = None, softcap: float | None = None,
+                    sinks: npt.ArrayLike | None = None,
+                    alibi_slopes: npt.ArrayLike | None = None, k_new: npt.ArrayLike | None = None,
+                    v_new: npt.ArrayLike | None = None,
+                    slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
+                    v_scales: npt.ArrayLike | None = None) -> tuple[_Array, _Lse]: ...
+@overload
+def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
+                    seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
+                    scale: float | None = None, out: _Array | None = None,
+                    return_lse: bool = ..., num_threads: int = 0,
+                    window: _Window | None = None, softcap: float | None = None,
+                    sinks: npt.ArrayLike | None = None,
+                    alibi_slopes: npt.ArrayLike | None = None, k_new: npt.ArrayLike | None = None,
+                    v_new: npt.ArrayLike | None = None,
+                    slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
+                    v_scales: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _Lse]: ...
+
+def cpu_features() -> dict[str, bool]: ...
 def active_isa() -> str: ...
 def set_isa(name: str) -> None: ...
 def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...
-def probe_fma_gflops(num_threads: int, seconds: float = ...) -> float: ...
-def probe_read_gbps(num_threads: int, bytes: int = ..., seconds: float = ...) -> float: ...
+def _max_threads() -> int: ...
+def _pool_threads() -> int: ...
+def probe_fma_gflops(num_threads: int, seconds: float = 0.3) -> float: ...
+def probe_read_gbps(num_threads: int, bytes: int = 1 << 30, seconds: float = 0.5) -> float: ...

@@ -48,7 +48,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from . import _api
+from . import _api, _tensors
 from . import reference as _ref
 from ._blocks import BlockAllocator, BlockRow, CacheFullError, stack_rows
 from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
@@ -483,6 +483,7 @@ class Step:
         self.positions = pos.astype(np.int32)
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
 
+    @_tensors.tensor_io
     def attend(self, layer: int, q: Any, k: Any, v: Any = None, *, scale: float | None = None,
                num_threads: int | None = None, return_lse: bool = False, window: Any = None,
                softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None) -> Any:

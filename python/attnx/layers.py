@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _api
+from . import _api, _tensors
 from ._validate import positive_int as _positive, storage_dtype as _storage_dtype
 from . import reference as _reference
 
@@ -198,6 +198,7 @@ class MultiHeadAttention:
             y += b if b.dtype == _F32 else b.astype(_F32)
         return y
 
+    @_tensors.tensor_io
     def __call__(self, x: Any, context: Optional[Any] = None, *, causal: bool = False,
                  mask: Optional[Any] = None, kv_lens: Optional[Any] = None,
                  q_lens: Optional[Any] = None,

@@ -51,16 +51,23 @@ also for bfloat16, where a plain ``astype`` would round twice via float32).
 from __future__ import annotations
 
 import numbers
+from typing import Any, Union
 
 import numpy as np
+import numpy.typing as npt
 
+_BFLOAT16: np.dtype[Any] | None
 try:  # bfloat16 is optional: without ml_dtypes the reference still works.
     import ml_dtypes as _ml_dtypes
 
     _BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
 except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
-    _ml_dtypes = None
     _BFLOAT16 = None
+
+# Types of the public signatures (a `window` side of None is unbounded).
+_Array = npt.NDArray[Any]
+_Window = Union[tuple[Union[int, None], Union[int, None]], None]
+_Result = Union[_Array, tuple[_Array, _Array]]  # out, or (out, lse) with return_lse
 
 __all__ = ["attention", "attention_weights", "paged_attention", "scaled_dot_product_attention"]
 
@@ -77,7 +84,7 @@ _FLOAT_DTYPES = tuple(
 # --------------------------------------------------------------------------
 
 
-def _float_array(x, name):
+def _float_array(x: npt.ArrayLike, name: str) -> _Array:
     """Return ``x`` as an ndarray of a supported floating dtype, else TypeError."""
     a = np.asarray(x)
     if a.dtype not in _FLOAT_DTYPES:
@@ -346,7 +353,7 @@ def _compute(q, k, v, *, scale, causal, allowed, additive, kv_lens, q_lens, wind
 
 
 def _prepare(q, k, v, *, causal, mask, kv_lens, q_lens, scale, layout, window, softcap,
-             sinks, alibi_slopes):
+             sinks, alibi_slopes) -> tuple[_Array, _Array, _Array, _Array | None, int, dict[str, Any]]:
     """Validate the common arguments and bring everything to 4-D float64 bhsd."""
     if layout not in _LAYOUTS:
         raise ValueError(f"layout: must be 'bhsd' or 'bshd', got {layout!r}")
@@ -411,9 +418,13 @@ def _prepare(q, k, v, *, causal, mask, kv_lens, q_lens, scale, layout, window, s
 # --------------------------------------------------------------------------
 
 
-def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None,
-              layout="bhsd", return_lse=False, window=None, softcap=None, sinks=None,
-              alibi_slopes=None, out_dtype=None):
+def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *, causal: bool = False,
+              mask: npt.ArrayLike | None = None, kv_lens: npt.ArrayLike | None = None,
+              q_lens: npt.ArrayLike | None = None, scale: float | None = None,
+              layout: str = "bhsd", return_lse: bool = False, window: _Window = None,
+              softcap: float | None = None, sinks: npt.ArrayLike | None = None,
+              alibi_slopes: npt.ArrayLike | None = None,
+              out_dtype: npt.DTypeLike | None = None) -> _Result:
     """Exact scaled dot-product attention, ``softmax(scale * Q Kᵀ + M) V``.
 
     Parameters
@@ -471,8 +482,12 @@ def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, sc
     return out, _reduce_rank(lse, rank).astype(_lse_dtype(out_dt))
 
 
-def attention_weights(q, k, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None,
-                      layout="bhsd", window=None, softcap=None, sinks=None, alibi_slopes=None):
+def attention_weights(q: npt.ArrayLike, k: npt.ArrayLike, *, causal: bool = False,
+                      mask: npt.ArrayLike | None = None, kv_lens: npt.ArrayLike | None = None,
+                      q_lens: npt.ArrayLike | None = None, scale: float | None = None,
+                      layout: str = "bhsd", window: _Window = None, softcap: float | None = None,
+                      sinks: npt.ArrayLike | None = None,
+                      alibi_slopes: npt.ArrayLike | None = None) -> _Array:
     """The attention matrix ``A`` such that ``attention(q, k, v) == A @ v`` (per head).
 
     Arguments are those of :func:`attention` (without v).
@@ -493,9 +508,14 @@ def attention_weights(q, k, *, causal=False, mask=None, kv_lens=None, q_lens=Non
     return _reduce_rank(weights, rank)
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None, causal=True,
-                    scale=None, return_lse=False, window=None, softcap=None, sinks=None,
-                    alibi_slopes=None, out_dtype=None, k_scales=None, v_scales=None):
+def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike,
+                    block_tables: npt.ArrayLike, seq_lens: npt.ArrayLike, *,
+                    q_lens: npt.ArrayLike | None = None, causal: bool = True,
+                    scale: float | None = None, return_lse: bool = False, window: _Window = None,
+                    softcap: float | None = None, sinks: npt.ArrayLike | None = None,
+                    alibi_slopes: npt.ArrayLike | None = None,
+                    out_dtype: npt.DTypeLike | None = None, k_scales: npt.ArrayLike | None = None,
+                    v_scales: npt.ArrayLike | None = None) -> _Result:
     """Attention over a paged KV cache (decode and chunked prefill).
 
     Sequence b owns the kv slots ``0 .. seq_lens[b]-1``; slot t lives in block
@@ -624,8 +644,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
     return out, lse.astype(_lse_dtype(out_dt))
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
+def scaled_dot_product_attention(query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
+                                 attn_mask: npt.ArrayLike | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> _Array:
     """Reference twin of :func:`attnx.scaled_dot_product_attention`: torch's semantics, float64.
 
     ``softmax(query @ keyᵀ * scale + M) @ value`` over arrays ``(..., L, E)``, ``(..., S, E)``,

@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
-from . import _api
+from . import _api, _tensors
 from . import reference as _reference
 from ._validate import as_array as _as_array, native_order as _native_order
 
@@ -128,6 +128,7 @@ def _torch_scale(q: np.ndarray, scale: Optional[float]) -> Optional[Tuple[np.nda
         return (q.astype(np.float32) * s).astype(q.dtype), 1.0
 
 
+@_tensors.tensor_io
 def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: Optional[float] = None,
@@ -215,7 +216,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
     (q_lead, k_lead, v_lead), out_lead = _lead_shapes(q, k, v, bool(enable_gqa))
     rank = len(out_lead) + 2
 
-    mask = None
+    mask: Optional[np.ndarray] = None
     if attn_mask is not None:
         m = _as_array(attn_mask, "attn_mask")
         if m.dtype != np.bool_ and m.dtype.kind != "f" and m.dtype != _BF16:

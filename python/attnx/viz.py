@@ -10,12 +10,16 @@ is routing, not reasoning (the seed's caveat).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["heatmap"]
 
 
-def _matplotlib():
+def _matplotlib() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
@@ -25,7 +29,8 @@ def _matplotlib():
     return Figure
 
 
-def heatmap(weights, query_tokens, key_tokens, ax=None, title=None, annotate=True):
+def heatmap(weights: npt.ArrayLike, query_tokens: Sequence[object], key_tokens: Sequence[object],
+            ax: Any = None, title: str | None = None, annotate: bool = True) -> Any:
     """Draws one attention map: rows are queries, columns are keys.
 
     Parameters

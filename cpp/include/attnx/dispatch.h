@@ -14,9 +14,15 @@ const char* active_isa();
 // Forces an instruction set (as ATTNX_ISA does); throws InvalidArgument if the CPU lacks it.
 void set_isa(const std::string& name);
 
-// Threads: an explicit global setting (0 = follow OpenMP's default at call time).
+// Threads: an explicit global setting (0 = the default at call time: OMP_NUM_THREADS if set, else
+// the CPUs this process may run on). Every count is capped at max_threads() (parallel.h).
 void set_num_threads(int n);
 int get_num_threads();
-int resolve_threads(int requested);  // requested > 0 wins, then the global setting, then OpenMP
+int resolve_threads(int requested);  // requested > 0 wins, then the global setting, then default
+int available_cpus();  // the CPUs this process may run on (sched_getaffinity), read at each call
+int max_threads();     // the cap on every count: min(4 x available_cpus(), 1024); see parallel.h
+// Workers of the calling thread's pool that have run a region (0 before any, or after a fork
+// until the child's first multi-threaded call); for tests.
+int pool_workers_used();
 
 }  // namespace attnx

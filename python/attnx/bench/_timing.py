@@ -3,7 +3,7 @@
 attnx and its peers (torch, onnxruntime) are timed interleaved: each repetition times every one of
 them once, in a rotating order, and the table reports medians, so the ratios come from the same
 moments of a shared, noisy machine. Each of those samples follows one untimed call of the same
-function: every library keeps its own thread pool (attnx's and torch's OpenMP, onnxruntime's),
+function: every library keeps its own thread pool (attnx's own, torch's OpenMP, onnxruntime's),
 whose idle threads spin for a while after a call, and the first call after another library's
 would pay for that; a user calling one library in a loop never does.
 

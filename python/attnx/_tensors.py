@@ -1,0 +1,164 @@
+"""Tensors in, the same kind out: PyTorch tensors and ``__dlpack__`` objects at attnx's entry points.
+
+Every public entry point is wrapped by :func:`tensor_io`. A call whose arguments are all NumPy
+arrays (or lists, scalars, None) goes straight through. Otherwise each tensor argument is viewed
+as a NumPy array without a copy (float32 / float16 through ``Tensor.numpy()``, bfloat16 by viewing
+its storage as int16 and then as ``ml_dtypes.bfloat16``), the NumPy function runs, and its arrays
+come back as the kind of the first tensor argument: ``torch.from_numpy`` (zero-copy) for torch,
+``xp.from_dlpack`` for an array-API object, NumPy otherwise. A tensor given as ``out=`` is written
+in place through its NumPy view and returned itself.
+
+torch is never imported here: a torch tensor can only exist once the user imported torch, so
+``sys.modules`` is where it is looked up. The first tensor seen registers attnx's
+``torch.library`` ops (:mod:`attnx.torch_ops`); under ``torch.compile`` an entry point with such
+an op routes its tensors to it, so dynamo sees one opaque op instead of NumPy code.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import numpy as np
+
+__all__ = ["tensor_io", "to_numpy", "like", "is_torch"]
+
+# argument types that are never tensors: checked by identity, so the NumPy path stays fast
+_PLAIN = frozenset({np.ndarray, type(None), bool, int, float, str, tuple, list})
+
+_TRAINING = ("attnx computes no gradients (inference only): call it under torch.no_grad() or "
+             "torch.inference_mode(), pass .detach()ed tensors, or use "
+             "torch.nn.functional.scaled_dot_product_attention to train")
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x):
+    """True for a torch tensor (torch already imported by whoever made it)."""
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _foreign(x):
+    t = type(x)
+    return t not in _PLAIN and not isinstance(x, (np.ndarray, np.generic)) and hasattr(x, "__dlpack__")
+
+
+_registered = False
+
+
+def _register_ops():
+    """Import attnx.torch_ops once (it registers torch.ops.attnx.*), on the first tensor seen."""
+    global _registered
+    if not _registered:
+        _registered = True
+        from . import torch_ops  # noqa: F401  (registration is its import side effect)
+
+
+def _torch_to_numpy(t, name):
+    torch = _torch()
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: attnx runs on the CPU, got a tensor on {t.device}: move it with "
+                         f".cpu(), or use torch.nn.functional.scaled_dot_product_attention on "
+                         f"{t.device.type}")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name}: the tensor requires grad; {_TRAINING}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        # same element size, so the view keeps every stride: still no copy
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"{name}: cannot view a tensor of dtype {t.dtype} as a NumPy array; "
+                        "expected float32, float16 or bfloat16") from exc
+
+
+def to_numpy(x, name="x"):
+    """A NumPy view of a torch tensor or ``__dlpack__`` object (zero-copy); anything else as is."""
+    if is_torch(x):
+        return _torch_to_numpy(x, name)
+    if _foreign(x):
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, RuntimeError, BufferError, ValueError) as exc:
+            raise TypeError(f"{name}: cannot read a {type(x).__name__} through __dlpack__ on the "
+                            f"CPU: {exc}") from exc
+    return x
+
+
+def like(a, template):
+    """NumPy array ``a`` as the kind of ``template`` (torch tensor, array-API object or NumPy)."""
+    if not isinstance(a, np.ndarray):
+        return a
+    if is_torch(template):
+        torch = _torch()
+        if any(s < 0 for s in a.strides):  # torch.from_numpy refuses negative strides
+            a = np.ascontiguousarray(a)
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    ns = getattr(template, "__array_namespace__", None)
+    if ns is not None:
+        try:
+            return ns().from_dlpack(a)
+        except Exception:  # noqa: BLE001 - a namespace that cannot take NumPy keeps NumPy
+            return a
+    return a
+
+
+def _wrap(res, template, out, out_np):
+    if isinstance(res, tuple):
+        return tuple(_wrap(r, template, out, out_np) for r in res)
+    if out is not None and res is out_np:
+        return out
+    return like(res, template)
+
+
+def tensor_io(fn=None, *, torch_op=None):
+    """Decorator: tensor arguments in, the same kind of results out (see the module docstring).
+
+    ``torch_op``: the name of a :mod:`attnx.torch_ops` function that takes the same arguments;
+    while ``torch.compile`` traces, calls with torch tensors go there instead.
+    """
+    if fn is None:
+        return functools.partial(tensor_io, torch_op=torch_op)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        template = None
+        for x in args:
+            if type(x) not in _PLAIN and _foreign(x):
+                template = x
+                break
+        if template is None:
+            for x in kwargs.values():
+                if type(x) not in _PLAIN and _foreign(x):
+                    template = x
+                    break
+            if template is None:  # the NumPy path: nothing to convert
+                return fn(*args, **kwargs)
+        if is_torch(template):
+            torch = _torch()
+            if torch_op is not None and torch.compiler.is_compiling():
+                from . import torch_ops
+
+                return getattr(torch_ops, torch_op)(*args, **kwargs)
+            _register_ops()
+        names = fn.__code__.co_varnames
+        args = [to_numpy(x, names[i] if i < len(names) else "arg") for i, x in enumerate(args)]
+        out = kwargs.get("out")
+        kwargs = {k: to_numpy(x, k) for k, x in kwargs.items()}
+        out_np = kwargs.get("out")
+        res = fn(*args, **kwargs)
+        return _wrap(res, template, out, out_np)
+
+    return wrapper

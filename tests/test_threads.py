@@ -1,0 +1,184 @@
+"""Thread counts and attnx's thread pool.
+
+* Counts: ``num_threads`` (every entry point) and ``attnx.set_num_threads`` are ints below 2**31
+  (a ValueError naming the argument otherwise, also for bools and floats); a count above
+  ``_core._max_threads()`` (4 per CPU this process may run on, at most 1024) is capped with a
+  RuntimeWarning instead of starting that many threads (issue 18's smaller deviations).
+* The default: ``OMP_NUM_THREADS`` at call time if set, else the CPUs of the affinity mask.
+* The pool: each calling thread's workers are made once and reused, and joined when that thread
+  exits (no thread leaks per call or per caller); ``ATTNX_SPIN_US=0`` (sleep at once) gives the
+  same bits as the default spin.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx import _core
+
+TOO_BIG = [2**31, 2**40, np.int64(2**31), np.uint64(2**63)]
+
+
+def os_threads():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def threads_settle_at(n, timeout=30.0):
+    """Whether the process's thread count comes down to n: Thread.join returns when the thread's
+    Python code is done, a moment before the OS thread ends (its thread_local destructors, which
+    join its workers, run last)."""
+    deadline = time.monotonic() + timeout
+    while os_threads() != n:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _calls():
+    """Every entry point that takes num_threads, as f(num_threads) -> result."""
+    q = np.ones((1, 2, 300, 64), np.float32)
+    kp = np.ones((4, 1, 16, 64), np.float32)
+    bt = np.arange(4, dtype=np.int32).reshape(1, 4)
+    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=4,
+                               block_size=4, dtype="float32")
+
+    def attend(nt):
+        st = cache.begin_step([cache.new_sequence()], [2])
+        x = np.ones((2, 1, 8), np.float32)
+        return st.attend(0, x, x, x, num_threads=nt)
+
+    return {
+        "attention": lambda nt: attnx.attention(q, q, q, num_threads=nt),
+        "paged_attention": lambda nt: attnx.paged_attention(q[0, :, :1].transpose(1, 0, 2), kp, kp,
+                                                            bt, np.array([64]),
+                                                            num_threads=nt),
+        "Step.attend": attend,
+    }
+
+
+@pytest.mark.parametrize("entry", ["attention", "paged_attention", "Step.attend"])
+@pytest.mark.parametrize("n", TOO_BIG + [True, False, 2.0, 0, -1], ids=repr)
+def test_num_threads_out_of_range_names_the_argument(entry, n):
+    with pytest.raises(ValueError, match="^num_threads: expected"):
+        _calls()[entry](n)
+
+
+@pytest.mark.parametrize("n", TOO_BIG + [True, 2.0, -1], ids=repr)
+def test_set_num_threads_out_of_range_names_the_argument(n):
+    before = attnx.get_num_threads()
+    with pytest.raises(ValueError, match="^n: expected"):
+        attnx.set_num_threads(n)
+    assert attnx.get_num_threads() == before
+
+
+def test_the_cap():
+    cap = _core._max_threads()
+    assert cap == min(4 * len(os.sched_getaffinity(0)), 1024)
+
+
+@pytest.mark.parametrize("entry", ["attention", "paged_attention", "Step.attend"])
+def test_a_huge_num_threads_is_capped_with_a_warning(entry):
+    cap = _core._max_threads()
+    call = _calls()[entry]
+    expected = call(cap)
+    before = os_threads()
+    with pytest.warns(RuntimeWarning, match=f"num_threads=4096 capped at {cap} threads"):
+        got = call(4096)
+    assert os_threads() <= before + cap, "more threads than the cap were started"
+    assert np.array_equal(got, expected)
+
+
+def test_set_num_threads_caps_with_a_warning():
+    cap = _core._max_threads()
+    try:
+        with pytest.warns(RuntimeWarning, match=f"n=4096 capped at {cap} threads"):
+            attnx.set_num_threads(np.int32(4096))
+        assert attnx.get_num_threads() == cap
+        attnx.set_num_threads(np.uint8(3))
+        assert attnx.get_num_threads() == 3
+    finally:
+        attnx.set_num_threads(0)
+
+
+@pytest.mark.parametrize("env, expected", [("3", 3), ("3,2", 3), (" 5 ", None), ("abc", None),
+                                           ("0", None), ("-2", None), ("100000", "cap")])
+def test_default_follows_omp_num_threads_at_call_time(monkeypatch, env, expected):
+    cpus = min(len(os.sched_getaffinity(0)), _core._max_threads())
+    monkeypatch.setenv("OMP_NUM_THREADS", env)
+    want = {None: cpus, "cap": _core._max_threads()}.get(expected, expected)
+    if env == " 5 ":
+        want = min(5, _core._max_threads())  # leading and trailing blanks, as OpenMP allows
+    assert attnx.get_num_threads() == want
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert attnx.get_num_threads() == cpus
+    attnx.set_num_threads(2)
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert attnx.get_num_threads() == 2, "an explicit setting wins over the environment"
+    finally:
+        attnx.set_num_threads(0)
+
+
+def test_default_follows_the_affinity_mask():
+    code = ("import os, attnx; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "print(attnx.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "1"
+
+
+def test_workers_are_reused_and_released_with_their_thread():
+    q = np.ones((1, 2, 300, 64), np.float32)
+    attnx.attention(q, q, q, num_threads=3)
+    base = os_threads()
+    seen = []
+
+    def caller():
+        # a fresh thread: its own two workers, made by its first call and reused by the rest
+        for _ in range(20):
+            attnx.attention(q, q, q, num_threads=3)
+        seen.append((_core._pool_threads(), os_threads()))
+
+    for _ in range(10):  # ... and joined when it exits
+        t = threading.Thread(target=caller)
+        t.start()
+        t.join()
+    assert seen == [(2, base + 3)] * 10
+    assert threads_settle_at(base)
+    for _ in range(20):  # calls of this thread keep reusing its workers
+        attnx.attention(q, q, q, num_threads=3)
+    assert os_threads() == base
+
+
+def test_sleeping_workers_give_the_same_bits():
+    """ATTNX_SPIN_US=0: every wait sleeps on its futex at once (the path the default's waits take
+    after their spin), through many back-to-back regions and barriers."""
+    code = r"""
+import hashlib, numpy as np, attnx
+rng = np.random.default_rng(5)
+q = rng.standard_normal((1, 4, 256, 64)).astype(np.float32)
+h = hashlib.sha256()
+for i in range(200):
+    h.update(attnx.attention(q, q, q, causal=bool(i % 2), num_threads=2 + i % 3).tobytes())
+print(h.hexdigest())
+"""
+    digests = set()
+    for spin in ("0", "100", ""):
+        env = dict(os.environ, ATTNX_SPIN_US=spin)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        digests.add(r.stdout.strip())
+    assert len(digests) == 1
