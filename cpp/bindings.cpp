@@ -49,15 +49,16 @@ constexpr double kGilFreeWork = 1 << 16;
 [[noreturn]] void value_error(const std::string& msg) { throw py::value_error(msg); }
 [[noreturn]] void type_error(const std::string& msg) { throw py::type_error(msg); }
 
-// ml_dtypes.bfloat16's NumPy type number (assigned at registration), or -1 without ml_dtypes.
+// An ml_dtypes type's NumPy type number (assigned at registration), or -1 without ml_dtypes.
+int ml_dtype_num(const char* name) {
+  try {
+    return py::module_::import("numpy").attr("dtype")(py::module_::import("ml_dtypes").attr(name)).cast<py::dtype>().num();
+  } catch (py::error_already_set&) {
+    return -1;
+  }
+}
 int bfloat16_num() {
-  static int num = [] {
-    try {
-      return py::module_::import("numpy").attr("dtype")(py::module_::import("ml_dtypes").attr("bfloat16")).cast<py::dtype>().num();
-    } catch (py::error_already_set&) {
-      return -1;
-    }
-  }();
+  static int num = ml_dtype_num("bfloat16");
   return num;
 }
 
@@ -94,6 +95,18 @@ DType dtype_of(const py::array& a, const char* name) {
   const char k = dt.kind();
   type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " + dtype_str(a) +
              (k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
+}
+
+// The dtype of KV pages: a float dtype, or a quantised one (int8, float8_e4m3fn, float8_e5m2).
+DType page_dtype_of(const py::array& a, const char* name) {
+  static const int e4m3 = ml_dtype_num("float8_e4m3fn"), e5m2 = ml_dtype_num("float8_e5m2");
+  const py::dtype dt = a.dtype();
+  if (dt.itemsize() != 1) return dtype_of(a, name);
+  if (dt.kind() == 'i') return DType::i8;
+  if (dt.num() == e4m3) return DType::e4m3;
+  if (dt.num() == e5m2) return DType::e5m2;
+  type_error(std::string(name) + ": expected dtype float32, float16, bfloat16, int8, float8_e4m3fn or "
+             "float8_e5m2, got " + dtype_str(a));
 }
 
 // A read-only array argument in native byte order (a byte-swapped one is converted: one copy).
@@ -536,10 +549,12 @@ py::object py_attention(const Args& a) {
 
 // ---- paged attention -----------------------------------------------------------------------
 enum PagedArg { pQ, pKPages, pVPages, pBlockTables, pSeqLens, pQLens, pCausal, pScale, pOut,
-                pReturnLse, pThreads, pWindow, pSoftcap, pSinks, pAlibi, pKNew, pVNew, pSlots };
+                pReturnLse, pThreads, pWindow, pSoftcap, pSinks, pAlibi, pKNew, pVNew, pSlots,
+                pKScales, pVScales };
 Signature paged_signature{"paged_attention", {"q", "k_pages", "v_pages", "block_tables", "seq_lens", "q_lens",
                           "causal", "scale", "out", "return_lse", "num_threads", "window", "softcap",
-                          "sinks", "alibi_slopes", "k_new", "v_new", "slots"}, 5, {}};
+                          "sinks", "alibi_slopes", "k_new", "v_new", "slots", "k_scales", "v_scales"},
+                          5, {}};
 
 struct PagedArrays {
   py::array_t<int32_t> bt, sl, ql;  // ql: empty when q_lens is None
@@ -549,8 +564,8 @@ struct PagedArrays {
 void check_pages(const py::array& kp, const py::array& vp, PagedParams& p) {
   if (kp.ndim() != 4) value_error("k_pages: expected 4 dims (num_blocks, Hkv, block_size, Dk), got " + shape_str(kp));
   if (vp.ndim() != 4) value_error("v_pages: expected 4 dims (num_blocks, Hkv, block_size, Dv), got " + shape_str(vp));
-  p.kv_dtype = dtype_of(kp, "k_pages");
-  if (dtype_of(vp, "v_pages") != p.kv_dtype) type_error("v_pages: expected the dtype of k_pages");
+  p.kv_dtype = page_dtype_of(kp, "k_pages");
+  if (page_dtype_of(vp, "v_pages") != p.kv_dtype) type_error("v_pages: expected the dtype of k_pages");
   p.num_blocks = kp.shape(0); p.Hkv = kp.shape(1); p.block_size = kp.shape(2); p.Dk = kp.shape(3);
   p.Dv = vp.shape(3);
   check_shape(vp, "v_pages", {{"num_blocks", p.num_blocks}, {"Hkv", p.Hkv}, {"block_size", p.block_size}, {"Dv", p.Dv}});
@@ -559,6 +574,35 @@ void check_pages(const py::array& kp, const py::array& vp, PagedParams& p) {
   auto ks = elem_strides(kp, "k_pages"), vs = elem_strides(vp, "v_pages");
   p.k_pages = kp.data(); p.k_sblk = ks[0]; p.k_sh = ks[1]; p.k_ss = ks[2];
   p.v_pages = vp.data(); p.v_sblk = vs[0]; p.v_sh = vs[1]; p.v_ss = vs[2];
+}
+
+// The scale pages of quantised pages (and only of them): float32 in native byte order,
+// (num_blocks, Hkv, block_size), writable when a step writes into them.
+py::array scale_pages(py::handle obj, const char* name, const PagedParams& p, bool quantised, bool write) {
+  const std::string n(name);
+  if (obj.is_none() != !quantised)
+    type_error(n + (quantised ? ": pages of dtype " + std::string(dtype_name(p.kv_dtype)) + " need their float32 scales"
+                              : ": only quantised pages (int8, float8_e4m3fn, float8_e5m2) have scales; pass None"));
+  if (!quantised) return py::array();
+  if (!py::isinstance<py::array>(obj)) type_error(n + ": expected a numpy float32 array, got " + std::string(py::str(obj.get_type())));
+  py::array a = py::reinterpret_borrow<py::array>(obj);
+  const py::dtype dt = a.dtype();
+  if (dt.kind() != 'f' || dt.itemsize() != 4 || !native_order(dt))
+    type_error(n + ": expected float32 in native byte order, got " + dtype_str(a));
+  check_shape(a, name, {{"num_blocks", p.num_blocks}, {"Hkv", p.Hkv}, {"block_size", p.block_size}});
+  if (write && !a.writeable()) value_error(n + ": array is not writable (a step stores the new rows' scales)");
+  return a;
+}
+
+void check_scales(py::handle k_scales, py::handle v_scales, bool write, PagedParams& p, py::array& ks,
+                  py::array& vs) {
+  const bool q = is_quantised(p.kv_dtype);
+  ks = scale_pages(k_scales, "k_scales", p, q, write);
+  vs = scale_pages(v_scales, "v_scales", p, q, write);
+  if (!q) return;
+  auto kst = elem_strides(ks, "k_scales", false), vst = elem_strides(vs, "v_scales", false);  // any strides
+  p.k_scales = static_cast<const float*>(ks.data()); p.ks_sblk = kst[0]; p.ks_sh = kst[1]; p.ks_ss = kst[2];
+  p.v_scales = static_cast<const float*>(vs.data()); p.vs_sblk = vst[0]; p.vs_sh = vst[1]; p.vs_ss = vst[2];
 }
 
 // block_tables (B, max_blocks) as int32, with seq_lens and q_lens: every entry a sequence reads
@@ -622,7 +666,7 @@ py::array new_rows(py::handle obj, const char* name, const py::array& kp, const 
 
 // v_new may be None when the values are a view of the keys (latent attention: one write).
 void prepare_new_kv(NewKV& n, py::handle k_new, py::handle v_new, py::handle slots, const PagedParams& p,
-                    py::array& kp, py::array& vp) {
+                    py::array& kp, py::array& vp, py::array& ksc, py::array& vsc) {
   n.k = new_rows(k_new, "k", kp, vp);
   if (!kp.writeable()) value_error("k_pages: array is not writable");
   if (n.k.ndim() != 3) value_error("k: expected 3 dims (T, Hkv, Dk), got " + shape_str(n.k));
@@ -635,6 +679,10 @@ void prepare_new_kv(NewKV& n, py::handle k_new, py::handle v_new, py::handle slo
   auto ks = elem_strides(n.k, "k");
   n.wk = PagedWrite{p.N, p.Hkv, p.Dk, n.k.data(), kd, ks[0], ks[1], kp.mutable_data(), p.kv_dtype,
                     p.block_size, p.k_sblk, p.k_sh, p.k_ss, n.slots.data()};
+  if (p.k_scales != nullptr) {
+    n.wk.scales = static_cast<float*>(ksc.mutable_data());
+    n.wk.sc_sblk = p.ks_sblk; n.wk.sc_sh = p.ks_sh; n.wk.sc_ss = p.ks_ss;
+  }
   if (v_new.is_none()) return;
   n.v = new_rows(v_new, "v", kp, vp);
   if (!vp.writeable()) value_error("v_pages: array is not writable");
@@ -643,6 +691,10 @@ void prepare_new_kv(NewKV& n, py::handle k_new, py::handle v_new, py::handle slo
   auto vs = elem_strides(n.v, "v");
   n.wv = PagedWrite{p.N, p.Hkv, p.Dv, n.v.data(), vd, vs[0], vs[1], vp.mutable_data(), p.kv_dtype,
                     p.block_size, p.v_sblk, p.v_sh, p.v_ss, n.slots.data()};
+  if (p.v_scales != nullptr) {
+    n.wv.scales = static_cast<float*>(vsc.mutable_data());
+    n.wv.sc_sblk = p.vs_sblk; n.wv.sc_sh = p.vs_sh; n.wv.sc_ss = p.vs_ss;
+  }
 }
 
 py::object py_paged_attention(const Args& a) {
@@ -651,6 +703,8 @@ py::object py_paged_attention(const Args& a) {
   if (!kp) type_error("k_pages: expected a numpy array");
   if (!vp) type_error("v_pages: expected a numpy array");
   check_pages(kp, vp, p);
+  py::array ksc, vsc;
+  check_scales(a[pKScales], a[pVScales], !a[pKNew].is_none(), p, ksc, vsc);
   const py::array q = native_input(a[pQ], "q");
   if (q.ndim() != 3) value_error("q: expected 3 dims (N, Hq, Dk), got " + shape_str(q));
   p.q_dtype = dtype_of(q, "q");
@@ -670,9 +724,9 @@ py::object py_paged_attention(const Args& a) {
   p.q = q.data(); p.q_sn = qs[0]; p.q_sh = qs[1];
   const bool write = !a[pKNew].is_none();
   NewKV nkv;
-  if (write) prepare_new_kv(nkv, a[pKNew], a[pVNew], a[pSlots], p, kp, vp);
+  if (write) prepare_new_kv(nkv, a[pKNew], a[pVNew], a[pSlots], p, kp, vp, ksc, vsc);
   OutTarget o = out_target(a[pOut], "q", p.q_dtype, q.dtype(), {{"N", p.N}, {"Hq", p.Hq}, {"Dv", p.Dv}},
-                                 {q, kp, vp, keep.bt, keep.sl, keep.ql, sk, al, nkv.k, nkv.v}, false);
+                                 {q, kp, vp, keep.bt, keep.sl, keep.ql, sk, al, nkv.k, nkv.v, ksc, vsc}, false);
   auto os = elem_strides(o.write, "out");
   p.out = o.write.mutable_data(); p.o_sn = os[0]; p.o_sh = os[1];
   const bool return_lse = a.flag(pReturnLse, false);
@@ -840,7 +894,7 @@ PYBIND11_MODULE(_core, m) {
        METH_FASTCALL | METH_KEYWORDS,
        "paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens=None, causal=True, scale=None, "
        "out=None, return_lse=False, num_threads=0, window=None, softcap=None, sinks=None, "
-       "alibi_slopes=None, k_new=None, v_new=None, slots=None)"},
+       "alibi_slopes=None, k_new=None, v_new=None, slots=None, k_scales=None, v_scales=None)"},
   };
   for (PyMethodDef& def : entry_points)
     m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, m.ptr(), m.attr("__name__").ptr())));

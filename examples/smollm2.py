@@ -66,20 +66,33 @@ def reference_attention(cache, step, seq_ids, block_size):
                              for table, p in zip(tables, np.split(pos, starts[1:-1]))])
     offsets = pos % block_size
 
-    def gather(pages, table, length):
-        # (blocks, Hkv, block_size, D) -> (tokens, Hkv, D), as float32 whatever the KV dtype.
+    def gather(pages, scales, table, length):
+        # (blocks, Hkv, block_size, D) -> (tokens, Hkv, D), as float32 whatever the KV dtype
+        # (a quantised cache's codes times their scales).
+        if scales is not None:
+            pages = attnx.reference.dequantize_kv(pages[table], scales[table])
+            table = slice(None)
         kv = pages[table].transpose(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])
         return kv[:length].astype(np.float32)
 
+    def store(pages, scales, x):
+        if scales is None:
+            pages[blocks, :, offsets] = x
+        else:  # a quantised cache: codes and one scale per (token, head), as the kernel does
+            pages[blocks, :, offsets], scales[blocks, :, offsets] = attnx.reference.quantize_kv(
+                x, cache.dtype)
+
     def attend(layer, q, k, v):
         k_pages, v_pages = cache.k_pages(layer), cache.v_pages(layer)
-        k_pages[blocks, :, offsets] = k
-        v_pages[blocks, :, offsets] = v
+        k_scales, v_scales = cache.k_scales(layer), cache.v_scales(layer)
+        store(k_pages, k_scales, k)
+        store(v_pages, v_scales, v)
         out = np.empty(q.shape[:2] + v.shape[2:], dtype=np.float32)
         for i, (table, length) in enumerate(zip(tables, step.seq_lens)):
             rows = slice(starts[i], starts[i + 1])
             out[rows] = attnx.reference.attention(
-                q[rows], gather(k_pages, table, length), gather(v_pages, table, length),
+                q[rows], gather(k_pages, k_scales, table, length),
+                gather(v_pages, v_scales, table, length),
                 causal=True, layout="bshd")
         return out
 
@@ -400,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (forked prompt KV)")
     ap.add_argument("--print-ids", action="store_true",
                     help="print generated token ids (one line per sequence) instead of text")
-    ap.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    ap.add_argument("--kv-dtype", default="float32",
+                    choices=["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-blocks", type=int, default=0,
                     help="cache size in blocks (default: enough to never preempt)")

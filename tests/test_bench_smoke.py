@@ -8,8 +8,9 @@ import sys
 from dataclasses import replace
 
 ROWS = ["prefill", "gqa_causal", "encoder", "decode_f32", "decode_fp16", "decode_bf16",
-        "fork_mha_unshared", "fork_mha", "fork_gqa_unshared", "fork_gqa",
-        "decode_long", "small", "threads", "memory", "delta_prefill", "delta_decode"]
+        "decode_int8", "decode_fp8", "fork_mha_unshared", "fork_mha", "fork_gqa_unshared",
+        "fork_gqa", "decode_long", "decode_long_fp16", "decode_long_int8",
+        "decode_long_fp8", "small", "threads", "memory", "delta_prefill", "delta_decode"]
 ROW_KEYS = {"key", "case", "shape", "kind", "target", "attnx_s", "numpy_s", "torch_s", "rate",
             "rate_unit", "pct_of_limit", "vs_numpy", "vs_torch", "met", "met_text", "samples"}
 
@@ -69,6 +70,9 @@ def test_bench_quick_writes_valid_json(tmp_path):
     assert "tokens_per_s_vs_fp32" in rows["decode_fp16"]["extra"]
     for key in ("fork_mha", "fork_gqa"):  # shared-prefix rows: the ratio to the unshared row and its bound
         assert rows[key]["extra"]["bound_vs_unshared"] > 1 and "× unshared (bound" in rows[key]["met_text"]
+    for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):  # issue 13
+        assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(rows[key]["extra"]), key
+        assert "fp16 tokens/s" in rows[key]["target"] and rows[key]["vs_numpy"] > 0, key
     # the table is printed
     assert "| case | shape |" in res.stdout and "targets missed:" in res.stdout
     if plot:

@@ -332,7 +332,7 @@ def test_shared_prefix_is_off_where_it_cannot_split(rng, split_always):
 
 # ---- sessions --------------------------------------------------------------------------------
 @needs_safetensors
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("value_from_key", [False, True])
 def test_session_round_trip_is_bit_exact_across_block_sizes(tmp_path, rng, dtype, value_from_key):
     kw = dict(value_dim=4) if value_from_key else {}
@@ -350,7 +350,8 @@ def test_session_round_trip_is_bit_exact_across_block_sizes(tmp_path, rng, dtype
                            value_from_key=value_from_key, prefix_caching=True, **kw)
     b = d.load(path, expect={"model": "m"})
     assert d.length(b) == 11 and d._seqs[b].tokens.tolist() == list(range(11))
-    want, got = seq_kv(c, a), seq_kv(d, b)
+    want, got = seq_kv(c, a), seq_kv(d, b)  # (a quantised cache's scale pages too)
+    assert ("k_scales" in want) == (dtype in ("int8", "float8_e4m3fn"))
     assert set(want) == set(got) and all(np.array_equal(bits(want[n]), bits(got[n])) for n in want)
     assert [f for f in os.listdir(tmp_path)] == ["s.safetensors"]  # no temporary file left
 

@@ -12,6 +12,9 @@ const char* dtype_name(DType t) {
     case DType::f32: return "float32";
     case DType::f16: return "float16";
     case DType::bf16: return "bfloat16";
+    case DType::i8: return "int8";
+    case DType::e4m3: return "float8_e4m3fn";
+    case DType::e5m2: return "float8_e5m2";
   }
   return "?";
 }

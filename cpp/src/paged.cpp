@@ -2,10 +2,13 @@
 // and the writes and copies that maintain the pages.
 #include "attnx/paged.h"
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "attnx/dispatch.h"
 #include "flash_driver.h"
+#include "kernels/convert.h"
 
 namespace attnx {
 
@@ -34,7 +37,8 @@ struct PagedProblem : detail::FlashProblem {
     return a.lse ? a.lse + (a.q_start[b] + i) * a.l_sn + h * a.l_sh : nullptr;
   }
   kern::KVSource src(const void* pages, int64_t sblk, int64_t sh, int64_t ss, int64_t b,
-                     int64_t kvh) const {
+                     int64_t kvh, const float* scales, int64_t c_sblk, int64_t c_sh,
+                     int64_t c_ss) const {
     kern::KVSource s;
     s.base = static_cast<const char*>(pages) + kvh * sh * int64_t(kes);
     s.dtype = a.kv_dtype;
@@ -42,13 +46,18 @@ struct PagedProblem : detail::FlashProblem {
     s.block_table = a.block_tables + b * a.bt_stride;
     s.block_size = a.block_size;
     s.block_stride = sblk * int64_t(kes);
+    if (scales != nullptr) {
+      s.scale = scales + kvh * c_sh;
+      s.scale_row_stride = c_ss;
+      s.scale_block_stride = c_sblk;
+    }
     return s;
   }
   kern::KVSource k_src(int64_t b, int64_t kvh) const {
-    return src(a.k_pages, a.k_sblk, a.k_sh, a.k_ss, b, kvh);
+    return src(a.k_pages, a.k_sblk, a.k_sh, a.k_ss, b, kvh, a.k_scales, a.ks_sblk, a.ks_sh, a.ks_ss);
   }
   kern::KVSource v_src(int64_t b, int64_t kvh) const {
-    return src(a.v_pages, a.v_sblk, a.v_sh, a.v_ss, b, kvh);
+    return src(a.v_pages, a.v_sblk, a.v_sh, a.v_ss, b, kvh, a.v_scales, a.vs_sblk, a.vs_sh, a.vs_ss);
   }
 };
 
@@ -88,6 +97,27 @@ void paged_step(const PagedStep& step) {
   attend_checked(step.attend);
 }
 
+float quantise_row(const float* x, int64_t n, DType dtype, void* dst) {
+  const float qmax = dtype == DType::i8 ? 127.f : dtype == DType::e4m3 ? 448.f : 57344.f;
+  float m = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    m = std::fabs(x[i]) > m ? std::fabs(x[i]) : m;
+  }
+  const float s = finite ? m / qmax : std::numeric_limits<float>::quiet_NaN();
+  const bool use = finite && s > 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    float r = use ? x[i] / s : 0.f;  // a true division, as the definition says
+    r = r < -qmax ? -qmax : r > qmax ? qmax : r;
+    if (dtype == DType::i8)
+      static_cast<int8_t*>(dst)[i] = int8_t(std::nearbyint(r));  // round half to even
+    else
+      static_cast<uint8_t*>(dst)[i] = dtype == DType::e4m3 ? cvt::f32_to_e4m3(r) : cvt::f32_to_e5m2(r);
+  }
+  return use || !finite ? s : 0.f;
+}
+
 void paged_write(const PagedWrite& w) {
   if (w.n == 0) return;
   const kern::KernelTable* table = active_table();
@@ -98,7 +128,11 @@ void paged_write(const PagedWrite& w) {
     for (int64_t h = 0; h < w.H; ++h) {
       const char* src = static_cast<const char*>(w.src) + (t * w.s_sn + h * w.s_sh) * int64_t(ses);
       char* dst = static_cast<char*>(w.pages) + (blk * w.p_sblk + h * w.p_sh + off * w.p_ss) * int64_t(pes);
-      if (w.src_dtype == w.page_dtype) {
+      if (w.scales != nullptr) {
+        table->load_row(src, w.src_dtype, w.D, row.data());
+        w.scales[blk * w.sc_sblk + h * w.sc_sh + off * w.sc_ss] =
+            quantise_row(row.data(), w.D, w.page_dtype, dst);
+      } else if (w.src_dtype == w.page_dtype) {
         std::memcpy(dst, src, std::size_t(w.D) * pes);
       } else {
         table->load_row(src, w.src_dtype, w.D, row.data());

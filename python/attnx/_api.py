@@ -228,7 +228,9 @@ def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
                     out: Optional[np.ndarray] = None, num_threads: Optional[int] = None,
                     window: Optional[Window] = None, softcap: Optional[float] = None,
                     sinks: Optional[ArrayLike] = None,
-                    alibi_slopes: Optional[ArrayLike] = None, shared_prefix: bool = True) -> Result:
+                    alibi_slopes: Optional[ArrayLike] = None, shared_prefix: bool = True,
+                    k_scales: Optional[np.ndarray] = None,
+                    v_scales: Optional[np.ndarray] = None) -> Result:
     """Attention of packed queries against KV stored in pages of a block pool, read in place.
 
     Parameters
@@ -238,7 +240,8 @@ def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
         (``N = B`` when ``q_lens`` is None: one decode token per sequence).
     k_pages : ndarray ``(num_blocks, Hkv, block_size, Dk)``
     v_pages : ndarray ``(num_blocks, Hkv, block_size, Dv)``
-        The pools (one layer). float32, float16 or bfloat16; q may have another dtype.
+        The pools (one layer). float32, float16 or bfloat16; q may have another dtype. Or
+        quantised, int8, float8_e4m3fn or float8_e5m2, with their scales.
     block_tables : int array ``(B, max_blocks)``
         Sequence ``b``'s kv token ``t`` lives in block ``block_tables[b, t // block_size]`` at
         slot ``t % block_size``. Entries past a sequence's last block are not read.
@@ -255,6 +258,10 @@ def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
         those blocks once for all their queries, merged with each one's own tail by log-sum-exp
         (default True; used where it saves enough reads, and not with ``window``, ``sinks`` or
         ``alibi_slopes``). False reads every sequence's blocks on their own.
+    k_scales, v_scales : float32 ndarray ``(num_blocks, Hkv, block_size)``, optional
+        With quantised pages, and only then: row ``(block, head, slot)`` reads as its codes
+        times its scale (:func:`attnx.reference.dequantize_kv`), converted as the kernel loads
+        it (never a dequantised copy of a page).
 
     Returns
     -------
@@ -276,13 +283,19 @@ def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
     block_tables = _as_array(block_tables, "block_tables")
     if shared_prefix and window is None and sinks is None and alibi_slopes is None:
         split = _split_shared(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, scale,
-                              return_lse, out, num_threads, softcap)
+                              return_lse, out, num_threads, softcap, k_scales, v_scales)
         if split is not None:
             return split
     return _core.paged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, q_lens=q_lens, causal=causal,
         scale=_scale(scale), out=out, return_lse=return_lse, num_threads=_threads(num_threads),
-        window=_window(window), softcap=_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes)
+        window=_window(window), softcap=_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
+        k_scales=_scales(k_scales, "k_scales"), v_scales=_scales(v_scales, "v_scales"))
+
+
+def _scales(x: object, name: str) -> Optional[np.ndarray]:
+    """A scale-pages argument as an array (the binding checks it), or None."""
+    return None if x is None else _as_array(x, name)
 
 
 def _shared_plan(q, k_pages, block_tables, seq_lens, q_lens):
@@ -305,7 +318,7 @@ def _shared_plan(q, k_pages, block_tables, seq_lens, q_lens):
 
 
 def _split_shared(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, scale, return_lse,
-                  out, num_threads, softcap):
+                  out, num_threads, softcap, k_scales=None, v_scales=None):
     """paged_attention through the shared-prefix path, or None where no group shares blocks."""
     from . import _shared
     if out is not None and (not isinstance(out, np.ndarray) or out.dtype != q.dtype
@@ -317,10 +330,12 @@ def _split_shared(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, s
     groups, bt, lens, ql = plan
     qf = _wide(q)
     sc, th, cap = _scale(scale), _threads(num_threads), _softcap(softcap)
+    ks, vs = _scales(k_scales, "k_scales"), _scales(v_scales, "v_scales")
 
     def run(qx, table, lens_, ql_, causal_):
         return _core.paged_attention(qx, k_pages, v_pages, table, lens_, q_lens=ql_, causal=causal_,
-                                     scale=sc, return_lse=True, num_threads=th, softcap=cap)
+                                     scale=sc, return_lse=True, num_threads=th, softcap=cap,
+                                     k_scales=ks, v_scales=vs)
 
     o, lse = _shared.attend(qf, bt, lens, groups, k_pages.shape[2],
                             lambda table, lens_: run(qf, table, lens_, ql, bool(causal)),
@@ -343,7 +358,8 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
                *, values_from_keys: bool = False, max_left: int | None = None,
                scale: float | None = None, num_threads: int | None = None, return_lse: bool = False,
                window: Any = None, softcap: float | None = None, sinks: Any = None,
-               alibi_slopes: Any = None) -> Result:
+               alibi_slopes: Any = None, k_scales: np.ndarray | None = None,
+               v_scales: np.ndarray | None = None) -> Result:
     """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
     into their slots, then attends causally from the new queries to their whole sequences.
 
@@ -364,6 +380,8 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
         ``window`` defaults to ``(max_left, None)`` and may not reach further left.
     scale, num_threads, return_lse, window, softcap, sinks, alibi_slopes
         As in :func:`attention`.
+    k_scales, v_scales : float32 ``(num_blocks, Hkv, block_size)``, optional
+        The scale pages of quantised pages: each new row is quantised and its scale stored.
 
     Returns
     -------
@@ -392,4 +410,5 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
         qa, k_pages, v_pages, block_tables, seq_lens, q_lens=q_lens, causal=True,
         scale=_scale(scale), return_lse=return_lse, num_threads=_threads(num_threads), window=sides,
         softcap=_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
-        k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots)
+        k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots,
+        k_scales=_scales(k_scales, "k_scales"), v_scales=_scales(v_scales, "v_scales"))

@@ -187,14 +187,17 @@ def _tensors(header: dict[str, Any], stored: dict[str, np.ndarray], cache: Any, 
     if not isinstance(n, int) or n < 0 or (ids is not None and ids.shape != (n,)) or len(root) != 32:
         raise SessionError(f"{path}: corrupted header (length {n!r})")
     names = ["k"] + ([] if cache.value_from_key else ["v"])
-    widths = {"k": cache.head_dim, "v": cache.value_dim}
+    if cache.quantised:  # one float32 scale per (layer, head, token) of each stored tensor
+        names += [f"{name}_scales" for name in names]
+    widths = {"k": (cache.head_dim,), "v": (cache.value_dim,), "k_scales": (), "v_scales": ()}
     out = {}
     for name in names:
         t = stored.get(name)
-        shape = (cache.num_layers, cache.num_kv_heads, n, widths[name])
-        if t is None or t.shape != shape or t.dtype.itemsize != cache.dtype.itemsize:
-            raise SessionError(f"{path}: tensor {name!r} is not {shape} of {cache.dtype.name}")
-        out[name] = t.view(cache.dtype)
+        dtype = np.dtype(np.float32) if name.endswith("_scales") else cache.dtype
+        shape = (cache.num_layers, cache.num_kv_heads, n) + widths[name]
+        if t is None or t.shape != shape or t.dtype.itemsize != dtype.itemsize:
+            raise SessionError(f"{path}: tensor {name!r} is not {shape} of {dtype.name}")
+        out[name] = t.view(dtype)
     if set(stored) != set(names):
         raise SessionError(f"{path}: unexpected tensors {sorted(set(stored) - set(names))}")
     return out, n, ids, root

@@ -45,6 +45,12 @@ advances the states. A state has a fixed size whatever the sequence's length. ``
 state has been written refuses every length except its current one and 0 (which resets the state
 to zeros); keep a fork as a checkpoint where rollback is needed (speculative decoding).
 
+Quantised pages (``dtype="int8"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``): each (token, kv head)
+row of K and of V is stored as 1-byte codes plus one float32 scale, in scale pages
+``(num_blocks, num_kv_heads, block_size)`` beside the data (:meth:`PagedKVCache.k_scales`); a
+step quantises its new rows as it writes them (:func:`attnx.reference.quantize_kv` defines how)
+and the kernels read ``code * scale``. Copy-on-write copies a block's scales with its codes.
+
 Thread safety: every bookkeeping operation holds the cache's lock, so several Python threads may
 create, fork, truncate, free and step *different* sequences concurrently. ``Step.attend`` runs
 without the lock (and without the GIL): the blocks it writes were reserved for it alone by
@@ -60,6 +66,7 @@ from typing import Any, Iterable, Sequence, cast
 import numpy as np
 
 from . import _api, _session, _tensors
+from . import reference as _ref
 from ._blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
 from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
 from ._validate import positive_int as _positive_int, storage_dtype as _dtype
@@ -157,8 +164,9 @@ class PagedKVCache:
         Pages in the pool (per layer; one block id addresses the same page in every layer).
     block_size : int
         Token slots per page (default 16).
-    dtype : ``"float32"``, ``"float16"`` or ``"bfloat16"``
-        Storage dtype of keys and values; attention accumulates in float32.
+    dtype : ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int8"``, ``"float8_e4m3fn"`` or ``"float8_e5m2"``
+        Storage dtype of keys and values; attention accumulates in float32. The last three are
+        quantised: one float32 scale per (token, kv head) row, see :meth:`k_scales`.
     value_dim : int, optional
         Width of the values (default ``head_dim``).
     sliding_window : int, optional
@@ -203,7 +211,8 @@ class PagedKVCache:
         self.num_blocks = _positive_int(num_blocks, "num_blocks")
         self.block_size = _positive_int(block_size, "block_size")
         self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
-        self.dtype = _dtype(dtype)
+        self.dtype = _kv_dtype(dtype)
+        self.quantised = _ref.quantised_dtype(self.dtype) is not None
         self.sliding_window = (None if sliding_window is None
                                else _int_in(sliding_window, "sliding_window", 1, _MAX_TOKENS))
         self.value_from_key = bool(value_from_key)
@@ -215,6 +224,7 @@ class PagedKVCache:
         self.linear_layers, self.state_shape = _linear_config(linear_layers, state_shape)
         self._k, self._v = self._pool_arrays()
         self.prefix_caching = bool(prefix_caching)
+        self._k_scales, self._v_scales = self._scale_arrays()
         self._alloc = BlockAllocator(self.num_blocks, caching=self.prefix_caching)
         self._hit_tokens = self._query_tokens = 0
         self._seqs: dict[int, _Seq] = {}
@@ -232,6 +242,19 @@ class PagedKVCache:
             raise MemoryError(f"PagedKVCache: cannot allocate {gib:.1f} GiB for the pool") from None
         return k, v
 
+    def _scale_arrays(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The scale pages of a quantised cache, float32 ``(layers, blocks, heads, block_size)``
+        for K and for V (None for V when the values are read from the keys)."""
+        if not self.quantised:
+            return None, None
+        shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size)
+        try:
+            return (np.zeros(shape, np.float32),
+                    None if self.value_from_key else np.zeros(shape, np.float32))
+        except (MemoryError, ValueError, OverflowError):
+            gib = self.num_blocks * self.bytes_per_block / 2**30
+            raise MemoryError(f"PagedKVCache: cannot allocate {gib:.1f} GiB for the pool") from None
+
     # ---- pages ---------------------------------------------------------------------------------
     def k_pages(self, layer: int) -> np.ndarray:
         """Zero-copy view of layer ``layer``'s keys: ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
@@ -243,6 +266,20 @@ class PagedKVCache:
         if self._v is None:
             return self._k[li][..., :self.value_dim]
         return self._v[li]
+
+    def k_scales(self, layer: int) -> np.ndarray | None:
+        """Zero-copy view of layer ``layer``'s key scales, float32 ``(num_blocks, num_kv_heads,
+        block_size)`` (a quantised cache; None for float pages): key row ``(block, head, slot)``
+        reads back as ``k_pages(layer)[block, head, slot] * k_scales(layer)[block, head, slot]``."""
+        li = _index(layer, "layer", self.num_layers)
+        return None if self._k_scales is None else self._k_scales[li]
+
+    def v_scales(self, layer: int) -> np.ndarray | None:
+        """Zero-copy view of layer ``layer``'s value scales, as :meth:`k_scales` (with
+        ``value_from_key`` the values are the keys' first features: the keys' scales)."""
+        li = _index(layer, "layer", self.num_layers)
+        scales = self._k_scales if self._v_scales is None else self._v_scales
+        return None if scales is None else scales[li]
 
     # ---- the allocator's figures, for checks and tests -----------------------------------------
     @property
@@ -409,9 +446,11 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block id across all layers, keys and values."""
+        """Bytes of one block id across all layers, keys and values (and their scales)."""
+        rows = 1 if self.value_from_key else 2  # K rows, and V rows
         width = self.head_dim + (0 if self.value_from_key else self.value_dim)
-        return self.num_layers * self.num_kv_heads * self.block_size * width * self.dtype.itemsize
+        per_slot = width * self.dtype.itemsize + (rows * 4 if self.quantised else 0)
+        return self.num_layers * self.num_kv_heads * self.block_size * per_slot
 
     @property
     def bytes_per_state(self) -> int:
@@ -549,29 +588,36 @@ class PagedKVCache:
                 self._register(s)
             return self._add(s)
 
-    def _gather(self, blocks: np.ndarray, n: int) -> dict[str, np.ndarray]:
-        """The first ``n`` slots of ``blocks``, every layer, as ``(layers, heads, n, width)``
-        arrays by name (the session file's tensors)."""
-        def rows(pages: np.ndarray) -> np.ndarray:
-            x = pages[:, blocks]  # (L, nb, H, bs, D)
-            x = x.transpose(0, 2, 1, 3, 4).reshape(x.shape[0], x.shape[2], -1, x.shape[4])
-            return x[:, :, :n]
-        out = {"k": rows(self._k)}
+    def _session_pages(self) -> dict[str, np.ndarray]:
+        """The pool arrays a session file holds, by tensor name: K and V, and the scale pages of a
+        quantised cache (with ``value_from_key`` V is a view of K: neither V nor its scales)."""
+        pages = {"k": self._k}
         if self._v is not None:
-            out["v"] = rows(self._v)
+            pages["v"] = self._v
+        if self._k_scales is not None:
+            pages["k_scales"] = self._k_scales
+            if self._v is not None and self._v_scales is not None:
+                pages["v_scales"] = self._v_scales
+        return pages
+
+    def _gather(self, blocks: np.ndarray, n: int) -> dict[str, np.ndarray]:
+        """The first ``n`` slots of ``blocks``, every layer, as ``(layers, heads, n[, width])``
+        arrays by name (the session file's tensors)."""
+        out = {}
+        for name, pages in self._session_pages().items():
+            x = np.moveaxis(pages[:, blocks], 2, 1)  # (L, H, nb, bs[, D])
+            out[name] = x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, :n]
         return out
 
     def _scatter(self, blocks: np.ndarray, tensors: dict[str, np.ndarray], n: int) -> None:
         """Writes ``_gather``'s arrays into the first ``n`` slots of ``blocks``."""
         bs = self.block_size
-        for name, pages in (("k", self._k), ("v", self._v)):
-            if pages is None:
-                continue
+        for name, pages in self._session_pages().items():
             t = tensors[name]
-            padded = np.zeros(t.shape[:2] + (len(blocks) * bs, t.shape[3]), pages.dtype)
+            padded = np.zeros(t.shape[:2] + (len(blocks) * bs,) + t.shape[3:], pages.dtype)
             padded[:, :, :n] = t
-            pages[:, blocks] = padded.reshape(t.shape[0], t.shape[1], len(blocks), bs,
-                                              t.shape[3]).transpose(0, 2, 1, 3, 4)
+            x = padded.reshape(t.shape[:2] + (len(blocks), bs) + t.shape[3:])
+            pages[:, blocks] = np.moveaxis(x, 1, 2)
 
     # ---- steps ---------------------------------------------------------------------------------
     def begin_step(self, seq_ids: Iterable[int], num_new_tokens: Sequence[int] | np.ndarray, *,
@@ -707,9 +753,9 @@ class PagedKVCache:
         new blocks, then the release of blocks that fell out of the sliding window."""
         if copy:
             old, new = s.row.last, int(self._alloc.allocate(1)[0])
-            self._k[:, new] = self._k[:, old]
-            if self._v is not None:
-                self._v[:, new] = self._v[:, old]
+            for pool in (self._k, self._v, self._k_scales, self._v_scales):
+                if pool is not None:
+                    pool[:, new] = pool[:, old]
             self._alloc.decref(np.array([old]))  # held elsewhere too: it stays held
             s.row.set_last(new)
         if grow:
@@ -797,7 +843,8 @@ class Step:
         layer : int
         q : ndarray ``(T, Hq, head_dim)``, the new queries packed in sequence order
         k : ndarray ``(T, num_kv_heads, head_dim)``; v : ``(T, num_kv_heads, value_dim)``
-            Converted to the cache's dtype as they are stored. ``v`` must be None when the cache
+            Converted to the cache's dtype as they are stored (quantised, each row with its
+            scale, in a quantised cache). ``v`` must be None when the cache
             has ``value_from_key`` (the values are read from the keys).
         window, softcap, sinks, alibi_slopes
             As in :func:`attnx.attention`. A cache with ``sliding_window=W`` uses
@@ -827,18 +874,19 @@ class Step:
                                  "stepped again since begin_step")
         if (shared_prefix and cache.sliding_window is None and window is None and sinks is None
                 and alibi_slopes is None and self._shared_groups()):
-            return self._attend_shared(q, k, v, k_pages, v_pages, scale, num_threads, return_lse,
-                                       softcap)
+            return self._attend_shared(layer, q, k, v, k_pages, v_pages, scale, num_threads,
+                                       return_lse, softcap)
         return _api.paged_step(
             q, k, v, k_pages, v_pages, self.block_tables, self.seq_lens, self.q_lens, self.slots,
             values_from_keys=cache.value_from_key,
             max_left=None if cache.sliding_window is None else cache.sliding_window - 1,
             scale=scale, num_threads=num_threads, return_lse=return_lse, window=window,
-            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+            k_scales=cache.k_scales(layer), v_scales=cache.v_scales(layer))
 
-    def _attend_shared(self, q: Any, k: Any, v: Any, k_pages: np.ndarray, v_pages: np.ndarray,
-                       scale: float | None, num_threads: int | None, return_lse: bool,
-                       softcap: float | None) -> Any:
+    def _attend_shared(self, layer: int, q: Any, k: Any, v: Any, k_pages: np.ndarray,
+                       v_pages: np.ndarray, scale: float | None, num_threads: int | None,
+                       return_lse: bool, softcap: float | None) -> Any:
         """attend through the shared-prefix path: the tails' call writes the new keys and
         values (into blocks no group shares) and attends; each group's shared blocks follow."""
         from . import _shared
@@ -846,15 +894,19 @@ class Step:
         qf = _api._wide(qa) if qa.ndim == 3 and qa.dtype.kind == "f" else qa
         cache = self._cache
 
+        ks, vs = cache.k_scales(layer), cache.v_scales(layer)
+
         def tail(table: np.ndarray, lens: np.ndarray) -> Any:
             return _api.paged_step(qf, k, v, k_pages, v_pages, table, lens, self.q_lens, self.slots,
                                    values_from_keys=cache.value_from_key, scale=scale,
-                                   num_threads=num_threads, return_lse=True, softcap=softcap)
+                                   num_threads=num_threads, return_lse=True, softcap=softcap,
+                                   k_scales=ks, v_scales=vs)
 
         def shared(qg: np.ndarray, table: np.ndarray, lens: np.ndarray, ql: np.ndarray) -> Any:
             return _api.paged_attention(qg, k_pages, v_pages, table, lens, q_lens=ql, causal=False,
                                         scale=scale, num_threads=num_threads, return_lse=True,
-                                        softcap=softcap, shared_prefix=False)
+                                        softcap=softcap, shared_prefix=False, k_scales=ks,
+                                        v_scales=vs)
 
         out, lse = _shared.attend(qf, self.block_tables, self.seq_lens, self._shared_groups(),
                                   cache.block_size, tail, shared)
@@ -919,3 +971,16 @@ class Step:
             s.state[li] = final[i]
         self._linear_done.add(li)
         return o[0]
+
+
+def _kv_dtype(dtype: Any) -> np.dtype[Any]:
+    """The cache's storage dtype: a float one (:func:`attnx._validate.storage_dtype`) or a
+    quantised one (:data:`attnx.reference.QUANTISED_DTYPES`)."""
+    quantised = _ref.quantised_dtype(dtype)
+    if quantised is not None:
+        return quantised
+    try:
+        return _dtype(dtype)
+    except TypeError:
+        raise TypeError("dtype: expected 'float32', 'float16', 'bfloat16', 'int8', 'float8_e4m3fn' "
+                        f"or 'float8_e5m2', got {dtype!r}") from None

@@ -514,7 +514,8 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
                     scale: float | None = None, return_lse: bool = False, window: _Window = None,
                     softcap: float | None = None, sinks: npt.ArrayLike | None = None,
                     alibi_slopes: npt.ArrayLike | None = None,
-                    out_dtype: npt.DTypeLike | None = None) -> _Result:
+                    out_dtype: npt.DTypeLike | None = None, k_scales: npt.ArrayLike | None = None,
+                    v_scales: npt.ArrayLike | None = None) -> _Result:
     """Attention over a paged KV cache (decode and chunked prefill).
 
     Sequence b owns the kv slots ``0 .. seq_lens[b]-1``; slot t lives in block
@@ -540,6 +541,9 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
         ``<= seq_lens[b] - q_lens[b] + t``).
     scale, window, softcap, sinks, alibi_slopes, out_dtype
         As in :func:`attention`.
+    k_scales, v_scales : float32 array_like, (num_blocks, Hkv, block_size), optional
+        With pages of a quantised dtype (int8, float8_e4m3fn, float8_e5m2), and only then:
+        each row's scale; attention is over ``dequantize_kv(pages, scales)``.
 
     Returns
     -------
@@ -547,6 +551,7 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
     lse : ndarray, (N, Hq), only if ``return_lse``
         float32, or float64 when the output dtype is float64.
     """
+    k_pages, v_pages = _dequantised_pages(k_pages, v_pages, k_scales, v_scales)
     q = _float_array(q, "q")
     k_pages = _float_array(k_pages, "k_pages")
     v_pages = _float_array(v_pages, "v_pages")
@@ -856,3 +861,119 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     if not output_final_state:
         return o
     return o, states.astype(np.float64 if out_dt == np.float64 else np.float32)
+
+
+# quantised KV: the definition of int8 / fp8 pages and their per-row scales
+# --------------------------------------------------------------------------
+#
+# Each (token, kv head) row x of K and of V (its last axis, D features) is stored as D 1-byte
+# codes x_q and one float32 scale s, so that it reads back as x_q * s. Everything is computed in
+# float32 (x is first rounded to float32, as the cache's step does):
+#
+#   int8:  s = max|x| / 127,       x_q = clip(round_half_even(x / s), -127, 127)
+#   fp8:   s = max|x| / finfo.max, x_q = cast_rne(clip(x / s, -finfo.max, finfo.max))
+#
+# with float32 division. Edge cases, decided here once:
+#   - s == 0 (an all-zero row, or one so small that max|x| / qmax underflows to 0): x_q = 0 and
+#     s = 0, so the row reads back as zeros.
+#   - a row holding NaN or +-inf: s = NaN and x_q = 0, so the whole row reads back as NaN and
+#     attention propagates it to the query rows that see the key (as a NaN key or value would).
+#     An infinite input has no finite symmetric scale, hence NaN rather than inf.
+#   - fp8: x / s is clipped to +-finfo.max before the cast. With a normal s it never exceeds it
+#     by more than an ulp, which rounds back to finfo.max; the clip matters only when s is
+#     subnormal and inexact, where a plain cast would overflow to NaN (e4m3fn has no inf).
+# Reading back, x_q * s is a float32 product (exact for int8 codes and fp8 values times a
+# float32 scale up to one rounding), which is what the kernels compute.
+
+__all__ += ["quantize_kv", "dequantize_kv", "quantised_dtype", "QUANTISED_DTYPES"]
+
+QUANTISED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def quantised_dtype(dtype):
+    """The NumPy dtype of a quantised KV storage type given by name or dtype
+    (``"int8"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``), or None if ``dtype`` is not one."""
+    try:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    except TypeError:
+        return None
+    if name == "int8":
+        return np.dtype(np.int8)
+    if name in QUANTISED_DTYPES and _ml_dtypes is not None:
+        return np.dtype(getattr(_ml_dtypes, name))
+    return None
+
+
+def _quantised_or_raise(dtype):
+    dt = quantised_dtype(dtype)
+    if dt is None:
+        raise TypeError(f"dtype: expected one of {QUANTISED_DTYPES}, got {dtype!r}")
+    return dt
+
+
+def quantised_max(dtype):
+    """The largest code magnitude of a quantised dtype, float32: 127 for int8, finfo.max for fp8."""
+    dt = _quantised_or_raise(dtype)
+    return np.float32(127.0 if dt == np.int8 else float(_ml_dtypes.finfo(dt).max))
+
+
+def quantize_kv(x, dtype):
+    """Quantises each row (last axis) of ``x`` to ``dtype`` with its own float32 scale.
+
+    Parameters
+    ----------
+    x : array_like of float, ``(..., D)``
+    dtype : ``"int8"``, ``"float8_e4m3fn"`` or ``"float8_e5m2"``
+
+    Returns
+    -------
+    x_q : ndarray ``(..., D)`` of ``dtype``
+    scales : float32 ndarray ``(...)``
+        See the definition above: ``dequantize_kv(x_q, scales)`` reads the rows back.
+
+    Examples
+    --------
+    >>> x_q, s = quantize_kv([[1.0, -2.0, 0.5]], "int8")
+    >>> x_q.tolist(), s.tolist()
+    ([[64, -127, 32]], [0.015748031437397003])
+    """
+    dt = _quantised_or_raise(dtype)
+    qmax = quantised_max(dt)
+    x32 = _float_array(x, "x").astype(np.float32)
+    if x32.ndim == 0:
+        raise ValueError("x: expected at least one axis (the row's features)")
+    finite = np.isfinite(x32).all(axis=-1)
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        s = (np.max(np.abs(x32), axis=-1, initial=np.float32(0)) / qmax).astype(np.float32)
+        use = finite & (s > 0)
+        r = np.where(use[..., None], x32 / np.where(use, s, np.float32(1))[..., None], np.float32(0))
+    r = np.clip(r, -qmax, qmax)
+    x_q = np.rint(r).astype(np.int8) if dt == np.int8 else r.astype(dt)
+    s = np.where(finite, np.where(use, s, np.float32(0)), np.float32(np.nan)).astype(np.float32)
+    return x_q, s
+
+
+def dequantize_kv(x_q, scales):
+    """Rows of codes ``x_q (..., D)`` times their scales ``(...)``, as float32 (``x_q * s``)."""
+    x_q = np.asarray(x_q)
+    _quantised_or_raise(x_q.dtype)
+    s = np.asarray(scales)
+    if s.dtype != np.float32:
+        raise TypeError(f"scales: expected float32, got dtype {s.dtype}")
+    if s.shape != x_q.shape[:-1]:
+        raise ValueError(f"scales: expected shape {x_q.shape[:-1]} (one per row of x_q), got {s.shape}")
+    return x_q.astype(np.float32) * s[..., None]
+
+
+def _dequantised_pages(k_pages, v_pages, k_scales, v_scales):
+    """The pages :func:`paged_attention` attends over: quantised pages with their scales read
+    back as float32, float pages as they are. Scales go with quantised pages and only with them."""
+    pages = []
+    for name, p, s in (("k", k_pages, k_scales), ("v", v_pages, v_scales)):
+        p = np.asarray(p)
+        quantised = quantised_dtype(p.dtype) is not None
+        if quantised != (s is not None):
+            raise TypeError(f"{name}_scales: expected with {name}_pages of a quantised dtype "
+                            f"{QUANTISED_DTYPES} and only with them (pages are {p.dtype})")
+        pages.append(dequantize_kv(p, s) if quantised else p)
+    return pages

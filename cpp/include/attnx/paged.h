@@ -22,6 +22,12 @@ struct PagedParams {
   int64_t num_blocks = 0, block_size = 0;
   int64_t k_sblk = 0, k_sh = 0, k_ss = 0;
   int64_t v_sblk = 0, v_sh = 0, v_ss = 0;
+  // Quantised pages (kv_dtype i8, e4m3, e5m2): float32 scales (num_blocks, Hkv, block_size), one
+  // per row, element strides (block, head, slot). Null for float pages.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
+  int64_t ks_sblk = 0, ks_sh = 0, ks_ss = 0;
+  int64_t vs_sblk = 0, vs_sh = 0, vs_ss = 0;
   const int32_t* block_tables = nullptr;  // (B, max_blocks), entries checked < num_blocks
   int64_t bt_stride = 0, max_blocks = 0;
   const int32_t* seq_lens = nullptr;  // (B,) kv length including the new tokens
@@ -39,7 +45,9 @@ struct PagedParams {
 void paged_attention(const PagedParams& p);
 
 // Writes n new token rows (n, H, D) of `src` (dtype src_dtype) into the pages at the given slots
-// (slot = block * block_size + offset), converting to the pages' dtype.
+// (slot = block * block_size + offset), converting to the pages' dtype. Quantised pages also get
+// each (token, head) row's scale in `scales` (float32, element strides sc_sblk, sc_sh, sc_ss),
+// quantised as attnx.reference.quantize_kv defines.
 struct PagedWrite {
   int64_t n = 0, H = 0, D = 0;
   const void* src = nullptr;
@@ -49,7 +57,14 @@ struct PagedWrite {
   DType page_dtype = DType::f32;
   int64_t block_size = 0, p_sblk = 0, p_sh = 0, p_ss = 0;
   const int64_t* slots = nullptr;
+  float* scales = nullptr;
+  int64_t sc_sblk = 0, sc_sh = 0, sc_ss = 0;
 };
+
+// Quantises one row x (n floats) into codes of `dtype` (i8, e4m3 or e5m2) at dst; returns its
+// scale: s = max|x| / qmax, codes = round(clip(x / s)); s = 0 (and zero codes) when s underflows
+// or the row is zero; s = NaN (zero codes) when the row holds a NaN or an inf.
+float quantise_row(const float* x, int64_t n, DType dtype, void* dst);
 void paged_write(const PagedWrite& w);
 
 // One step of a paged cache: writes the step's new keys and values into their slots, then attends

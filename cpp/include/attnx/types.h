@@ -8,8 +8,13 @@
 
 namespace attnx {
 
-enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
-inline std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+// i8, e4m3, e5m2: quantised KV pages (int8, float8_e4m3fn, float8_e5m2), read as code * scale with
+// one float32 scale per row; only pages (never q or out) have these dtypes.
+enum class DType : int { f32 = 0, f16 = 1, bf16 = 2, i8 = 3, e4m3 = 4, e5m2 = 5 };
+inline std::size_t dtype_size(DType t) {
+  return t == DType::f32 ? 4 : (t == DType::f16 || t == DType::bf16) ? 2 : 1;
+}
+inline bool is_quantised(DType t) { return t == DType::i8 || t == DType::e4m3 || t == DType::e5m2; }
 const char* dtype_name(DType t);
 
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };

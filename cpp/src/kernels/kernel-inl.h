@@ -26,22 +26,72 @@ static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Addresses of rows j0 .. j0+n-1: one block-table lookup per page, not a division per row, and
-// a branch-free inner loop over each page's run of rows.
-static inline void kv_rows(const kern::KVSource& s, int64_t j0, int64_t n, const char** out) {
-  const int64_t rs = s.row_stride;
+// Local twins of types.h's is_quantised and dtype_size: an inline function of a shared header,
+// compiled here with wide-instruction flags, could be the copy the linker keeps for baseline code
+// (see kernels.h); these are static, inside this ISA's namespace.
+static inline bool quantised(DType t) { return t == DType::i8 || t == DType::e4m3 || t == DType::e5m2; }
+static inline int64_t elem_bytes(DType t) {
+  return t == DType::f32 ? 4 : (t == DType::f16 || t == DType::bf16) ? 2 : 1;
+}
+
+// Rows j0 .. j0+n-1 as runs of consecutive slots: fn(t, page, off, run) for rows t .. t+run-1 at
+// slots off .. off+run-1 of `page` (the block id; -1 and off = j0 for a contiguous source). One
+// block-table lookup per page, not a division per row.
+template <class Fn>
+static inline void each_run(const kern::KVSource& s, int64_t j0, int64_t n, Fn&& fn) {
   if (s.block_table == nullptr) {
-    const char* p = s.base + j0 * rs;
-    for (int64_t t = 0; t < n; ++t) out[t] = p + t * rs;
+    fn(int64_t(0), int64_t(-1), j0, n);
     return;
   }
   int64_t blk = j0 / s.block_size, off = j0 % s.block_size;
   for (int64_t t = 0; t < n; ++blk, off = 0) {
-    const char* p = s.base + int64_t(s.block_table[blk]) * s.block_stride + off * rs;
     const int64_t run = imin(s.block_size - off, n - t);
-    for (int64_t k = 0; k < run; ++k) out[t + k] = p + k * rs;
+    fn(t, int64_t(s.block_table[blk]), off, run);
     t += run;
   }
+}
+
+// Addresses of rows j0 .. j0+n-1 (a branch-free inner loop over each page's run of rows).
+static inline void kv_rows(const kern::KVSource& s, int64_t j0, int64_t n, const char** out) {
+  const int64_t rs = s.row_stride;
+  each_run(s, j0, n, [&](int64_t t, int64_t page, int64_t off, int64_t run) {
+    const char* p = s.base + (page < 0 ? 0 : page * s.block_stride) + off * rs;
+    for (int64_t k = 0; k < run; ++k) out[t + k] = p + k * rs;
+  });
+}
+
+// The scales of rows j0 .. j0+n-1 of a quantised source (1 without a scale pointer).
+static inline void kv_scales(const kern::KVSource& s, int64_t j0, int64_t n, float* out) {
+  if (s.scale == nullptr) {
+    for (int64_t t = 0; t < n; ++t) out[t] = 1.f;
+    return;
+  }
+  const int64_t rs = s.scale_row_stride;
+  each_run(s, j0, n, [&](int64_t t, int64_t page, int64_t off, int64_t run) {
+    const float* p = s.scale + (page < 0 ? 0 : page * s.scale_block_stride) + off * rs;
+    for (int64_t k = 0; k < run; ++k) out[t + k] = p[k * rs];
+  });
+}
+
+// n 1-byte codes times `scale` to fp32, in one pass: code * scale, one float32 product (what
+// attnx.reference.dequantize_kv computes). fp8 goes through float16 lanes (vec_*.h load_fp8):
+// e4m3fn's float16 view is its value / 256, so it is multiplied by 256 * scale (exact: a power
+// of two).
+static void load_codes(const void* src, DType dtype, int64_t n, float scale, float* dst) {
+  int64_t i = 0;
+  if (dtype == DType::i8) {
+    const int8_t* c = static_cast<const int8_t*>(src);
+    const V f = set1(scale);
+    for (; i + W <= n; i += W) store(dst + i, mul(load_i8(c + i), f));
+    for (; i < n; ++i) dst[i] = float(c[i]) * scale;
+    return;
+  }
+  const uint8_t* c = static_cast<const uint8_t*>(src);
+  const bool e4 = dtype == DType::e4m3;
+  const float mult = e4 ? 256.f * scale : scale;
+  const V f = set1(mult);
+  for (; i + W <= n; i += W) store(dst + i, mul(load_fp8(c + i, e4), f));
+  for (; i < n; ++i) dst[i] = cvt::f16_to_f32(e4 ? cvt::e4m3_as_f16(c[i]) : cvt::e5m2_as_f16(c[i])) * mult;
 }
 
 static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
@@ -50,6 +100,11 @@ static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
     std::memcpy(dst, src, size_t(n) * sizeof(float));
     return;
   }
+  if (quantised(dtype)) {  // the codes alone (scale 1): the tile loads apply each row's scale
+    load_codes(src, dtype, n, 1.f, dst);
+    return;
+  }
+
   const uint16_t* h = static_cast<const uint16_t*>(src);
   if (dtype == DType::f16) {
     for (; i + W <= n; i += W) store(dst + i, load_f16(h + i));
@@ -60,6 +115,7 @@ static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
   }
 }
 
+// (float dtypes only: quantised rows are written with their scale by the paged write)
 static void store_row(const float* src, int64_t n, DType dtype, void* dst) {
   if (dtype == DType::f32) {
     std::memcpy(dst, src, size_t(n) * sizeof(float));
@@ -159,12 +215,45 @@ template <> inline V ld<BF16>(const float* row, int64_t d) {
   return load_bf16(reinterpret_cast<const uint16_t*>(row) + d);
 }
 
+// Quantised rows read in place give their codes (e4m3: code / 256, see load_fp8); the row's scale
+// is applied to the scores (K) or the probabilities (V) instead: scale_keys below.
+struct I8 {};
+struct E4M3 {};
+struct E5M2 {};
+template <> inline V ld<I8>(const float* row, int64_t d) {
+  return load_i8(reinterpret_cast<const int8_t*>(row) + d);
+}
+template <> inline V ld<E4M3>(const float* row, int64_t d) {
+  return load_fp8(reinterpret_cast<const uint8_t*>(row) + d, true);
+}
+template <> inline V ld<E5M2>(const float* row, int64_t d) {
+  return load_fp8(reinterpret_cast<const uint8_t*>(row) + d, false);
+}
+
 // Calls f(tag) with the tag type of `dtype`.
 template <class Fn>
 static inline void with_type(DType dtype, Fn&& f) {
-  if (dtype == DType::f16) f(F16{});
-  else if (dtype == DType::bf16) f(BF16{});
-  else f(F32{});
+  switch (dtype) {
+    case DType::f16: f(F16{}); break;
+    case DType::bf16: f(BF16{}); break;
+    case DType::i8: f(I8{}); break;
+    case DType::e4m3: f(E4M3{}); break;
+    case DType::e5m2: f(E5M2{}); break;
+    default: f(F32{}); break;
+  }
+}
+
+// Keys [j0, j0 + n) of a quantised source read in place: multiplies column j of the M rows of
+// `s` (scores, or probabilities before P V) by key j's scale (times 256 for e4m3's code / 256).
+// q . (code * scale) = (q . code) * scale and p (code * scale) = (p scale) code, so this is
+// attention over the dequantised rows up to float32 rounding.
+static void scale_keys(int M, float* s, const kern::KVSource& src, int64_t j0, int64_t n) {
+  float f[kTileK];
+  kv_scales(src, j0, n, f);
+  if (src.dtype == DType::e4m3)
+    for (int64_t j = 0; j < n; ++j) f[j] *= 256.f;
+  for (int r = 0; r < M; ++r)
+    for (int64_t j = 0; j < n; ++j) s[r * kTileK + j] *= f[j];
 }
 
 // ---- QK^T, dot form for few rows: K rows read in place ---------------------------------------
@@ -350,19 +439,30 @@ static void pv_visible(const kern::RowSet& rs, int64_t j0, const float* bias, co
     }
 }
 
-// fp32 row pointers (into `rows`) to the n rows at addr (D elements of dtype): the rows
-// themselves where read in place, else their fp32 copies, zero-padded, in buf (n x Dp floats).
-static inline const float** fp32_rows(DType dtype, const char* const* addr, int64_t n, int64_t D,
-                                      bool inplace, float* buf, const float** rows) {
+// fp32 row pointers (into `rows`) to rows [j0, j0 + n) of `s` at addr (D elements each): the
+// rows themselves where read in place, else their fp32 copies, zero-padded, in buf (n x Dp
+// floats), quantised rows with their scales (code * scale, one float32 product: what
+// attnx.reference.dequantize_kv computes).
+static inline const float** fp32_rows(const kern::KVSource& s, int64_t j0, const char* const* addr,
+                                      int64_t n, int64_t D, bool inplace, float* buf,
+                                      const float** rows) {
   const int64_t Dp = round_up(D, kPad);
+  if (inplace) {
+    for (int64_t t = 0; t < n; ++t) rows[t] = reinterpret_cast<const float*>(addr[t]);
+    return rows;
+  }
+  float scl[kTileK];
+  const bool scaled = quantised(s.dtype);
+  if (scaled) kv_scales(s, j0, n, scl);
   for (int64_t t = 0; t < n; ++t) {
-    if (inplace) {
-      rows[t] = reinterpret_cast<const float*>(addr[t]);
+    float* dst = buf + t * Dp;
+    if (scaled) {
+      load_codes(addr[t], s.dtype, D, scl[t], dst);
+      for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
     } else {
-      float* dst = buf + t * Dp;
-      load_row_padded(addr[t], dtype, D, Dp, dst);
-      rows[t] = dst;
+      load_row_padded(addr[t], s.dtype, D, Dp, dst);
     }
+    rows[t] = dst;
   }
   return rows;
 }
@@ -372,7 +472,7 @@ static inline const float** fp32_rows(DType dtype, const char* const* addr, int6
 static const float** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
                               bool inplace, const kern::Scratch& sc) {
   kv_rows(ks, j0, n, sc.kaddr);
-  const float** krow = fp32_rows(ks.dtype, sc.kaddr, n, Dk, inplace, sc.kf, sc.krow);
+  const float** krow = fp32_rows(ks, j0, sc.kaddr, n, Dk, inplace, sc.kf, sc.krow);
   for (int64_t t = n; t < kTileK; ++t) krow[t] = sc.zero;
   return krow;
 }
@@ -445,6 +545,8 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   const bool packed = M > kDotRows;
   // Rows whose width is a whole number of register blocks are read in place (fp16/bf16 widened
   // in registers); the packed (prefill) QK path needs fp32 rows to transpose.
+  // Quantised rows too (their scales applied to the scores and probabilities: scale_keys); the
+  // packed path and ragged widths convert them, with their scales, into the tile buffers.
   const bool k_inplace = packed ? ks.dtype == DType::f32 && Dk % 8 == 0 : Dk % W == 0;
   const bool v_inplace = Dv % (NR * W) == 0;
   const DType kdt = k_inplace ? ks.dtype : DType::f32, vdt = v_inplace ? vs.dtype : DType::f32;
@@ -482,8 +584,9 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
     const float** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
     with_type(kdt, [&](auto t) {
       qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
-                          Dk * (ks.dtype == DType::f32 ? 4 : 2));
+                          Dk * elem_bytes(ks.dtype));
     });
+    if (k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
   }
   // softmax rows
   bool partial = bias != nullptr;
@@ -500,22 +603,23 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
                 st.o + int64_t(r) * st.ldo, Dvp);
   }
   // O += P V
-  const float* const* vrow = fp32_rows(vs.dtype, vaddr, n, Dv, v_inplace, sc.vf, sc.vrow);
+  const float* const* vrow = fp32_rows(vs, j0, vaddr, n, Dv, v_inplace, sc.vf, sc.vrow);
   // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would
   // still leak into the row. Tiles that some row sees only in part are checked for
   // non-finite values; if there are any, each row adds only the keys it sees.
   if (partial) {
     const float* const* fv = vrow;
     if (vdt != DType::f32)  // the check and its slow path read fp32 rows (in K's pointers,
-                            // no longer needed in this tile)
-      fv = fp32_rows(vs.dtype, vaddr, n, Dv, false, sc.vf, sc.krow);
+                            // no longer needed in this tile), quantised ones with their scales
+      fv = fp32_rows(vs, j0, vaddr, n, Dv, false, sc.vf, sc.krow);
     if (!values_finite(fv, n, vw)) {
       pv_visible(rs, j0, bias, sc.s, fv, n, vw, st.o, st.ldo);
       return;
     }
   }
+  if (v_inplace && quantised(vs.dtype)) scale_keys(M, sc.s, vs, j0, n);
   with_type(vdt, [&](auto t) {
-    pv<decltype(t)>(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * (vs.dtype == DType::f32 ? 4 : 2));
+    pv<decltype(t)>(M, sc.s, vrow, n, vw, st.o, st.ldo, vn, nn, Dv * elem_bytes(vs.dtype));
   });
 }
 

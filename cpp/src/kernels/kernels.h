@@ -25,12 +25,18 @@ constexpr int kDotRows = 8;  // up to this many query rows, QK^T is computed as 
 //   contiguous: base + j * row_stride
 //   paged:      base + block_table[j / block_size] * block_stride + (j % block_size) * row_stride
 // (bytes). Feature elements within a row are contiguous.
+// Quantised dtypes (i8, e4m3, e5m2) read row j as code * scale, the scale at
+//   contiguous: scale + j * scale_row_stride
+//   paged:      scale + block_table[j / block_size] * scale_block_stride + (j % block_size) * scale_row_stride
+// (floats); rows are converted with their scale as they are loaded into the fp32 tile buffers.
 struct KVSource {
   const char* base = nullptr;
   DType dtype = DType::f32;
   int64_t row_stride = 0;
   const int32_t* block_table = nullptr;
   int64_t block_size = 0, block_stride = 0;
+  const float* scale = nullptr;
+  int64_t scale_row_stride = 0, scale_block_stride = 0;
   // Optional, keys only: room for every tile of keys [t * kTileK, (t + 1) * kTileK) (of the
   // kt_keys keys) packed by pack_k, at kt + t * Dkp * kTileK, shared by the work items of one kv
   // head. kt_ready[t]: 0 = not packed, 1 = being packed, 2 = packed (atomic). The first item to

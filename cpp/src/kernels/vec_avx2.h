@@ -39,6 +39,9 @@ static inline V exp(V x) { return exp256(x); }
 static inline V tanh(V x) { return tanh256(x); }
 static inline V load_f16(const uint16_t* p) { return load_f16_256(p); }
 static inline V load_bf16(const uint16_t* p) { return load_bf16_256(p); }
+// W 1-byte KV codes: int8 as its value; fp8 as its float16 view (e4m3fn: the value / 256)
+static inline V load_i8(const int8_t* p) { return load_i8_256(p); }
+static inline V load_fp8(const uint8_t* p, bool e4) { return load_fp8_256(p, e4); }
 // out[t] = horizontal sum of a[t], t < 8; hsum8_split: sums 0-3 at lo, 4-7 at hi
 static ATTNX_INLINE void hsum8(const V* a, float* out) { _mm256_storeu_ps(out, hsum8x256(a)); }
 static ATTNX_INLINE void hsum8_split(const V* a, float* lo, float* hi) {

@@ -102,6 +102,29 @@ static inline void transpose8x8_256(const float* const* src, int64_t col, float*
 static inline __m256 load_f16_256(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+// 1-byte KV codes (see convert.h): 8 int8 to fp32; fp8 widened to u16 lanes as float16 bits
+// (e5m2: the top byte; e4m3fn: sign << 8 | magnitude << 7, the NaN code made a float16 NaN)
+static inline __m256 load_i8_256(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m128i fp8_as_f16_128(__m128i x, bool e4) {
+  if (!e4) return _mm_slli_epi16(x, 8);
+  const __m128i mag = _mm_and_si128(x, _mm_set1_epi16(0x7f));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(mag, 7));
+  return _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00)));
+}
+static inline __m256i fp8_as_f16_256(__m256i x, bool e4) {
+  if (!e4) return _mm256_slli_epi16(x, 8);
+  const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(mag, 7));
+  return _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)),
+                                             _mm256_set1_epi16(0x7e00)));
+}
+static inline __m256 load_fp8_256(const uint8_t* p, bool e4) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(fp8_as_f16_128(x, e4));
+}
 static inline __m256 load_bf16_256(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));

@@ -36,6 +36,11 @@ static inline V exp(V x) { return std::exp(x); }
 static inline V tanh(V x) { return std::tanh(x); }
 static inline V load_f16(const uint16_t* p) { return cvt::f16_to_f32(*p); }
 static inline V load_bf16(const uint16_t* p) { return cvt::bf16_to_f32(*p); }
+// a 1-byte KV code: int8 as its value; fp8 as its float16 view (e4m3fn: the value / 256)
+static inline V load_i8(const int8_t* p) { return float(*p); }
+static inline V load_fp8(const uint8_t* p, bool e4) {
+  return cvt::f16_to_f32(e4 ? cvt::e4m3_as_f16(*p) : cvt::e5m2_as_f16(*p));
+}
 // hsum8: out[t] = horizontal sum of a[t], t < 8; hsum8_split: sums 0-3 at lo, 4-7 at hi
 static ATTNX_INLINE void hsum8(const V* a, float* out) {
   for (int t = 0; t < 8; ++t) out[t] = a[t];

@@ -14,12 +14,24 @@ import numpy as np
 
 GiB = 1 << 30
 MiB = 1 << 20
-DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
+DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+# quantised KV (paged rows only): 1-byte codes plus one float32 scale per (token, kv head) row
+QUANTISED = {"int8": "int8", "fp8": "float8_e4m3fn"}
+SCALE_BYTES = 4
 # the limit each kind of work is measured against: (key of the probed value, name in the table)
 LIMITS = {"flops": ("fma_gflops_all", "FMA peak"), "bytes": ("read_gbps_all", "read BW")}
 
 
+def kv_row_bytes(dtype, D):
+    """Bytes of one (token, kv head) row of K or V in pages of ``dtype``, its scale included."""
+    return D * DTYPES[dtype] + (SCALE_BYTES if dtype in QUANTISED else 0)
+
+
 def np_dtype(name):
+    if name in QUANTISED:
+        from .. import reference
+
+        return reference.quantised_dtype(QUANTISED[name])
     if name == "bf16":
         from ml_dtypes import bfloat16
 
@@ -126,7 +138,7 @@ class Paged:
         return 4.0 * self.Hq * self.D * self.B * min(self.L, self.window or self.L)
 
     def work(self):
-        return 2.0 * self.Hkv * self.D * DTYPES[self.dtype] * self.keys_seen()
+        return 2.0 * self.Hkv * kv_row_bytes(self.dtype, self.D) * self.keys_seen()
 
     def cut(self, B=None, S=None):
         L = min(S or self.L, self.L)
@@ -216,23 +228,24 @@ class FasterThan:
 class TokensOver:
     base: str  # key of the row whose tokens/s this one is compared with
     x: float
+    label: str = "fp32"  # the base row's KV dtype, as the table names it
 
     def text(self, row):
-        return f"≥ {self.x:g}× fp32 tokens/s"
+        return f"≥ {self.x:g}× {self.label} tokens/s"
 
     def value(self, row, rows):
         base = rows.get(self.base)
         if base is None or not base.attnx_s or not row.attnx_s:
             return None
         ratio = (row.spec.shape.B / row.attnx_s) / (base.spec.shape.B / base.attnx_s)
-        row.extra["tokens_per_s_vs_fp32"] = ratio
+        row.extra[f"tokens_per_s_vs_{self.label}"] = ratio
         return ratio
 
     def ok(self, v):
         return v >= self.x
 
     def show(self, v, row):
-        return f"{v:.2f}× fp32 tokens/s" if v is not None else "fp32 row n/a"
+        return f"{v:.2f}× {self.label} tokens/s" if v is not None else f"{self.label} row n/a"
 
 
 @dataclass(frozen=True)
@@ -426,10 +439,20 @@ def suite(*, tiny, quick, threads, repeat):
         cases.append(Case(f"decode_{dt}", f"paged decode {dt} KV", replace(decode, dtype=dt),
                           (TokensOver("decode_f32", 1.7),), {"B": 2 if q_big else B_dec},
                           ref_samples=1 if quick else 3, seed=4))
+    cases += _quantised_decode("decode", "decode_f32", "decode_fp16", "paged decode", decode,
+                               {"B": 2 if q_big else B_dec}, quick, 4)
     cases += forks(big=big, quick=quick)
+    long = Paged(1, Hq, Hkv, L_long, 128)
+    long_ref = {"S": L_long // (8 if q_big else 1)}
     cases += [
-        Case("decode_long", "long-context decode", Paged(1, Hq, Hkv, L_long, 128), (PctOfLimit(80),),
-             {"S": L_long // (8 if q_big else 1)}, ref_samples=1 if quick else 3, seed=5),
+        Case("decode_long", "long-context decode", long, (PctOfLimit(80),),
+             long_ref, ref_samples=1 if quick else 3, seed=5),
+        Case("decode_long_fp16", "long-context decode fp16 KV", replace(long, dtype="fp16"),
+             (TokensOver("decode_long", 1.7),), long_ref, ref_samples=1 if quick else 3, seed=5),
+    ]
+    cases += _quantised_decode("decode_long", "decode_long", "decode_long_fp16",
+                               "long-context decode", long, long_ref, quick, 5)
+    cases += [
         Case("small", "small call", Dense(1, 1, 1, 1, 16, 64), (AtMostLatency(5e-6),),
              ref_samples=repeat, seed=7, kind="latency"),
         Case("threads", "threads", Dense(1, H_pre, H_pre, S_pre, S_pre, 64), (ThreadScaling(0.9),),
@@ -467,6 +490,15 @@ def forks(*, big, quick):
                   Case(f"fork_{name}", f"{B} forks, shared prefix ({name.upper()})",
                        replace(copies, shared=P), (OverRow(f"fork_{name}_unshared", goal),), ref, seed=8)]
     return cases
+
+
+def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
+    """int8 and fp8 (e4m3) KV rows of a decode shape (issue 13): tokens/s against the fp16 and
+    fp32 KV rows of the same shape, in the same run; bytes read count the scales."""
+    return [Case(f"{key}_{dt}", f"{name} {dt} KV", replace(shape, dtype=dt),
+                 (TokensOver(f16_key, 1.8, "fp16"), TokensOver(f32_key, 3.5)), ref,
+                 ref_samples=1 if quick else 3, seed=seed)
+            for dt in QUANTISED]
 
 
 def in_loop(*, tiny):

@@ -15,7 +15,7 @@ import numpy as np
 import attnx
 from attnx import reference
 
-from ._cases import Delta, Dense, Paged, np_dtype, visible_range
+from ._cases import QUANTISED, Delta, Dense, Paged, np_dtype, visible_range
 
 
 @dataclass
@@ -59,20 +59,28 @@ def dense_inputs(shape: Dense, seed):
 
 
 def paged_inputs(shape: Paged, seed):
+    """(q, k_pages, v_pages, block_tables, seq_lens, scales): ``scales`` holds the k_scales and
+    v_scales of quantised pages (quantised from the same normal data; q is then float32), else
+    nothing."""
     rng = np.random.default_rng(1234 + seed)
-    dt = np_dtype(shape.dtype)
+    quantised = shape.dtype in QUANTISED
+    dt = np.dtype(np.float32) if quantised else np_dtype(shape.dtype)
     nper = -(-shape.L // shape.block)
     common = shape.shared // shape.block  # blocks every sequence shares (forks of one prompt)
     nb = common + shape.B * (nper - common)
     k_pages = _randn(rng, (nb, shape.Hkv, shape.block, shape.D), dt)
     v_pages = _randn(rng, (nb, shape.Hkv, shape.block, shape.D), dt)
+    scales = {}
+    if quantised:
+        k_pages, scales["k_scales"] = reference.quantize_kv(k_pages, QUANTISED[shape.dtype])
+        v_pages, scales["v_scales"] = reference.quantize_kv(v_pages, QUANTISED[shape.dtype])
     # a scrambled block table, as a cache that has allocated and freed for a while would have
     perm = rng.permutation(nb).astype(np.int32)
     block_tables = np.empty((shape.B, nper), np.int32)
     block_tables[:, :common] = perm[:common]
     block_tables[:, common:] = perm[common:].reshape(shape.B, nper - common)
     q = _randn(rng, (shape.B, shape.Hq, shape.D), dt)
-    return q, k_pages, v_pages, block_tables, np.full(shape.B, shape.L, np.int32)
+    return q, k_pages, v_pages, block_tables, np.full(shape.B, shape.L, np.int32), scales
 
 
 def delta_inputs(shape: Delta, seed):
@@ -123,10 +131,10 @@ def attnx_dense(shape, data, threads, *, plain=False):
 
 
 def attnx_paged(shape, data, threads):
-    q, kp, vp, bt, sl = data
+    q, kp, vp, bt, sl, scales = data
     out = np.empty_like(q)
     fn = lambda: attnx.paged_attention(q, kp, vp, bt, sl, num_threads=threads, out=out,  # noqa: E731
-                                       window=_window(shape))
+                                       window=_window(shape), **scales)
     return Impl(fn, lambda: (fn(), _f32(out))[1])
 
 
@@ -148,10 +156,11 @@ def reference_call(shape, data, cut):
         rs = None if s0 is None else s0[:cut.B]
         return lambda: reference.gated_delta_rule(q, k, v, g, beta, initial_state=rs, qk_l2norm=True)
     if isinstance(shape, Paged):
-        q, kp, vp, bt, _ = data
+        q, kp, vp, bt, _, scales = data
         nper = -(-cut.L // cut.block)
         rq, rbt, rsl = q[:cut.B], bt[:cut.B, :nper], np.full(cut.B, cut.L, np.int32)
-        return lambda: reference.paged_attention(rq, kp, vp, rbt, rsl, window=_window(shape))
+        return lambda: reference.paged_attention(rq, kp, vp, rbt, rsl, window=_window(shape),
+                                                 **scales)
     q, k, v, kv_lens = data
     rq, rk, rv = q[:cut.B, :, :cut.Sq], k[:cut.B, :, :cut.Sk], v[:cut.B, :, :cut.Sk]
     rl = None if cut.kv_lens is None else np.asarray(cut.kv_lens, np.int32)
@@ -235,7 +244,7 @@ def torch_impl(torch_F, shape, data, threads):
         fn = torch_delta(torch_F[0], shape, data, threads)
         return Impl(fn, lambda: fn()[0].numpy())
     if isinstance(shape, Paged):
-        q, kp, vp, bt, _ = data
+        q, kp, vp, bt = data[:4]
         fn = torch_dense(torch_F, shape, q[:, :, None, :], gather(kp, bt, shape.L),
                          gather(vp, bt, shape.L), None, threads)
         return Impl(fn, lambda: fn().float().numpy()[:, :, 0, :])
@@ -274,7 +283,10 @@ def ort_skip_reason(shape):
 
 
 def torch_skip_reason(shape):
-    """Why torch's SDPA is not run on this shape (None: it is): its boolean mask would be huge."""
+    """Why torch's SDPA is not run on this shape (None: it is): its boolean mask would be huge,
+    or the KV is quantised (SDPA has no int8 / fp8 KV cache)."""
+    if shape.dtype in QUANTISED:
+        return f"torch SDPA: no {shape.dtype} KV"
     if isinstance(shape, Dense) and shape.Sq > 1 and (shape.window or shape.kv_lens):
         mask = shape.B * shape.Sq * shape.Sk
         if mask > MAX_PEER_SCRATCH:
@@ -343,7 +355,7 @@ def ort_decode(ort_mods, shape, q, K, V, threads):
 
 def ort_impl(ort_mods, shape, data, threads):
     if isinstance(shape, Paged):
-        q, kp, vp, bt, _ = data
+        q, kp, vp, bt = data[:4]
         fn, result = ort_decode(ort_mods, shape, q, gather(kp, bt, shape.L), gather(vp, bt, shape.L),
                                 threads)
         return Impl(fn, result)

@@ -19,7 +19,7 @@ from ._machine import MiB, CpuShare
 from ._timing import Progress, alone, clock, interleaved, median, spread
 
 PEERS = ("torch", "onnxruntime")
-TOLERANCE = {"fp32": 2e-3, "fp16": 5e-2, "bf16": 5e-2}  # max |attnx - peer|, outputs of O(1)
+TOLERANCE = {"fp32": 2e-3, "fp16": 5e-2, "bf16": 5e-2, "int8": 2e-3, "fp8": 2e-3}  # max |attnx - peer|, outputs of O(1)
 
 
 @dataclass
