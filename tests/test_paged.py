@@ -17,7 +17,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import BF16, make_rng
+from conftest import BF16, make_rng, scramble_tables
 
 import attnx
 from attnx import reference
@@ -48,17 +48,8 @@ class Pool:
         v = rng.standard_normal((nb, hkv, block_size, dv))
         self.k_pages = k.astype(dt)
         self.v_pages = v.astype(dt)
-        owned = np.zeros((nb, block_size), dtype=bool)
-        perm = rng.permutation(nb)
-        width = int(need.max(initial=0)) + extra_cols
-        self.block_tables = np.full((len(self.seq_lens), max(width, 1)), JUNK, dtype=np.int32)
-        at = 0
-        for b, (n, length) in enumerate(zip(need, self.seq_lens)):
-            ids = perm[at:at + n]
-            at += n
-            self.block_tables[b, :n] = ids
-            for j, blk in enumerate(ids):
-                owned[blk, :min(block_size, length - j * block_size)] = True
+        self.block_tables, owned = scramble_tables(rng, self.seq_lens, block_size, nb,
+                                                   int(need.max(initial=0)) + extra_cols, JUNK)
         # poison everything the kernel must not read
         self.k_pages.transpose(0, 2, 1, 3)[~owned] = np.nan
         self.v_pages.transpose(0, 2, 1, 3)[~owned] = np.nan

@@ -13,9 +13,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import ml_dtypes
 import numpy as np
 import pytest
+from conftest import BF16
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +25,6 @@ import attnx._shared
 import attnx.cache
 from attnx import reference
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 BS = 4
 # sessions need the optional safetensors package (the ``sessions`` extra)
 needs_safetensors = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,

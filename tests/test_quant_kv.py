@@ -6,24 +6,19 @@ fork, copy-on-write, truncate and the sliding window."""
 
 from __future__ import annotations
 
-import os
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import make_rng, scramble_tables
 from hypothesis import given, strategies as st
 
 import attnx
 from attnx import reference as ref
 
-SEED = int(os.environ.get("ATTNX_TEST_SEED", "0"))
 QDTYPES = list(ref.QUANTISED_DTYPES)
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32: the kernel computes on the dequantised values
 NEVER = 1 << 20  # a block id outside every pool: table columns past a sequence's end
-
-
-def make_rng(*salt):
-    return np.random.default_rng([SEED, 0x13, *salt])
 
 
 class QPool:
@@ -40,16 +35,8 @@ class QPool:
         self.k_float, self.v_float = k.astype(np.float32), v.astype(np.float32)
         self.k_pages, self.k_scales = ref.quantize_kv(self.k_float, dtype)
         self.v_pages, self.v_scales = ref.quantize_kv(self.v_float, dtype)
-        owned = np.zeros((nb, block_size), bool)
-        perm = rng.permutation(nb)
-        self.block_tables = np.full((len(self.seq_lens), int(need.max(initial=0)) + 2), NEVER, np.int32)
-        at = 0
-        for b, (n, length) in enumerate(zip(need, self.seq_lens)):
-            ids = perm[at:at + n]
-            at += n
-            self.block_tables[b, :n] = ids
-            for j, blk in enumerate(ids):
-                owned[blk, :min(block_size, length - j * block_size)] = True
+        self.block_tables, owned = scramble_tables(rng, self.seq_lens, block_size, nb,
+                                                   int(need.max(initial=0)) + 2, NEVER)
         for s in (self.k_scales, self.v_scales):
             s.transpose(0, 2, 1)[~owned] = np.nan
 
