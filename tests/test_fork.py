@@ -18,6 +18,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 TIMEOUT = 120  # seconds per scenario; each takes about one on a quiet machine
 
@@ -193,3 +195,39 @@ t.join()
 print(json.dumps({"parent": PARENT, "children": children}))
 """)
     assert_like_parent(res, 6)
+
+
+# The fuzz class "forked children" (issue 18): drawn shapes, thread counts and entry points, each
+# call made in a fresh fork()ed child after the parent made its own threaded calls, must equal the
+# parent's same call bit for bit.
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["dense", "paged"]), st.integers(1, 3),
+                          st.integers(1, 300), st.sampled_from([1, 16, 64, 97]),
+                          st.integers(1, 4)), min_size=1, max_size=4),
+       st.integers(1, 3))
+def test_forked_children_fuzz(cases, parent_threads):
+    res = run_scenario(r"""
+CASES = %r
+
+def call(kind, batch, length, dim, threads):
+    g = np.random.default_rng([kind == "dense", batch, length, dim])
+    if kind == "dense":
+        q = g.standard_normal((batch, 2, length, dim)).astype(np.float32)
+        return attnx.attention(q, q[:, :1], q[:, :1], causal=True, num_threads=threads)
+    bs = 16
+    nb = batch * (-(-length // bs))
+    pages = g.standard_normal((nb, 1, bs, dim)).astype(np.float32)
+    tables = g.permutation(nb).astype(np.int32).reshape(batch, -1)
+    q = g.standard_normal((batch, 2, dim)).astype(np.float32)
+    return attnx.paged_attention(q, pages, pages, tables, np.full(batch, length), num_threads=threads)
+
+def digests():
+    return [hashlib.sha256(call(*c).tobytes()).hexdigest() for c in CASES]
+
+attnx.attention(Q, Q, Q, causal=True, num_threads=%d)  # the parent's pool, before the fork
+parent = digests()
+print(json.dumps({"parent": parent, "child": in_child(digests), "grandchild":
+                  in_child(lambda: in_child(digests))}))
+""" % (cases, parent_threads))
+    assert res["child"] == res["parent"] and res["grandchild"] == res["parent"]
