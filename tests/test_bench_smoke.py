@@ -68,8 +68,12 @@ def test_bench_quick_writes_valid_json(tmp_path):
             assert rows[key]["vs_torch"] > 0
     assert rows["memory"]["extra"]["rss_growth_bytes"] >= 0
     assert "tokens_per_s_vs_fp32" in rows["decode_fp16"]["extra"]
-    for key in ("fork_mha", "fork_gqa"):  # shared-prefix rows: the ratio to the unshared row and its bound
-        assert rows[key]["extra"]["bound_vs_unshared"] > 1 and "× unshared (bound" in rows[key]["met_text"]
+    # shared-prefix rows: the ratio to the unshared row and its bound. Sharing cuts bytes, not
+    # FLOPs: MHA decode is far from the FLOP bound (bound > 1); GQA does 4x the FLOPs per byte and
+    # may sit on it where the probes' FMA peak over read bandwidth is low (bound >= 1).
+    for key, least in (("fork_mha", 1.0), ("fork_gqa", 1.0 - 1e-9)):
+        assert rows[key]["extra"]["bound_vs_unshared"] > least, key
+        assert "× unshared (bound" in rows[key]["met_text"], key
     for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):  # issue 13
         assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(rows[key]["extra"]), key
         assert "fp16 tokens/s" in rows[key]["target"] and rows[key]["vs_numpy"] > 0, key
