@@ -68,11 +68,12 @@ def test_bench_quick_writes_valid_json(tmp_path):
             assert rows[key]["vs_torch"] > 0
     assert rows["memory"]["extra"]["rss_growth_bytes"] >= 0
     assert "tokens_per_s_vs_fp32" in rows["decode_fp16"]["extra"]
-    # shared-prefix rows: the ratio to the unshared row and its bound. Sharing cuts bytes, not
-    # FLOPs: MHA decode is far from the FLOP bound (bound > 1); GQA does 4x the FLOPs per byte and
-    # may sit on it where the probes' FMA peak over read bandwidth is low (bound >= 1).
-    for key, least in (("fork_mha", 1.0), ("fork_gqa", 1.0 - 1e-9)):
-        assert rows[key]["extra"]["bound_vs_unshared"] > least, key
+    # shared-prefix rows: the ratio to the unshared row and its bound. Sharing cuts bytes, never
+    # FLOPs, so the bound is >= 1 by construction, and exactly 1 where the probed limits put the
+    # step on the FLOP bound (GQA on a fast memory system; every row under the sanitizers, whose
+    # FMA probe is instrumented): which one a run sees depends on the machine.
+    for key in ("fork_mha", "fork_gqa"):
+        assert rows[key]["extra"]["bound_vs_unshared"] >= 1.0, key
         assert "× unshared (bound" in rows[key]["met_text"], key
     for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):  # issue 13
         assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(rows[key]["extra"]), key
