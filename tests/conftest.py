@@ -301,15 +301,15 @@ def check_attention(q, k, v, *, layout="bhsd", out=None, expect_nan=False, **kw)
     return o, lse
 
 
-def scramble_tables(rng, seq_lens, block_size, num_blocks, width, fill):
-    """Block tables ``(B, width)`` int32 that give each sequence its blocks from a random
+def scramble_tables(rng, seq_lens, block_size, num_blocks, width, fill, dtype=np.int32):
+    """Block tables ``(B, width)`` (int32 unless ``dtype``) that give each sequence its blocks from a random
     permutation of the pool (FlashInfer's and flash-attention's scrambled pages; columns past a
     sequence's blocks hold ``fill``), and ``owned (num_blocks, block_size)``: the slots some
     sequence holds, so a test can poison every other slot."""
     need = -(-np.asarray(seq_lens, np.int64) // block_size)
     owned = np.zeros((num_blocks, block_size), dtype=bool)
     perm = rng.permutation(num_blocks)
-    tables = np.full((len(need), max(width, 1)), fill, dtype=np.int32)
+    tables = np.full((len(need), max(width, 1)), fill, dtype=dtype)
     at = 0
     for b, (n, length) in enumerate(zip(need, seq_lens)):
         ids = perm[at:at + n]

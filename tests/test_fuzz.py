@@ -42,7 +42,7 @@ import os
 import numpy as np
 import pytest
 from conftest import (BF16, F32_EPS, ISAS, SEED, assert_matches, attention_tolerance, dense_views,
-                      from4, lowp_attention)
+                      from4, lowp_attention, scramble_tables)
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -423,20 +423,11 @@ def _pages(r, spec):
     nb = max(1, int(need.sum()) + spec["spare"])
     k = r.standard_normal((nb, Hkv, bs, Dk))
     v = r.standard_normal((nb, Hkv, bs, Dv))
-    owned = np.zeros((nb, bs), bool)
-    perm = r.permutation(nb)
     width = max(1, int(need.max(initial=0)) + spec["extra_cols"])
     junk = {"big": 1 << 30, "negative": -1, "zero": 0}[spec["junk"]]
     if np.dtype(spec["table_dtype"]).kind == "u" and junk < 0:
         junk = 1 << 31
-    tables = np.full((len(seq_lens), width), junk, np.int64)
-    at = 0
-    for b, (n, length) in enumerate(zip(need, seq_lens)):
-        ids = perm[at:at + n]
-        at += n
-        tables[b, :n] = ids
-        for j, blk in enumerate(ids):
-            owned[blk, :min(bs, length - j * bs)] = True
+    tables, owned = scramble_tables(r, seq_lens, bs, nb, width, junk, dtype=np.int64)
     k.transpose(0, 2, 1, 3)[~owned] = np.nan
     v.transpose(0, 2, 1, 3)[~owned] = np.nan
     if spec["planted"] and owned.any():
