@@ -45,6 +45,7 @@ __all__ = [
     "cpu_features",
     "set_num_threads",
     "get_num_threads",
+    "share_blas_threads",
     "reference",
     "PagedKVCache",
     "Step",
@@ -82,6 +83,21 @@ def get_num_threads():
     return _core.get_num_threads()
 
 
+def share_blas_threads(on=True):
+    """Runs NumPy's (and any loaded OpenBLAS's) matrix products on attnx's thread pool, or, with
+    ``on=False``, gives OpenBLAS its own threads back; returns how many OpenBLAS libraries now use
+    attnx's pool.
+
+    In a model's loop each attention call follows a matmul. OpenBLAS's idle threads spin for about
+    70 ms after each one, and an attention call in that window shares the cores with them (prefill
+    measured 1.46x slower; bench/NOTES.md). One pool for both removes the fight. ``import attnx``
+    does this for the OpenBLAS libraries already loaded (NumPy's) unless ``ATTNX_SHARE_BLAS=0``;
+    call it again after loading another (SciPy's). Needs OpenBLAS 0.3.28+; older builds, MKL and
+    other BLAS are left alone (0 is returned for them).
+    """
+    return _core.share_blas_threads(bool(on))
+
+
 def _select_isa_from_env():
     # Fail at import, with a clear message, if ATTNX_ISA asks for what this CPU lacks.
     isa = _os.environ.get("ATTNX_ISA", "").strip()
@@ -93,3 +109,5 @@ def _select_isa_from_env():
 
 
 _select_isa_from_env()
+if _os.environ.get("ATTNX_SHARE_BLAS", "1").strip() != "0":
+    share_blas_threads()

@@ -25,4 +25,11 @@ int max_threads();     // the cap on every count: min(4 x available_cpus(), 1024
 // until the child's first multi-threaded call); for tests.
 int pool_workers_used();
 
+// Hands every loaded OpenBLAS that accepts a threading callback (0.3.28+: NumPy's and SciPy's
+// wheels) attnx's pool for its parallel regions, or gives them their own back (on = false), so
+// that a model's matmul and the attention call after it run on one pool instead of two spinning
+// against each other (cpp/src/host_threads.cpp says why). Returns how many libraries now use
+// attnx's pool.
+int share_blas_threads(bool on);
+
 }  // namespace attnx

@@ -1,0 +1,187 @@
+// host_threads.cpp: one set of threads for the BLAS matmul and the attention call that follows it.
+//
+// In a model's loop every attention call comes right after a matrix product. Under NumPy that
+// product runs on OpenBLAS's pthreads pool, whose idle workers spin (sched_yield) for about
+// 2^28 cycles, ~70 ms, after each call: attention started inside that window shares both cores
+// with them (measured: prefill B1 H8 S2048 D64 1.46x slower than alone, bench/NOTES.md). OpenBLAS
+// 0.3.28+ lets the program run its parallel regions on another pool instead
+// (openblas_set_threads_callback_function). Handing it attnx's pool leaves one pool in the
+// process: the matmul's threads are attnx's workers, which spin ~100 us and then sleep, and the
+// attention call that follows finds them warm instead of fighting them.
+//
+// The callback's contract: run dojob(slot, jobdata + i * elsize, tag) for every i in [0, numjobs),
+// all at the same time (OpenBLAS's level-3 jobs wait on each other's packed panels), and return
+// when all are done. `slot` picks OpenBLAS's per-thread packing buffer and status word, so jobs
+// running at the same time, in this call or in a concurrent one from another Python thread, must
+// have different slots, each below the library's MAX_THREADS, and none that OpenBLAS's own
+// threads use (take_slots and blas_callback).
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+
+#include <sched.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "parallel.h"
+
+namespace attnx {
+namespace {
+
+using DoJob = void (*)(int thread_num, void* jobdata, int tag);
+using Callback = void (*)(int sync, DoJob dojob, int numjobs, std::size_t elsize, void* jobdata, int tag);
+using SetCallback = void (*)(Callback);
+
+// OpenBLAS's per-thread buffer slots in use by running jobs, one bit each; g_slot_limit is the
+// smallest MAX_THREADS among the libraries handed the pool (their buffers' count).
+std::atomic<uint64_t> g_slots{0};
+std::atomic<int> g_slot_limit{64};
+
+// Takes n free slots at once (all or none, so that two calls cannot each hold half of what they
+// need), waiting while fewer are free; returns their bits.
+uint64_t take_slots(int n, int limit) {
+  for (;;) {
+    uint64_t used = g_slots.load(std::memory_order_relaxed);
+    uint64_t mine = 0;
+    for (int s = 0, got = 0; s < limit && got < n; ++s) {
+      if (!(used >> s & 1)) mine |= uint64_t(1) << s, ++got;
+    }
+    if (__builtin_popcountll(mine) == n &&
+        g_slots.compare_exchange_weak(used, used | mine, std::memory_order_acquire))
+      return mine;
+    sched_yield();  // another call holds the slots (or the CAS raced): its jobs are short
+  }
+}
+
+void give_slots(uint64_t mine) { g_slots.fetch_and(~mine, std::memory_order_release); }
+
+struct Jobs {
+  DoJob dojob;
+  char* data;
+  std::size_t elsize;
+  int tag;
+  int slot[64];
+  void run(int i) const { dojob(slot[i], data + std::size_t(i) * elsize, tag); }
+};
+
+struct Extra {  // a job that attnx's pool had no member for
+  const Jobs* jobs;
+  int index;
+  pthread_t thread;
+};
+
+void* run_extra(void* arg) {
+  const Extra& e = *static_cast<Extra*>(arg);
+  e.jobs->run(e.index);
+  return nullptr;
+}
+
+// Member i of the team runs job i. A team smaller than numjobs (no more threads could be made, or
+// the call comes from inside an attnx region) gets the rest on threads of their own: running
+// them one after another could wait forever.
+void run_jobs(const Jobs& jobs, int numjobs, Team& team) {
+  if (team.id() != 0) {
+    jobs.run(team.id());
+    return;
+  }
+  std::vector<Extra> extra;
+  for (int i = team.size(); i < numjobs; ++i) extra.push_back(Extra{&jobs, i, {}});
+  for (Extra& e : extra) {
+    if (pthread_create(&e.thread, nullptr, &run_extra, &e) != 0) {
+      std::fputs("attnx: cannot start a thread for an OpenBLAS job (ATTNX_SHARE_BLAS=0 avoids this)\n", stderr);
+      std::abort();  // as OpenBLAS itself does when its own pool cannot start
+    }
+  }
+  jobs.run(0);
+  for (Extra& e : extra) pthread_join(e.thread, nullptr);
+}
+
+void blas_callback(int /*sync: always 1 (OpenBLAS waits for the call's return)*/, DoJob dojob,
+                   int numjobs, std::size_t elsize, void* jobdata, int tag) {
+  if (numjobs <= 0) return;
+  const int limit = g_slot_limit.load(std::memory_order_relaxed);
+  if (numjobs > limit) {  // cannot happen: numjobs <= MAX_THREADS
+    std::fputs("attnx: an OpenBLAS call asked for more jobs than it has buffers\n", stderr);
+    std::abort();
+  }
+  Jobs jobs{dojob, static_cast<char*>(jobdata), elsize, tag, {}};
+  const uint64_t mine = take_slots(numjobs, limit);
+  // Slots count down from the top: OpenBLAS's own threads, which it still uses for a few
+  // asynchronous routines (getrf's panel work), hold the low indices of the same tables.
+  for (int s = 0, i = 0; i < numjobs; ++s) {
+    if (mine >> s & 1) jobs.slot[i++] = limit - 1 - s;
+  }
+  parallel(numjobs, [&](Team& team) { run_jobs(jobs, numjobs, team); });
+  give_slots(mine);
+}
+
+// The loaded shared objects whose file name contains "openblas" (NumPy's and SciPy's wheels
+// carry renamed copies such as libscipy_openblas64_-<hash>.so).
+std::vector<std::string> loaded_openblas() {
+  std::vector<std::string> found;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, std::size_t, void* out) {
+        const char* name = info->dlpi_name;
+        if (name != nullptr && std::strstr(name, "openblas") != nullptr)
+          static_cast<std::vector<std::string>*>(out)->emplace_back(name);
+        return 0;
+      },
+      &found);
+  return found;
+}
+
+// The setter's names in the builds people have: upstream, 64-bit-integer builds, and the
+// scipy-openblas wheels that NumPy and SciPy ship (prefix scipy_, suffix 64_ for ILP64).
+constexpr const char* kSetters[] = {
+    "openblas_set_threads_callback_function",
+    "openblas_set_threads_callback_function64_",
+    "scipy_openblas_set_threads_callback_function",
+    "scipy_openblas_set_threads_callback_function64_",
+};
+
+// The library's MAX_THREADS (its per-thread buffers), from openblas_get_config(); 0 if unknown.
+int max_threads_of(void* lib) {
+  for (const char* name : {"openblas_get_config", "openblas_get_config64_", "scipy_openblas_get_config",
+                           "scipy_openblas_get_config64_"}) {
+    if (auto config = reinterpret_cast<const char* (*)()>(dlsym(lib, name))) {
+      const char* at = std::strstr(config(), "MAX_THREADS=");
+      return at != nullptr ? std::atoi(at + 12) : 0;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int share_blas_threads(bool on) {
+  int shared = 0;
+  for (const std::string& path : loaded_openblas()) {
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);  // only what is already loaded
+    if (lib == nullptr) continue;
+    bool hooked = false;
+    const int limit = std::min(max_threads_of(lib), 64);
+    if (on && limit <= 0) {  // no way to know how many buffer slots it has: leave it alone
+      dlclose(lib);
+      continue;
+    }
+    if (on && limit < g_slot_limit.load()) g_slot_limit.store(limit);
+    for (const char* name : kSetters) {
+      if (auto set = reinterpret_cast<SetCallback>(dlsym(lib, name))) {
+        set(on ? &blas_callback : nullptr);
+        hooked = true;
+      }
+    }
+    shared += hooked ? 1 : 0;
+    dlclose(lib);  // balances the dlopen above; the library stays loaded
+  }
+  return on ? shared : 0;
+}
+
+}  // namespace attnx

@@ -1,0 +1,133 @@
+"""NumPy's OpenBLAS on attnx's pool (``attnx.share_blas_threads``, issue 17 item 7).
+
+OpenBLAS's idle threads spin for ~70 ms after each matmul, so an attention call right after one
+used to share the cores with them. ``import attnx`` hands OpenBLAS (0.3.28+, through its
+threading callback) attnx's pool instead. These tests hold what that must not break: matmul
+results stay bit-identical to OpenBLAS's own threads, the work really runs on attnx's workers,
+``ATTNX_SHARE_BLAS=0`` and ``share_blas_threads(False)`` give OpenBLAS its threads back, and a
+forked child and concurrent Python threads keep working. Each scenario runs in a fresh
+interpreter (the sharing happens at import) under a timeout, so a hang fails instead of stalling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+TIMEOUT = 120
+
+PRELUDE = r"""
+import hashlib, json, os, threading, warnings
+import numpy as np
+import attnx
+from attnx import _core
+
+warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads: what is tested
+rng = np.random.default_rng(17)
+A = rng.standard_normal((600, 700))
+B = rng.standard_normal((700, 500))
+A32, B32 = A.astype(np.float32), B.astype(np.float32)
+Q = rng.standard_normal((1, 4, 256, 64)).astype(np.float32)
+
+
+def digest(*arrays):
+    return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
+
+
+def matmuls():
+    return digest(A @ B, A32 @ B32, np.linalg.solve(A[:500, :500], B[:500]))
+
+
+def attend():
+    return digest(attnx.attention(Q, Q, Q, causal=True, num_threads=2))
+"""
+
+
+def run(body, share=True):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="2", ATTNX_SHARE_BLAS="1" if share else "0")
+    proc = subprocess.Popen([sys.executable, "-c", PRELUDE + body], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"hung: no result within {TIMEOUT} s")
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def own_threads():
+    """Digests and pool use with OpenBLAS on its own threads (ATTNX_SHARE_BLAS=0)."""
+    res = run("print(json.dumps([attnx.share_blas_threads(False), matmuls(), _core._pool_threads()]))",
+              share=False)
+    return {"shared": res[0], "matmuls": res[1], "workers": res[2]}
+
+
+@pytest.fixture(scope="module")
+def shared():
+    res = run("n = attnx.share_blas_threads(); print(json.dumps([n, matmuls(), _core._pool_threads()]))")
+    if res[0] == 0:
+        pytest.skip("NumPy's BLAS takes no threading callback (OpenBLAS < 0.3.28, or not OpenBLAS)")
+    return {"shared": res[0], "matmuls": res[1], "workers": res[2]}
+
+
+def test_matmuls_run_on_attnx_workers_bit_for_bit(own_threads, shared):
+    assert own_threads["workers"] == 0, "with ATTNX_SHARE_BLAS=0 attnx's pool stays unused"
+    assert shared["workers"] == 1, "a 2-thread matmul ran on attnx's worker"
+    assert shared["matmuls"] == own_threads["matmuls"], "the same partition gives the same bits"
+
+
+def test_giving_the_threads_back(shared, own_threads):
+    res = run("a = attnx.share_blas_threads(False); m = matmuls(); b = attnx.share_blas_threads(True); "
+              "print(json.dumps([a, m, _core._pool_threads(), b]))")
+    assert res[0] == 0 and res[3] == shared["shared"]
+    assert res[1] == own_threads["matmuls"]
+    assert res[2] == 0, "after share_blas_threads(False) OpenBLAS used its own threads"
+
+
+def test_a_forked_child_runs_matmuls_and_attention(shared, own_threads):
+    body = r"""
+parent = [matmuls(), attend()]
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    os.write(w, json.dumps([matmuls(), attend(), _core._pool_threads()]).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 1 << 16))
+os.waitpid(pid, 0)
+print(json.dumps([parent, child]))
+"""
+    parent, child = run(body)
+    assert parent[0] == own_threads["matmuls"]
+    assert child[:2] == parent, "the child's matmul and attention match the parent's"
+    assert child[2] == 1, "the child's matmul ran on its own fresh worker"
+
+
+def test_concurrent_python_threads(shared, own_threads):
+    body = r"""
+want = [matmuls(), attend()]
+got, errors = [], []
+def job():
+    try:
+        for _ in range(3):
+            got.append([matmuls(), attend()])
+    except BaseException as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=job) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps([want, got, errors]))
+"""
+    want, got, errors = run(body)
+    assert not errors
+    assert len(got) == 12 and all(g == want for g in got)
+    assert want[0] == own_threads["matmuls"]
