@@ -915,6 +915,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("_max_threads", &max_threads);
   m.def("_pool_threads", &pool_workers_used);
   m.def("share_blas_threads", [](bool on) { return share_blas_threads(on); }, py::arg("on"));
+  m.def("share_omp_threads", [](bool on) { return share_omp_threads(on); }, py::arg("on"));
   m.def("probe_fma_gflops", [](int nt, double seconds) {
     py::gil_scoped_release nogil;
     return probe_fma_gflops(resolve_threads(nt), seconds);

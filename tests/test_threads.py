@@ -139,7 +139,16 @@ def test_default_follows_the_affinity_mask():
     assert r.stdout.strip() == "1"
 
 
-def test_workers_are_reused_and_released_with_their_thread():
+@pytest.fixture
+def own_pool():
+    """attnx's own pool, not torch's team (an earlier test's tensor may have switched that on)."""
+    attnx.share_torch_threads(False)
+    yield
+    if "attnx.torch_ops" in sys.modules:  # what importing it had turned on
+        attnx.share_torch_threads(True)
+
+
+def test_workers_are_reused_and_released_with_their_thread(own_pool):
     q = np.ones((1, 2, 300, 64), np.float32)
     attnx.attention(q, q, q, num_threads=3)
     base = os_threads()

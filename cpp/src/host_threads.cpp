@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
@@ -158,7 +159,107 @@ int max_threads_of(void* lib) {
   return 0;
 }
 
+// ---- OpenMP: attnx's regions on torch's team ------------------------------------------------
+//
+// torch runs its ops on an OpenMP team (its bundled libgomp), whose idle threads spin for a few
+// milliseconds after each op (GOMP_SPINCOUNT). attnx's own pool between two torch ops means three
+// or four runnable threads on two cores: the attention call after a matmul ran 1.1-1.2x slower
+// than alone, and each torch op after attnx waits for its team. Running attnx's regions on that
+// same team (GOMP_parallel: the libgomp ABI, also provided by LLVM's and Intel's runtimes) leaves
+// one set of threads, warm for both.
+
+using GompParallel = void (*)(void (*)(void*), void*, unsigned num_threads, unsigned flags);
+
+struct HostOmp {
+  GompParallel parallel = nullptr;
+  int (*thread_num)() = nullptr;
+  int (*num_threads)() = nullptr;
+};
+
+HostOmp g_omp;                          // the runtime found (written before g_omp_on is set)
+std::atomic<bool> g_omp_on{false};      // regions go to it
+std::atomic<uint32_t> g_omp_generation{0};  // fork generation it was switched on in
+
+// The first loaded shared object (torch's first) with the whole libgomp entry set ("gomp" or "iomp"/"omp" in its
+// name, e.g. torch/lib/libgomp-<hash>.so.1); its symbols stay valid while it is loaded (never
+// unloaded once torch imported it).
+bool find_omp(HostOmp& out) {
+  std::vector<std::string> libs;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, std::size_t, void* v) {
+        const char* name = info->dlpi_name;
+        if (name != nullptr && (std::strstr(name, "libgomp") || std::strstr(name, "libiomp") ||
+                                std::strstr(name, "libomp")))
+          static_cast<std::vector<std::string>*>(v)->emplace_back(name);
+        return 0;
+      },
+      &libs);
+  // torch's own runtime first, where another library loaded a second one
+  std::stable_partition(libs.begin(), libs.end(),
+                        [](const std::string& p) { return p.find("torch") != std::string::npos; });
+  for (const std::string& path : libs) {
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) continue;
+    HostOmp h;
+    h.parallel = reinterpret_cast<GompParallel>(dlsym(lib, "GOMP_parallel"));
+    h.thread_num = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_thread_num"));
+    h.num_threads = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_num_threads"));
+    dlclose(lib);  // still loaded: it was before the dlopen
+    if (h.parallel && h.thread_num && h.num_threads) {
+      out = h;
+      return true;
+    }
+  }
+  return false;
+}
+
+struct OmpRegion {
+  void (*fn)(void*, Team&);
+  void* ctx;
+  TeamShared* shared;
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+};
+
+void omp_member(void* arg) {
+  OmpRegion& r = *static_cast<OmpRegion*>(arg);
+  const bool outer = enter_region();
+  try {
+    Team team(g_omp.thread_num(), g_omp.num_threads(), r.shared);
+    r.fn(r.ctx, team);
+  } catch (...) {
+    if (!r.failed.exchange(true)) r.error = std::current_exception();
+  }
+  leave_region(outer);
+}
+
 }  // namespace
+
+bool run_on_host_omp(int num_threads, void (*fn)(void*, Team&), void* ctx) {
+  if (!g_omp_on.load(std::memory_order_acquire) ||
+      g_omp_generation.load(std::memory_order_relaxed) != fork_generation())
+    return false;  // off, or a forked child: its libgomp team does not exist here
+  OmpRegion region{fn, ctx, new_team_shared(), {}, nullptr};
+  g_omp.parallel(&omp_member, &region, unsigned(num_threads), 0);
+  delete_team_shared(region.shared);
+  if (region.error) std::rethrow_exception(region.error);
+  return true;
+}
+
+bool share_omp_threads(bool on) {
+  if (!on) {
+    g_omp_on.store(false);
+    return false;
+  }
+  if (!g_omp_on.load()) {
+    HostOmp h;
+    if (!find_omp(h)) return false;
+    g_omp = h;  // no region reads it while g_omp_on is false
+    g_omp_generation.store(fork_generation());
+    g_omp_on.store(true, std::memory_order_release);
+  }
+  return true;
+}
 
 int share_blas_threads(bool on) {
   int shared = 0;

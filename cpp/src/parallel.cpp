@@ -316,7 +316,19 @@ thread_local PoolHolder t_pool;
 
 }  // namespace
 
+uint32_t fork_generation() { return g_generation.load(); }
+bool enter_region() {
+  const bool was = t_in_region;
+  t_in_region = true;
+  return was;
+}
+void leave_region(bool was) { t_in_region = was; }
+TeamShared* new_team_shared() { return new TeamShared(); }
+void delete_team_shared(TeamShared* s) { delete s; }
+
 void run_team(int num_threads, void (*fn)(void*, Team&), void* ctx) {
+  if (num_threads > 1 && !t_in_region && run_on_host_omp(std::min(num_threads, kThreadLimit), fn, ctx))
+    return;  // torch's team ran it (share_omp_threads)
   // A region inside a region (fn calling parallel) runs on its thread alone, as OpenMP does by
   // default: the pool is busy with the outer one.
   Pool* pool = num_threads > 1 && !t_in_region ? t_pool.get() : nullptr;

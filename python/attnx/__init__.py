@@ -46,6 +46,7 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "share_blas_threads",
+    "share_torch_threads",
     "reference",
     "PagedKVCache",
     "Step",
@@ -96,6 +97,19 @@ def share_blas_threads(on=True):
     other BLAS are left alone (0 is returned for them).
     """
     return _core.share_blas_threads(bool(on))
+
+
+def share_torch_threads(on=True):
+    """Runs attnx's threads on torch's OpenMP team (or, with ``on=False``, on attnx's own pool
+    again); returns whether a team is in use.
+
+    torch's idle OpenMP threads spin for a few milliseconds after every op, so between two torch
+    ops attnx's own pool would fight them for the cores (bench/NOTES.md). attnx turns this on the
+    first time it sees a torch tensor (or on ``import attnx.torch_ops`` / ``attnx.hf``) unless
+    ``ATTNX_SHARE_TORCH=0``. It applies to every later call, NumPy arrays included. A fork()ed
+    child goes back to attnx's own pool (GNU OpenMP does not survive fork).
+    """
+    return _core.share_omp_threads(bool(on))
 
 
 def _select_isa_from_env():

@@ -12,14 +12,21 @@ The ops always return ``(out, lse)``; ``lse`` is an empty float32 tensor unless
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
-from . import _api, _tensors
+from . import _api, _core, _tensors
 
 __all__ = ["attention", "paged_attention"]
 
 _EMPTY = (0,)
+
+# One set of threads with torch from here on: attnx's regions run on torch's OpenMP team
+# (attnx.share_torch_threads says why).
+if os.environ.get("ATTNX_SHARE_TORCH", "1").strip() != "0":
+    _core.share_omp_threads(True)
 
 
 def _np(x, name):

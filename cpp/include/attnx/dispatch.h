@@ -32,4 +32,9 @@ int pool_workers_used();
 // attnx's pool.
 int share_blas_threads(bool on);
 
+// Runs attnx's parallel regions on the process's OpenMP team (torch's libgomp), found among the
+// loaded libraries, instead of attnx's own pool (on = false: back to the pool). True while a
+// team is in use. A fork()ed child uses attnx's pool again (libgomp does not survive fork).
+bool share_omp_threads(bool on);
+
 }  // namespace attnx

@@ -1,12 +1,15 @@
-"""NumPy's OpenBLAS on attnx's pool (``attnx.share_blas_threads``, issue 17 item 7).
+"""One set of threads per process (issue 17 item 7): NumPy's OpenBLAS on attnx's pool
+(``attnx.share_blas_threads``) and attnx on torch's OpenMP team (``attnx.share_torch_threads``).
 
 OpenBLAS's idle threads spin for ~70 ms after each matmul, so an attention call right after one
 used to share the cores with them. ``import attnx`` hands OpenBLAS (0.3.28+, through its
 threading callback) attnx's pool instead. These tests hold what that must not break: matmul
 results stay bit-identical to OpenBLAS's own threads, the work really runs on attnx's workers,
 ``ATTNX_SHARE_BLAS=0`` and ``share_blas_threads(False)`` give OpenBLAS its threads back, and a
-forked child and concurrent Python threads keep working. Each scenario runs in a fresh
-interpreter (the sharing happens at import) under a timeout, so a hang fails instead of stalling.
+forked child and concurrent Python threads keep working. The same holds for attnx's regions on
+torch's team: bit-identical results, attnx's own pool left unused, back to the pool in a forked
+child. Each scenario runs in a fresh interpreter (the sharing happens at import) under a timeout,
+so a hang fails instead of stalling.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ def attend():
 """
 
 
-def run(body, share=True):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="2", ATTNX_SHARE_BLAS="1" if share else "0")
+def run(body, share=True, share_torch=True):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="2", ATTNX_SHARE_BLAS="1" if share else "0",
+               ATTNX_SHARE_TORCH="1" if share_torch else "0")
     proc = subprocess.Popen([sys.executable, "-c", PRELUDE + body], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -131,3 +135,74 @@ print(json.dumps([want, got, errors]))
     assert not errors
     assert len(got) == 12 and all(g == want for g in got)
     assert want[0] == own_threads["matmuls"]
+
+
+# ---- attnx on torch's OpenMP team ------------------------------------------------------------
+
+TORCH = r"""
+import torch
+torch.set_num_threads(2)
+T = torch.from_numpy(Q)
+def attend_t():
+    return digest(attnx.attention(T, T, T, causal=True, num_threads=2).numpy())
+attend_t()  # the first tensor: attnx.torch_ops is imported, which turns the sharing on
+"""
+
+
+@pytest.fixture(scope="module")
+def torch_team():
+    pytest.importorskip("torch")
+    on = run(TORCH + "print(json.dumps([attnx.share_torch_threads(), attend_t(), attend(), _core._pool_threads()]))")
+    off = run(TORCH + "print(json.dumps([attend_t(), attend(), _core._pool_threads()]))", share_torch=False)
+    return on, off
+
+
+def test_attnx_runs_on_torchs_team_bit_for_bit(torch_team):
+    (found, tensors, arrays, workers), (tensors_own, arrays_own, workers_own) = torch_team
+    assert found, "torch's OpenMP runtime was found among the loaded libraries"
+    assert workers == 0, "2-thread calls ran on torch's team, attnx's own pool stayed unused"
+    assert workers_own == 1, "with ATTNX_SHARE_TORCH=0 they run on attnx's pool"
+    assert tensors == tensors_own == arrays == arrays_own
+
+
+def test_import_attnx_alone_shares_nothing_with_torch():
+    res = run("import torch; print(json.dumps([attend(), _core._pool_threads()]))")
+    assert res[1] == 1, "no tensor seen: attnx's own pool"
+
+
+def test_a_forked_child_of_a_torch_sharing_process(torch_team):
+    body = TORCH + r"""
+parent = attend()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    os.write(w, json.dumps([attend(), attend_t(), _core._pool_threads()]).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 1 << 16))
+os.waitpid(pid, 0)
+print(json.dumps([parent, child]))
+"""
+    parent, child = run(body)
+    assert child[0] == child[1] == parent
+    assert child[2] == 1, "the child ran its 2-thread calls on a fresh attnx pool, not the dead team"
+
+
+def test_concurrent_python_threads_on_torchs_team(torch_team):
+    body = TORCH + r"""
+want = attend()
+got, errors = [], []
+def job():
+    try:
+        for _ in range(3):
+            got.extend([attend(), attend_t()])
+    except BaseException as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=job) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps([want, got, errors]))
+"""
+    want, got, errors = run(body)
+    assert not errors and len(got) == 24 and all(g == want for g in got)
