@@ -27,20 +27,9 @@
 #   CXX                  compiler whose sanitizer runtime is preloaded (default g++; must be the
 #                        one CMake builds with)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$PWD
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
-START=$(date +%s)
-
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/_prelude.sh"
+ci_prelude sanitize ATTNX_SANITIZE_DIR
 CXX_BIN=${CXX:-g++}
-KEEP=1
-if [[ -z "${ATTNX_SANITIZE_DIR:-}" ]]; then
-  ATTNX_SANITIZE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/attnx-sanitize.XXXXXX")
-  KEEP=0
-fi
-WORK=$ATTNX_SANITIZE_DIR
-mkdir -p "$WORK"
 echo "sanitize: work directory $WORK"
 
 # ---- the sanitizer runtime -------------------------------------------------------------------

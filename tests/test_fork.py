@@ -11,15 +11,10 @@ how many of its pool's workers ran (``_core._pool_threads()``): the child really
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from conftest import run_isolated
 
 TIMEOUT = 120  # seconds per scenario; each takes about one on a quiet machine
 
@@ -79,18 +74,8 @@ PARENT = work()  # the parent's pool has its worker from here on
 
 
 def run_scenario(body):
-    """Runs PRELUDE + body in a fresh interpreter; returns the JSON it prints last. On a hang the
-    interpreter's whole process group goes, its forked children with it (own session)."""
-    proc = subprocess.Popen([sys.executable, "-c", PRELUDE + body], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"hung: no result within {TIMEOUT} s")
-    assert proc.returncode == 0, err
-    return json.loads(out.strip().splitlines()[-1])
+    """Runs PRELUDE + body in a fresh interpreter under TIMEOUT; returns the JSON it prints last."""
+    return run_isolated(PRELUDE + body, timeout=TIMEOUT)
 
 
 def assert_like_parent(res, n_children):

@@ -14,13 +14,11 @@ so a hang fails instead of stalling.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
+
+from conftest import run_isolated
 
 TIMEOUT = 120
 
@@ -48,22 +46,43 @@ def matmuls():
 
 def attend():
     return digest(attnx.attention(Q, Q, Q, causal=True, num_threads=2))
+
+
+def in_child(fn):
+    # [fn() in the parent, fn() in an os.fork()ed child] (the child's through a pipe)
+    parent = fn()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.write(w, json.dumps(fn()).encode())
+        os._exit(0)
+    os.close(w)
+    child = json.loads(os.read(r, 1 << 16))
+    os.waitpid(pid, 0)
+    return [parent, child]
+
+
+def in_threads(fn, n=4, times=3):
+    # fn() 3 times in each of 4 concurrent Python threads: [results, errors]
+    got, errors = [], []
+    def job():
+        try:
+            for _ in range(times):
+                got.append(fn())
+        except BaseException as e:
+            errors.append(repr(e))
+    threads = [threading.Thread(target=job) for _ in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return [got, errors]
 """
 
 
 def run(body, share=True, share_torch=True):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="2", ATTNX_SHARE_BLAS="1" if share else "0",
                ATTNX_SHARE_TORCH="1" if share_torch else "0")
-    proc = subprocess.Popen([sys.executable, "-c", PRELUDE + body], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"hung: no result within {TIMEOUT} s")
-    assert proc.returncode == 0, err
-    return json.loads(out.strip().splitlines()[-1])
+    return run_isolated(PRELUDE + body, env=env, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -97,41 +116,14 @@ def test_giving_the_threads_back(shared, own_threads):
 
 
 def test_a_forked_child_runs_matmuls_and_attention(shared, own_threads):
-    body = r"""
-parent = [matmuls(), attend()]
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.close(r)
-    os.write(w, json.dumps([matmuls(), attend(), _core._pool_threads()]).encode())
-    os._exit(0)
-os.close(w)
-child = json.loads(os.read(r, 1 << 16))
-os.waitpid(pid, 0)
-print(json.dumps([parent, child]))
-"""
-    parent, child = run(body)
+    parent, child = run("print(json.dumps(in_child(lambda: [matmuls(), attend(), _core._pool_threads()])))")
     assert parent[0] == own_threads["matmuls"]
-    assert child[:2] == parent, "the child's matmul and attention match the parent's"
+    assert child[:2] == parent[:2], "the child's matmul and attention match the parent's"
     assert child[2] == 1, "the child's matmul ran on its own fresh worker"
 
 
 def test_concurrent_python_threads(shared, own_threads):
-    body = r"""
-want = [matmuls(), attend()]
-got, errors = [], []
-def job():
-    try:
-        for _ in range(3):
-            got.append([matmuls(), attend()])
-    except BaseException as e:
-        errors.append(repr(e))
-threads = [threading.Thread(target=job) for _ in range(4)]
-[t.start() for t in threads]
-[t.join() for t in threads]
-print(json.dumps([want, got, errors]))
-"""
-    want, got, errors = run(body)
+    want, (got, errors) = run("print(json.dumps([[matmuls(), attend()], in_threads(lambda: [matmuls(), attend()])]))")
     assert not errors
     assert len(got) == 12 and all(g == want for g in got)
     assert want[0] == own_threads["matmuls"]
@@ -171,38 +163,12 @@ def test_import_attnx_alone_shares_nothing_with_torch():
 
 
 def test_a_forked_child_of_a_torch_sharing_process(torch_team):
-    body = TORCH + r"""
-parent = attend()
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.close(r)
-    os.write(w, json.dumps([attend(), attend_t(), _core._pool_threads()]).encode())
-    os._exit(0)
-os.close(w)
-child = json.loads(os.read(r, 1 << 16))
-os.waitpid(pid, 0)
-print(json.dumps([parent, child]))
-"""
-    parent, child = run(body)
-    assert child[0] == child[1] == parent
+    parent, child = run(TORCH + "print(json.dumps(in_child(lambda: [attend(), attend_t(), _core._pool_threads()])))")
+    assert child[0] == child[1] == parent[0] == parent[1]
+    assert parent[2] == 0, "the parent ran on torch's team"
     assert child[2] == 1, "the child ran its 2-thread calls on a fresh attnx pool, not the dead team"
 
 
 def test_concurrent_python_threads_on_torchs_team(torch_team):
-    body = TORCH + r"""
-want = attend()
-got, errors = [], []
-def job():
-    try:
-        for _ in range(3):
-            got.extend([attend(), attend_t()])
-    except BaseException as e:
-        errors.append(repr(e))
-threads = [threading.Thread(target=job) for _ in range(4)]
-[t.start() for t in threads]
-[t.join() for t in threads]
-print(json.dumps([want, got, errors]))
-"""
-    want, got, errors = run(body)
-    assert not errors and len(got) == 24 and all(g == want for g in got)
+    want, (got, errors) = run(TORCH + "print(json.dumps([attend(), in_threads(lambda: [attend(), attend_t()])]))")
+    assert not errors and len(got) == 12 and all(g == [want, want] for g in got)
