@@ -503,7 +503,9 @@ def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
 
 def in_loop(*, tiny):
     """Opt-in rows (--in-loop): the prefill shape timed right after a 1024×1024 matmul of NumPy
-    (OpenBLAS) or torch, as a model's loop calls attention, against the same call alone."""
+    (OpenBLAS) or torch, as a model's loop calls attention, against the same call alone. The torch
+    row passes tensors, as a torch model does, so attnx runs on torch's team from then on: these
+    rows come last in the suite."""
     S, H = (2048, 8) if not tiny else (256, 2)
     shape = Dense(1, H, H, S, S, 64)
     return [Case(f"in_loop_{lib}", f"in-loop: prefill after a {name} matmul", shape, (InLoop(1.1),),
