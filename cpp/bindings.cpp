@@ -96,9 +96,11 @@ DType dtype_of(const py::array& a, const char* name, bool f64_ok = false) {
   if (dt.itemsize() == 2 && dt.num() == bfloat16_num()) return DType::bf16;
   if (f64_ok && dt.kind() == 'f' && dt.itemsize() == 8) return DType::f64;
   const char k = dt.kind();
+  const bool f64 = k == 'f' && dt.itemsize() == 8;  // here only where there is no float64 path
   type_error(std::string(name) + ": expected dtype float32, float16" + (f64_ok ? ", bfloat16 or float64" : " or bfloat16") +
              ", got " + dtype_str(a) +
-             (k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
+             (f64 ? " (float64 is computed only by dense attention; cast with .astype(np.float32))"
+                  : k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
 }
 
 // The dtype of KV pages: a float dtype, or a quantised one (int8, float8_e4m3fn, float8_e5m2).
