@@ -99,7 +99,7 @@ DType dtype_of(const py::array& a, const char* name, bool f64_ok = false) {
   const bool f64 = k == 'f' && dt.itemsize() == 8;  // here only where there is no float64 path
   type_error(std::string(name) + ": expected dtype float32, float16" + (f64_ok ? ", bfloat16 or float64" : " or bfloat16") +
              ", got " + dtype_str(a) +
-             (f64 ? " (float64 is computed only by dense attention; cast with .astype(np.float32))"
+             (f64 ? " (float64 runs only in dense attention, attnx.attention; cast with .astype(np.float32))"
                   : k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
 }
 

@@ -234,9 +234,9 @@ def test_pages_refuse_float64(rng):
     kp = rng.standard_normal((4, 1, 16, 8))
     q = rng.standard_normal((1, 2, 8))
     table, lens = np.array([[2, 0]]), np.array([20])
-    with pytest.raises(TypeError, match=r"^k_pages: .*float64 is computed only by dense attention"):
+    with pytest.raises(TypeError, match=r"^k_pages: .*float64 runs only in dense attention"):
         attnx.paged_attention(q.astype(np.float32), kp, kp.astype(np.float32), table, lens)
-    with pytest.raises(TypeError, match=r"^q: .*float64 is computed only by dense attention"):
+    with pytest.raises(TypeError, match=r"^q: .*float64 runs only in dense attention"):
         attnx.paged_attention(q, kp.astype(np.float32), kp.astype(np.float32), table, lens)
     with pytest.raises(TypeError, match="dtype"):
         attnx.PagedKVCache(1, 1, 8, 4, dtype=np.float64)

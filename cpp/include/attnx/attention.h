@@ -17,7 +17,7 @@ namespace attnx {
 template <class T>
 struct BasicAttentionParams {
   int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, Dk = 0, Dv = 0;
-  DType dtype = DType::f32;
+  DType dtype = sizeof(T) == 8 ? DType::f64 : DType::f32;
   Strided4 q, k, v;
   void* out = nullptr;
   int64_t o_sb = 0, o_sh = 0, o_ss = 0;

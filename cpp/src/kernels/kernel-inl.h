@@ -188,7 +188,7 @@ static void qk_packed(int M, const Real* q, int64_t ldq, const Real* kt, int64_t
 }
 
 // Packs the n rows of a K tile transposed: kt[d][j], zero for j >= n (to a multiple of NR*W) and
-// for d >= Dk (to Dkp). `rows` holds kTileK fp32 row pointers padded with zero rows past n.
+// for d >= Dk (to Dkp). `rows` holds kTileK Real row pointers padded with zero rows past n.
 static void pack_kt(const Real* const* rows, int64_t n, int64_t Dkp, Real* kt) {
   const int64_t n8 = round_up(n, 8);
   for (int64_t j = 0; j < n8; j += 8)
@@ -448,13 +448,13 @@ static void pv_visible(const RowSet& rs, int64_t j0, const Real* bias, const Rea
     }
 }
 
-// fp32 row pointers (into `rows`) to rows [j0, j0 + n) of `s` at addr (D elements each): the
-// rows themselves where read in place, else their fp32 copies, zero-padded, in buf (n x Dp
-// floats), quantised rows with their scales (code * scale, one float32 product: what
+// Real row pointers (into `rows`) to rows [j0, j0 + n) of `s` at addr (D elements each): the
+// rows themselves where read in place, else their copies in Real, zero-padded, in buf (n x Dp),
+// quantised rows with their scales (code * scale, one float32 product: what
 // attnx.reference.dequantize_kv computes).
 static inline const Real** real_rows(const kern::KVSource& s, int64_t j0, const char* const* addr,
-                                      int64_t n, int64_t D, bool inplace, Real* buf,
-                                      const Real** rows) {
+                                     int64_t n, int64_t D, bool inplace, Real* buf,
+                                     const Real** rows) {
   const int64_t Dp = round_up(D, kPad);
   if (inplace) {
     for (int64_t t = 0; t < n; ++t) rows[t] = reinterpret_cast<const Real*>(addr[t]);
@@ -476,10 +476,10 @@ static inline const Real** real_rows(const kern::KVSource& s, int64_t j0, const 
   return rows;
 }
 
-// fp32 row pointers to keys [j0, j0 + n), converted into scratch unless read in place; rows past
+// Real row pointers to keys [j0, j0 + n), converted into scratch unless read in place; rows past
 // n point at zeros so register blocks never read past the tile.
 static const Real** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                              bool inplace, const Scratch& sc) {
+                             bool inplace, const Scratch& sc) {
   kv_rows(ks, j0, n, sc.kaddr);
   const Real** krow = real_rows(ks, j0, sc.kaddr, n, Dk, inplace, sc.kf, sc.krow);
   for (int64_t t = n; t < kTileK; ++t) krow[t] = sc.zero;
@@ -501,7 +501,7 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
 // K^T of keys [j0, j0 + n): the kv head's shared packed tile (packing it if no item has yet), or
 // a private one in scratch.
 static const Real* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                                const Scratch& sc) {
+                               const Scratch& sc) {
   if (ks.kt != nullptr && j0 % kTileK == 0) {
     Real* shared = static_cast<Real*>(ks.kt) + j0 / kTileK * round_up(Dk, kPad) * kTileK;
     int* ready = ks.kt_ready + j0 / kTileK;
@@ -553,7 +553,7 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
   const bool packed = M > kDotRows;
   // Rows whose width is a whole number of register blocks are read in place (fp16/bf16 widened
-  // in registers); the packed (prefill) QK path needs fp32 rows to transpose.
+  // in registers); the packed (prefill) QK path needs Real rows to transpose.
   // Quantised rows too (their scales applied to the scores and probabilities: scale_keys); the
   // packed path and ragged widths convert them, with their scales, into the tile buffers.
   const bool k_inplace = packed ? ks.dtype == kNative && Dk % 8 == 0 : Dk % W == 0;
@@ -618,8 +618,8 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
   // non-finite values; if there are any, each row adds only the keys it sees.
   if (partial) {
     const Real* const* fv = vrow;
-    if (vdt != kNative)  // the check and its slow path read fp32 rows (in K's pointers,
-                            // no longer needed in this tile), quantised ones with their scales
+    if (vdt != kNative)  // the check and its slow path read Real rows (in K's pointers,
+                         // no longer needed in this tile), quantised ones with their scales
       fv = real_rows(vs, j0, vaddr, n, Dv, false, sc.vf, sc.krow);
     if (!values_finite(fv, n, vw)) {
       pv_visible(rs, j0, bias, sc.s, fv, n, vw, st.o, st.ldo);
