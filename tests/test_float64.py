@@ -132,11 +132,11 @@ def test_float32_would_fail(rng):
 
 @pytest.mark.parametrize("case", ["split_kv", "grouped_decode", "packed_prefill"])
 def test_driver_paths(rng, case):
-    """Split-KV (one long row on 4 threads, merged by log-sum-exp), decode items grouped per
+    """Split-KV (a few long rows on 4 threads, merged by log-sum-exp), decode items grouped per
     sequence (bshd: short runs of each head), and K tiles packed once and shared by the items
     of a kv head (a long GQA prefill), each with every modifier on."""
     B, Hkv, G, Sq, Sk, Dk, Dv, layout = {
-        "split_kv": (1, 1, 2, 1, 3000, 16, 8, "bhsd"),
+        "split_kv": (1, 1, 2, 4, 20000, 32, 24, "bhsd"),
         "grouped_decode": (2, 4, 2, 1, 300, 24, 24, "bshd"),
         "packed_prefill": (1, 2, 3, 200, 260, 40, 12, "bhsd"),
     }[case]
