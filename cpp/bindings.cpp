@@ -86,15 +86,21 @@ void check_native(const py::array& a, const char* name) {
                " (convert with a.astype(a.dtype.newbyteorder('=')))");
 }
 
-DType dtype_of(const py::array& a, const char* name) {
+// A float storage dtype; float64 too where `f64_ok` (dense attention computes it in float64; pages
+// and the other entry points have no float64 path).
+DType dtype_of(const py::array& a, const char* name, bool f64_ok = false) {
   const py::dtype dt = a.dtype();
   check_native(a, name);
   if (dt.kind() == 'f' && dt.itemsize() == 4) return DType::f32;
   if (dt.kind() == 'f' && dt.itemsize() == 2) return DType::f16;
   if (dt.itemsize() == 2 && dt.num() == bfloat16_num()) return DType::bf16;
+  if (f64_ok && dt.kind() == 'f' && dt.itemsize() == 8) return DType::f64;
   const char k = dt.kind();
-  type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " + dtype_str(a) +
-             (k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
+  const bool f64 = k == 'f' && dt.itemsize() == 8;  // here only where there is no float64 path
+  type_error(std::string(name) + ": expected dtype float32, float16" + (f64_ok ? ", bfloat16 or float64" : " or bfloat16") +
+             ", got " + dtype_str(a) +
+             (f64 ? " (float64 runs only in dense attention, attnx.attention; cast with .astype(np.float32))"
+                  : k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
 }
 
 // The dtype of KV pages: a float dtype, or a quantised one (int8, float8_e4m3fn, float8_e5m2).
@@ -201,7 +207,8 @@ py::array_t<int32_t> int_vector(py::handle obj, const char* name, int64_t n, int
 // ---- scalars ---------------------------------------------------------------------------------
 // The kernels hold scale and softcap in float32 (and use 1/softcap): outside float32's normal
 // range a value would become inf or 0, or its reciprocal overflow, and change the result without
-// a word. Refused there, with the range.
+// a word. Refused there, with the range. The float64 kernels take them as doubles, within the
+// same range (one rule for every dtype).
 constexpr double kFloatMin = double(std::numeric_limits<float>::min());  // smallest normal
 constexpr double kFloatMax = double(std::numeric_limits<float>::max());
 
@@ -211,11 +218,13 @@ std::string num_str(double x) {
   return os.str();
 }
 
-float positive_float(double x, const char* name) {
+// x as T (float, or double for the float64 kernels), once it is within float32's normal range.
+template <class T = float>
+T positive_float(double x, const char* name) {
   if (!(x >= kFloatMin && x <= kFloatMax))
     value_error(std::string(name) + ": expected a finite positive number within float32's normal range [" +
                 num_str(kFloatMin) + ", " + num_str(kFloatMax) + "], got " + num_str(x));
-  return float(x);
+  return T(x);
 }
 
 double real_arg(py::handle h, const char* name) {
@@ -228,12 +237,13 @@ double real_arg(py::handle h, const char* name) {
 }
 
 // None: the default 1/sqrt(Dk).
-float scale_arg(py::handle h, int64_t Dk) {
+template <class T = float>
+T scale_arg(py::handle h, int64_t Dk) {
   if (h.is_none()) {
     if (Dk == 0) value_error("scale: the default 1/sqrt(Dk) needs Dk > 0");
-    return float(1.0 / std::sqrt(double(Dk)));
+    return T(1.0 / std::sqrt(double(Dk)));
   }
-  return positive_float(real_arg(h, "scale"), "scale");
+  return positive_float<T>(real_arg(h, "scale"), "scale");
 }
 
 int64_t int_arg(py::handle h, const char* name, int64_t dflt) {
@@ -250,9 +260,10 @@ int64_t int_arg(py::handle h, const char* name, int64_t dflt) {
   return int64_t(v);
 }
 
-// An optional (n,) vector of per-head float parameters, as float32: finite and within float32's
-// range (a float64 1e39 would become inf).
-py::array_t<float> head_vector(py::handle obj, const char* name, int64_t n) {
+// An optional (n,) vector of per-head float parameters, as T (float32; float64 for the float64
+// kernels): finite and within float32's range (a float64 1e39 would become inf in float32).
+template <class T = float>
+py::array_t<T> head_vector(py::handle obj, const char* name, int64_t n) {
   py::array a = py::array::ensure(obj);
   const char kind = a ? a.dtype().kind() : 'O';
   if (!a || (kind != 'f' && kind != 'i' && kind != 'u' && a.dtype().num() != bfloat16_num()))
@@ -260,19 +271,20 @@ py::array_t<float> head_vector(py::handle obj, const char* name, int64_t n) {
   if (a.ndim() != 1 || a.shape(0) != n)
     value_error(std::string(name) + ": expected shape (Hq=" + std::to_string(n) + ",), got " + shape_str(a));
   Native<double> d(py::module_::import("numpy").attr("asarray")(a, "float64"));
-  py::array_t<float> f(n);
+  py::array_t<T> f(n);
   for (int64_t i = 0; i < n; ++i) {
     const double x = d.data()[i];
     if (!(std::fabs(x) <= kFloatMax))
       value_error(std::string(name) + ": values must be finite and within float32's range, got " +
                   num_str(x) + " at [" + std::to_string(i) + "]");
-    f.mutable_data()[i] = float(x);
+    f.mutable_data()[i] = T(x);
   }
   return f;
 }
 
-Variants variants(py::handle window, py::handle softcap) {
-  Variants v;
+template <class T = float>
+BasicVariants<T> variants(py::handle window, py::handle softcap) {
+  BasicVariants<T> v;
   if (!window.is_none()) {
     if (!py::isinstance<py::tuple>(window) && !py::isinstance<py::list>(window))
       value_error("window: expected (left, right)");
@@ -296,7 +308,7 @@ Variants variants(py::handle window, py::handle softcap) {
     v.window_left = side[0];
     v.window_right = side[1];
   }
-  if (!softcap.is_none()) v.softcap = positive_float(real_arg(softcap, "softcap"), "softcap");
+  if (!softcap.is_none()) v.softcap = positive_float<T>(real_arg(softcap, "softcap"), "softcap");
   return v;
 }
 
@@ -352,7 +364,7 @@ OutTarget out_target(py::handle out, const char* of, DType dt, const py::dtype& 
   }
   if (!py::isinstance<py::array>(out)) type_error("out: expected a numpy array");
   const auto o = py::reinterpret_borrow<py::array>(out);
-  if (dtype_of(o, "out") != dt)
+  if (dtype_of(o, "out", true) != dt)
     type_error(std::string("out: expected dtype ") + dtype_name(dt) + " (the dtype of " + of + "), got " + dtype_str(o));
   check_shape(o, "out", dims);
   if (!o.writeable()) value_error("out: array is not writable");
@@ -469,13 +481,21 @@ enum DenseArg { kQ, kK, kV, kMask, kKvLens, kQLens, kCausal, kScale, kOut, kRetu
 Signature dense_signature{"attention", {"q", "k", "v", "mask", "kv_lens", "q_lens", "causal", "scale", "out",
                           "return_lse", "num_threads", "window", "softcap", "sinks", "alibi_slopes"}, 3, {}};
 
-void check_dense_qkv(const py::array& q, const py::array& k, const py::array& v, AttentionParams& p) {
+// The one dtype of q, k and v (float64 included: computed in float64), after their ranks.
+DType dense_dtype(const py::array& q, const py::array& k, const py::array& v) {
   if (q.ndim() != 4) value_error("q: expected 4 dims (B, Hq, Sq, Dk), got " + shape_str(q));
   if (k.ndim() != 4) value_error("k: expected 4 dims (B, Hkv, Sk, Dk), got " + shape_str(k));
   if (v.ndim() != 4) value_error("v: expected 4 dims (B, Hkv, Sk, Dv), got " + shape_str(v));
-  p.dtype = dtype_of(q, "q");
-  if (dtype_of(k, "k") != p.dtype || dtype_of(v, "v") != p.dtype)
+  const DType dt = dtype_of(q, "q", true);
+  if (dtype_of(k, "k", true) != dt || dtype_of(v, "v", true) != dt)
     type_error("q, k, v: expected one dtype, got " + dtype_str(q) + ", " + dtype_str(k) + ", " + dtype_str(v));
+  return dt;
+}
+
+template <class T>
+void check_dense_qkv(const py::array& q, const py::array& k, const py::array& v, DType dt,
+                     BasicAttentionParams<T>& p) {
+  p.dtype = dt;
   p.B = q.shape(0); p.Hq = q.shape(1); p.Sq = q.shape(2); p.Dk = q.shape(3);
   p.Hkv = k.shape(1); p.Sk = k.shape(2); p.Dv = v.shape(3);
   // Positions and lengths are int32 inside the kernels.
@@ -492,16 +512,19 @@ void check_dense_qkv(const py::array& q, const py::array& k, const py::array& v,
   p.v = {v.data(), vs[0], vs[1], vs[2]};
 }
 
-// A boolean or float32 additive mask, 4-D and broadcastable to (B, Hq, Sq, Sk); None if none.
-py::object dense_mask(py::handle mask, AttentionParams& p) {
+// A boolean or additive mask (float32; float64 with float64 inputs, whose kernels read it as
+// double), 4-D and broadcastable to (B, Hq, Sq, Sk); None if none.
+template <class T>
+py::object dense_mask(py::handle mask, BasicAttentionParams<T>& p) {
   if (mask.is_none()) return py::none();
   py::array m = py::array::ensure(mask);
   if (!m) type_error("mask: expected a numpy array");
   if (m.ndim() != 4) value_error("mask: expected 4 dims after broadcasting to (B, Hq, Sq, Sk)");
   const char kind = m.dtype().kind();
   if (kind == 'b') p.mask_kind = MaskKind::boolean;
-  else if (kind == 'f' && m.itemsize() == 4) p.mask_kind = MaskKind::additive;
-  else type_error("mask: expected a boolean or float32 additive mask, got " + dtype_str(m));
+  else if (kind == 'f' && m.itemsize() == py::ssize_t(sizeof(T))) p.mask_kind = MaskKind::additive;
+  else type_error(std::string("mask: expected a boolean or ") + (sizeof(T) == 8 ? "float64" : "float32") +
+                  " additive mask, got " + dtype_str(m));
   check_native(m, "mask");
   const int64_t target[4] = {p.B, p.Hq, p.Sq, p.Sk};
   for (int i = 0; i < 4; ++i)
@@ -514,29 +537,31 @@ py::object dense_mask(py::handle mask, AttentionParams& p) {
   return m;
 }
 
-py::object py_attention(const Args& a) {
-  AttentionParams p;
-  const py::array q = native_input(a[kQ], "q"), k = native_input(a[kK], "k"), v = native_input(a[kV], "v");
-  check_dense_qkv(q, k, v, p);
-  p.scale = scale_arg(a[kScale], p.Dk);
+// Dense attention computed in T: float for float32, float16 and bfloat16, double for float64
+// (then scale, the modifiers, an additive mask and lse are float64 too).
+template <class T>
+py::object dense_call(const Args& a, const py::array& q, const py::array& k, const py::array& v, DType dt) {
+  BasicAttentionParams<T> p;
+  check_dense_qkv(q, k, v, dt, p);
+  p.scale = scale_arg<T>(a[kScale], p.Dk);
   p.causal = a.flag(kCausal, false);
-  p.var = variants(a[kWindow], a[kSoftcap]);
+  p.var = variants<T>(a[kWindow], a[kSoftcap]);
   const py::object mask = dense_mask(a[kMask], p);
   py::array_t<int32_t> kvl, ql;
   if (!a[kKvLens].is_none()) { kvl = int_vector(a[kKvLens], "kv_lens", p.B, p.Sk, "Sk"); p.kv_lens = kvl.data(); }
   if (!a[kQLens].is_none()) { ql = int_vector(a[kQLens], "q_lens", p.B, p.Sq, "Sq"); p.q_lens = ql.data(); }
-  py::array_t<float> sk, al;
-  if (!a[kSinks].is_none()) { sk = head_vector(a[kSinks], "sinks", p.Hq); p.var.sinks = sk.data(); }
-  if (!a[kAlibi].is_none()) { al = head_vector(a[kAlibi], "alibi_slopes", p.Hq); p.var.alibi_slopes = al.data(); }
+  py::array_t<T> sk, al;
+  if (!a[kSinks].is_none()) { sk = head_vector<T>(a[kSinks], "sinks", p.Hq); p.var.sinks = sk.data(); }
+  if (!a[kAlibi].is_none()) { al = head_vector<T>(a[kAlibi], "alibi_slopes", p.Hq); p.var.alibi_slopes = al.data(); }
   OutTarget o = out_target(a[kOut], "q", p.dtype, q.dtype(), {{"B", p.B}, {"Hq", p.Hq}, {"Sq", p.Sq}, {"Dv", p.Dv}},
                                  {q, k, v, mask, kvl, ql, sk, al}, true);
   auto os = elem_strides(o.write, "out");
   p.out = o.write.mutable_data();
   p.o_sb = os[0]; p.o_sh = os[1]; p.o_ss = os[2];
   const bool return_lse = a.flag(kReturnLse, false);
-  py::array_t<float> lse;
+  py::array_t<T> lse;
   if (return_lse) {
-    lse = py::array_t<float>(std::vector<py::ssize_t>{p.B, p.Hq, p.Sq});
+    lse = py::array_t<T>(std::vector<py::ssize_t>{p.B, p.Hq, p.Sq});
     p.lse = lse.mutable_data();
     p.l_sb = p.Hq * p.Sq; p.l_sh = p.Sq; p.l_ss = 1;
   }
@@ -545,6 +570,12 @@ py::object py_attention(const Args& a) {
              [&] { attention(p); });
   if (return_lse) return py::make_tuple(o.result(), lse);
   return o.result();
+}
+
+py::object py_attention(const Args& a) {
+  const py::array q = native_input(a[kQ], "q"), k = native_input(a[kK], "k"), v = native_input(a[kV], "v");
+  const DType dt = dense_dtype(q, k, v);
+  return dt == DType::f64 ? dense_call<double>(a, q, k, v, dt) : dense_call<float>(a, q, k, v, dt);
 }
 
 // ---- paged attention -----------------------------------------------------------------------

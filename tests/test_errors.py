@@ -84,9 +84,10 @@ CASES = {
     "v_bfloat16": (case(v=f32(B, HKV, SK, D, dtype=BF16)), TypeError, r"\bv\b.*bfloat16"),
     "int_inputs": (case(q=np.ones((B, HQ, SQ, D), np.int32), k=np.ones((B, HKV, SK, D), np.int32),
                         v=np.ones((B, HKV, SK, D), np.int32)), TypeError, r"^q\b.*astype"),
-    "float64_inputs": (case(q=f32(B, HQ, SQ, D, dtype=np.float64),
-                            k=f32(B, HKV, SK, D, dtype=np.float64),
-                            v=f32(B, HKV, SK, D, dtype=np.float64)), TypeError, r"^q\b.*astype"),
+    # (float64 inputs are computed in float64: tests/test_float64.py; a wider float has no path)
+    "longdouble_inputs": (case(q=f32(B, HQ, SQ, D, dtype=np.longdouble),
+                               k=f32(B, HKV, SK, D, dtype=np.longdouble),
+                               v=f32(B, HKV, SK, D, dtype=np.longdouble)), TypeError, r"^q\b.*astype"),
     "float64_v": (case(v=f32(B, HKV, SK, D, dtype=np.float64)), TypeError, r"\bv\b"),
     "complex_q": (case(q=np.ones((B, HQ, SQ, D), np.complex64)), TypeError, r"^q\b"),
     # out

@@ -15,25 +15,30 @@ const char* dtype_name(DType t) {
     case DType::i8: return "int8";
     case DType::e4m3: return "float8_e4m3fn";
     case DType::e5m2: return "float8_e5m2";
+    case DType::f64: return "float64";
   }
   return "?";
 }
 
 namespace {
 
-// Dense (B, H, S, D) tensors as a problem for run_flash.
-struct DenseProblem : detail::FlashProblem {
-  const AttentionParams& a;
+// Dense (B, H, S, D) tensors as a problem for run_flash, computed in T (float, or double for
+// float64).
+template <class T>
+struct DenseProblem : detail::BasicFlashProblem<T> {
+  using Base = detail::BasicFlashProblem<T>;
+  const BasicAttentionParams<T>& a;
   std::size_t es;  // bytes per element of q, k, v and out
 
-  explicit DenseProblem(const AttentionParams& p)
-      : FlashProblem(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.dtype), a(p),
+  explicit DenseProblem(const BasicAttentionParams<T>& p)
+      : Base(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.dtype), a(p),
         es(dtype_size(p.dtype)) {
-    mask_kind = p.mask_kind;
-    mask_sk = p.m_sk * mask_elem();
+    this->mask_kind = p.mask_kind;
+    this->mask_sk = p.m_sk * mask_elem();
   }
 
-  int64_t mask_elem() const { return mask_kind == MaskKind::boolean ? 1 : 4; }
+  // An additive mask is in T (float32, or float64 for float64 inputs).
+  int64_t mask_elem() const { return this->mask_kind == MaskKind::boolean ? 1 : int64_t(sizeof(T)); }
   int64_t rows(int64_t) const { return a.Sq; }
   int64_t lq(int64_t b) const { return a.q_lens ? a.q_lens[b] : a.Sq; }
   int64_t lk(int64_t b) const { return a.kv_lens ? a.kv_lens[b] : a.Sk; }
@@ -43,7 +48,7 @@ struct DenseProblem : detail::FlashProblem {
   void* out_row(int64_t b, int64_t h, int64_t i) const {
     return static_cast<char*>(a.out) + (b * a.o_sb + h * a.o_sh + i * a.o_ss) * int64_t(es);
   }
-  float* lse_at(int64_t b, int64_t h, int64_t i) const {
+  T* lse_at(int64_t b, int64_t h, int64_t i) const {
     return a.lse ? a.lse + b * a.l_sb + h * a.l_sh + i * a.l_ss : nullptr;
   }
   const char* mask_row(int64_t b, int64_t h, int64_t i) const {
@@ -60,13 +65,24 @@ struct DenseProblem : detail::FlashProblem {
   kern::KVSource v_src(int64_t b, int64_t kvh) const { return src(a.v, b, kvh); }
 };
 
+template <class T>
+void run_dense(const BasicAttentionParams<T>& p) {
+  if (p.Hkv <= 0 || p.Hq % p.Hkv != 0) throw InvalidArgument("Hq must be a multiple of Hkv");
+  if (p.B == 0 || p.Hq == 0 || p.Sq == 0) return;  // Dv == 0 still has an lse to write
+  DenseProblem<T> prob(p);
+  detail::run_flash(prob, resolve_threads(p.num_threads));
+}
+
 }  // namespace
 
 void attention(const AttentionParams& p) {
-  if (p.Hkv <= 0 || p.Hq % p.Hkv != 0) throw InvalidArgument("Hq must be a multiple of Hkv");
-  if (p.B == 0 || p.Hq == 0 || p.Sq == 0) return;  // Dv == 0 still has an lse to write
-  DenseProblem prob(p);
-  detail::run_flash(prob, resolve_threads(p.num_threads));
+  if (p.dtype == DType::f64) throw InvalidArgument("float64 inputs take AttentionParams64");
+  run_dense(p);
+}
+
+void attention(const AttentionParams64& p) {
+  if (p.dtype != DType::f64) throw InvalidArgument("AttentionParams64: q, k, v and out must be float64");
+  run_dense(p);
 }
 
 }  // namespace attnx

@@ -1,7 +1,9 @@
 // flash_driver.h: the scheduling shared by dense and paged attention. A problem adapter
 // (problem.h) says where each query row, output row and KV row lives; run_flash plans the work
 // (plan.h), runs the ISA's flash kernel on each unit of items (with split-KV, on a slice of its
-// keys), merges the split parts and finalises the rows (row_state.h).
+// keys), merges the split parts and finalises the rows (row_state.h). Everything is a template on
+// the problem's compute type T (P::Real): float, or double for float64 inputs, with its own
+// kernels (flash_kernels<T>) and per-thread scratch.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -24,20 +26,30 @@ const kern::KernelTable* active_table();
 
 namespace detail {
 
+// The flash kernels of compute type T: the active instruction set's for float, the scalar
+// float64 kernels for double.
+template <class T>
+const kern::FlashKernels<T>* flash_kernels();
+template <>
+inline const kern::FlashKernels<float>* flash_kernels<float>() { return active_table(); }
+template <>
+inline const kern::FlashKernels<double>* flash_kernels<double>() { return kern::table_f64(); }
+
 // The K tiles packed once per call and shared by the items of a kv head (plan_packed_k), in the
 // calling thread's buffer; at most kPackKeep bytes of it outlive the call.
+template <class T>
 class SharedPackedK {
  public:
   explicit SharedPackedK(const Plan& plan) {
     if (plan.n_tiles == 0) return;
-    ThreadScratch& caller = thread_scratch();
+    ThreadScratch<T>& caller = thread_scratch<T>();
     owner_ = &caller;
-    tiles_ = caller.packed_k.get(std::size_t(plan.n_tiles * plan.tile_floats));
+    tiles_ = caller.packed_k.get(std::size_t(plan.n_tiles * plan.tile_elems));
     caller.packed_ready.assign(std::size_t(plan.n_tiles), 0);
     ready_ = caller.packed_ready.data();
   }
   ~SharedPackedK() {
-    if (owner_ != nullptr) owner_->packed_k.trim(std::size_t(kPackKeep / 4));
+    if (owner_ != nullptr) owner_->packed_k.trim(std::size_t(kPackKeep) / sizeof(T));
   }
   SharedPackedK(const SharedPackedK&) = delete;
   SharedPackedK& operator=(const SharedPackedK&) = delete;
@@ -46,19 +58,20 @@ class SharedPackedK {
   void attach(const Plan& plan, const Item& it, int64_t lk, kern::KVSource& k) const {
     const int64_t tile0 = plan.kt_tile(it);
     if (tile0 < 0) return;
-    k.kt = tiles_ + tile0 * plan.tile_floats;
+    k.kt = tiles_ + tile0 * plan.tile_elems;
     k.kt_ready = ready_ + tile0;
     k.kt_keys = lk;
   }
 
  private:
-  ThreadScratch* owner_ = nullptr;
-  float* tiles_ = nullptr;
+  ThreadScratch<T>* owner_ = nullptr;
+  T* tiles_ = nullptr;
   int* ready_ = nullptr;
 };
 
-// Split-KV partial row states: per (item, part), M_max rows of O (Dvp floats each), and M_max
+// Split-KV partial row states: per (item, part), M_max rows of O (Dvp values each), and M_max
 // maxima followed by M_max sums.
+template <class T>
 class Partials {
  public:
   explicit Partials(const Plan& plan) : nsplit_(plan.nsplit), M_(plan.M_max), Dvp_(plan.Dvp) {
@@ -66,15 +79,15 @@ class Partials {
     o_.resize(std::size_t(plan.n_items() * nsplit_ * M_ * Dvp_));
     ml_.resize(std::size_t(plan.n_items() * nsplit_ * M_ * 2));
   }
-  float* o(int64_t ix, int64_t part) { return o_.data() + (ix * nsplit_ + part) * o_stride(); }
-  float* m(int64_t ix, int64_t part) { return ml_.data() + (ix * nsplit_ + part) * ml_stride(); }
-  float* l(int64_t ix, int64_t part) { return m(ix, part) + M_; }
+  T* o(int64_t ix, int64_t part) { return o_.data() + (ix * nsplit_ + part) * o_stride(); }
+  T* m(int64_t ix, int64_t part) { return ml_.data() + (ix * nsplit_ + part) * ml_stride(); }
+  T* l(int64_t ix, int64_t part) { return m(ix, part) + M_; }
   int64_t o_stride() const { return M_ * Dvp_; }  // between the parts of an item
   int64_t ml_stride() const { return 2 * M_; }
 
  private:
   int64_t nsplit_, M_, Dvp_;
-  std::vector<float> o_, ml_;
+  std::vector<T> o_, ml_;
 };
 
 // Exceptions (only allocation failures can occur) must not leave a parallel region: each member
@@ -101,7 +114,8 @@ class TeamErrors {
 struct RowKeys {
   int64_t lo, hi, pos;
 };
-inline RowKeys row_keys(const FlashProblem& p, int64_t i, int64_t Lq, int64_t Lk) {
+template <class T>
+inline RowKeys row_keys(const BasicFlashProblem<T>& p, int64_t i, int64_t Lq, int64_t Lk) {
   const int64_t off = Lk - Lq;
   int64_t a = 0, e = Lk;
   if (i >= Lq) e = 0;  // padding query row: sees nothing, finalised to zeros
@@ -115,20 +129,23 @@ inline RowKeys row_keys(const FlashProblem& p, int64_t i, int64_t Lq, int64_t Lk
 template <class P>
 class FlashRun {
  public:
+  using T = typename P::Real;
+  using Buffers = ThreadBuffers<T>;
+
   FlashRun(const P& p, const Plan& plan)
-      : p_(p), plan_(plan), table_(active_table()), packed_(plan), parts_(plan) {}
+      : p_(p), plan_(plan), table_(flash_kernels<T>()), packed_(plan), parts_(plan) {}
 
   // Work index w: part w % nsplit of unit w / nsplit. With one part, its rows are finished here.
-  void run_unit(int64_t w, const ThreadBuffers& tb) {
+  void run_unit(int64_t w, const Buffers& tb) {
     const int64_t nsplit = plan_.nsplit, split = w % nsplit;
     const Unit& u = plan_.units[std::size_t(w / nsplit)];
-    kern::RowSet rs[kMaxGroup];
+    kern::RowSetT<T> rs[kMaxGroup];
     kern::KVSource ks[kMaxGroup], vs[kMaxGroup];
-    kern::FlashState st[kMaxGroup];
+    kern::FlashStateT<T> st[kMaxGroup];
     for (int64_t g = 0; g < u.n; ++g) prepare(item(u.first + g), tb.slot(g), rs[g]);
     const KeyPart keys = unit_keys(u, rs, split);
     for (int64_t g = 0; g < u.n; ++g) bind(u.first + g, split, tb.slot(g), rs[g].M, ks[g], vs[g], st[g]);
-    const float softcap = p_.var.softcap;
+    const T softcap = p_.var.softcap;
     if (keys.end > keys.begin) {
       if (u.n == 1)
         table_->flash(rs[0], ks[0], vs[0], keys.begin, keys.end, p_.Dk, p_.Dv, softcap, tb.sc, st[0]);
@@ -143,10 +160,10 @@ class FlashRun {
   }
 
   // Merges the split-KV parts of item ix's rows and finishes them.
-  void merge_item(int64_t ix, const ThreadBuffers& tb) {
+  void merge_item(int64_t ix, const Buffers& tb) {
     const Item& it = item(ix);
     for (int64_t r = 0; r < it.nh * it.ni; ++r) {
-      const row::MaxSum ml = row::merge(plan_.nsplit, parts_.m(ix, 0) + r, parts_.l(ix, 0) + r,
+      const row::MaxSum<T> ml = row::merge(plan_.nsplit, parts_.m(ix, 0) + r, parts_.l(ix, 0) + r,
                                         parts_.ml_stride(), parts_.o(ix, 0) + r * plan_.Dvp,
                                         parts_.o_stride(), p_.Dv, tb.merged);
       finalize_row(it, r, tb.merged, ml.m, ml.l, tb.tmp);
@@ -161,7 +178,7 @@ class FlashRun {
   const Item& item(int64_t ix) const { return plan_.items[std::size_t(ix)]; }
 
   // Fills slot s with the item's rows, ordered head-major: r = (h - h0) * ni + (i - i0).
-  void prepare(const Item& it, const Slot& s, kern::RowSet& rs) const {
+  void prepare(const Item& it, const Slot<T>& s, kern::RowSetT<T>& rs) const {
     const int M = int(it.nh * it.ni);
     int64_t* lo = s.lo;
     int64_t* hi = lo + M;
@@ -174,14 +191,14 @@ class FlashRun {
         lo[r] = keys.lo;
         hi[r] = keys.hi;
         pos[r] = keys.pos;
-        float* qr = s.q + r * Dkp;
+        T* qr = s.q + r * Dkp;
         table_->load_row(p_.q_row(it.b, h, i), p_.q_dtype, p_.Dk, qr);
         for (int64_t d = 0; d < p_.Dk; ++d) qr[d] *= p_.scale;
-        for (int64_t d = p_.Dk; d < Dkp; ++d) qr[d] = 0.f;
+        for (int64_t d = p_.Dk; d < Dkp; ++d) qr[d] = T(0);
         if (p_.mask_kind != MaskKind::none) s.mask_rows[r] = p_.mask_row(it.b, h, i);
       }
     }
-    rs = kern::RowSet{M, s.q, Dkp, lo, hi, pos, nullptr, p_.mask_kind, s.mask_rows, p_.mask_sk};
+    rs = kern::RowSetT<T>{M, s.q, Dkp, lo, hi, pos, nullptr, p_.mask_kind, s.mask_rows, p_.mask_sk};
     if (p_.var.alibi_slopes != nullptr) {
       for (int r = 0; r < M; ++r) s.slopes[r] = p_.var.alibi_slopes[it.h0 + r / it.ni];
       rs.slope = s.slopes;
@@ -190,7 +207,7 @@ class FlashRun {
 
   // The unit's key range (the union of its rows'), cut into nsplit tile-aligned parts: part
   // `split` of it.
-  KeyPart unit_keys(const Unit& u, const kern::RowSet* rs, int64_t split) const {
+  KeyPart unit_keys(const Unit& u, const kern::RowSetT<T>* rs, int64_t split) const {
     int64_t jb = std::numeric_limits<int64_t>::max(), je = 0;
     bool aligned = false;  // packed tiles start at multiples of kTileK: so must the item's tiles
     for (int64_t g = 0; g < u.n; ++g) {
@@ -209,27 +226,27 @@ class FlashRun {
   }
 
   // Item ix's sources, and its state (in the slot, or its split-KV part) initialised.
-  void bind(int64_t ix, int64_t split, const Slot& s, int M, kern::KVSource& k, kern::KVSource& v,
-            kern::FlashState& st) {
+  void bind(int64_t ix, int64_t split, const Slot<T>& s, int M, kern::KVSource& k, kern::KVSource& v,
+            kern::FlashStateT<T>& st) {
     const Item& it = item(ix);
     const bool parted = plan_.nsplit > 1;
-    float* o = parted ? parts_.o(ix, split) : s.o;
-    float* m = parted ? parts_.m(ix, split) : s.m;
-    float* l = parted ? parts_.l(ix, split) : s.l;
+    T* o = parted ? parts_.o(ix, split) : s.o;
+    T* m = parted ? parts_.m(ix, split) : s.m;
+    T* l = parted ? parts_.l(ix, split) : s.l;
     row::init(M, o, plan_.Dvp, m, l);
     k = p_.k_src(it.b, it.kvh);
     v = p_.v_src(it.b, it.kvh);
     packed_.attach(plan_, it, p_.lk(it.b), k);
-    st = kern::FlashState{o, plan_.Dvp, m, l};
+    st = kern::FlashStateT<T>{o, plan_.Dvp, m, l};
   }
 
   // Writes row r of the item: zeros and lse = -inf for a padding or empty row, else O / l.
-  void finalize_row(const Item& it, int64_t r, const float* o, float m, float l, float* tmp) const {
+  void finalize_row(const Item& it, int64_t r, const T* o, T m, T l, T* tmp) const {
     const int64_t h = it.h0 + r / it.ni, i = it.i0 + r % it.ni;
     void* dst = p_.out_row(it.b, h, i);
-    float* lse = p_.lse_at(it.b, h, i);
-    const float* sink = p_.var.sinks != nullptr ? p_.var.sinks + h : nullptr;
-    float lse_value = row::kNegInf;
+    T* lse = p_.lse_at(it.b, h, i);
+    const T* sink = p_.var.sinks != nullptr ? p_.var.sinks + h : nullptr;
+    T lse_value = row::neg_inf<T>();
     if (i < p_.lq(it.b) && row::finalize(o, m, l, sink, p_.Dv, tmp, &lse_value))
       table_->store_row(tmp, p_.Dv, p_.out_dtype, dst);
     else
@@ -239,24 +256,25 @@ class FlashRun {
 
   const P& p_;
   const Plan& plan_;
-  const kern::KernelTable* table_;
-  SharedPackedK packed_;
-  Partials parts_;
+  const kern::FlashKernels<T>* table_;
+  SharedPackedK<T> packed_;
+  Partials<T> parts_;
 };
 
 // Runs attention for problem `p` (see FlashProblem) on up to num_threads threads.
 template <class P>
 void run_flash(const P& p, int num_threads) {
+  using T = typename P::Real;
   const Plan plan = make_plan(p, num_threads);
   if (plan.items.empty()) return;
   FlashRun<P> run(p, plan);
-  const ScratchLayout layout(plan.max_group, plan.M_max, plan.Dkp, plan.Dvp);
+  const ScratchLayout<T> layout(plan.max_group, plan.M_max, plan.Dkp, plan.Dvp);
   TeamErrors errors;
   parallel(plan.num_threads, [&](Team& team) {
-    ThreadBuffers tb;
+    ThreadBuffers<T> tb;
     bool ok = true;
     try {
-      tb = layout.carve(thread_scratch());
+      tb = layout.carve(thread_scratch<T>());
     } catch (...) {
       ok = false;
       errors.record();

@@ -21,7 +21,7 @@ struct PagedProblem : detail::FlashProblem {
   std::size_t qes, kes;  // bytes per element of q and out, and of the pages
 
   explicit PagedProblem(const PagedParams& p)
-      : FlashProblem(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.q_dtype), a(p),
+      : detail::FlashProblem(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.q_dtype), a(p),
         qes(dtype_size(p.q_dtype)), kes(dtype_size(p.kv_dtype)) {}
 
   int64_t rows(int64_t b) const { return a.q_start[b + 1] - a.q_start[b]; }

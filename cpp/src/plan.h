@@ -42,9 +42,10 @@ struct Plan {
   int64_t nsplit = 1;      // parts each unit's key range is cut into (split-KV)
   int num_threads = 1;
   // Packed K shared by the items of a kv head: per (b, kvh), the index of its first tile in the
-  // call's buffer, or -1 (that head packs per item); n_tiles tiles of tile_floats floats in all.
+  // call's buffer, or -1 (that head packs per item); n_tiles tiles of tile_elems elements (of
+  // the problem's compute type) in all.
   std::vector<int64_t> kt_tile0;
-  int64_t n_tiles = 0, tile_floats = 0;
+  int64_t n_tiles = 0, tile_elems = 0;
 
   int64_t n_items() const { return int64_t(items.size()); }
   int64_t n_units() const { return int64_t(units.size()); }
@@ -114,13 +115,14 @@ int64_t plan_items(const P& p, int64_t hg, bool grouped, Plan& plan) {
 // buffer shared by the call and the others read it (kern::KVSource::kt): each K tile of a
 // 2048-token causal GQA prefill was otherwise transposed by 128 items. An up-front packing pass
 // measured worse where few items share a head (it reads K with no compute to hide behind). The
-// buffer, one fp32 copy of those K (O(S * D)), is kept by the calling thread between calls, like
+// buffer, one copy of those K in the compute type (O(S * D)), is kept by the calling thread between calls, like
 // the per-thread scratch: a fresh allocation paid its page faults on every call. At most
 // kPackBudget bytes (the kv heads beyond it pack per item, as before), and at most kPackKeep
 // bytes are kept after the call: a long prefill's K would otherwise stay resident.
 template <class P>
 void plan_packed_k(const P& p, Plan& plan) {
-  plan.tile_floats = plan.Dkp * kern::kTileK;
+  plan.tile_elems = plan.Dkp * kern::kTileK;
+  const int64_t elem = int64_t(sizeof(typename P::Real));
   std::vector<int64_t> users(std::size_t(p.B * p.Hkv), 0);
   for (const Item& it : plan.items) ++users[std::size_t(it.b * p.Hkv + it.kvh)];
   plan.kt_tile0.assign(std::size_t(p.B * p.Hkv), -1);
@@ -128,7 +130,7 @@ void plan_packed_k(const P& p, Plan& plan) {
     for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
       const int64_t tiles = ceil_div(p.lk(b), kern::kTileK);
       if (users[std::size_t(b * p.Hkv + kvh)] < 2 ||
-          (plan.n_tiles + tiles) * plan.tile_floats * 4 > kPackBudget)
+          (plan.n_tiles + tiles) * plan.tile_elems * elem > kPackBudget)
         continue;
       plan.kt_tile0[std::size_t(b * p.Hkv + kvh)] = plan.n_tiles;
       plan.n_tiles += tiles;

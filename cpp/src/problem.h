@@ -21,26 +21,31 @@ namespace detail {
 //   int64_t rows(b), lq(b), lk(b)
 //   const char* q_row(b, h, i)     the query row (q_dtype, Dk elements)
 //   void* out_row(b, h, i)         where its output goes (out_dtype, Dv elements)
-//   float* lse_at(b, h, i)         where its lse goes, or null
+//   Real* lse_at(b, h, i)          where its lse goes, or null
 //   kern::KVSource k_src(b, kvh), v_src(b, kvh)   where the keys and values are
 // and, with a user mask (mask_kind != none), mask_row(b, h, i): the address of the row's mask
 // element for key 0 (the next key's is mask_sk bytes on). check_problem<P>() checks this list.
-struct FlashProblem {
+// T (Real) is the type the problem is computed in, and that of scale, the modifiers, lse and an
+// additive mask: float (float32, float16, bfloat16 storage) or double (float64).
+template <class T>
+struct BasicFlashProblem {
+  using Real = T;
   int64_t B, Hq, Hkv, Dk, Dv;  // Hq is a multiple of Hkv
-  float scale;
+  T scale;
   bool causal;
-  Variants var;
-  DType q_dtype, out_dtype;    // q; out (and the fp32 lse)
+  BasicVariants<T> var;
+  DType q_dtype, out_dtype;    // q; out (the lse is T)
   // No user mask unless an adapter sets one (and hides mask_row with its own).
   MaskKind mask_kind = MaskKind::none;
   int64_t mask_sk = 0;
   const char* mask_row(int64_t, int64_t, int64_t) const { return nullptr; }
 
-  FlashProblem(int64_t B_, int64_t Hq_, int64_t Hkv_, int64_t Dk_, int64_t Dv_, float scale_,
-               bool causal_, const Variants& var_, DType dtype)
+  BasicFlashProblem(int64_t B_, int64_t Hq_, int64_t Hkv_, int64_t Dk_, int64_t Dv_, T scale_,
+                    bool causal_, const BasicVariants<T>& var_, DType dtype)
       : B(B_), Hq(Hq_), Hkv(Hkv_), Dk(Dk_), Dv(Dv_), scale(scale_), causal(causal_), var(var_),
         q_dtype(dtype), out_dtype(dtype) {}
 };
+using FlashProblem = BasicFlashProblem<float>;
 
 namespace contract {
 template <class P>
@@ -78,13 +83,15 @@ constexpr bool returns = std::is_same<typename Detected<Op, P>::type, R>::value;
 template <class P>
 constexpr bool check_problem() {
   using namespace contract;
-  static_assert(std::is_base_of<FlashProblem, P>::value, "a problem derives from FlashProblem");
+  using Real = typename P::Real;
+  static_assert(std::is_base_of<BasicFlashProblem<Real>, P>::value,
+                "a problem derives from BasicFlashProblem (FlashProblem)");
   static_assert(returns<Rows, P, int64_t>, "int64_t P::rows(b) const");
   static_assert(returns<Lq, P, int64_t>, "int64_t P::lq(b) const");
   static_assert(returns<Lk, P, int64_t>, "int64_t P::lk(b) const");
   static_assert(returns<QRow, P, const char*>, "const char* P::q_row(b, h, i) const");
   static_assert(returns<OutRow, P, void*>, "void* P::out_row(b, h, i) const");
-  static_assert(returns<LseAt, P, float*>, "float* P::lse_at(b, h, i) const");
+  static_assert(returns<LseAt, P, Real*>, "Real* P::lse_at(b, h, i) const");
   static_assert(returns<MaskRow, P, const char*>,
                 "const char* P::mask_row(b, h, i) const");
   static_assert(returns<KSrc, P, kern::KVSource>,

@@ -2,7 +2,8 @@
 // (the shape of FlashInfer's state_t: init, update, merge, finalize). Used by the per-ISA kernels
 // (the update) and by the flash driver (init, merge of split-KV parts, finalize).
 //
-// A row's state is (O, m, l): O its output so far, unnormalised (Dv floats); m the largest score
+// A row's state is (O, m, l): O its output so far, unnormalised (Dv values of the compute type T:
+// float, or double for float64 inputs; every rule is a template on T); m the largest score
 // seen; l the sum of exp(s - m) over the scores seen. The rules:
 //   init      m = -inf, l = 0, O = 0: a row that has seen no visible key.
 //   update    (kernel-inl.h softmax_row) m' = max(m, the tile's largest score); O and l are scaled
@@ -30,69 +31,75 @@
 namespace attnx {
 namespace row {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+template <class T>
+constexpr T neg_inf() { return -std::numeric_limits<T>::infinity(); }
 
-// M rows (O rows ldo floats apart, zeroed over ldo) in the state of a row that has seen nothing.
-static inline void init(int64_t M, float* o, int64_t ldo, float* m, float* l) {
-  std::memset(o, 0, sizeof(float) * std::size_t(M * ldo));
+// M rows (O rows ldo apart, zeroed over ldo) in the state of a row that has seen nothing.
+template <class T>
+static inline void init(int64_t M, T* o, int64_t ldo, T* m, T* l) {
+  std::memset(o, 0, sizeof(T) * std::size_t(M * ldo));
   for (int64_t r = 0; r < M; ++r) {
-    m[r] = kNegInf;
-    l[r] = 0.f;
+    m[r] = neg_inf<T>();
+    l[r] = T(0);
   }
 }
 
 // The factor for O and l accumulated under max m_old once the max is m_new (finite): a row that
 // had seen nothing has nothing to scale (0, not exp(-inf - -inf)).
-static inline float rescale(float m_old, float m_new) {
-  return m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
+template <class T>
+static inline T rescale(T m_old, T m_new) {
+  return m_old == neg_inf<T>() ? T(0) : std::exp(m_old - m_new);
 }
 
 // The NaN rule: `seen` is a score (or a part's l) met while the row has nothing visible
 // (m = -inf), where the update is skipped. If it is NaN, the row's l becomes NaN.
-static inline void keep_nan(float* l, float seen) {
-  if (std::isnan(seen)) *l = std::numeric_limits<float>::quiet_NaN();
+template <class T>
+static inline void keep_nan(T* l, T seen) {
+  if (std::isnan(seen)) *l = std::numeric_limits<T>::quiet_NaN();
 }
 
 // Merges n parts of one row: part s has max m[s * ml_stride], sum l[s * ml_stride] and O at
-// o + s * o_stride. Writes the merged O (Dv floats) into `out` and returns the merged m and l.
+// o + s * o_stride. Writes the merged O (Dv values) into `out` and returns the merged m and l.
+template <class T>
 struct MaxSum {
-  float m, l;
+  T m, l;
 };
-static inline MaxSum merge(int64_t n, const float* m, const float* l, int64_t ml_stride,
-                           const float* o, int64_t o_stride, int64_t Dv, float* out) {
-  float mm = kNegInf;
+template <class T>
+static inline MaxSum<T> merge(int64_t n, const T* m, const T* l, int64_t ml_stride, const T* o,
+                              int64_t o_stride, int64_t Dv, T* out) {
+  T mm = neg_inf<T>();
   for (int64_t s = 0; s < n; ++s) mm = std::max(mm, m[s * ml_stride]);
-  float ll = 0.f;
-  for (int64_t d = 0; d < Dv; ++d) out[d] = 0.f;
+  T ll = T(0);
+  for (int64_t d = 0; d < Dv; ++d) out[d] = T(0);
   for (int64_t s = 0; s < n; ++s) {
-    const float ms = m[s * ml_stride], ls = l[s * ml_stride];
-    if (ms == kNegInf) {
+    const T ms = m[s * ml_stride], ls = l[s * ml_stride];
+    if (ms == neg_inf<T>()) {
       keep_nan(&ll, ls);
       continue;
     }
-    const float a = std::exp(ms - mm);
+    const T a = std::exp(ms - mm);
     ll += ls * a;
-    const float* os = o + s * o_stride;
+    const T* os = o + s * o_stride;
     for (int64_t d = 0; d < Dv; ++d) out[d] += os[d] * a;
   }
   return {mm, ll};
 }
 
-// Finishes a row: folds in the sink (null: none), normalises O into `out` (Dv floats; may be o)
+// Finishes a row: folds in the sink (null: none), normalises O into `out` (Dv values; may be o)
 // and sets *lse. Returns false for a row with no visible key and no sink: the caller writes zeros
 // and lse = -inf.
-static inline bool finalize(const float* o, float m, float l, const float* sink, int64_t Dv,
-                            float* out, float* lse) {
+template <class T>
+static inline bool finalize(const T* o, T m, T l, const T* sink, int64_t Dv, T* out, T* lse) {
   if (sink != nullptr) {
-    const float m2 = std::max(m, *sink);  // the sink is finite: so is m2
-    const float a = rescale(m, m2);
+    const T m2 = std::max(m, *sink);  // the sink is finite: so is m2
+    const T a = rescale(m, m2);
     l = l * a + std::exp(*sink - m2);
     for (int64_t d = 0; d < Dv; ++d) out[d] = o[d] * a;
     o = out;
     m = m2;
   }
-  if (l == 0.f) return false;
-  const float inv = 1.f / l;
+  if (l == T(0)) return false;
+  const T inv = T(1) / l;
   for (int64_t d = 0; d < Dv; ++d) out[d] = o[d] * inv;
   *lse = m + std::log(l);
   return true;

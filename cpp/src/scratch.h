@@ -1,5 +1,6 @@
 // scratch.h: each thread's working memory for run_flash, kept between calls, and the one layout
-// that gives both its size and the pointers into it (so the two cannot fall out of step).
+// that gives both its size and the pointers into it (so the two cannot fall out of step). All of
+// it is in the compute type T (float; double for float64 inputs), one set per thread and type.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -13,13 +14,14 @@
 namespace attnx {
 namespace detail {
 
-// 64-byte aligned float storage that only grows: one per thread, reused across calls.
-class FloatBuf {
+// 64-byte aligned storage of T that only grows: one per thread, reused across calls.
+template <class T>
+class AlignedBuf {
  public:
-  float* get(std::size_t n) {
+  T* get(std::size_t n) {
     if (n > cap_) {
       std::free(ptr_);
-      ptr_ = static_cast<float*>(std::aligned_alloc(64, (n * 4 + 63) / 64 * 64));
+      ptr_ = static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64));
       if (ptr_ == nullptr) {
         cap_ = 0;
         throw std::bad_alloc();
@@ -28,69 +30,72 @@ class FloatBuf {
     }
     return ptr_;
   }
-  // Frees the storage if it holds more than max_floats.
-  void trim(std::size_t max_floats) {
-    if (cap_ <= max_floats) return;
+  // Frees the storage if it holds more than max_elems.
+  void trim(std::size_t max_elems) {
+    if (cap_ <= max_elems) return;
     std::free(ptr_);
     ptr_ = nullptr;
     cap_ = 0;
   }
-  ~FloatBuf() { std::free(ptr_); }
+  ~AlignedBuf() { std::free(ptr_); }
 
  private:
-  float* ptr_ = nullptr;
+  T* ptr_ = nullptr;
   std::size_t cap_ = 0;
 };
 
+template <class T>
 struct ThreadScratch {
-  FloatBuf buf;
-  FloatBuf packed_k;  // the calling thread's: K tiles packed once per call (see plan_packed_k)
+  AlignedBuf<T> buf;
+  AlignedBuf<T> packed_k;  // the calling thread's: K tiles packed once per call (see plan_packed_k)
   std::vector<int> packed_ready;
-  std::vector<const float*> ptrs;
+  std::vector<const T*> ptrs;
   std::vector<const char*> addrs;
   std::vector<int64_t> ints;
   std::vector<const char*> mask_rows;
-  std::vector<float> slopes;
+  std::vector<T> slopes;
 };
 
-inline ThreadScratch& thread_scratch() {
-  static thread_local ThreadScratch ts;
+template <class T>
+inline ThreadScratch<T>& thread_scratch() {
+  static thread_local ThreadScratch<T> ts;
   return ts;
 }
 
 // One slot per item of a unit: the item's query rows and their state while it runs.
+template <class T>
 struct Slot {
-  float* q;                 // (M_max, Dkp) queries, scaled and zero-padded
-  float* o;                 // (M_max, Dvp) unnormalised output
-  float* m;                 // M_max running maxima
-  float* l;                 // M_max running sums
+  T* q;                     // (M_max, Dkp) queries, scaled and zero-padded
+  T* o;                     // (M_max, Dvp) unnormalised output
+  T* m;                     // M_max running maxima
+  T* l;                     // M_max running sums
   int64_t* lo;              // 3 x M_max: each row's visible keys [lo, hi) and its position
   const char** mask_rows;   // M_max mask row addresses
-  float* slopes;            // M_max ALiBi slopes
+  T* slopes;                // M_max ALiBi slopes
 };
 
 // A thread's buffers for one call: the kernels' tile scratch, a row to finish output rows in and
-// one to merge split-KV parts into (Dvp floats each), and max_group slots (see slot()).
+// one to merge split-KV parts into (Dvp values each), and max_group slots (see slot()).
+template <class T>
 struct ThreadBuffers {
-  kern::Scratch sc;
-  float* tmp = nullptr;
-  float* merged = nullptr;
-  float *q = nullptr, *o = nullptr, *m = nullptr, *l = nullptr;
+  kern::ScratchT<T> sc;
+  T* tmp = nullptr;
+  T* merged = nullptr;
+  T *q = nullptr, *o = nullptr, *m = nullptr, *l = nullptr;
   int64_t* ints = nullptr;
   const char** mask_rows = nullptr;
-  float* slopes = nullptr;
+  T* slopes = nullptr;
   int64_t M_max = 0, Dkp = 0, Dvp = 0;
 
-  Slot slot(int64_t g) const;
+  Slot<T> slot(int64_t g) const {
+    return {q + g * M_max * Dkp, o + g * M_max * Dvp,      m + g * M_max, l + g * M_max,
+            ints + g * 3 * M_max, mask_rows + g * M_max, slopes + g * M_max};
+  }
 };
 
-inline Slot ThreadBuffers::slot(int64_t g) const {
-  return {q + g * M_max * Dkp, o + g * M_max * Dvp,      m + g * M_max, l + g * M_max,
-          ints + g * 3 * M_max, mask_rows + g * M_max, slopes + g * M_max};
-}
-
-// The per-thread float scratch of a call with `group` slots of M rows, Dk and Dv padded to Dkp
-// and Dvp: every buffer starts on a 64-byte line (kern::Scratch promises the kernels that).
+// The per-thread scratch (in T) of a call with `group` slots of M rows, Dk and Dv padded to Dkp
+// and Dvp: every buffer starts on a 64-byte line (kern::ScratchT promises the kernels that).
+template <class T>
 class ScratchLayout {
  public:
   ScratchLayout(int64_t group, int64_t M, int64_t Dkp, int64_t Dvp)
@@ -114,26 +119,26 @@ class ScratchLayout {
       offset_[i] = at;
       at += (sizes[i] + kLine - 1) / kLine * kLine;
     }
-    floats_ = at;
+    elems_ = at;
   }
 
-  std::size_t floats() const { return std::size_t(floats_); }
+  std::size_t elems() const { return std::size_t(elems_); }
 
   // Sizes this thread's scratch for the layout and returns the pointers into it (throws
   // std::bad_alloc, before anything is written, if it cannot).
-  ThreadBuffers carve(ThreadScratch& ts) const {
-    float* base = ts.buf.get(floats());
+  ThreadBuffers<T> carve(ThreadScratch<T>& ts) const {
+    T* base = ts.buf.get(elems());
     ts.ptrs.resize(2 * kern::kTileK);
     ts.addrs.resize(4 * kern::kTileK);
     ts.ints.resize(std::size_t(group_ * 3 * M_));
     ts.mask_rows.resize(std::size_t(group_ * M_));
     ts.slopes.resize(std::size_t(group_ * M_));
-    ThreadBuffers tb;
+    ThreadBuffers<T> tb;
     auto at = [&](Part part) { return base + offset_[part]; };
-    tb.sc = kern::Scratch{at(kKt),          at(kKf), at(kVf), at(kS), at(kBias), at(kZero),
+    tb.sc = kern::ScratchT<T>{at(kKt),          at(kKf), at(kVf), at(kS), at(kBias), at(kZero),
                           ts.ptrs.data(),   ts.ptrs.data() + kern::kTileK,
                           ts.addrs.data(),  ts.addrs.data() + 2 * kern::kTileK};
-    std::memset(at(kZero), 0, sizeof(float) * std::size_t(std::max(Dkp_, Dvp_)));
+    std::memset(at(kZero), 0, sizeof(T) * std::size_t(std::max(Dkp_, Dvp_)));
     tb.tmp = at(kTmp);
     tb.merged = at(kMerged);
     tb.q = at(kQ);
@@ -151,10 +156,10 @@ class ScratchLayout {
 
  private:
   enum Part { kQ, kO, kM, kL, kKt, kKf, kVf, kS, kBias, kZero, kTmp, kMerged, kParts };
-  static constexpr int64_t kLine = 64 / sizeof(float);
+  static constexpr int64_t kLine = 64 / sizeof(T);
   int64_t group_, M_, Dkp_, Dvp_;
   int64_t offset_[kParts] = {};
-  int64_t floats_ = 0;
+  int64_t elems_ = 0;
 };
 
 }  // namespace detail

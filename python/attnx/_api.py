@@ -55,14 +55,15 @@ def _lens(x, rank):
     return x
 
 
-def _mask4(mask, rank, logical):
-    """``mask`` as a 4-D boolean or native float32 array that the kernels can read."""
+def _mask4(mask, rank, logical, additive=np.float32):
+    """``mask`` as a 4-D boolean or native additive array that the kernels can read: float32, or
+    float64 (``additive``) for float64 inputs, whose kernels compute in float64."""
     m = _as_array(mask, "mask")
     if m.dtype != np.bool_:
         if m.dtype.kind != _KIND_FLOAT and m.dtype.name != "bfloat16":
             raise TypeError(f"mask: expected boolean (True = may attend) or additive float, got dtype {m.dtype}")
-        if m.dtype != np.float32:  # (a byte-swapped float32 too)
-            m = m.astype(np.float32)  # additive masks are read as float32
+        if m.dtype != additive:  # (a byte-swapped one too)
+            m = m.astype(additive)  # additive masks are read in the compute type
     if m.ndim > rank:
         raise ValueError(f"mask: shape {m.shape} does not broadcast to {logical}")
     try:
@@ -135,7 +136,10 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     ----------
     q : ndarray, ``(B, Hq, Sq, Dk)`` (layout ``"bhsd"``) or ``(B, Sq, Hq, Dk)`` (``"bshd"``);
         also ``(Hq, Sq, Dk)`` / ``(Sq, Hq, Dk)`` and ``(Sq, Dk)``. float32, float16 or
-        bfloat16 (``ml_dtypes.bfloat16``); computed in float32.
+        bfloat16 (``ml_dtypes.bfloat16``), computed in float32; or float64 (NumPy's default:
+        Python lists convert to it), computed and accumulated in float64 by the same tiled
+        kernel (O(S·D) memory), where an additive mask, ``scale``, the modifiers and ``lse``
+        are float64 too.
     k : ndarray, ``(B, Hkv, Sk, Dk)`` in the same layout, rank and dtype. ``Hq % Hkv == 0``:
         query head ``h`` reads kv head ``h // (Hq // Hkv)`` (GQA; MQA is ``Hkv == 1``).
     v : ndarray, ``(B, Hkv, Sk, Dv)``; ``Dv`` may differ from ``Dk``.
@@ -156,7 +160,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     layout : ``"bhsd"`` or ``"bshd"``
     return_lse : bool
         Also return the natural-log log-sum-exp of the scaled, masked scores, float32
-        ``(B, Hq, Sq)`` (rank-reduced like the output, bhsd order for either layout).
+        ``(B, Hq, Sq)`` (float64 for float64 inputs; rank-reduced like the output, bhsd order
+        for either layout).
     out : ndarray, optional
         Written in place (shape and dtype of the result) and returned.
     num_threads : int, optional
@@ -202,7 +207,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
         q4, k4, v4 = _to4(q, "q", rank, layout), _to4(k, "k", rank, layout), _to4(v, "v", rank, layout)
     q4, k4, v4 = _unit_last(q4), _unit_last(k4), _unit_last(v4)
     if mask is not None:
-        mask = _mask4(mask, rank, (q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])[4 - rank:])
+        mask = _mask4(mask, rank, (q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])[4 - rank:],
+                      np.float64 if q4.dtype == np.float64 else np.float32)
     res = _core.attention(
         q4, k4, v4, mask=mask, causal=causal, return_lse=return_lse, sinks=sinks,
         alibi_slopes=alibi_slopes,

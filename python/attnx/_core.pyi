@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 _Array = npt.NDArray[Any]
 _Lse = npt.NDArray[np.float32]
+_DenseLse = npt.NDArray[np.float32] | npt.NDArray[np.float64]  # float64 for float64 q, k, v
 _Window = tuple[int | None, int | None]
 
 class InvalidArgument(ValueError): ...
@@ -30,14 +31,14 @@ def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, mask: npt.Ar
               causal: bool = False, scale: float | None = None, out: _Array | None = None,
               *, return_lse: Literal[True], num_threads: int = 0, window: _Window | None = None,
               softcap: float | None = None, sinks: npt.ArrayLike | None = None,
-              alibi_slopes: npt.ArrayLike | None = None) -> tuple[_Array, _Lse]: ...
+              alibi_slopes: npt.ArrayLike | None = None) -> tuple[_Array, _DenseLse]: ...
 @overload
 def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, mask: npt.ArrayLike | None = None,
               kv_lens: npt.ArrayLike | None = None, q_lens: npt.ArrayLike | None = None,
               causal: bool = False, scale: float | None = None, out: _Array | None = None,
               return_lse: bool = ..., num_threads: int = 0, window: _Window | None = None,
               softcap: float | None = None, sinks: npt.ArrayLike | None = None,
-              alibi_slopes: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _Lse]: ...
+              alibi_slopes: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _DenseLse]: ...
 
 @overload
 def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,

@@ -34,6 +34,22 @@ from . import reference as _reference
 __all__ = ["MultiHeadAttention"]
 
 _F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+def _layer_dtype(dtype):
+    """A layer's dtype: float64 (computed in float64), or a storage dtype (float32, float16,
+    bfloat16: computed in float32)."""
+    try:
+        if dtype is not None and np.dtype(dtype) == _F64:  # (np.dtype(None) is float64)
+            return _F64
+    except TypeError:
+        pass
+    try:
+        return _storage_dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected 'float32', 'float16', 'bfloat16' or 'float64', got "
+                        f"{dtype!r}") from None
 
 
 
@@ -100,9 +116,9 @@ class MultiHeadAttention:
         Width of one head; default ``d_model // num_heads`` (which must then divide exactly).
     bias : bool
         Whether the four projections have biases (initialised to zero).
-    dtype : float32 (default), float16 or bfloat16
+    dtype : float32 (default), float16, bfloat16 or float64
         Storage dtype of the weights and dtype of the output; the projections and attention are
-        computed in float32.
+        computed in float32 (in float64 for float64).
     context_dim : int, optional
         Width of ``context`` for cross-attention (torch's ``kdim``/``vdim``); default
         ``d_model``.
@@ -156,7 +172,8 @@ class MultiHeadAttention:
         self.head_dim = _positive(head_dim, "head_dim")
         self.context_dim = self.d_model if context_dim is None else _positive(context_dim,
                                                                               "context_dim")
-        self.dtype = _storage_dtype(dtype)
+        self.dtype = _layer_dtype(dtype)
+        self._compute = _F64 if self.dtype == _F64 else _F32  # what x, Q, K, V and heads are in
         if rng is not None and seed is not None:
             raise ValueError("rng: pass either rng or seed, not both")
         if rng is None:
@@ -193,9 +210,10 @@ class MultiHeadAttention:
     def _proj(self, x, w, b):
         w = self.__dict__["_" + w]
         b = self.__dict__["_" + b]
-        y = x @ (w if w.dtype == _F32 else w.astype(_F32))
+        ct = self._compute
+        y = x @ (w if w.dtype == ct else w.astype(ct))
         if b is not None:
-            y += b if b.dtype == _F32 else b.astype(_F32)
+            y += b if b.dtype == ct else b.astype(ct)
         return y
 
     @_tensors.tensor_io
@@ -259,8 +277,8 @@ class MultiHeadAttention:
             x, c = x[None], c[None]
             kv_lens = _api._lens(kv_lens, 3)
             q_lens = _api._lens(q_lens, 3)
-        x32 = x.astype(_F32, copy=False)
-        c32 = x32 if c is x else c.astype(_F32, copy=False)
+        x32 = x.astype(self._compute, copy=False)  # (float64 for a float64 layer)
+        c32 = x32 if c is x else c.astype(self._compute, copy=False)
         B, Sq, _ = x32.shape
         Sk = c32.shape[1]
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -274,7 +292,7 @@ class MultiHeadAttention:
         q = self._proj(x32, "W_Q", "b_Q").reshape(B, Sq, H, D)
         k = self._proj(c32, "W_K", "b_K").reshape(B, Sk, G, D)
         v = self._proj(c32, "W_V", "b_V").reshape(B, Sk, G, D)
-        heads = np.empty((B, Sq, H, D), _F32)  # the kernel writes Concat(heads) in place
+        heads = np.empty((B, Sq, H, D), self._compute)  # the kernel writes Concat(heads) in place
         _api.attention(q, k, v, causal=causal, mask=mask, kv_lens=kv_lens, q_lens=q_lens,
                        layout="bshd", out=heads)
         y = self._proj(heads.reshape(B, Sq, H * D), "W_O", "b_O")

@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
 
 _KERNEL_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float16), _BF16) if d is not None)
 _F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+_F32_MAX = float(np.finfo(np.float32).max)  # the binding takes scales in [_F32_TINY, _F32_MAX]
 
 
 def _check_dropout(dropout_p):
@@ -103,29 +104,37 @@ def _to_bhsd(a, lead, out_batch, heads):
     return a.reshape((b,) + a.shape[-3:])
 
 
-def _torch_scale(q: np.ndarray, scale: Optional[float]) -> Optional[Tuple[np.ndarray, Optional[float]]]:
-    """``(q, scale)`` for the kernels, which take a positive normal float32 scale (or None for
-    ``1/sqrt(E)``), giving what torch gives for any ``scale``; None when only the float64
-    reference can (an infinite scale).
+def _scale_type(q: np.ndarray) -> type:
+    """What torch's CPU kernels hold the scale in: float32, or float64 for float64 inputs (which
+    attnx, like torch, computes in float64)."""
+    return np.float64 if q.dtype == np.float64 else np.float32
 
-    torch's CPU kernels hold the scale in float32, so this does too. A negative scale flips the
-    scores: ``-q`` (exact) with ``|scale|``. Zero, subnormal or NaN is folded into q as the
-    kernels themselves fold the scale (``q * scale`` in float32): zero gives uniform attention,
-    NaN propagates. An infinite scale makes every score ``±inf`` (or NaN where ``q·k`` is 0), which
-    a scaled q cannot represent (``inf * q_d`` terms of both signs would sum to NaN).
+
+def _torch_scale(q: np.ndarray, scale: Optional[float]) -> Optional[Tuple[np.ndarray, Optional[float]]]:
+    """``(q, scale)`` for the kernels, which take a positive scale within float32's normal range
+    (or None for ``1/sqrt(E)``), giving what torch gives for any ``scale``; None when only the
+    float64 reference can (an infinite scale).
+
+    The scale is held in float32 like torch's CPU kernels (float64 for float64 inputs). A
+    negative scale flips the scores: ``-q`` (exact) with ``|scale|``. Zero, subnormal, NaN or (in
+    float64) beyond float32's range is folded into q as the kernels themselves fold the scale
+    (``q * scale`` in the scale's type): zero gives uniform attention, NaN propagates. An
+    infinite scale makes every score ``±inf`` (or NaN where ``q·k`` is 0), which a scaled q
+    cannot represent (``inf * q_d`` terms of both signs would sum to NaN).
     """
     if scale is None:
         return q, (None if q.shape[-1] else 1.0)  # torch's 1/sqrt(0) is inf; nothing to scale
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    kind = _scale_type(q)
     with np.errstate(over="ignore"):
-        s = np.float32(scale)
+        s = kind(scale)
     if np.isinf(s):
         return None
-    if abs(s) >= _F32_TINY:
+    if _F32_TINY <= abs(s) <= _F32_MAX:
         return (q, float(s)) if s > 0 else (np.negative(q), float(-s))
     with np.errstate(all="ignore"):
-        return (q.astype(np.float32) * s).astype(q.dtype), 1.0
+        return (q.astype(kind) * s).astype(q.dtype), 1.0
 
 
 @_tensors.tensor_io
@@ -146,9 +155,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
     value : ndarray ``(..., S, Ev)``
         Leading dimensions broadcast against each other as in torch; with ``enable_gqa`` the
         third-from-last axis is the head axis. float32, float16 or bfloat16 (computed in float32,
-        returned in the input dtype); float64 is accepted and computed in float32 (attnx's
-        kernels have no float64 path), then returned as float64 — use
-        :func:`attnx.reference.scaled_dot_product_attention` for a float64 computation.
+        returned in the input dtype); float64 is computed and accumulated in float64, as torch
+        does.
     attn_mask : ndarray, optional
         Broadcastable to ``(..., L, S)``. Boolean: **True = takes part in attention** (torch's
         convention for this function; note ``torch.nn.MultiheadAttention`` uses the opposite).
@@ -164,7 +172,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
     scale : float, optional
         Defaults to ``1/sqrt(E)``. Any float, as in torch: 0 gives uniform attention over the
         visible keys, a negative scale flips the scores, NaN propagates. Held in float32 like
-        torch's CPU kernels (so ``1e39`` is inf and ``1e-46`` is 0); an infinite scale, whose
+        torch's CPU kernels (so ``1e39`` is inf and ``1e-46`` is 0; float64 for float64
+        inputs); an infinite scale, whose
         scores are all ``±inf``, is computed by :func:`attnx.reference.scaled_dot_product_attention`
         (float64, slow).
     enable_gqa : bool
@@ -200,16 +209,14 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
     _check_dropout(dropout_p)
     q, k, v = _check_inputs(query, key, value, bool(enable_gqa))
     out_dtype = q.dtype
-    if out_dtype == np.float64:
-        q, k, v = (a.astype(np.float32) for a in (q, k, v))
     L, E = q.shape[-2:]
     S = k.shape[-2]
     scaled = _torch_scale(q, scale)
     if scaled is None:
         with np.errstate(over="ignore"):
-            s32 = float(np.float32(scale))
+            s_held = float(_scale_type(q)(scale))
         return _reference.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=s32,
+            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=s_held,
             enable_gqa=enable_gqa).astype(out_dtype, copy=False)
     q, scale = scaled
 

@@ -76,6 +76,11 @@ def _dense_out_like(q, v, layout):
     return q.new_empty((*q.shape[:-1], dv))
 
 
+def _lse_dtype(q):
+    """attention's lse: float32, float64 for float64 q (computed in float64)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _lse_shape(q, layout):
     shape = tuple(q.shape[:-1])
     if layout == "bshd" and len(shape) >= 2:
@@ -87,7 +92,8 @@ def _lse_shape(q, layout):
 def _(q, k, v, mask, kv_lens, q_lens, causal, scale, layout, return_lse, window_left, window_right,
       softcap, sinks, alibi_slopes, num_threads):
     out = _dense_out_like(q, v, layout)
-    lse = q.new_empty(_lse_shape(q, layout) if return_lse else _EMPTY, dtype=torch.float32)
+    shape, dtype = (_lse_shape(q, layout), _lse_dtype(q)) if return_lse else (_EMPTY, torch.float32)
+    lse = q.new_empty(shape, dtype=dtype)
     return out, lse
 
 

@@ -19,7 +19,14 @@ using kern::kDotRows;
 using kern::kPad;
 using kern::kTileK;
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Real (simd's lane type) is what this body computes in: float for every ISA's float32, float16
+// and bfloat16 path, double for the float64 kernels (kernels_f64.cpp). kNative is the dtype whose
+// rows are already Real: read in place, copied with memcpy.
+constexpr Real kNegInf = -std::numeric_limits<Real>::infinity();
+constexpr DType kNative = sizeof(Real) == 8 ? DType::f64 : DType::f32;
+using RowSet = kern::RowSetT<Real>;
+using Scratch = kern::ScratchT<Real>;
+using FlashState = kern::FlashStateT<Real>;
 constexpr int NR = 2;  // vectors per register block along the wide axis (keys or value features)
 
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -30,7 +37,9 @@ static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * 
 // compiled here with wide-instruction flags, could be the copy the linker keeps for baseline code
 // (see kernels.h); these are static, inside this ISA's namespace.
 static inline bool quantised(DType t) { return t == DType::i8 || t == DType::e4m3 || t == DType::e5m2; }
+// (float64 only reaches the float64 kernels: in the float ones its test folds away at compile time.)
 static inline int64_t elem_bytes(DType t) {
+  if (sizeof(Real) == 8 && t == DType::f64) return 8;
   return t == DType::f32 ? 4 : (t == DType::f16 || t == DType::bf16) ? 2 : 1;
 }
 
@@ -77,7 +86,7 @@ static inline void kv_scales(const kern::KVSource& s, int64_t j0, int64_t n, flo
 // attnx.reference.dequantize_kv computes). fp8 goes through float16 lanes (vec_*.h load_fp8):
 // e4m3fn's float16 view is its value / 256, so it is multiplied by 256 * scale (exact: a power
 // of two).
-static void load_codes(const void* src, DType dtype, int64_t n, float scale, float* dst) {
+static void load_codes(const void* src, DType dtype, int64_t n, float scale, Real* dst) {
   int64_t i = 0;
   if (dtype == DType::i8) {
     const int8_t* c = static_cast<const int8_t*>(src);
@@ -94,10 +103,10 @@ static void load_codes(const void* src, DType dtype, int64_t n, float scale, flo
   for (; i < n; ++i) dst[i] = cvt::f16_to_f32(e4 ? cvt::e4m3_as_f16(c[i]) : cvt::e5m2_as_f16(c[i])) * mult;
 }
 
-static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
+static void load_row(const void* src, DType dtype, int64_t n, Real* dst) {
   int64_t i = 0;
-  if (dtype == DType::f32) {
-    std::memcpy(dst, src, size_t(n) * sizeof(float));
+  if (dtype == kNative) {
+    std::memcpy(dst, src, size_t(n) * sizeof(Real));
     return;
   }
   if (quantised(dtype)) {  // the codes alone (scale 1): the tile loads apply each row's scale
@@ -116,9 +125,9 @@ static void load_row(const void* src, DType dtype, int64_t n, float* dst) {
 }
 
 // (float dtypes only: quantised rows are written with their scale by the paged write)
-static void store_row(const float* src, int64_t n, DType dtype, void* dst) {
-  if (dtype == DType::f32) {
-    std::memcpy(dst, src, size_t(n) * sizeof(float));
+static void store_row(const Real* src, int64_t n, DType dtype, void* dst) {
+  if (dtype == kNative) {
+    std::memcpy(dst, src, size_t(n) * sizeof(Real));
   } else if (dtype == DType::f16) {
     uint16_t* h = static_cast<uint16_t*>(dst);
     for (int64_t i = 0; i < n; ++i) h[i] = cvt::f32_to_f16(src[i]);
@@ -129,20 +138,20 @@ static void store_row(const float* src, int64_t n, DType dtype, void* dst) {
 }
 
 // Converts row `src` (D elements) into `dst`, zero-padded to Dp.
-static inline void load_row_padded(const char* src, DType dtype, int64_t D, int64_t Dp, float* dst) {
+static inline void load_row_padded(const char* src, DType dtype, int64_t D, int64_t Dp, Real* dst) {
   load_row(src, dtype, D, dst);
   for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
 }
 
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
 template <int MR>
-static ATTNX_INLINE void qk_packed_block(const float* q, int64_t ldq, const float* kt,
-                                         int64_t Dkp, float* s) {
+static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real* kt,
+                                         int64_t Dkp, Real* s) {
   V acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = zero();
   for (int64_t d = 0; d < Dkp; ++d) {
-    const float* kd = kt + d * kTileK;
+    const Real* kd = kt + d * kTileK;
     V k0 = load(kd), k1 = load(kd + W);
     for (int r = 0; r < MR; ++r) {
       V qb = set1(q[r * ldq + d]);
@@ -155,19 +164,19 @@ static ATTNX_INLINE void qk_packed_block(const float* q, int64_t ldq, const floa
 }
 
 template <int MR>
-static void qk_packed_rows(const float* q, int64_t ldq, const float* kt, int64_t Dkp, int64_t nw,
-                           float* s) {
+static void qk_packed_rows(const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t nw,
+                           Real* s) {
   for (int64_t j = 0; j < nw; j += NR * W) qk_packed_block<MR>(q, ldq, kt + j, Dkp, s + j);
 }
 
-static void qk_packed(int M, const float* q, int64_t ldq, const float* kt, int64_t Dkp, int64_t n,
-                      float* s) {
+static void qk_packed(int M, const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t n,
+                      Real* s) {
   const int64_t nw = round_up(n, NR * W);
   constexpr int MR = 6;
   int r = 0;
   for (; r + MR <= M; r += MR) qk_packed_rows<MR>(q + r * ldq, ldq, kt, Dkp, nw, s + r * kTileK);
-  const float* qr = q + r * ldq;
-  float* sr = s + r * kTileK;
+  const Real* qr = q + r * ldq;
+  Real* sr = s + r * kTileK;
   switch (M - r) {
     case 5: qk_packed_rows<5>(qr, ldq, kt, Dkp, nw, sr); break;
     case 4: qk_packed_rows<4>(qr, ldq, kt, Dkp, nw, sr); break;
@@ -179,8 +188,8 @@ static void qk_packed(int M, const float* q, int64_t ldq, const float* kt, int64
 }
 
 // Packs the n rows of a K tile transposed: kt[d][j], zero for j >= n (to a multiple of NR*W) and
-// for d >= Dk (to Dkp). `rows` holds kTileK fp32 row pointers padded with zero rows past n.
-static void pack_kt(const float* const* rows, int64_t n, int64_t Dkp, float* kt) {
+// for d >= Dk (to Dkp). `rows` holds kTileK Real row pointers padded with zero rows past n.
+static void pack_kt(const Real* const* rows, int64_t n, int64_t Dkp, Real* kt) {
   const int64_t n8 = round_up(n, 8);
   for (int64_t j = 0; j < n8; j += 8)
     for (int64_t d = 0; d < Dkp; d += 8) transpose8x8(rows + j, d, kt + d * kTileK + j, kTileK);
@@ -202,16 +211,16 @@ static inline void prefetch_row(const char* p, int64_t bytes) {
 
 // Element types of K/V rows read in place by the decode kernels: fp16 and bf16 rows are widened
 // in registers as they are loaded (no fp32 copy of the tile). Row pointers are kept as
-// `const float*` and only ever dereferenced as the row's real type.
-struct F32 {};
+// `const Real*` and only ever dereferenced as the row's real type.
+struct Native {};
 struct F16 {};
 struct BF16 {};
-template <class T> static inline V ld(const float* row, int64_t d);
-template <> inline V ld<F32>(const float* row, int64_t d) { return load(row + d); }
-template <> inline V ld<F16>(const float* row, int64_t d) {
+template <class T> static inline V ld(const Real* row, int64_t d);
+template <> inline V ld<Native>(const Real* row, int64_t d) { return load(row + d); }
+template <> inline V ld<F16>(const Real* row, int64_t d) {
   return load_f16(reinterpret_cast<const uint16_t*>(row) + d);
 }
-template <> inline V ld<BF16>(const float* row, int64_t d) {
+template <> inline V ld<BF16>(const Real* row, int64_t d) {
   return load_bf16(reinterpret_cast<const uint16_t*>(row) + d);
 }
 
@@ -220,13 +229,13 @@ template <> inline V ld<BF16>(const float* row, int64_t d) {
 struct I8 {};
 struct E4M3 {};
 struct E5M2 {};
-template <> inline V ld<I8>(const float* row, int64_t d) {
+template <> inline V ld<I8>(const Real* row, int64_t d) {
   return load_i8(reinterpret_cast<const int8_t*>(row) + d);
 }
-template <> inline V ld<E4M3>(const float* row, int64_t d) {
+template <> inline V ld<E4M3>(const Real* row, int64_t d) {
   return load_fp8(reinterpret_cast<const uint8_t*>(row) + d, true);
 }
-template <> inline V ld<E5M2>(const float* row, int64_t d) {
+template <> inline V ld<E5M2>(const Real* row, int64_t d) {
   return load_fp8(reinterpret_cast<const uint8_t*>(row) + d, false);
 }
 
@@ -239,7 +248,7 @@ static inline void with_type(DType dtype, Fn&& f) {
     case DType::i8: f(I8{}); break;
     case DType::e4m3: f(E4M3{}); break;
     case DType::e5m2: f(E5M2{}); break;
-    default: f(F32{}); break;
+    default: f(Native{}); break;
   }
 }
 
@@ -247,7 +256,7 @@ static inline void with_type(DType dtype, Fn&& f) {
 // `s` (scores, or probabilities before P V) by key j's scale (times 256 for e4m3's code / 256).
 // q . (code * scale) = (q . code) * scale and p (code * scale) = (p scale) code, so this is
 // attention over the dequantised rows up to float32 rounding.
-static void scale_keys(int M, float* s, const kern::KVSource& src, int64_t j0, int64_t n) {
+static void scale_keys(int M, Real* s, const kern::KVSource& src, int64_t j0, int64_t n) {
   float f[kTileK];
   kv_scales(src, j0, n, f);
   if (src.dtype == DType::e4m3)
@@ -261,8 +270,8 @@ static void scale_keys(int M, float* s, const kern::KVSource& src, int64_t j0, i
 // each K vector loaded is used RB times and the K tile is streamed once per block of rows. The
 // sums go straight to S.
 template <int RB, int KB, class T>
-static ATTNX_INLINE void qk_dot_block(const float* q, int64_t ldq, const float* const* kr,
-                                      int64_t Dk, float* s) {
+static ATTNX_INLINE void qk_dot_block(const Real* q, int64_t ldq, const Real* const* kr,
+                                      int64_t Dk, Real* s) {
   V acc[RB * KB];
   for (int a = 0; a < RB * KB; ++a) acc[a] = zero();
   for (int64_t d = 0; d < Dk; d += W) {
@@ -281,7 +290,7 @@ static ATTNX_INLINE void qk_dot_block(const float* q, int64_t ldq, const float* 
   } else {
     static_assert(KB == 2 && RB % 4 == 0, "register blocks are 2, 4 or 8 keys wide");
     for (int r = 0; r < RB; r += 4) {
-      float t[8];
+      Real t[8];
       hsum8(acc + r * 2, t);
       for (int i = 0; i < 8; ++i) s[(r + i / 2) * kTileK + i % 2] = t[i];
     }
@@ -290,8 +299,8 @@ static ATTNX_INLINE void qk_dot_block(const float* q, int64_t ldq, const float* 
 
 // `next` (nn rows of `bytes`, or null) is the next tile's K, prefetched during the first rows.
 template <class T>
-static void qk_dot(int M, const float* q, int64_t ldq, const float* const* krow, int64_t n,
-                   int64_t Dk, float* s, const char* const* next, int64_t nn, int64_t bytes) {
+static void qk_dot(int M, const Real* q, int64_t ldq, const Real* const* krow, int64_t n,
+                   int64_t Dk, Real* s, const char* const* next, int64_t nn, int64_t bytes) {
   // AVX-512 has 32 registers: 4 rows x 4 keys. AVX2 has 16: 4 rows x 2 keys, so the 4 GQA rows
   // of a kv head stream K once (2 rows x 4 keys streamed it twice; fp32 decode 5.1-5.7 -> 4.9-5.2
   // ms). Its 8 accumulators at 2 FMAs per cycle and 4 cycles of latency leave no slack, which is
@@ -314,8 +323,8 @@ static void qk_dot(int M, const float* q, int64_t ldq, const float* const* krow,
 
 // ---- O += P V: MR rows x NB*W value features per register block ------------------------------
 template <int MR, int NB, class T>
-static ATTNX_INLINE void pv_block(const float* p, const float* const* vrow, int64_t n, int64_t c,
-                                  float* o, int64_t ldo, const char* const* next, int64_t nn,
+static ATTNX_INLINE void pv_block(const Real* p, const Real* const* vrow, int64_t n, int64_t c,
+                                  Real* o, int64_t ldo, const char* const* next, int64_t nn,
                                   int64_t blo, int64_t bhi) {
   V acc[MR][NB];
   for (int r = 0; r < MR; ++r)
@@ -338,7 +347,7 @@ static ATTNX_INLINE void pv_block(const float* p, const float* const* vrow, int6
 // With 32 registers, up to 4 rows take 4 vectors per pass (16 accumulators): half the passes, and
 // half the broadcasts of p per FMA.
 template <int MR, class T>
-static void pv_rows(const float* p, const float* const* vrow, int64_t n, int64_t Dvp, float* o,
+static void pv_rows(const Real* p, const Real* const* vrow, int64_t n, int64_t Dvp, Real* o,
                     int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
   constexpr int NB = (W >= 16 && MR <= 4) ? 2 * NR : NR;
   const int64_t wide = Dvp / (NB * W) * (NB * W);
@@ -353,14 +362,14 @@ static void pv_rows(const float* p, const float* const* vrow, int64_t n, int64_t
 }
 
 template <class T>
-static void pv(int M, const float* p, const float* const* vrow, int64_t n, int64_t Dvp, float* o,
+static void pv(int M, const Real* p, const Real* const* vrow, int64_t n, int64_t Dvp, Real* o,
                int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
   constexpr int MR = 6;
   int r = 0;
   for (; r + MR <= M; r += MR, next = nullptr)
     pv_rows<MR, T>(p + r * kTileK, vrow, n, Dvp, o + r * ldo, ldo, next, nn, bytes);
-  const float* pr = p + r * kTileK;
-  float* orr = o + r * ldo;
+  const Real* pr = p + r * kTileK;
+  Real* orr = o + r * ldo;
   switch (M - r) {
     case 5: pv_rows<5, T>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
     case 4: pv_rows<4, T>(pr, vrow, n, Dvp, orr, ldo, next, nn, bytes); break;
@@ -372,19 +381,19 @@ static void pv(int M, const float* p, const float* const* vrow, int64_t n, int64
 }
 
 // ---- one tile row: modifiers, masks and the online-softmax update --------------------------
-static inline void softmax_row(float* srow, const float* brow, int64_t n, int64_t vlo, int64_t vhi,
-                               int64_t j0, float softcap, float slope, int64_t pos, float* m,
-                               float* l, float* orow, int64_t Dvp) {
+static inline void softmax_row(Real* srow, const Real* brow, int64_t n, int64_t vlo, int64_t vhi,
+                               int64_t j0, Real softcap, Real slope, int64_t pos, Real* m,
+                               Real* l, Real* orow, int64_t Dvp) {
   // 1. modifiers over the whole tile width (entries past n are overwritten below)
   if (softcap > 0.f) {
-    const V cap = set1(softcap), inv = set1(1.f / softcap);
+    const V cap = set1(softcap), inv = set1(Real(1) / softcap);
     for (int64_t j = 0; j < n; j += W) store(srow + j, mul(cap, tanh(mul(load(srow + j), inv))));
   }
   if (slope != 0.f) {
     // s -= slope * |pos - (j0 + j)|
-    const V ns = set1(-slope), p = set1(float(pos - j0));
+    const V ns = set1(-slope), p = set1(Real(pos - j0));
     V jv = iota();
-    for (int64_t j = 0; j < n; j += W, jv = add(jv, set1(float(W))))
+    for (int64_t j = 0; j < n; j += W, jv = add(jv, set1(Real(W))))
       store(srow + j, fmadd(ns, abs(sub(p, jv)), load(srow + j)));
   }
   if (brow != nullptr)
@@ -396,12 +405,12 @@ static inline void softmax_row(float* srow, const float* brow, int64_t n, int64_
   const int64_t nw = round_up(n, W);
   V mv = set1(kNegInf);
   for (int64_t j = 0; j < nw; j += W) mv = max(mv, load(srow + j));
-  const float tile_max = reduce_max(mv);
-  const float m_old = *m;
-  const float m_new = tile_max > m_old ? tile_max : m_old;
+  const Real tile_max = reduce_max(mv);
+  const Real m_old = *m;
+  const Real m_new = tile_max > m_old ? tile_max : m_old;
   if (m_new == kNegInf) {  // nothing visible so far: skip the update, but keep a NaN score
     for (int64_t j = vlo; j < vhi; ++j) row::keep_nan(l, srow[j]);
-    std::memset(srow, 0, sizeof(float) * kTileK);
+    std::memset(srow, 0, sizeof(Real) * kTileK);
     return;
   }
   const V mn = set1(m_new);
@@ -411,7 +420,7 @@ static inline void softmax_row(float* srow, const float* brow, int64_t n, int64_
     store(srow + j, e);
     sum = add(sum, e);
   }
-  const float alpha = row::rescale(m_old, m_new);
+  const Real alpha = row::rescale(m_old, m_new);
   *l = *l * alpha + reduce_add(sum);
   *m = m_new;
   if (alpha != 1.f) {
@@ -420,7 +429,7 @@ static inline void softmax_row(float* srow, const float* brow, int64_t n, int64_
   }
 }
 
-static bool values_finite(const float* const* vrow, int64_t n, int64_t Dv) {
+static bool values_finite(const Real* const* vrow, int64_t n, int64_t Dv) {
   V acc = zero();
   for (int64_t j = 0; j < n; ++j)
     for (int64_t d = 0; d < Dv; d += W) acc = add(acc, mul(load(vrow[j] + d), zero()));
@@ -428,34 +437,34 @@ static bool values_finite(const float* const* vrow, int64_t n, int64_t Dv) {
 }
 
 // O += P V over only the keys each row can see (its range, and the mask's bias is not -inf).
-static void pv_visible(const kern::RowSet& rs, int64_t j0, const float* bias, const float* p,
-                       const float* const* vrow, int64_t n, int64_t Dv, float* o, int64_t ldo) {
+static void pv_visible(const RowSet& rs, int64_t j0, const Real* bias, const Real* p,
+                       const Real* const* vrow, int64_t n, int64_t Dv, Real* o, int64_t ldo) {
   for (int r = 0; r < rs.M; ++r)
     for (int64_t j = imax(rs.lo[r] - j0, 0); j < imin(rs.hi[r] - j0, n); ++j) {
       if (bias != nullptr && bias[r * kTileK + j] == kNegInf) continue;
-      const float pj = p[r * kTileK + j];
+      const Real pj = p[r * kTileK + j];
       const V pb = set1(pj);
       for (int64_t d = 0; d < Dv; d += W) store(o + r * ldo + d, fmadd(pb, load(vrow[j] + d), load(o + r * ldo + d)));
     }
 }
 
-// fp32 row pointers (into `rows`) to rows [j0, j0 + n) of `s` at addr (D elements each): the
-// rows themselves where read in place, else their fp32 copies, zero-padded, in buf (n x Dp
-// floats), quantised rows with their scales (code * scale, one float32 product: what
+// Real row pointers (into `rows`) to rows [j0, j0 + n) of `s` at addr (D elements each): the
+// rows themselves where read in place, else their copies in Real, zero-padded, in buf (n x Dp),
+// quantised rows with their scales (code * scale, one float32 product: what
 // attnx.reference.dequantize_kv computes).
-static inline const float** fp32_rows(const kern::KVSource& s, int64_t j0, const char* const* addr,
-                                      int64_t n, int64_t D, bool inplace, float* buf,
-                                      const float** rows) {
+static inline const Real** real_rows(const kern::KVSource& s, int64_t j0, const char* const* addr,
+                                     int64_t n, int64_t D, bool inplace, Real* buf,
+                                     const Real** rows) {
   const int64_t Dp = round_up(D, kPad);
   if (inplace) {
-    for (int64_t t = 0; t < n; ++t) rows[t] = reinterpret_cast<const float*>(addr[t]);
+    for (int64_t t = 0; t < n; ++t) rows[t] = reinterpret_cast<const Real*>(addr[t]);
     return rows;
   }
   float scl[kTileK];
   const bool scaled = quantised(s.dtype);
   if (scaled) kv_scales(s, j0, n, scl);
   for (int64_t t = 0; t < n; ++t) {
-    float* dst = buf + t * Dp;
+    Real* dst = buf + t * Dp;
     if (scaled) {
       load_codes(addr[t], s.dtype, D, scl[t], dst);
       for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
@@ -467,22 +476,22 @@ static inline const float** fp32_rows(const kern::KVSource& s, int64_t j0, const
   return rows;
 }
 
-// fp32 row pointers to keys [j0, j0 + n), converted into scratch unless read in place; rows past
+// Real row pointers to keys [j0, j0 + n), converted into scratch unless read in place; rows past
 // n point at zeros so register blocks never read past the tile.
-static const float** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                              bool inplace, const kern::Scratch& sc) {
+static const Real** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                             bool inplace, const Scratch& sc) {
   kv_rows(ks, j0, n, sc.kaddr);
-  const float** krow = fp32_rows(ks, j0, sc.kaddr, n, Dk, inplace, sc.kf, sc.krow);
+  const Real** krow = real_rows(ks, j0, sc.kaddr, n, Dk, inplace, sc.kf, sc.krow);
   for (int64_t t = n; t < kTileK; ++t) krow[t] = sc.zero;
   return krow;
 }
 
 // Keys [j0, j0 + n) transposed into kt (Dkp x kTileK), zero past n and past Dk.
 static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                   const kern::Scratch& sc, float* kt) {
+                   const Scratch& sc, Real* kt) {
   const int64_t Dkp = round_up(Dk, kPad);
-  const bool inplace = ks.dtype == DType::f32 && Dk % 8 == 0;
-  const float* const* krow = key_rows(ks, j0, n, Dk, inplace, sc);
+  const bool inplace = ks.dtype == kNative && Dk % 8 == 0;
+  const Real* const* krow = key_rows(ks, j0, n, Dk, inplace, sc);
   const int64_t dk = inplace ? Dk : Dkp;  // converted rows are already zero-padded
   pack_kt(krow, n, dk, kt);
   for (int64_t d = dk; d < Dkp; ++d)
@@ -491,10 +500,10 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
 
 // K^T of keys [j0, j0 + n): the kv head's shared packed tile (packing it if no item has yet), or
 // a private one in scratch.
-static const float* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                                const kern::Scratch& sc) {
+static const Real* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                               const Scratch& sc) {
   if (ks.kt != nullptr && j0 % kTileK == 0) {
-    float* shared = ks.kt + j0 / kTileK * round_up(Dk, kPad) * kTileK;
+    Real* shared = static_cast<Real*>(ks.kt) + j0 / kTileK * round_up(Dk, kPad) * kTileK;
     int* ready = ks.kt_ready + j0 / kTileK;
     int state = __atomic_load_n(ready, __ATOMIC_ACQUIRE);
     if (state == 2) return shared;
@@ -512,15 +521,15 @@ static const float* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n,
 
 // The user mask over keys [j0, j0 + n) as an additive bias tile (M rows of kTileK, zero past n to
 // a whole vector). Returns whether any row's visible range has a key the mask lets through.
-static inline bool mask_tile(const kern::RowSet& rs, int64_t j0, int64_t n, float* bias) {
+static inline bool mask_tile(const RowSet& rs, int64_t j0, int64_t n, Real* bias) {
   bool open = false;
   for (int r = 0; r < rs.M; ++r) {
-    float* br = bias + int64_t(r) * kTileK;
+    Real* br = bias + int64_t(r) * kTileK;
     const char* mr = rs.mask_row[r] + j0 * rs.mask_sk;
     if (rs.mask_kind == MaskKind::boolean) {
       for (int64_t t = 0; t < n; ++t) br[t] = mr[t * rs.mask_sk] ? 0.f : kNegInf;
     } else {
-      for (int64_t t = 0; t < n; ++t) std::memcpy(br + t, mr + t * rs.mask_sk, sizeof(float));
+      for (int64_t t = 0; t < n; ++t) std::memcpy(br + t, mr + t * rs.mask_sk, sizeof(Real));
     }
     for (int64_t t = n; t < round_up(n, W); ++t) br[t] = 0.f;
     const int64_t a = imax(rs.lo[r] - j0, 0), b = imin(rs.hi[r] - j0, n);
@@ -537,19 +546,19 @@ struct Ahead {
 };
 
 // Accumulates keys [j0, j_end) of one tile (at most kTileK keys) into the state.
-static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
-                       int64_t j0, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
-                       const kern::Scratch& sc, const kern::FlashState& st, const Ahead& ahead) {
+static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
+                       int64_t j0, int64_t j_end, int64_t Dk, int64_t Dv, Real softcap,
+                       const Scratch& sc, const FlashState& st, const Ahead& ahead) {
   const int M = rs.M;
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
   const bool packed = M > kDotRows;
   // Rows whose width is a whole number of register blocks are read in place (fp16/bf16 widened
-  // in registers); the packed (prefill) QK path needs fp32 rows to transpose.
+  // in registers); the packed (prefill) QK path needs Real rows to transpose.
   // Quantised rows too (their scales applied to the scores and probabilities: scale_keys); the
   // packed path and ragged widths convert them, with their scales, into the tile buffers.
-  const bool k_inplace = packed ? ks.dtype == DType::f32 && Dk % 8 == 0 : Dk % W == 0;
+  const bool k_inplace = packed ? ks.dtype == kNative && Dk % 8 == 0 : Dk % W == 0;
   const bool v_inplace = Dv % (NR * W) == 0;
-  const DType kdt = k_inplace ? ks.dtype : DType::f32, vdt = v_inplace ? vs.dtype : DType::f32;
+  const DType kdt = k_inplace ? ks.dtype : kNative, vdt = v_inplace ? vs.dtype : kNative;
   const int64_t vw = v_inplace ? Dv : Dvp;  // value features the PV kernel walks
 
   const int64_t n = imin(kTileK, j_end - j0), j1 = j0 + n;
@@ -558,7 +567,7 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   for (int r = 0; r < M && !any; ++r) any = rs.lo[r] < j1 && rs.hi[r] > j0;
   if (!any) return;
   // User mask as an additive bias tile; skip the tile if it blocks every visible pair.
-  const float* bias = nullptr;
+  const Real* bias = nullptr;
   if (rs.mask_kind != MaskKind::none) {
     if (!mask_tile(rs, j0, n, sc.bias)) return;
     bias = sc.bias;
@@ -581,7 +590,7 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   if (packed) {
     qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s);
   } else {
-    const float** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
+    const Real** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
     with_type(kdt, [&](auto t) {
       qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
                           Dk * elem_bytes(ks.dtype));
@@ -593,9 +602,9 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   for (int r = 0; r < M; ++r) {
     const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
     partial = partial || vlo > 0 || vhi < n;
-    float* srow = sc.s + int64_t(r) * kTileK;
+    Real* srow = sc.s + int64_t(r) * kTileK;
     if (vlo >= vhi) {
-      std::memset(srow, 0, sizeof(float) * kTileK);
+      std::memset(srow, 0, sizeof(Real) * kTileK);
       continue;
     }
     softmax_row(srow, bias ? bias + int64_t(r) * kTileK : nullptr, n, vlo, vhi, j0, softcap,
@@ -603,15 +612,15 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
                 st.o + int64_t(r) * st.ldo, Dvp);
   }
   // O += P V
-  const float* const* vrow = fp32_rows(vs, j0, vaddr, n, Dv, v_inplace, sc.vf, sc.vrow);
+  const Real* const* vrow = real_rows(vs, j0, vaddr, n, Dv, v_inplace, sc.vf, sc.vrow);
   // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would
   // still leak into the row. Tiles that some row sees only in part are checked for
   // non-finite values; if there are any, each row adds only the keys it sees.
   if (partial) {
-    const float* const* fv = vrow;
-    if (vdt != DType::f32)  // the check and its slow path read fp32 rows (in K's pointers,
-                            // no longer needed in this tile), quantised ones with their scales
-      fv = fp32_rows(vs, j0, vaddr, n, Dv, false, sc.vf, sc.krow);
+    const Real* const* fv = vrow;
+    if (vdt != kNative)  // the check and its slow path read Real rows (in K's pointers,
+                         // no longer needed in this tile), quantised ones with their scales
+      fv = real_rows(vs, j0, vaddr, n, Dv, false, sc.vf, sc.krow);
     if (!values_finite(fv, n, vw)) {
       pv_visible(rs, j0, bias, sc.s, fv, n, vw, st.o, st.ldo);
       return;
@@ -624,9 +633,9 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
 }
 
 // One work item: keys [j_begin, j_end) tile by tile, prefetching the tile kPrefetchTiles ahead.
-static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
-                  int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
-                  const kern::Scratch& sc, const kern::FlashState& st) {
+static void flash(const RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
+                  int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, Real softcap,
+                  const Scratch& sc, const FlashState& st) {
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
     const int64_t jp = j0 + kPrefetchTiles * kTileK;
     const Ahead ahead{&ks, &vs, jp, imax(0, imin(kTileK, j_end - jp))};
@@ -639,10 +648,10 @@ static void flash(const kern::RowSet& rs, const kern::KVSource& ks, const kern::
 // so this order reads each block's K and V front to back (hardware prefetchers follow it), where
 // one item at a time would read 1/Hkv of every block and jump. The prefetch runs kPrefetchSteps
 // (item, tile) steps ahead in this order.
-static void flash_group(int n_items, const kern::RowSet* rs, const kern::KVSource* ks,
+static void flash_group(int n_items, const RowSet* rs, const kern::KVSource* ks,
                         const kern::KVSource* vs, int64_t j_begin, int64_t j_end, int64_t Dk,
-                        int64_t Dv, float softcap, const kern::Scratch& sc,
-                        const kern::FlashState* st) {
+                        int64_t Dv, Real softcap, const Scratch& sc,
+                        const FlashState* st) {
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
     for (int g = 0; g < n_items; ++g) {
       const int64_t step = g + kPrefetchSteps, pg = step % n_items;
@@ -656,9 +665,9 @@ static void flash_group(int n_items, const kern::RowSet* rs, const kern::KVSourc
 
 // ---- machine probes ---------------------------------------------------------------------------
 // 10 independent accumulators hide the FMA latency (4 cycles x 2 ports needs >= 8 in flight).
-static float fma_probe(int64_t iters) {
+[[maybe_unused]] static Real fma_probe(int64_t iters) {
   V a[10];
-  for (int i = 0; i < 10; ++i) a[i] = set1(float(i) * 1e-3f);
+  for (int i = 0; i < 10; ++i) a[i] = set1(Real(i) * 1e-3f);
   const V x = set1(0.999999f), y = set1(1e-7f);
   for (int64_t it = 0; it < iters; ++it)
     for (int i = 0; i < 10; ++i) a[i] = fmadd(a[i], x, y);
@@ -667,7 +676,7 @@ static float fma_probe(int64_t iters) {
   return reduce_add(s);
 }
 
-static float read_probe(const float* p, int64_t n) {
+[[maybe_unused]] static Real read_probe(const Real* p, int64_t n) {
   V s0 = zero(), s1 = zero(), s2 = zero(), s3 = zero();
   int64_t i = 0;
   for (; i + 4 * W <= n; i += 4 * W) {
@@ -676,7 +685,7 @@ static float read_probe(const float* p, int64_t n) {
     s2 = add(s2, load(p + i + 2 * W));
     s3 = add(s3, load(p + i + 3 * W));
   }
-  float r = reduce_add(add(add(s0, s1), add(s2, s3)));
+  Real r = reduce_add(add(add(s0, s1), add(s2, s3)));
   for (; i < n; ++i) r += p[i];
   return r;
 }

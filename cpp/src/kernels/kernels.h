@@ -38,71 +38,87 @@ struct KVSource {
   const float* scale = nullptr;
   int64_t scale_row_stride = 0, scale_block_stride = 0;
   // Optional, keys only: room for every tile of keys [t * kTileK, (t + 1) * kTileK) (of the
-  // kt_keys keys) packed by pack_k, at kt + t * Dkp * kTileK, shared by the work items of one kv
-  // head. kt_ready[t]: 0 = not packed, 1 = being packed, 2 = packed (atomic). The first item to
+  // kt_keys keys) packed by pack_k, at kt + t * Dkp * kTileK elements of the kernel's type (float;
+  // double for the float64 kernels), shared by the work items of one kv head. kt_ready[t]: 0 = not packed, 1 = being packed, 2 = packed (atomic). The first item to
   // need tile t packs it there; the others read it (or, while it is being packed, pack their own).
-  float* kt = nullptr;
+  void* kt = nullptr;
   int* kt_ready = nullptr;
   int64_t kt_keys = 0;
 };
 
+// The structs below are templates on T, the type the kernels compute in: float for float32,
+// float16 and bfloat16 storage (RowSet, Scratch, FlashState, KernelTable), double for float64
+// (the scalar float64 kernels, table_f64).
+
 // The query rows of one work item: up to a few dozen (query, head) pairs that share a kv head.
-struct RowSet {
+template <class T>
+struct RowSetT {
   int M = 0;
-  const float* q = nullptr;  // (M, ldq) queries already multiplied by scale, zero-padded
+  const T* q = nullptr;  // (M, ldq) queries already multiplied by scale, zero-padded
   int64_t ldq = 0;
   const int64_t* lo = nullptr;   // row r sees keys [lo[r], hi[r]) (causal, window, kv_lens)
   const int64_t* hi = nullptr;
   const int64_t* pos = nullptr;  // the row's bottom-right aligned position i + (Lk - Lq)
-  const float* slope = nullptr;  // per-row ALiBi slope, or null
+  const T* slope = nullptr;  // per-row ALiBi slope, or null
   MaskKind mask_kind = MaskKind::none;
   const char* const* mask_row = nullptr;  // per row: address of mask element (row, key 0)
   int64_t mask_sk = 0;                    // bytes between consecutive keys of a mask row
 };
+using RowSet = RowSetT<float>;
 
-// Per-thread scratch, sized by the driver for M rows (all float buffers 64-byte aligned).
-struct Scratch {
-  float* kt = nullptr;    // (Dkp, kTileK) K tile, transposed
-  float* kf = nullptr;    // (kTileK, Dkp) K tile, converted to fp32
-  float* vf = nullptr;    // (kTileK, Dvp) V tile, converted to fp32
-  float* s = nullptr;     // (M, kTileK) scores, then probabilities
-  float* bias = nullptr;  // (M, kTileK) user mask as additive bias
-  float* zero = nullptr;  // max(Dkp, Dvp) zeros, a stand-in row past the end of a tile
-  const float** krow = nullptr;  // kTileK fp32 row pointers
-  const float** vrow = nullptr;
+// Per-thread scratch, sized by the driver for M rows (all T buffers 64-byte aligned).
+template <class T>
+struct ScratchT {
+  T* kt = nullptr;    // (Dkp, kTileK) K tile, transposed
+  T* kf = nullptr;    // (kTileK, Dkp) K tile, converted to T
+  T* vf = nullptr;    // (kTileK, Dvp) V tile, converted to T
+  T* s = nullptr;     // (M, kTileK) scores, then probabilities
+  T* bias = nullptr;  // (M, kTileK) user mask as additive bias
+  T* zero = nullptr;  // max(Dkp, Dvp) zeros, a stand-in row past the end of a tile
+  const T** krow = nullptr;  // kTileK row pointers (to T rows)
+  const T** vrow = nullptr;
   const char** kaddr = nullptr;  // 2 x kTileK source row addresses (this tile and the next)
   const char** vaddr = nullptr;
 };
+using Scratch = ScratchT<float>;
 
 // Running online-softmax state of M rows: O (M, ldo) unnormalised, m the running max, l the sum
 // (its rules: row_state.h).
-struct FlashState {
-  float* o = nullptr;
+template <class T>
+struct FlashStateT {
+  T* o = nullptr;
   int64_t ldo = 0;
-  float* m = nullptr;
-  float* l = nullptr;
+  T* m = nullptr;
+  T* l = nullptr;
 };
+using FlashState = FlashStateT<float>;
 
 struct DeltaHead;  // delta_kernels.h
 
-struct KernelTable {
-  const char* name;
+// The flash kernels of one compute type T (what the flash driver calls).
+template <class T>
+struct FlashKernels {
   // Accumulates keys [j_begin, j_end) into the state (which the driver initialised).
-  void (*flash)(const RowSet& rows, const KVSource& k, const KVSource& v, int64_t j_begin,
-                int64_t j_end, int64_t Dk, int64_t Dv, float softcap, const Scratch& scratch,
-                const FlashState& state);
+  void (*flash)(const RowSetT<T>& rows, const KVSource& k, const KVSource& v, int64_t j_begin,
+                int64_t j_end, int64_t Dk, int64_t Dv, T softcap, const ScratchT<T>& scratch,
+                const FlashStateT<T>& state);
   // `flash` for n work items over the same key range, interleaved tile by tile (item g uses
   // rows[g], k[g], v[g] and state[g]; the scratch is shared).
-  void (*flash_group)(int n, const RowSet* rows, const KVSource* k, const KVSource* v,
-                      int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
-                      const Scratch& scratch, const FlashState* state);
-  // Packs keys [j0, j0 + n) (n <= kTileK) transposed into dst (Dkp x kTileK floats, zero-padded),
+  void (*flash_group)(int n, const RowSetT<T>* rows, const KVSource* k, const KVSource* v,
+                      int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, T softcap,
+                      const ScratchT<T>& scratch, const FlashStateT<T>* state);
+  // Packs keys [j0, j0 + n) (n <= kTileK) transposed into dst (Dkp x kTileK, zero-padded),
   // the layout KVSource::kt holds.
-  void (*pack_k)(const KVSource& k, int64_t j0, int64_t n, int64_t Dk, const Scratch& scratch,
-                 float* dst);
-  // n elements of `src` (dtype) to fp32, and back.
-  void (*load_row)(const void* src, DType dtype, int64_t n, float* dst);
-  void (*store_row)(const float* src, int64_t n, DType dtype, void* dst);
+  void (*pack_k)(const KVSource& k, int64_t j0, int64_t n, int64_t Dk, const ScratchT<T>& scratch,
+                 T* dst);
+  // n elements of `src` (dtype) to T, and back.
+  void (*load_row)(const void* src, DType dtype, int64_t n, T* dst);
+  void (*store_row)(const T* src, int64_t n, DType dtype, void* dst);
+};
+
+// One instruction set's kernels: the float flash kernels, the probes and the delta rule.
+struct KernelTable : FlashKernels<float> {
+  const char* name;
   // Peak-FMA probe body: `iters` rounds of independent FMA chains; returns a checksum.
   float (*fma_probe)(int64_t iters);
   // Read-bandwidth probe body: sums n floats.
@@ -116,6 +132,8 @@ void delta_head_avx2(const DeltaHead& h);
 void delta_head_avx512(const DeltaHead& h);
 
 const KernelTable* table_scalar();
+// The float64 flash kernels: scalar code (float64 is for precision, not speed), one for every CPU.
+const FlashKernels<double>* table_f64();
 const KernelTable* table_avx2();
 const KernelTable* table_avx512();
 

@@ -17,8 +17,9 @@ namespace avx2 {
 
 namespace kern {
 const KernelTable* table_avx2() {
-  static const KernelTable table{"avx2", &avx2::flash, &avx2::flash_group,
-                                 &avx2::pack_k, &avx2::load_row, &avx2::store_row,
+  static const KernelTable table{{&avx2::flash, &avx2::flash_group, &avx2::pack_k,
+                                   &avx2::load_row, &avx2::store_row},
+                                 "avx2",
                                  &avx2::fma_probe, &avx2::read_probe,
                                  &delta_head_avx2};
   return &table;

@@ -17,8 +17,9 @@ namespace avx512 {
 
 namespace kern {
 const KernelTable* table_avx512() {
-  static const KernelTable table{"avx512", &avx512::flash, &avx512::flash_group,
-                                 &avx512::pack_k, &avx512::load_row, &avx512::store_row,
+  static const KernelTable table{{&avx512::flash, &avx512::flash_group, &avx512::pack_k,
+                                   &avx512::load_row, &avx512::store_row},
+                                 "avx512",
                                  &avx512::fma_probe, &avx512::read_probe,
                                  &delta_head_avx512};
   return &table;

@@ -17,8 +17,9 @@ namespace scalar {
 
 namespace kern {
 const KernelTable* table_scalar() {
-  static const KernelTable table{"scalar", &scalar::flash, &scalar::flash_group,
-                                 &scalar::pack_k, &scalar::load_row, &scalar::store_row,
+  static const KernelTable table{{&scalar::flash, &scalar::flash_group, &scalar::pack_k,
+                                   &scalar::load_row, &scalar::store_row},
+                                 "scalar",
                                  &scalar::fma_probe, &scalar::read_probe,
                                  &delta_head_scalar};
   return &table;

@@ -13,6 +13,7 @@ namespace simd {
 
 constexpr int W = 8;
 using V = __m256;
+using Real = float;  // the type of a lane: what the kernels compute in
 
 static inline V zero() { return _mm256_setzero_ps(); }
 static inline V set1(float x) { return _mm256_set1_ps(x); }

@@ -14,6 +14,7 @@ namespace simd {
 
 constexpr int W = 16;
 using V = __m512;
+using Real = float;  // the type of a lane: what the kernels compute in
 
 static inline __m256 lo256(V v) { return _mm512_castps512_ps256(v); }
 static inline __m256 hi256(V v) {
