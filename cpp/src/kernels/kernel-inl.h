@@ -489,10 +489,11 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
     for (int64_t j = 0; j < kTileK; ++j) kt[d * kTileK + j] = 0.f;
 }
 
-// K^T of keys [j0, j0 + n): the kv head's shared packed tile (packing it if no item has yet), or
-// a private one in scratch.
-static const float* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                                const kern::Scratch& sc) {
+// Keys [j0, j0 + n) packed by pack(j0, n, dst): the kv head's shared packed tile (packing it if no
+// item has yet), or a private one in scratch. (pack_k here; bf16 pairs in the avx512bf16 kernels.)
+template <class Pack>
+static const float* shared_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                                const kern::Scratch& sc, Pack&& pack) {
   if (ks.kt != nullptr && j0 % kTileK == 0) {
     float* shared = ks.kt + j0 / kTileK * round_up(Dk, kPad) * kTileK;
     int* ready = ks.kt_ready + j0 / kTileK;
@@ -501,13 +502,21 @@ static const float* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n,
     if (state == 0 &&
         __atomic_compare_exchange_n(ready, &state, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
       // the whole tile, whatever part of it this item needs: later items may need the rest
-      pack_k(ks, j0, imin(kTileK, ks.kt_keys - j0), Dk, sc, shared);
+      pack(j0, imin(kTileK, ks.kt_keys - j0), shared);
       __atomic_store_n(ready, 2, __ATOMIC_RELEASE);
       return shared;
     }
   }
-  pack_k(ks, j0, n, Dk, sc, sc.kt);
+  pack(j0, n, sc.kt);
   return sc.kt;
+}
+
+// K^T of keys [j0, j0 + n) (pack_k's layout), shared by the kv head's items where it can be.
+static const float* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                                const kern::Scratch& sc) {
+  return shared_tile(ks, j0, n, Dk, sc, [&](int64_t jj, int64_t nn, float* dst) {
+    pack_k(ks, jj, nn, Dk, sc, dst);
+  });
 }
 
 // The user mask over keys [j0, j0 + n) as an additive bias tile (M rows of kTileK, zero past n to
@@ -527,6 +536,40 @@ static inline bool mask_tile(const kern::RowSet& rs, int64_t j0, int64_t n, floa
     for (int64_t t = a; t < b && !open; ++t) open = br[t] != kNegInf;
   }
   return open;
+}
+
+// Whether some row sees a key of [j0, j0 + n): tiles outside every row's causal / window /
+// padding range, or whose visible pairs the user mask all blocks, are skipped. *bias: the mask as
+// an additive bias tile (in sc.bias), or null without a mask.
+static bool tile_open(const kern::RowSet& rs, int64_t j0, int64_t n, const kern::Scratch& sc,
+                      const float** bias) {
+  bool any = false;
+  for (int r = 0; r < rs.M && !any; ++r) any = rs.lo[r] < j0 + n && rs.hi[r] > j0;
+  if (!any) return false;
+  *bias = nullptr;
+  if (rs.mask_kind == MaskKind::none) return true;
+  *bias = sc.bias;
+  return mask_tile(rs, j0, n, sc.bias);
+}
+
+// The online-softmax update of the M rows of scores s over keys [j0, j0 + n) (bias: the mask tile
+// or null); s becomes the probabilities. Returns whether some row sees only part of the tile.
+static bool softmax_rows(const kern::RowSet& rs, int64_t j0, int64_t n, const float* bias,
+                         float softcap, int64_t Dvp, float* s, const kern::FlashState& st) {
+  bool partial = bias != nullptr;
+  for (int r = 0; r < rs.M; ++r) {
+    const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
+    partial = partial || vlo > 0 || vhi < n;
+    float* srow = s + int64_t(r) * kTileK;
+    if (vlo >= vhi) {
+      std::memset(srow, 0, sizeof(float) * kTileK);
+      continue;
+    }
+    softmax_row(srow, bias ? bias + int64_t(r) * kTileK : nullptr, n, vlo, vhi, j0, softcap,
+                rs.slope ? rs.slope[r] : 0.f, rs.pos[r], st.m + r, st.l + r,
+                st.o + int64_t(r) * st.ldo, Dvp);
+  }
+  return partial;
 }
 
 // Keys to prefetch while a tile is computed: rows [j, j + n) of the sources k and v (n = 0: none).
@@ -552,17 +595,9 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   const DType kdt = k_inplace ? ks.dtype : DType::f32, vdt = v_inplace ? vs.dtype : DType::f32;
   const int64_t vw = v_inplace ? Dv : Dvp;  // value features the PV kernel walks
 
-  const int64_t n = imin(kTileK, j_end - j0), j1 = j0 + n;
-  // Skip tiles no row can see (outside every row's causal / window / padding range).
-  bool any = false;
-  for (int r = 0; r < M && !any; ++r) any = rs.lo[r] < j1 && rs.hi[r] > j0;
-  if (!any) return;
-  // User mask as an additive bias tile; skip the tile if it blocks every visible pair.
+  const int64_t n = imin(kTileK, j_end - j0);
   const float* bias = nullptr;
-  if (rs.mask_kind != MaskKind::none) {
-    if (!mask_tile(rs, j0, n, sc.bias)) return;
-    bias = sc.bias;
-  }
+  if (!tile_open(rs, j0, n, sc, &bias)) return;
   // Row addresses of this tile (of K only where QK^T reads the rows themselves).
   const char** vaddr = sc.vaddr;
   kv_rows(vs, j0, n, vaddr);
@@ -588,20 +623,7 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
     });
     if (k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
   }
-  // softmax rows
-  bool partial = bias != nullptr;
-  for (int r = 0; r < M; ++r) {
-    const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
-    partial = partial || vlo > 0 || vhi < n;
-    float* srow = sc.s + int64_t(r) * kTileK;
-    if (vlo >= vhi) {
-      std::memset(srow, 0, sizeof(float) * kTileK);
-      continue;
-    }
-    softmax_row(srow, bias ? bias + int64_t(r) * kTileK : nullptr, n, vlo, vhi, j0, softcap,
-                rs.slope ? rs.slope[r] : 0.f, rs.pos[r], st.m + r, st.l + r,
-                st.o + int64_t(r) * st.ldo, Dvp);
-  }
+  const bool partial = softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
   // O += P V
   const float* const* vrow = fp32_rows(vs, j0, vaddr, n, Dv, v_inplace, sc.vf, sc.vrow);
   // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would

@@ -58,6 +58,10 @@ struct RowSet {
   MaskKind mask_kind = MaskKind::none;
   const char* const* mask_row = nullptr;  // per row: address of mask element (row, key 0)
   int64_t mask_sk = 0;                    // bytes between consecutive keys of a mask row
+  // The queries' own dtype and the scale q was multiplied by: the avx512bf16 kernels take bf16
+  // queries back (q / scale rounds to the bf16 value exactly) to use bf16 dot products.
+  DType q_dtype = DType::f32;
+  float scale = 1.f;
 };
 
 // Per-thread scratch, sized by the driver for M rows (all float buffers 64-byte aligned).
@@ -68,6 +72,7 @@ struct Scratch {
   float* s = nullptr;     // (M, kTileK) scores, then probabilities
   float* bias = nullptr;  // (M, kTileK) user mask as additive bias
   float* zero = nullptr;  // max(Dkp, Dvp) zeros, a stand-in row past the end of a tile
+  float* qb = nullptr;    // (M, Dkp / 2) Q as bf16 pairs (the avx512bf16 kernels only)
   const float** krow = nullptr;  // kTileK fp32 row pointers
   const float** vrow = nullptr;
   const char** kaddr = nullptr;  // 2 x kTileK source row addresses (this tile and the next)
@@ -118,6 +123,7 @@ void delta_head_avx512(const DeltaHead& h);
 const KernelTable* table_scalar();
 const KernelTable* table_avx2();
 const KernelTable* table_avx512();
+const KernelTable* table_avx512bf16();  // avx512, with bf16 dot products for bf16 prefill
 
 }  // namespace kern
 }  // namespace attnx
