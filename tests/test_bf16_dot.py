@@ -279,3 +279,15 @@ def test_paged_prefill_chunk(bf16_isa, rng):
     q32 = q.astype(np.float32)
     a = on_isa("avx512", lambda: attnx.paged_attention(q32, *args, q_lens=np.array([Sq])))
     np.testing.assert_array_equal(attnx.paged_attention(q32, *args, q_lens=np.array([Sq])), a)
+
+
+def test_nonfinite_value_past_an_items_keys_in_a_shared_tile(bf16_isa, rng):
+    """64 query heads on one kv head: each item is one position's 64 rows, all seeing the same
+    keys, and the kv head's packed V tile (shared by the items) holds keys past an item's last
+    one. With an odd key count the last pair holds the next key, whose p is 0: an infinite value
+    there must not make 0 * inf = NaN in the rows before it."""
+    q = rand(rng, (1, 64, 12, 16), BF16)
+    k = rand(rng, (1, 1, 12, 16), BF16)
+    v = rand(rng, (1, 1, 12, 16), BF16)
+    v[0, 0, 3, 7] = np.inf
+    check_attention(q, k, v, causal=True, expect_nan=True)

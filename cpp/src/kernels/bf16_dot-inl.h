@@ -184,6 +184,46 @@ static void pv_bf16(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dv
 }
 
 // ---- the tile loop ----------------------------------------------------------------------------
+// Where the packed K and V pairs of a tile are (kp: pack_k_bf16's layout, vp: pack_v_bf16's), how
+// many keys they hold (a shared tile holds all of its keys, whatever part an item needs) and
+// whether all of those values are finite.
+struct PackedKV {
+  const Pair* kp;
+  const Pair* vp;
+  int64_t keys;
+  bool finite;
+};
+
+// The tile's K pairs, shared by the kv head's items where the driver gave a buffer (kt). Its V
+// pairs go with them where they fit (Dvp <= Dkp: the fp32-sized tile holds both), packed once
+// per kv head as well; else each item packs V into its scratch (sc.vf).
+static PackedKV packed_kv(const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0, int64_t n,
+                          int64_t Dk, int64_t Dv, const kern::Scratch& sc) {
+  const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
+  const bool joint = Dvp <= Dkp;
+  const int64_t v_at = Dkp / 2 * kTileK;  // floats: V pairs after the K pairs
+  int bad = 0;
+  const float* kp = shared_tile(
+      ks, j0, n, Dk, sc,
+      [&](int64_t jj, int64_t nn, float* dst) {
+        pack_k_bf16(ks, jj, nn, Dk, sc, dst);
+        if (!joint) return 0;
+        kv_rows(vs, jj, nn, sc.vaddr);
+        return pack_v_bf16(sc.vaddr, nn, Dv, sc.zero, reinterpret_cast<Pair*>(dst + v_at)) ? 0 : 1;
+      },
+      &bad);
+  const int64_t keys = kp == sc.kt ? n : imin(kTileK, ks.kt_keys - j0);
+  PackedKV out{reinterpret_cast<const Pair*>(kp), reinterpret_cast<const Pair*>(kp + v_at), keys,
+               bad == 0};
+  if (!joint) {
+    kv_rows(vs, j0, n, sc.vaddr);
+    out.vp = reinterpret_cast<const Pair*>(sc.vf);
+    out.keys = n;
+    out.finite = pack_v_bf16(sc.vaddr, n, Dv, sc.zero, reinterpret_cast<Pair*>(sc.vf));
+  }
+  return out;
+}
+
 // Accumulates keys [j0, j_end) of one tile (at most kTileK keys) into the state. qb: the rows'
 // queries as bf16 pairs (pack_q_bf16), qscale the factor their dot products take.
 static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale,
@@ -194,23 +234,20 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
   const float* bias = nullptr;
   if (!tile_open(rs, j0, n, sc, &bias)) return;
-  const float* kp = shared_tile(ks, j0, n, Dk, sc, [&](int64_t jj, int64_t nn, float* dst) {
-    pack_k_bf16(ks, jj, nn, Dk, sc, dst);
-  });
-  qk_bf16(rs.M, qb, Dkp / 2, reinterpret_cast<const Pair*>(kp), (Dk + 1) / 2, qscale, sc.s);
+  const PackedKV kv = packed_kv(ks, vs, j0, n, Dk, Dv, sc);
+  qk_bf16(rs.M, qb, Dkp / 2, kv.kp, (Dk + 1) / 2, qscale, sc.s);
   const bool partial = softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
-  kv_rows(vs, j0, n, sc.vaddr);
-  Pair* vp = reinterpret_cast<Pair*>(sc.vf);
-  const bool finite = pack_v_bf16(sc.vaddr, n, Dv, sc.zero, vp);
   // A key a row cannot see has p = 0, and 0 * inf or 0 * NaN in its value would still reach the
-  // row: as in flash_tile, such tiles take the fp32 path where each row adds only its keys.
-  if (partial && !finite) {
+  // row: as in flash_tile, such tiles take the fp32 path where each row adds only its keys. (Also
+  // a shared tile with keys past this item's n: with n odd, the last pair holds key n.)
+  if (!kv.finite && (partial || kv.keys > n)) {
+    kv_rows(vs, j0, n, sc.vaddr);
     const float* const* fv = fp32_rows(vs, j0, sc.vaddr, n, Dv, false, sc.vf, sc.vrow);
     pv_visible(rs, j0, bias, sc.s, fv, n, Dvp, st.o, st.ldo);
     return;
   }
   pack_p_bf16(rs.M, sc.s, n2);
-  pv_bf16(rs.M, reinterpret_cast<const Pair*>(sc.s), vp, n2, Dvp, st.o, st.ldo);
+  pv_bf16(rs.M, reinterpret_cast<const Pair*>(sc.s), kv.vp, n2, Dvp, st.o, st.ldo);
 }
 
 // Whether an item takes the bf16 dot-product path: many rows (the packed, prefill-shaped QK^T;

@@ -491,32 +491,42 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
 
 // Keys [j0, j0 + n) packed by pack(j0, n, dst): the kv head's shared packed tile (packing it if no
 // item has yet), or a private one in scratch. (pack_k here; bf16 pairs in the avx512bf16 kernels.)
+// pack returns a flag (0 or 1) that stays with the tile (in its ready state: 2 + flag) and is
+// returned in *flag.
 template <class Pack>
 static const float* shared_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                                const kern::Scratch& sc, Pack&& pack) {
+                                const kern::Scratch& sc, Pack&& pack, int* flag) {
   if (ks.kt != nullptr && j0 % kTileK == 0) {
     float* shared = ks.kt + j0 / kTileK * round_up(Dk, kPad) * kTileK;
     int* ready = ks.kt_ready + j0 / kTileK;
     int state = __atomic_load_n(ready, __ATOMIC_ACQUIRE);
-    if (state == 2) return shared;
+    if (state >= 2) {
+      *flag = state - 2;
+      return shared;
+    }
     if (state == 0 &&
         __atomic_compare_exchange_n(ready, &state, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
       // the whole tile, whatever part of it this item needs: later items may need the rest
-      pack(j0, imin(kTileK, ks.kt_keys - j0), shared);
-      __atomic_store_n(ready, 2, __ATOMIC_RELEASE);
+      *flag = pack(j0, imin(kTileK, ks.kt_keys - j0), shared);
+      __atomic_store_n(ready, 2 + *flag, __ATOMIC_RELEASE);
       return shared;
     }
   }
-  pack(j0, n, sc.kt);
+  *flag = pack(j0, n, sc.kt);
   return sc.kt;
 }
 
 // K^T of keys [j0, j0 + n) (pack_k's layout), shared by the kv head's items where it can be.
 static const float* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
                                 const kern::Scratch& sc) {
-  return shared_tile(ks, j0, n, Dk, sc, [&](int64_t jj, int64_t nn, float* dst) {
-    pack_k(ks, jj, nn, Dk, sc, dst);
-  });
+  int unused;
+  return shared_tile(
+      ks, j0, n, Dk, sc,
+      [&](int64_t jj, int64_t nn, float* dst) {
+        pack_k(ks, jj, nn, Dk, sc, dst);
+        return 0;
+      },
+      &unused);
 }
 
 // The user mask over keys [j0, j0 + n) as an additive bias tile (M rows of kTileK, zero past n to

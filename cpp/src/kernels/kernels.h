@@ -39,8 +39,9 @@ struct KVSource {
   int64_t scale_row_stride = 0, scale_block_stride = 0;
   // Optional, keys only: room for every tile of keys [t * kTileK, (t + 1) * kTileK) (of the
   // kt_keys keys) packed by pack_k, at kt + t * Dkp * kTileK, shared by the work items of one kv
-  // head. kt_ready[t]: 0 = not packed, 1 = being packed, 2 = packed (atomic). The first item to
-  // need tile t packs it there; the others read it (or, while it is being packed, pack their own).
+  // head. kt_ready[t]: 0 = not packed, 1 = being packed, >= 2 = packed (atomic; 2 + a flag the
+  // packer keeps with the tile). The first item to need tile t packs it there; the others read it
+  // (or, while it is being packed, pack their own).
   float* kt = nullptr;
   int* kt_ready = nullptr;
   int64_t kt_keys = 0;
