@@ -1,8 +1,8 @@
 // bf16_dot-inl.h: the prefill tile loop (many query rows) with AVX512_BF16 dot products
 // (vdpbf16ps: 16 lanes, each adding two bf16 x bf16 products to an fp32 sum), for bf16 q, k and v.
 // kernels_avx512bf16.cpp includes it after kernel-inl.h, inside the same namespace: it reuses that
-// file's masks, online-softmax update and shared packed tiles, and falls back to its fp32-widening
-// `flash` for everything else (other dtypes, few rows: decode keeps the fp32-widening kernels).
+// file's masks, online-softmax update and shared packed tiles. Everything else (other dtypes, few
+// rows: decode) runs avx512's fp32-widening `flash` (kernels_avx512.cpp).
 //
 // Numerics (the flash-attention rule; README "dtypes"):
 //   S = scale * (q . k): the bf16 q and k as they are (q is taken back from the driver's scaled
@@ -258,12 +258,12 @@ static bool bf16_prefill(const kern::RowSet& rs, const kern::KVSource& ks, const
          vs.dtype == DType::bf16;
 }
 
-// The table's `flash`: bf16 prefill items on bf16 dot products, the rest on kernel-inl.h's flash.
+// The table's `flash`: bf16 prefill items on bf16 dot products, the rest on avx512's own flash.
 static void flash_bf16(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                        int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                        const kern::Scratch& sc, const kern::FlashState& st) {
   if (!bf16_prefill(rs, ks, vs)) {
-    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
+    kern::table_avx512()->flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
     return;
   }
   // q / scale is the bf16 query (see the head of this file) unless the scale is 0 or its inverse
