@@ -213,6 +213,12 @@ int main(int argc, char** argv) {
                                       1, 1, 16, 64, false, false))
         ->Unit(benchmark::kMicrosecond);
   }
+  // bf16 dot products (issue 13): the bf16 prefill shapes on the avx512bf16 path, beside the
+  // avx512 rows above (fp32, and bf16 widened to fp32)
+  tune(benchmark::RegisterBenchmark("prefill_bf16_avx512bf16", bm_dense, "avx512bf16", DType::bf16,
+                                    1, 8, 8, 2048, 2048, 64, false, false));
+  tune(benchmark::RegisterBenchmark("prefill_gqa_causal_bf16_avx512bf16", bm_dense, "avx512bf16",
+                                    DType::bf16, 1, 32, 8, 2048, 2048, 128, true, false));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

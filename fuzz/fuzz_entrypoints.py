@@ -126,6 +126,8 @@ if _f["avx2"] and _f["fma"] and _f["f16c"]:
     ISAS.append("avx2")
     if _f["avx512f"]:
         ISAS.append("avx512")
+        if _f["avx512bw"] and _f["avx512vl"] and _f["avx512bf16"]:
+            ISAS.append("avx512bf16")
 
 
 class Opaque:

@@ -4,7 +4,8 @@ reference with a tolerance that follows the dtype (see ``attention_tolerance``).
 
 Environment:
   ATTNX_TEST_SEED           seed of every random test (default 0); printed in the header
-  ATTNX_ISA                 scalar | avx2 | avx512 | auto: run the kernel tests on that path only
+  ATTNX_ISA                 scalar | avx2 | avx512 | avx512bf16 | auto: run the kernel tests on that
+                            path only
   ATTNX_HYPOTHESIS_PROFILE  "ci" (default) or "soak" (many more examples)
 """
 
@@ -59,7 +60,16 @@ def supported_isas():
         isas.append("avx2")
         if f["avx512f"]:
             isas.append("avx512")
+            if has_avx512bf16(f):
+                isas.append("avx512bf16")
     return isas
+
+
+def has_avx512bf16(f=None):
+    """Whether the CPU can run the avx512bf16 path (AVX512_BF16, with AVX-512F/BW/VL)."""
+    f = attnx.cpu_features() if f is None else f
+    return all(f.get(k) for k in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                  "avx512bf16"))
 
 
 ISAS = supported_isas()
@@ -69,6 +79,8 @@ def best_isa():
     """The fastest path this CPU has, whatever ATTNX_ISA says."""
     f = attnx.cpu_features()
     if f["avx2"] and f["fma"] and f["f16c"]:
+        if has_avx512bf16(f):
+            return "avx512bf16"
         return "avx512" if f["avx512f"] else "avx2"
     return "scalar"
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
-ROWS = ["prefill", "gqa_causal", "encoder", "decode_f32", "decode_fp16", "decode_bf16",
+ROWS = ["prefill", "gqa_causal", "prefill_bf16", "gqa_causal_bf16", "encoder", "decode_f32", "decode_fp16", "decode_bf16",
         "decode_int8", "decode_fp8", "fork_mha_unshared", "fork_mha", "fork_gqa_unshared",
         "fork_gqa", "decode_long", "decode_long_fp16", "decode_long_int8",
         "decode_long_fp8", "small", "threads", "memory", "delta_prefill", "delta_decode"]
@@ -52,7 +52,7 @@ def test_bench_quick_writes_valid_json(tmp_path):
     result = json.loads((tmp_path / "tmp.json").read_text())
     assert {"date", "config", "machine", "limits", "rows", "others_cpu_share"} <= set(result)
     m = result["machine"]
-    assert m["cpu_model"] and m["threads"] == 2 and m["isa"] in ("scalar", "avx2", "avx512")
+    assert m["cpu_model"] and m["threads"] == 2 and m["isa"] in ("scalar", "avx2", "avx512", "avx512bf16")
     assert m["versions"]["numpy"] and "torch" in m["versions"]
     lim = result["limits"]
     assert lim["fma_gflops_all"] > 0 and lim["fma_gflops_1"] > 0 and lim["read_gbps_all"] > 0
@@ -75,6 +75,10 @@ def test_bench_quick_writes_valid_json(tmp_path):
     for key in ("fork_mha", "fork_gqa"):
         assert rows[key]["extra"]["bound_vs_unshared"] >= 1.0, key
         assert "× unshared (bound" in rows[key]["met_text"], key
+    for key, base in (("prefill_bf16", "prefill"), ("gqa_causal_bf16", "gqa_causal")):  # issue 13
+        assert rows[key]["rate"] > 0 and f"fp32 {'GQA ' if 'gqa' in key else ''}prefill" in rows[key]["target"]
+        assert m["isa"] == "avx512bf16" or any("AVX512_BF16" in n or "not active" in n
+                                               for n in rows[key]["notes"]), key
     for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):  # issue 13
         assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(rows[key]["extra"]), key
         assert "fp16 tokens/s" in rows[key]["target"] and rows[key]["vs_numpy"] > 0, key

@@ -23,6 +23,9 @@ CpuFeatures cpu_features() {
   f.fma = __builtin_cpu_supports("fma");
   f.f16c = __builtin_cpu_supports("f16c");
   f.avx512f = __builtin_cpu_supports("avx512f");
+  f.avx512bw = __builtin_cpu_supports("avx512bw");
+  f.avx512vl = __builtin_cpu_supports("avx512vl");
+  f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
 #endif
   return f;
 }
@@ -32,25 +35,36 @@ namespace {
 std::atomic<const kern::KernelTable*> g_table{nullptr};
 std::atomic<int> g_threads{0};
 
+bool has_avx2(const CpuFeatures& f) { return f.avx2 && f.fma && f.f16c; }
+bool has_avx512(const CpuFeatures& f) { return has_avx2(f) && f.avx512f; }
+bool has_avx512bf16(const CpuFeatures& f) {
+  return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512bf16;
+}
+
 const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f) {
   if (name == "scalar") return kern::table_scalar();
   if (name == "avx2") {
-    if (!(f.avx2 && f.fma && f.f16c))
-      throw InvalidArgument("ATTNX_ISA=avx2: this CPU lacks AVX2, FMA or F16C");
+    if (!has_avx2(f)) throw InvalidArgument("ATTNX_ISA=avx2: this CPU lacks AVX2, FMA or F16C");
     return kern::table_avx2();
   }
   if (name == "avx512") {
-    if (!(f.avx512f && f.avx2 && f.fma && f.f16c))
-      throw InvalidArgument("ATTNX_ISA=avx512: this CPU lacks AVX-512F");
+    if (!has_avx512(f)) throw InvalidArgument("ATTNX_ISA=avx512: this CPU lacks AVX-512F");
     return kern::table_avx512();
   }
-  throw InvalidArgument("unknown instruction set '" + name + "' (expected scalar, avx2 or avx512)");
+  if (name == "avx512bf16") {
+    if (!has_avx512bf16(f))
+      throw InvalidArgument("ATTNX_ISA=avx512bf16: this CPU lacks AVX512_BF16 (or AVX-512BW/VL)");
+    return kern::table_avx512bf16();
+  }
+  throw InvalidArgument("unknown instruction set '" + name +
+                        "' (expected scalar, avx2, avx512 or avx512bf16)");
 }
 
 const kern::KernelTable* best_table() {
   const CpuFeatures f = cpu_features();
-  if (f.avx512f && f.avx2 && f.fma && f.f16c) return kern::table_avx512();
-  if (f.avx2 && f.fma && f.f16c) return kern::table_avx2();
+  if (has_avx512bf16(f)) return kern::table_avx512bf16();
+  if (has_avx512(f)) return kern::table_avx512();
+  if (has_avx2(f)) return kern::table_avx2();
   return kern::table_scalar();
 }
 

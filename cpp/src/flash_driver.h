@@ -198,7 +198,8 @@ class FlashRun {
         if (p_.mask_kind != MaskKind::none) s.mask_rows[r] = p_.mask_row(it.b, h, i);
       }
     }
-    rs = kern::RowSetT<T>{M, s.q, Dkp, lo, hi, pos, nullptr, p_.mask_kind, s.mask_rows, p_.mask_sk};
+    rs = kern::RowSetT<T>{M, s.q, Dkp, lo, hi, pos, nullptr, p_.mask_kind, s.mask_rows, p_.mask_sk,
+                          p_.q_dtype, p_.scale};
     if (p_.var.alibi_slopes != nullptr) {
       for (int r = 0; r < M; ++r) s.slopes[r] = p_.var.alibi_slopes[it.h0 + r / it.ni];
       rs.slope = s.slopes;

@@ -113,6 +113,7 @@ class ScratchLayout {
         std::max(Dkp, Dvp),   // kZero
         Dvp,                  // kTmp
         Dvp,                  // kMerged
+        M * Dkp / 2,          // kQb
     };
     int64_t at = 0;
     for (int i = 0; i < kParts; ++i) {
@@ -135,7 +136,7 @@ class ScratchLayout {
     ts.slopes.resize(std::size_t(group_ * M_));
     ThreadBuffers<T> tb;
     auto at = [&](Part part) { return base + offset_[part]; };
-    tb.sc = kern::ScratchT<T>{at(kKt),          at(kKf), at(kVf), at(kS), at(kBias), at(kZero),
+    tb.sc = kern::ScratchT<T>{at(kKt),          at(kKf), at(kVf), at(kS), at(kBias), at(kZero), at(kQb),
                           ts.ptrs.data(),   ts.ptrs.data() + kern::kTileK,
                           ts.addrs.data(),  ts.addrs.data() + 2 * kern::kTileK};
     std::memset(at(kZero), 0, sizeof(T) * std::size_t(std::max(Dkp_, Dvp_)));
@@ -155,7 +156,7 @@ class ScratchLayout {
   }
 
  private:
-  enum Part { kQ, kO, kM, kL, kKt, kKf, kVf, kS, kBias, kZero, kTmp, kMerged, kParts };
+  enum Part { kQ, kO, kM, kL, kKt, kKf, kVf, kS, kBias, kZero, kTmp, kMerged, kQb, kParts };
   static constexpr int64_t kLine = 64 / sizeof(T);
   int64_t group_, M_, Dkp_, Dvp_;
   int64_t offset_[kParts] = {};

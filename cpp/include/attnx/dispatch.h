@@ -6,10 +6,12 @@ namespace attnx {
 
 struct CpuFeatures {
   bool sse2 = true, avx2 = false, fma = false, f16c = false, avx512f = false;
+  bool avx512bw = false, avx512vl = false, avx512bf16 = false;  // the avx512bf16 path needs all 3
 };
 
 CpuFeatures cpu_features();
-// The active instruction set: "scalar", "avx2" or "avx512".
+// The active instruction set: "scalar", "avx2", "avx512" or "avx512bf16" (avx512, with bf16 dot
+// products for bf16 prefill).
 const char* active_isa();
 // Forces an instruction set (as ATTNX_ISA does); throws InvalidArgument if the CPU lacks it.
 void set_isa(const std::string& name);

@@ -498,25 +498,44 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
     for (int64_t j = 0; j < kTileK; ++j) kt[d * kTileK + j] = 0.f;
 }
 
-// K^T of keys [j0, j0 + n): the kv head's shared packed tile (packing it if no item has yet), or
-// a private one in scratch.
-static const Real* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                               const Scratch& sc) {
+// Keys [j0, j0 + n) packed by pack(j0, n, dst): the kv head's shared packed tile (packing it if no
+// item has yet), or a private one in scratch. (pack_k here; bf16 pairs in the avx512bf16 kernels.)
+// pack returns a flag (0 or 1) that stays with the tile (in its ready state: 2 + flag) and is
+// returned in *flag.
+template <class Pack>
+static const Real* shared_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                                const Scratch& sc, Pack&& pack, int* flag) {
   if (ks.kt != nullptr && j0 % kTileK == 0) {
     Real* shared = static_cast<Real*>(ks.kt) + j0 / kTileK * round_up(Dk, kPad) * kTileK;
     int* ready = ks.kt_ready + j0 / kTileK;
     int state = __atomic_load_n(ready, __ATOMIC_ACQUIRE);
-    if (state == 2) return shared;
+    if (state >= 2) {
+      *flag = state - 2;
+      return shared;
+    }
     if (state == 0 &&
         __atomic_compare_exchange_n(ready, &state, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
       // the whole tile, whatever part of it this item needs: later items may need the rest
-      pack_k(ks, j0, imin(kTileK, ks.kt_keys - j0), Dk, sc, shared);
-      __atomic_store_n(ready, 2, __ATOMIC_RELEASE);
+      *flag = pack(j0, imin(kTileK, ks.kt_keys - j0), shared);
+      __atomic_store_n(ready, 2 + *flag, __ATOMIC_RELEASE);
       return shared;
     }
   }
-  pack_k(ks, j0, n, Dk, sc, sc.kt);
+  *flag = pack(j0, n, sc.kt);
   return sc.kt;
+}
+
+// K^T of keys [j0, j0 + n) (pack_k's layout), shared by the kv head's items where it can be.
+static const Real* packed_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                               const Scratch& sc) {
+  int unused;
+  return shared_tile(
+      ks, j0, n, Dk, sc,
+      [&](int64_t jj, int64_t nn, Real* dst) {
+        pack_k(ks, jj, nn, Dk, sc, dst);
+        return 0;
+      },
+      &unused);
 }
 
 // The user mask over keys [j0, j0 + n) as an additive bias tile (M rows of kTileK, zero past n to
@@ -536,6 +555,40 @@ static inline bool mask_tile(const RowSet& rs, int64_t j0, int64_t n, Real* bias
     for (int64_t t = a; t < b && !open; ++t) open = br[t] != kNegInf;
   }
   return open;
+}
+
+// Whether some row sees a key of [j0, j0 + n): tiles outside every row's causal / window /
+// padding range, or whose visible pairs the user mask all blocks, are skipped. *bias: the mask as
+// an additive bias tile (in sc.bias), or null without a mask.
+static bool tile_open(const RowSet& rs, int64_t j0, int64_t n, const Scratch& sc,
+                      const Real** bias) {
+  bool any = false;
+  for (int r = 0; r < rs.M && !any; ++r) any = rs.lo[r] < j0 + n && rs.hi[r] > j0;
+  if (!any) return false;
+  *bias = nullptr;
+  if (rs.mask_kind == MaskKind::none) return true;
+  *bias = sc.bias;
+  return mask_tile(rs, j0, n, sc.bias);
+}
+
+// The online-softmax update of the M rows of scores s over keys [j0, j0 + n) (bias: the mask tile
+// or null); s becomes the probabilities. Returns whether some row sees only part of the tile.
+static bool softmax_rows(const RowSet& rs, int64_t j0, int64_t n, const Real* bias,
+                         Real softcap, int64_t Dvp, Real* s, const FlashState& st) {
+  bool partial = bias != nullptr;
+  for (int r = 0; r < rs.M; ++r) {
+    const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
+    partial = partial || vlo > 0 || vhi < n;
+    Real* srow = s + int64_t(r) * kTileK;
+    if (vlo >= vhi) {
+      std::memset(srow, 0, sizeof(Real) * kTileK);
+      continue;
+    }
+    softmax_row(srow, bias ? bias + int64_t(r) * kTileK : nullptr, n, vlo, vhi, j0, softcap,
+                rs.slope ? rs.slope[r] : 0.f, rs.pos[r], st.m + r, st.l + r,
+                st.o + int64_t(r) * st.ldo, Dvp);
+  }
+  return partial;
 }
 
 // Keys to prefetch while a tile is computed: rows [j, j + n) of the sources k and v (n = 0: none).
@@ -561,17 +614,9 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
   const DType kdt = k_inplace ? ks.dtype : kNative, vdt = v_inplace ? vs.dtype : kNative;
   const int64_t vw = v_inplace ? Dv : Dvp;  // value features the PV kernel walks
 
-  const int64_t n = imin(kTileK, j_end - j0), j1 = j0 + n;
-  // Skip tiles no row can see (outside every row's causal / window / padding range).
-  bool any = false;
-  for (int r = 0; r < M && !any; ++r) any = rs.lo[r] < j1 && rs.hi[r] > j0;
-  if (!any) return;
-  // User mask as an additive bias tile; skip the tile if it blocks every visible pair.
+  const int64_t n = imin(kTileK, j_end - j0);
   const Real* bias = nullptr;
-  if (rs.mask_kind != MaskKind::none) {
-    if (!mask_tile(rs, j0, n, sc.bias)) return;
-    bias = sc.bias;
-  }
+  if (!tile_open(rs, j0, n, sc, &bias)) return;
   // Row addresses of this tile (of K only where QK^T reads the rows themselves).
   const char** vaddr = sc.vaddr;
   kv_rows(vs, j0, n, vaddr);
@@ -597,20 +642,7 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
     });
     if (k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
   }
-  // softmax rows
-  bool partial = bias != nullptr;
-  for (int r = 0; r < M; ++r) {
-    const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
-    partial = partial || vlo > 0 || vhi < n;
-    Real* srow = sc.s + int64_t(r) * kTileK;
-    if (vlo >= vhi) {
-      std::memset(srow, 0, sizeof(Real) * kTileK);
-      continue;
-    }
-    softmax_row(srow, bias ? bias + int64_t(r) * kTileK : nullptr, n, vlo, vhi, j0, softcap,
-                rs.slope ? rs.slope[r] : 0.f, rs.pos[r], st.m + r, st.l + r,
-                st.o + int64_t(r) * st.ldo, Dvp);
-  }
+  const bool partial = softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
   // O += P V
   const Real* const* vrow = real_rows(vs, j0, vaddr, n, Dv, v_inplace, sc.vf, sc.vrow);
   // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would

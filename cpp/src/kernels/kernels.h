@@ -39,8 +39,10 @@ struct KVSource {
   int64_t scale_row_stride = 0, scale_block_stride = 0;
   // Optional, keys only: room for every tile of keys [t * kTileK, (t + 1) * kTileK) (of the
   // kt_keys keys) packed by pack_k, at kt + t * Dkp * kTileK elements of the kernel's type (float;
-  // double for the float64 kernels), shared by the work items of one kv head. kt_ready[t]: 0 = not packed, 1 = being packed, 2 = packed (atomic). The first item to
-  // need tile t packs it there; the others read it (or, while it is being packed, pack their own).
+  // double for the float64 kernels), shared by the work items of one kv head. kt_ready[t]: 0 = not
+  // packed, 1 = being packed, >= 2 = packed (atomic; 2 + a flag the packer keeps with the tile).
+  // The first item to need tile t packs it there; the others read it (or, while it is being
+  // packed, pack their own).
   void* kt = nullptr;
   int* kt_ready = nullptr;
   int64_t kt_keys = 0;
@@ -63,6 +65,10 @@ struct RowSetT {
   MaskKind mask_kind = MaskKind::none;
   const char* const* mask_row = nullptr;  // per row: address of mask element (row, key 0)
   int64_t mask_sk = 0;                    // bytes between consecutive keys of a mask row
+  // The queries' own dtype and the scale q was multiplied by: the avx512bf16 kernels take bf16
+  // queries back (q / scale rounds to the bf16 value exactly) to use bf16 dot products.
+  DType q_dtype = DType::f32;
+  T scale = 1;
 };
 using RowSet = RowSetT<float>;
 
@@ -75,6 +81,7 @@ struct ScratchT {
   T* s = nullptr;     // (M, kTileK) scores, then probabilities
   T* bias = nullptr;  // (M, kTileK) user mask as additive bias
   T* zero = nullptr;  // max(Dkp, Dvp) zeros, a stand-in row past the end of a tile
+  T* qb = nullptr;    // (M, Dkp / 2) Q as bf16 pairs (the avx512bf16 kernels only)
   const T** krow = nullptr;  // kTileK row pointers (to T rows)
   const T** vrow = nullptr;
   const char** kaddr = nullptr;  // 2 x kTileK source row addresses (this tile and the next)
@@ -136,6 +143,7 @@ const KernelTable* table_scalar();
 const FlashKernels<double>* table_f64();
 const KernelTable* table_avx2();
 const KernelTable* table_avx512();
+const KernelTable* table_avx512bf16();  // avx512, with bf16 dot products for bf16 prefill
 
 }  // namespace kern
 }  // namespace attnx

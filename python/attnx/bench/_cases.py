@@ -249,6 +249,30 @@ class TokensOver:
 
 
 @dataclass(frozen=True)
+class RateOver:
+    """This row's rate over another row's in the same run (bf16 prefill over the fp32 prefill of
+    the same shape: GFLOP/s counts the same FLOPs whatever the dtype)."""
+    base: str
+    x: float
+    label: str
+
+    def text(self, row):
+        return f"≥ {self.x:g}× {self.label} {row.rate_unit}"
+
+    def value(self, row, rows):
+        base = rows.get(self.base)
+        if base is None or not base.rate or not row.rate:
+            return None
+        return row.rate / base.rate
+
+    def ok(self, v):
+        return v >= self.x
+
+    def show(self, v, row):
+        return f"{v:.2f}× {self.label}" if v is not None else f"{self.label} row n/a"
+
+
+@dataclass(frozen=True)
 class AtMostLatency:
     seconds: float
 
@@ -370,7 +394,8 @@ def judge(row, rows):
     parts, ok, unknown = [], True, False
     for goal in goals:
         v = goal.value(row, rows)
-        parts.append(goal.show(v, row) if v is not None or isinstance(goal, (FasterThan, TokensOver))
+        parts.append(goal.show(v, row) if v is not None
+                     or isinstance(goal, (FasterThan, TokensOver, RateOver))
                      else "n/a")
         if v is None:
             unknown = True
@@ -401,6 +426,7 @@ class Case:
     seed: int = 0
     kind: str = ""
     before: str = ""  # in-loop rows: the library whose matmul runs right before each attnx call
+    isa: str = ""  # the kernel path the row is about: the bench notes when another one runs it
 
     @property
     def row_kind(self):
@@ -428,6 +454,9 @@ def suite(*, tiny, quick, threads, repeat):
         Case("gqa_causal", "causal GQA prefill", Dense(1, Hq, Hkv, S_gqa, S_gqa, 128, causal=True),
              (FasterThan("torch", 1.5, "(enable_gqa)"),),
              {"S": S_gqa // (1 if tiny else 8 if quick else 2)}, seed=2),
+    ]
+    cases += bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, tiny=tiny, quick=quick)
+    cases += [
         Case("encoder", "encoder batch with padding",
              Dense(B_enc, H_enc, H_enc, S_enc, S_enc, 64, kv_lens=_padding_lens(B_enc, S_enc, 3)),
              (FasterThan("torch", 1.5, "(boolean mask)"),), {"B": 1 if quick else B_enc},
@@ -461,6 +490,33 @@ def suite(*, tiny, quick, threads, repeat):
              (PeakMemory(),), None, kind="memory"),
     ]
     return cases + delta_cases(tiny=tiny, quick=quick)
+
+
+def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
+    """bf16 prefill on AVX512_BF16 dot products (issue 13): the prefill and causal GQA shapes in
+    bf16, against torch's bf16 SDPA and the fp32 rows of the same shapes in the same run."""
+    return [
+        Case("prefill_bf16", "prefill bf16", Dense(1, H_pre, H_pre, S_pre, S_pre, 64, dtype="bf16"),
+             (RateOver("prefill", 1.6, "fp32 prefill"), FasterThan("torch", 1.0, "(bf16)")),
+             {"S": S_pre // (8 if quick and not tiny else 2)}, seed=1, isa="avx512bf16"),
+        Case("gqa_causal_bf16", "causal GQA prefill bf16",
+             Dense(1, Hq, Hkv, S_gqa, S_gqa, 128, causal=True, dtype="bf16"),
+             (RateOver("gqa_causal", 1.6, "fp32 GQA prefill"),
+              FasterThan("torch", 1.0, "(bf16, enable_gqa)")),
+             {"S": S_gqa // (1 if tiny else 8 if quick else 2)}, seed=2, isa="avx512bf16"),
+    ]
+
+
+def isa_note(isa):
+    """Why the kernel path ``isa`` is not the one running (None when it is)."""
+    from .. import cpu_features
+
+    f = cpu_features()
+    if f["isa"] == isa:
+        return None
+    if isa == "avx512bf16" and not (f.get("avx512bf16") and f.get("avx512bw") and f.get("avx512vl")):
+        return "CPU lacks AVX512_BF16: bf16 runs on the fp32-widening kernels (target not reachable)"
+    return f"{isa} not active (ATTNX_ISA forced {f['isa']})"
 
 
 def delta_cases(*, tiny, quick):

@@ -14,7 +14,7 @@ import numpy as np
 import attnx
 
 from . import _peers
-from ._cases import Case, Delta, Dense, OverRow, judge, shared_bound, target_text
+from ._cases import Case, Delta, Dense, OverRow, isa_note, judge, shared_bound, target_text
 from ._machine import MiB, CpuShare
 from ._timing import Progress, alone, clock, interleaved, median, spread
 
@@ -313,6 +313,9 @@ def run_all(cases, bench):
         row.extra["others_cpu_share"] = others
         if others is not None and others > 0.10:
             row.notes.append(f"noisy: other processes used {100 * others:.0f}% of the CPUs")
+        note = isa_note(case.isa) if case.isa else None
+        if note:
+            row.notes.append(note)
         rows.append(row)
         bench.progress.done(_summary(row))
     return rows

@@ -1,0 +1,280 @@
+// bf16_dot-inl.h: the prefill tile loop (many query rows) with AVX512_BF16 dot products
+// (vdpbf16ps: 16 lanes, each adding two bf16 x bf16 products to an fp32 sum), for bf16 q, k and v.
+// kernels_avx512bf16.cpp includes it after kernel-inl.h, inside the same namespace: it reuses that
+// file's masks, online-softmax update and shared packed tiles. Everything else (other dtypes, few
+// rows: decode) runs avx512's fp32-widening `flash` (kernels_avx512.cpp).
+//
+// Numerics (the flash-attention rule; README "dtypes"):
+//   S = scale * (q . k): the bf16 q and k as they are (q is taken back from the driver's scaled
+//       fp32 copy: q * scale / scale rounds to the bf16 value exactly), each product exact in
+//       fp32, the sums in fp32 (vdpbf16ps flushes bf16 subnormals, |x| < 1.2e-38, to zero). This
+//       is the fp32 path's S up to the order of the additions.
+//   softcap, ALiBi, masks, max, exp, the row sums l and the rescaling of O: fp32, as in kernel-inl.h.
+//   P V: P rounded to bf16 (round to nearest even) before the product, as FlashAttention and
+//       torch's bf16 SDPA do; O accumulated in fp32. This rounding (a relative 2^-9 per p) is the
+//       only error the path adds to the fp32-widening kernels: tests/test_bf16_dot.py holds its
+//       error against the float64 reference within a small multiple of a same-precision
+//       implementation's (a NumPy emulation that rounds P to bf16, and torch's bf16 SDPA).
+
+// The including file provides <cmath>, <cstring>, <limits>, <type_traits> and <immintrin.h>.
+
+namespace {
+
+// Two bf16 values in 32 bits, the lower index in the low half: what vdpbf16ps multiplies pairwise.
+using Pair = int32_t;
+
+static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+static inline __m512bh bcast_pair(const Pair* p) { return as_bh(_mm512_set1_epi32(*p)); }
+static inline __m512bh load_pairs(const Pair* p) { return as_bh(_mm512_loadu_si512(p)); }
+// 32 floats (a then b) rounded to bf16, as 16 pairs (a[0], a[1]), ..., (b[14], b[15])
+static inline __m512i round_pairs(V a, V b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
+
+// Calls f(std::integral_constant<int, MR>{}, r) for the blocks of MR = 6 rows starting at r, then
+// for the 1-5 rows left: the register blocks below are 6 rows by 4 vectors (24 accumulators).
+template <class Fn>
+static ATTNX_INLINE void row_blocks(int M, Fn&& f) {
+  int r = 0;
+  for (; r + 6 <= M; r += 6) f(std::integral_constant<int, 6>{}, r);
+  switch (M - r) {
+    case 5: f(std::integral_constant<int, 5>{}, r); break;
+    case 4: f(std::integral_constant<int, 4>{}, r); break;
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
+// ---- packing ----------------------------------------------------------------------------------
+// The M query rows (fp32, multiplied by scale) back to bf16 pairs along the features:
+// qb[r][d2] = (q[r][2 d2], q[r][2 d2 + 1]), Dkp / 2 pairs a row, zero past Dk.
+static void pack_q_bf16(const kern::RowSet& rs, int64_t Dkp, float inv_scale, Pair* qb) {
+  const V f = set1(inv_scale);
+  for (int r = 0; r < rs.M; ++r) {
+    const float* q = rs.q + r * rs.ldq;
+    for (int64_t d = 0; d < Dkp; d += 2 * W)
+      _mm512_storeu_si512(qb + r * (Dkp / 2) + d / 2,
+                          round_pairs(mul(load(q + d), f), mul(load(q + d + W), f)));
+  }
+}
+
+// Keys [j0, j0 + n) as bf16 pairs along the features, kp[d2][j] = (k[j][2 d2], k[j][2 d2 + 1])
+// (Dkp / 2 x kTileK pairs, zero past n and past Dk): one vdpbf16ps multiplies a query's pair by
+// 16 keys' pairs. A pair is 32 bits, so this is pack_kt's transpose of the rows seen as pairs.
+static void pack_k_bf16(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
+                        const kern::Scratch& sc, float* kp) {
+  const int64_t Dkp = round_up(Dk, kPad);
+  const bool inplace = Dk % (2 * 8) == 0;  // whole 8 x 8 blocks of pairs: read the rows as they are
+  kv_rows(ks, j0, n, sc.kaddr);
+  for (int64_t t = 0; t < n; ++t) {
+    if (inplace) {
+      sc.krow[t] = reinterpret_cast<const float*>(sc.kaddr[t]);
+      continue;
+    }
+    char* dst = reinterpret_cast<char*>(sc.kf) + t * Dkp * 2;  // zero-padded copy of the row
+    std::memcpy(dst, sc.kaddr[t], std::size_t(Dk) * 2);
+    std::memset(dst + Dk * 2, 0, std::size_t(Dkp - Dk) * 2);
+    sc.krow[t] = reinterpret_cast<const float*>(dst);
+  }
+  for (int64_t t = n; t < kTileK; ++t) sc.krow[t] = sc.zero;
+  const int64_t d2 = (inplace ? Dk : Dkp) / 2;
+  pack_kt(sc.krow, n, d2, kp);  // zero past n to a multiple of NR * W keys
+  for (int64_t d = 0; d < d2; ++d)
+    std::memset(kp + d * kTileK + round_up(n, NR * W), 0,
+                sizeof(float) * std::size_t(kTileK - round_up(n, NR * W)));
+  std::memset(kp + d2 * kTileK, 0, sizeof(float) * std::size_t((Dkp / 2 - d2) * kTileK));
+}
+
+// Values [j0, j0 + n) (row addresses addr) as bf16 pairs along the keys,
+// vp[t][d] = (v[2 t][d], v[2 t + 1][d]) ((n + 1) / 2 x Dvp pairs, zero past n and past Dv): one
+// vdpbf16ps multiplies a row's pair of probabilities by 16 features' pairs. Returns whether every
+// value is finite (no bf16 with an all-ones exponent).
+static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const float* zero, Pair* vp) {
+  const int64_t Dvp = round_up(Dv, kPad);
+  const __m256i expo = _mm256_set1_epi16(0x7f80);
+  __mmask16 bad = 0;
+  for (int64_t t = 0; t < (n + 1) / 2; ++t) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(addr[2 * t]);
+    const uint16_t* b = 2 * t + 1 < n ? reinterpret_cast<const uint16_t*>(addr[2 * t + 1])
+                                      : reinterpret_cast<const uint16_t*>(zero);
+    for (int64_t d = 0; d < Dvp; d += W) {
+      // masked loads read only the row's own Dv elements (zeros past them)
+      const int64_t left = Dv - d;
+      const __mmask16 m = left >= W ? __mmask16(0xffff) : left <= 0 ? 0 : __mmask16((1u << left) - 1);
+      const __m256i x = _mm256_maskz_loadu_epi16(m, a + d), y = _mm256_maskz_loadu_epi16(m, b + d);
+      bad |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(x, expo), expo) |
+             _mm256_cmpeq_epi16_mask(_mm256_and_si256(y, expo), expo);
+      const __m512i lo = _mm512_cvtepu16_epi32(x), hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16);
+      _mm512_storeu_si512(vp + t * Dvp + d, _mm512_or_si512(lo, hi));
+    }
+  }
+  return bad == 0;
+}
+
+// The probabilities of M rows (s, kTileK floats a row) rounded to bf16, as n2 key pairs in place
+// at the start of each row (a row's pair t is at int32 index t of the row).
+static void pack_p_bf16(int M, float* s, int64_t n2) {
+  for (int r = 0; r < M; ++r) {
+    float* row = s + int64_t(r) * kTileK;
+    // chunk c's 16 pairs go to [c / 2, c / 2 + 16): at or before the floats it reads
+    for (int64_t c = 0; c < 2 * n2; c += 2 * W)
+      _mm512_storeu_si512(row + c / 2, round_pairs(load(row + c), load(row + c + W)));
+  }
+}
+
+// ---- S = scale * Q K^T: MR rows x kTileK keys (4 vectors) per register block ------------------
+template <int MR>
+static ATTNX_INLINE void qk_bf16_block(const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n,
+                                       float scale, float* s) {
+  constexpr int NC = kTileK / W;
+  V acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = zero();
+  for (int64_t d = 0; d < d2n; ++d) {
+    __m512bh k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = load_pairs(kp + d * kTileK + c * W);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh qp = bcast_pair(qb + r * ldq + d);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], k[c], qp);
+    }
+  }
+  const V f = set1(scale);
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) store(s + r * kTileK + c * W, mul(acc[r][c], f));
+}
+
+// d2n: the pairs that hold features (ceil(Dk / 2)); the zero pairs past them are skipped.
+static void qk_bf16(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n, float scale,
+                    float* s) {
+  row_blocks(M, [&](auto mr, int r) {
+    qk_bf16_block<decltype(mr)::value>(qb + r * ldq, ldq, kp, d2n, scale, s + int64_t(r) * kTileK);
+  });
+}
+
+// ---- O += P V: MR rows x NB vectors of value features per register block ----------------------
+template <int MR, int NB>
+static ATTNX_INLINE void pv_bf16_block(const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp,
+                                       int64_t c, float* o, int64_t ldo) {
+  V acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int k = 0; k < NB; ++k) acc[r][k] = load(o + r * ldo + c + k * W);
+  for (int64_t t = 0; t < n2; ++t) {
+    __m512bh v[NB];
+    for (int k = 0; k < NB; ++k) v[k] = load_pairs(vp + t * Dvp + c + k * W);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh pp = bcast_pair(p + r * kTileK + t);
+      for (int k = 0; k < NB; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], v[k], pp);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int k = 0; k < NB; ++k) store(o + r * ldo + c + k * W, acc[r][k]);
+}
+
+// Dvp is a multiple of kPad = 2 vectors: blocks of 4 vectors, then one of 2.
+static void pv_bf16(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp, float* o,
+                    int64_t ldo) {
+  row_blocks(M, [&](auto mr, int r) {
+    constexpr int MR = decltype(mr)::value;
+    const Pair* pr = p + int64_t(r) * kTileK;
+    float* orow = o + r * ldo;
+    int64_t c = 0;
+    for (; c + 4 * W <= Dvp; c += 4 * W) pv_bf16_block<MR, 4>(pr, vp, n2, Dvp, c, orow, ldo);
+    if (c < Dvp) pv_bf16_block<MR, 2>(pr, vp, n2, Dvp, c, orow, ldo);
+  });
+}
+
+// ---- the tile loop ----------------------------------------------------------------------------
+// Where the packed K and V pairs of a tile are (kp: pack_k_bf16's layout, vp: pack_v_bf16's), how
+// many keys they hold (a shared tile holds all of its keys, whatever part an item needs) and
+// whether all of those values are finite.
+struct PackedKV {
+  const Pair* kp;
+  const Pair* vp;
+  int64_t keys;
+  bool finite;
+};
+
+// The tile's K pairs, shared by the kv head's items where the driver gave a buffer (kt). Its V
+// pairs go with them where they fit (Dvp <= Dkp: the fp32-sized tile holds both), packed once
+// per kv head as well; else each item packs V into its scratch (sc.vf).
+static PackedKV packed_kv(const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0, int64_t n,
+                          int64_t Dk, int64_t Dv, const kern::Scratch& sc) {
+  const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
+  const bool joint = Dvp <= Dkp;
+  const int64_t v_at = Dkp / 2 * kTileK;  // floats: V pairs after the K pairs
+  int bad = 0;
+  const float* kp = shared_tile(
+      ks, j0, n, Dk, sc,
+      [&](int64_t jj, int64_t nn, float* dst) {
+        pack_k_bf16(ks, jj, nn, Dk, sc, dst);
+        if (!joint) return 0;
+        kv_rows(vs, jj, nn, sc.vaddr);
+        return pack_v_bf16(sc.vaddr, nn, Dv, sc.zero, reinterpret_cast<Pair*>(dst + v_at)) ? 0 : 1;
+      },
+      &bad);
+  const int64_t keys = kp == sc.kt ? n : imin(kTileK, ks.kt_keys - j0);
+  PackedKV out{reinterpret_cast<const Pair*>(kp), reinterpret_cast<const Pair*>(kp + v_at), keys,
+               bad == 0};
+  if (!joint) {
+    kv_rows(vs, j0, n, sc.vaddr);
+    out.vp = reinterpret_cast<const Pair*>(sc.vf);
+    out.keys = n;
+    out.finite = pack_v_bf16(sc.vaddr, n, Dv, sc.zero, reinterpret_cast<Pair*>(sc.vf));
+  }
+  return out;
+}
+
+// Accumulates keys [j0, j_end) of one tile (at most kTileK keys) into the state. qb: the rows'
+// queries as bf16 pairs (pack_q_bf16), qscale the factor their dot products take.
+static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale,
+                            const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
+                            int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
+                            const kern::Scratch& sc, const kern::FlashState& st) {
+  const int64_t n = imin(kTileK, j_end - j0), n2 = (n + 1) / 2;
+  const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
+  const float* bias = nullptr;
+  if (!tile_open(rs, j0, n, sc, &bias)) return;
+  const PackedKV kv = packed_kv(ks, vs, j0, n, Dk, Dv, sc);
+  qk_bf16(rs.M, qb, Dkp / 2, kv.kp, (Dk + 1) / 2, qscale, sc.s);
+  const bool partial = softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
+  // A key a row cannot see has p = 0, and 0 * inf or 0 * NaN in its value would still reach the
+  // row: as in flash_tile, such tiles take the fp32 path where each row adds only its keys. (Also
+  // a shared tile with keys past this item's n: with n odd, the last pair holds key n.)
+  if (!kv.finite && (partial || kv.keys > n)) {
+    kv_rows(vs, j0, n, sc.vaddr);
+    const float* const* fv = real_rows(vs, j0, sc.vaddr, n, Dv, false, sc.vf, sc.vrow);
+    pv_visible(rs, j0, bias, sc.s, fv, n, Dvp, st.o, st.ldo);
+    return;
+  }
+  pack_p_bf16(rs.M, sc.s, n2);
+  pv_bf16(rs.M, reinterpret_cast<const Pair*>(sc.s), kv.vp, n2, Dvp, st.o, st.ldo);
+}
+
+// Whether an item takes the bf16 dot-product path: many rows (the packed, prefill-shaped QK^T;
+// every item of a kv head with a shared packed K decides alike, so they agree on its layout) and
+// q, k and v all bf16.
+static bool bf16_prefill(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs) {
+  return rs.M > kDotRows && rs.q_dtype == DType::bf16 && ks.dtype == DType::bf16 &&
+         vs.dtype == DType::bf16;
+}
+
+// The table's `flash`: bf16 prefill items on bf16 dot products, the rest on avx512's own flash.
+static void flash_bf16(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
+                       int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
+                       const kern::Scratch& sc, const kern::FlashState& st) {
+  if (!bf16_prefill(rs, ks, vs)) {
+    kern::table_avx512()->flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
+    return;
+  }
+  // q / scale is the bf16 query (see the head of this file) unless the scale is 0 or its inverse
+  // overflows: then the scaled query itself is rounded to bf16.
+  const float inv = 1.f / rs.scale;
+  const bool back = rs.scale != 0.f && std::isfinite(rs.scale) && std::isfinite(inv);
+  Pair* qb = reinterpret_cast<Pair*>(sc.qb);
+  pack_q_bf16(rs, round_up(Dk, kPad), back ? inv : 1.f, qb);
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK)
+    flash_tile_bf16(rs, qb, back ? rs.scale : 1.f, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv,
+                    softcap, sc, st);
+}
+
+}  // namespace
