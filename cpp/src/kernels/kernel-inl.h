@@ -134,14 +134,29 @@ static inline void load_row_padded(const char* src, DType dtype, int64_t D, int6
   for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
 }
 
+// Rows of a later tile to prefetch while the packed QK^T runs: the 64-byte lines of `n` rows of
+// `bytes` each, spread evenly over the `calls` register-block calls of the product (call c asks
+// for its share), so the misses overlap with the FMAs instead of arriving in one burst.
+struct LinePrefetch {
+  const char* const* rows = nullptr;
+  int64_t lines_per_row = 0, lines = 0, calls = 1;
+  void share(int64_t c) const { range(lines * c / calls, lines * (c + 1) / calls); }
+  void range(int64_t l0, int64_t l1) const {
+    for (int64_t l = l0; l < l1; ++l)
+      __builtin_prefetch(rows[l / lines_per_row] + l % lines_per_row * 64, 0, 1);
+  }
+};
+
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
 template <int MR>
 static ATTNX_INLINE void qk_packed_block(const float* q, int64_t ldq, const float* kt,
-                                         int64_t Dkp, float* s) {
+                                         int64_t Dkp, float* s, const LinePrefetch* pf = nullptr,
+                                         int64_t l0 = 0, int64_t l1 = 0) {
   V acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = zero();
   for (int64_t d = 0; d < Dkp; ++d) {
+    if (pf != nullptr && (d & 7) == 0) pf->range(l0 + (l1 - l0) * d / Dkp, l0 + (l1 - l0) * (d + 8) / Dkp);
     const float* kd = kt + d * kTileK;
     V k0 = load(kd), k1 = load(kd + W);
     for (int r = 0; r < MR; ++r) {
@@ -156,37 +171,52 @@ static ATTNX_INLINE void qk_packed_block(const float* q, int64_t ldq, const floa
 
 template <int MR>
 static void qk_packed_rows(const float* q, int64_t ldq, const float* kt, int64_t Dkp, int64_t nw,
-                           float* s) {
-  for (int64_t j = 0; j < nw; j += NR * W) qk_packed_block<MR>(q, ldq, kt + j, Dkp, s + j);
+                           float* s, const LinePrefetch& pf, int64_t& call) {
+  for (int64_t j = 0; j < nw; j += NR * W) {
+    const int64_t c = call++;
+    qk_packed_block<MR>(q, ldq, kt + j, Dkp, s + j, &pf, pf.lines * c / pf.calls,
+                        pf.lines * (c + 1) / pf.calls);
+  }
 }
 
+// `next` (nn rows of `bytes`, or null) is a later tile's K, prefetched during the product.
 static void qk_packed(int M, const float* q, int64_t ldq, const float* kt, int64_t Dkp, int64_t n,
-                      float* s) {
+                      float* s, const char* const* next, int64_t nn, int64_t bytes) {
   const int64_t nw = round_up(n, NR * W);
   constexpr int MR = 6;
+  LinePrefetch pf;
+  if (next != nullptr && nn > 0) {
+    const int64_t lpr = (bytes + 63) / 64;
+    pf = LinePrefetch{next, lpr, nn * lpr, (M + MR - 1) / MR * (nw / (NR * W))};
+  }
+  int64_t call = 0;
   int r = 0;
-  for (; r + MR <= M; r += MR) qk_packed_rows<MR>(q + r * ldq, ldq, kt, Dkp, nw, s + r * kTileK);
+  for (; r + MR <= M; r += MR) qk_packed_rows<MR>(q + r * ldq, ldq, kt, Dkp, nw, s + r * kTileK, pf, call);
   const float* qr = q + r * ldq;
   float* sr = s + r * kTileK;
   switch (M - r) {
-    case 5: qk_packed_rows<5>(qr, ldq, kt, Dkp, nw, sr); break;
-    case 4: qk_packed_rows<4>(qr, ldq, kt, Dkp, nw, sr); break;
-    case 3: qk_packed_rows<3>(qr, ldq, kt, Dkp, nw, sr); break;
-    case 2: qk_packed_rows<2>(qr, ldq, kt, Dkp, nw, sr); break;
-    case 1: qk_packed_rows<1>(qr, ldq, kt, Dkp, nw, sr); break;
+    case 5: qk_packed_rows<5>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
+    case 4: qk_packed_rows<4>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
+    case 3: qk_packed_rows<3>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
+    case 2: qk_packed_rows<2>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
+    case 1: qk_packed_rows<1>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
     default: break;
   }
 }
 
 // Packs the n rows of a K tile transposed: kt[d][j], zero for j >= n (to a multiple of NR*W) and
 // for d >= Dk (to Dkp). `rows` holds kTileK fp32 row pointers padded with zero rows past n.
+static void zero_kt_tail(int64_t n, int64_t Dkp, float* kt) {
+  const int64_t n8 = round_up(n, 8), nw = round_up(n, NR * W);
+  for (int64_t d = 0; d < Dkp; ++d)
+    for (int64_t j = n8; j < nw; ++j) kt[d * kTileK + j] = 0.f;
+}
+
 static void pack_kt(const float* const* rows, int64_t n, int64_t Dkp, float* kt) {
   const int64_t n8 = round_up(n, 8);
   for (int64_t j = 0; j < n8; j += 8)
     for (int64_t d = 0; d < Dkp; d += 8) transpose8x8(rows + j, d, kt + d * kTileK + j, kTileK);
-  const int64_t nw = round_up(n, NR * W);
-  for (int64_t d = 0; d < Dkp; ++d)
-    for (int64_t j = n8; j < nw; ++j) kt[d * kTileK + j] = 0.f;
+  zero_kt_tail(n, Dkp, kt);
 }
 
 // Prefetch of the rows of a later tile, spread through the current tile's loops so the misses
@@ -482,9 +512,23 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
                    const kern::Scratch& sc, float* kt) {
   const int64_t Dkp = round_up(Dk, kPad);
   const bool inplace = ks.dtype == DType::f32 && Dk % 8 == 0;
-  const float* const* krow = key_rows(ks, j0, n, Dk, inplace, sc);
   const int64_t dk = inplace ? Dk : Dkp;  // converted rows are already zero-padded
-  pack_kt(krow, n, dk, kt);
+  if (inplace) {
+    pack_kt(key_rows(ks, j0, n, Dk, true, sc), n, dk, kt);
+  } else {
+    // Converted 8 rows at a time into the head of kf, each 8 transposed before the next are
+    // converted. A whole converted tile (32 KiB at D 128) beside the packed one evicted itself
+    // from L1, and the conversion stalled on its stores: a sixth of a 16-row fp16 tile's cycles.
+    kv_rows(ks, j0, n, sc.kaddr);
+    const float* rows[8];
+    for (int64_t j = 0; j < n; j += 8) {
+      const int64_t m = imin(8, n - j);
+      fp32_rows(ks, j0 + j, sc.kaddr + j, m, Dk, false, sc.kf, rows);
+      for (int64_t t = m; t < 8; ++t) rows[t] = sc.zero;
+      for (int64_t d = 0; d < Dkp; d += 8) transpose8x8(rows, d, kt + d * kTileK + j, kTileK);
+    }
+    zero_kt_tail(n, Dkp, kt);
+  }
   for (int64_t d = dk; d < Dkp; ++d)
     for (int64_t j = 0; j < kTileK; ++j) kt[d * kTileK + j] = 0.f;
 }
@@ -568,10 +612,12 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   kv_rows(vs, j0, n, vaddr);
   // Few rows (decode) make this loop memory bound, and pages are scattered, so the hardware
   // prefetcher cannot guess what comes next: ask for a later tile while this one is computed.
+  // Many rows over pages (a shared prefix's stacked queries) too: without it, a 16-row fp16 tile
+  // stalled on its K conversion and its first P V pass (a fifth of its cycles).
   const char** kn = nullptr;
   const char** vn = nullptr;
   const int64_t nn = ahead.n;
-  if (!packed && nn > 0) {
+  if (nn > 0) {
     kn = sc.kaddr + kTileK;
     vn = sc.vaddr + kTileK;
     kv_rows(*ahead.k, ahead.j, nn, kn);
@@ -579,7 +625,10 @@ static void flash_tile(const kern::RowSet& rs, const kern::KVSource& ks, const k
   }
   // S = Q K^T
   if (packed) {
-    qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s);
+    // (the next K tile is prefetched only where this item packs its own: a shared packed tile
+    // is read from the buffer, not the pages)
+    qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s,
+              ks.kt == nullptr ? kn : nullptr, nn, Dk * elem_bytes(ks.dtype));
   } else {
     const float** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
     with_type(kdt, [&](auto t) {
