@@ -56,6 +56,10 @@ static inline void transpose8x8(const float* const* src, int64_t col, float* dst
   for (int r = 0; r < 8; ++r)
     for (int c = 0; c < 8; ++c) dst[c * ldd + r] = src[r][col + c];
 }
+static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, float* dst, int64_t ldd) {
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < 8; ++c) dst[c * ldd + r] = cvt::f16_to_f32(src[r][col + c]);
+}
 
 }  // namespace simd
 }  // namespace scalar
