@@ -230,6 +230,14 @@ class FlashRun {
     float* lse = p_.lse_at(it.b, h, i);
     const float* sink = p_.var.sinks != nullptr ? p_.var.sinks + h : nullptr;
     float lse_value = row::kNegInf;
+    const FlashProblem::Prior prior = p_.prior(it.b, h, i);
+    if (prior.out != nullptr && i < p_.lq(it.b)) {
+      const row::Part parts[2] = {{m, l, o}, row::finished(prior.out, prior.lse)};
+      const row::MaxSum ml = row::merge_parts(2, [&](int64_t s) { return parts[s]; }, p_.Dv, tmp);
+      o = tmp;
+      m = ml.m;
+      l = ml.l;
+    }
     if (i < p_.lq(it.b) && row::finalize(o, m, l, sink, p_.Dv, tmp, &lse_value))
       table_->store_row(tmp, p_.Dv, p_.out_dtype, dst);
     else

@@ -25,6 +25,9 @@ namespace detail {
 //   kern::KVSource k_src(b, kvh), v_src(b, kvh)   where the keys and values are
 // and, with a user mask (mask_kind != none), mask_row(b, h, i): the address of the row's mask
 // element for key 0 (the next key's is mask_sk bytes on). check_problem<P>() checks this list.
+// An adapter may also hide prior(b, h, i): a finished part of the row over keys outside this
+// problem (float32 output of Dv elements, or null, and its lse), merged in before the row is
+// finished (row_state.h): the shared-prefix path's part of a sequence's attention.
 struct FlashProblem {
   int64_t B, Hq, Hkv, Dk, Dv;  // Hq is a multiple of Hkv
   float scale;
@@ -35,6 +38,11 @@ struct FlashProblem {
   MaskKind mask_kind = MaskKind::none;
   int64_t mask_sk = 0;
   const char* mask_row(int64_t, int64_t, int64_t) const { return nullptr; }
+  struct Prior {
+    const float* out;
+    float lse;
+  };
+  Prior prior(int64_t, int64_t, int64_t) const { return {nullptr, 0.f}; }
 
   FlashProblem(int64_t B_, int64_t Hq_, int64_t Hkv_, int64_t Dk_, int64_t Dv_, float scale_,
                bool causal_, const Variants& var_, DType dtype)

@@ -10,7 +10,8 @@
 //             visible yet, or every visible score is -inf) the update is skipped: it would compute
 //             exp(-inf - -inf) = NaN. A NaN score is still a score, though: keep_nan sets l = NaN,
 //             which poisons the row (its output and lse are NaN, as in the reference).
-//   merge     parts of one row over disjoint key ranges (split-KV) combine by log-sum-exp:
+//   merge     parts of one row over disjoint key ranges (split-KV, a shared prefix's part
+//             computed by another call: `finished`) combine by log-sum-exp:
 //             m = max m_s, l = sum l_s e^(m_s - m), O likewise; a part with m_s = -inf adds nothing
 //             but its NaN (keep_nan).
 //   finalize  a sink (a logit in the denominator that carries no value) is folded into m and l;
@@ -58,25 +59,40 @@ static inline void keep_nan(float* l, float seen) {
 struct MaxSum {
   float m, l;
 };
-static inline MaxSum merge(int64_t n, const float* m, const float* l, int64_t ml_stride,
-                           const float* o, int64_t o_stride, int64_t Dv, float* out) {
+// One part of a row: its max, sum and O (Dv floats).
+struct Part {
+  float m, l;
+  const float* o;
+};
+// The merge of n parts, part(s) giving part s; `out` (Dv floats) must not be any part's O.
+template <class PartFn>
+static inline MaxSum merge_parts(int64_t n, PartFn part, int64_t Dv, float* out) {
   float mm = kNegInf;
-  for (int64_t s = 0; s < n; ++s) mm = std::max(mm, m[s * ml_stride]);
+  for (int64_t s = 0; s < n; ++s) mm = std::max(mm, part(s).m);
   float ll = 0.f;
   for (int64_t d = 0; d < Dv; ++d) out[d] = 0.f;
   for (int64_t s = 0; s < n; ++s) {
-    const float ms = m[s * ml_stride], ls = l[s * ml_stride];
-    if (ms == kNegInf) {
-      keep_nan(&ll, ls);
+    const Part ps = part(s);
+    if (ps.m == kNegInf) {
+      keep_nan(&ll, ps.l);
       continue;
     }
-    const float a = std::exp(ms - mm);
-    ll += ls * a;
-    const float* os = o + s * o_stride;
-    for (int64_t d = 0; d < Dv; ++d) out[d] += os[d] * a;
+    const float a = std::exp(ps.m - mm);
+    ll += ps.l * a;
+    for (int64_t d = 0; d < Dv; ++d) out[d] += ps.o[d] * a;
   }
   return {mm, ll};
 }
+static inline MaxSum merge(int64_t n, const float* m, const float* l, int64_t ml_stride,
+                           const float* o, int64_t o_stride, int64_t Dv, float* out) {
+  return merge_parts(
+      n, [&](int64_t s) { return Part{m[s * ml_stride], l[s * ml_stride], o + s * o_stride}; }, Dv,
+      out);
+}
+
+// A finished part (a normalised output and its lse, -inf where it saw no key: what a call with
+// return_lse gives) as a part: O = out, m = lse, l = 1 (out = O / l, lse = m + log l).
+static inline Part finished(const float* out, float lse) { return {lse, 1.f, out}; }
 
 // Finishes a row: folds in the sink (null: none), normalises O into `out` (Dv floats; may be o)
 // and sets *lse. Returns false for a row with no visible key and no sink: the caller writes zeros
