@@ -131,7 +131,7 @@ def shared_parts(q: np.ndarray, block_tables: np.ndarray, groups: Groups, block_
     ``-inf`` (and out 0) for a query in no group. A nested group's part merges into its
     enclosing group's (the merge is associative); a top-level group's tokens have none yet."""
     bt = np.asarray(block_tables)
-    out = lse = None
+    parts: list[np.ndarray] = []  # [out, lse], once the first call gives Dv
     for rows, p0, p, tok in zip(groups.rows, groups.starts, groups.blocks, groups.tokens):
         shared = bt[rows[0], p0:p][None].astype(np.int32)
         keys = (p - p0) * block_size
@@ -140,11 +140,12 @@ def shared_parts(q: np.ndarray, block_tables: np.ndarray, groups: Groups, block_
         for chunk in np.array_split(tok, -(-len(tok) // keys)):
             o_s, l_s = run_shared(q[chunk], shared, np.array([keys], np.int32),
                                   np.array([len(chunk)], np.int32))
-            if out is None:
-                out = np.zeros((len(q),) + o_s.shape[1:], np.float32)
-                lse = np.full(out.shape[:2], -np.inf, np.float32)
+            if not parts:
+                parts = [np.zeros((len(q),) + o_s.shape[1:], np.float32),
+                         np.full((len(q), o_s.shape[1]), -np.inf, np.float32)]
+            out, lse = parts
             if p0 > 0:
                 o_s, l_s = merge_attention([out[chunk], o_s], [lse[chunk], l_s])
             out[chunk], lse[chunk] = o_s, l_s
-    assert out is not None and lse is not None, "attend needs at least one group"
-    return out, lse
+    assert parts, "attend needs at least one group"
+    return parts[0], parts[1]
