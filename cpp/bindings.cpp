@@ -581,10 +581,11 @@ py::object py_attention(const Args& a) {
 // ---- paged attention -----------------------------------------------------------------------
 enum PagedArg { pQ, pKPages, pVPages, pBlockTables, pSeqLens, pQLens, pCausal, pScale, pOut,
                 pReturnLse, pThreads, pWindow, pSoftcap, pSinks, pAlibi, pKNew, pVNew, pSlots,
-                pKScales, pVScales };
+                pKScales, pVScales, pPriorOut, pPriorLse };
 Signature paged_signature{"paged_attention", {"q", "k_pages", "v_pages", "block_tables", "seq_lens", "q_lens",
                           "causal", "scale", "out", "return_lse", "num_threads", "window", "softcap",
-                          "sinks", "alibi_slopes", "k_new", "v_new", "slots", "k_scales", "v_scales"},
+                          "sinks", "alibi_slopes", "k_new", "v_new", "slots", "k_scales", "v_scales",
+                          "prior_out", "prior_lse"},
                           5, {}};
 
 struct PagedArrays {
@@ -728,6 +729,26 @@ void prepare_new_kv(NewKV& n, py::handle k_new, py::handle v_new, py::handle slo
   }
 }
 
+// prior_out (N, Hq, Dv) and prior_lse (N, Hq), float32: each row's finished part over keys
+// outside the call (attnx._shared), merged in before the row is written. Both or neither.
+void check_prior(py::handle out_obj, py::handle lse_obj, PagedParams& p, py::array& po, py::array& pl) {
+  if (out_obj.is_none() != lse_obj.is_none()) value_error("prior_out, prior_lse: pass both or neither");
+  if (out_obj.is_none()) return;
+  auto f32 = [](py::handle obj, const char* name) {
+    py::array x = py::array::ensure(obj);
+    if (!x || x.dtype().kind() != 'f' || x.dtype().itemsize() != 4 || !native_order(x.dtype()))
+      type_error(std::string(name) + ": expected a float32 numpy array");
+    return x;
+  };
+  po = f32(out_obj, "prior_out");
+  pl = f32(lse_obj, "prior_lse");
+  check_shape(po, "prior_out", {{"N", p.N}, {"Hq", p.Hq}, {"Dv", p.Dv}});
+  check_shape(pl, "prior_lse", {{"N", p.N}, {"Hq", p.Hq}});
+  const auto os = elem_strides(po, "prior_out"), ls = elem_strides(pl, "prior_lse", false);
+  p.prior_out = static_cast<const float*>(po.data()); p.po_sn = os[0]; p.po_sh = os[1];
+  p.prior_lse = static_cast<const float*>(pl.data()); p.pl_sn = ls[0]; p.pl_sh = ls[1];
+}
+
 py::object py_paged_attention(const Args& a) {
   PagedParams p;
   py::array kp = py::array::ensure(a[pKPages]), vp = py::array::ensure(a[pVPages]);
@@ -753,11 +774,13 @@ py::object py_paged_attention(const Args& a) {
   if (!a[pAlibi].is_none()) { al = head_vector(a[pAlibi], "alibi_slopes", p.Hq); p.var.alibi_slopes = al.data(); }
   auto qs = elem_strides(q, "q");
   p.q = q.data(); p.q_sn = qs[0]; p.q_sh = qs[1];
+  py::array po, pl;
+  check_prior(a[pPriorOut], a[pPriorLse], p, po, pl);
   const bool write = !a[pKNew].is_none();
   NewKV nkv;
   if (write) prepare_new_kv(nkv, a[pKNew], a[pVNew], a[pSlots], p, kp, vp, ksc, vsc);
   OutTarget o = out_target(a[pOut], "q", p.q_dtype, q.dtype(), {{"N", p.N}, {"Hq", p.Hq}, {"Dv", p.Dv}},
-                                 {q, kp, vp, keep.bt, keep.sl, keep.ql, sk, al, nkv.k, nkv.v, ksc, vsc}, false);
+                                 {q, kp, vp, keep.bt, keep.sl, keep.ql, sk, al, nkv.k, nkv.v, ksc, vsc, po, pl}, false);
   auto os = elem_strides(o.write, "out");
   p.out = o.write.mutable_data(); p.o_sn = os[0]; p.o_sh = os[1];
   const bool return_lse = a.flag(pReturnLse, false);
@@ -925,7 +948,8 @@ PYBIND11_MODULE(_core, m) {
        METH_FASTCALL | METH_KEYWORDS,
        "paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens=None, causal=True, scale=None, "
        "out=None, return_lse=False, num_threads=0, window=None, softcap=None, sinks=None, "
-       "alibi_slopes=None, k_new=None, v_new=None, slots=None, k_scales=None, v_scales=None)"},
+       "alibi_slopes=None, k_new=None, v_new=None, slots=None, k_scales=None, v_scales=None, "
+       "prior_out=None, prior_lse=None)"},
   };
   for (PyMethodDef& def : entry_points)
     m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, m.ptr(), m.attr("__name__").ptr())));

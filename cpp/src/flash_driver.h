@@ -248,6 +248,14 @@ class FlashRun {
     T* lse = p_.lse_at(it.b, h, i);
     const T* sink = p_.var.sinks != nullptr ? p_.var.sinks + h : nullptr;
     T lse_value = row::neg_inf<T>();
+    const typename P::Prior prior = p_.prior(it.b, h, i);
+    if (prior.out != nullptr && i < p_.lq(it.b)) {
+      const row::Part<T> parts[2] = {{m, l, o}, row::finished(prior.out, prior.lse)};
+      const row::MaxSum<T> ml = row::merge_parts<T>(2, [&](int64_t s) { return parts[s]; }, p_.Dv, tmp);
+      o = tmp;
+      m = ml.m;
+      l = ml.l;
+    }
     if (i < p_.lq(it.b) && row::finalize(o, m, l, sink, p_.Dv, tmp, &lse_value))
       table_->store_row(tmp, p_.Dv, p_.out_dtype, dst);
     else

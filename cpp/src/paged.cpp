@@ -36,6 +36,11 @@ struct PagedProblem : detail::FlashProblem {
   float* lse_at(int64_t b, int64_t h, int64_t i) const {
     return a.lse ? a.lse + (a.q_start[b] + i) * a.l_sn + h * a.l_sh : nullptr;
   }
+  Prior prior(int64_t b, int64_t h, int64_t i) const {
+    if (a.prior_out == nullptr) return {nullptr, 0.f};
+    const int64_t t = a.q_start[b] + i;
+    return {a.prior_out + t * a.po_sn + h * a.po_sh, a.prior_lse[t * a.pl_sn + h * a.pl_sh]};
+  }
   kern::KVSource src(const void* pages, int64_t sblk, int64_t sh, int64_t ss, int64_t b,
                      int64_t kvh, const float* scales, int64_t c_sblk, int64_t c_sh,
                      int64_t c_ss) const {

@@ -27,6 +27,9 @@ namespace detail {
 // element for key 0 (the next key's is mask_sk bytes on). check_problem<P>() checks this list.
 // T (Real) is the type the problem is computed in, and that of scale, the modifiers, lse and an
 // additive mask: float (float32, float16, bfloat16 storage) or double (float64).
+// An adapter may also hide prior(b, h, i): a finished part of the row over keys outside this
+// problem (an output of Dv values of T, or null, and its lse), merged in before the row is
+// finished (row_state.h): the shared-prefix path's part of a sequence's attention.
 template <class T>
 struct BasicFlashProblem {
   using Real = T;
@@ -39,6 +42,11 @@ struct BasicFlashProblem {
   MaskKind mask_kind = MaskKind::none;
   int64_t mask_sk = 0;
   const char* mask_row(int64_t, int64_t, int64_t) const { return nullptr; }
+  struct Prior {
+    const T* out;
+    T lse;
+  };
+  Prior prior(int64_t, int64_t, int64_t) const { return {nullptr, T(0)}; }
 
   BasicFlashProblem(int64_t B_, int64_t Hq_, int64_t Hkv_, int64_t Dk_, int64_t Dv_, T scale_,
                     bool causal_, const BasicVariants<T>& var_, DType dtype)

@@ -11,7 +11,8 @@
 //             visible yet, or every visible score is -inf) the update is skipped: it would compute
 //             exp(-inf - -inf) = NaN. A NaN score is still a score, though: keep_nan sets l = NaN,
 //             which poisons the row (its output and lse are NaN, as in the reference).
-//   merge     parts of one row over disjoint key ranges (split-KV) combine by log-sum-exp:
+//   merge     parts of one row over disjoint key ranges (split-KV, a shared prefix's part
+//             computed by another call: `finished`) combine by log-sum-exp:
 //             m = max m_s, l = sum l_s e^(m_s - m), O likewise; a part with m_s = -inf adds nothing
 //             but its NaN (keep_nan).
 //   finalize  a sink (a logit in the denominator that carries no value) is folded into m and l;
@@ -58,32 +59,50 @@ static inline void keep_nan(T* l, T seen) {
   if (std::isnan(seen)) *l = std::numeric_limits<T>::quiet_NaN();
 }
 
-// Merges n parts of one row: part s has max m[s * ml_stride], sum l[s * ml_stride] and O at
-// o + s * o_stride. Writes the merged O (Dv values) into `out` and returns the merged m and l.
+// A row's running max and sum (of a merge's result).
 template <class T>
 struct MaxSum {
   T m, l;
 };
+// One part of a row: its max, sum and O (Dv values).
 template <class T>
-static inline MaxSum<T> merge(int64_t n, const T* m, const T* l, int64_t ml_stride, const T* o,
-                              int64_t o_stride, int64_t Dv, T* out) {
+struct Part {
+  T m, l;
+  const T* o;
+};
+// The merge of n parts, part(s) giving part s; `out` (Dv values) must not be any part's O.
+template <class T, class PartFn>
+static inline MaxSum<T> merge_parts(int64_t n, PartFn part, int64_t Dv, T* out) {
   T mm = neg_inf<T>();
-  for (int64_t s = 0; s < n; ++s) mm = std::max(mm, m[s * ml_stride]);
+  for (int64_t s = 0; s < n; ++s) mm = std::max(mm, part(s).m);
   T ll = T(0);
   for (int64_t d = 0; d < Dv; ++d) out[d] = T(0);
   for (int64_t s = 0; s < n; ++s) {
-    const T ms = m[s * ml_stride], ls = l[s * ml_stride];
-    if (ms == neg_inf<T>()) {
-      keep_nan(&ll, ls);
+    const Part<T> ps = part(s);
+    if (ps.m == neg_inf<T>()) {
+      keep_nan(&ll, ps.l);
       continue;
     }
-    const T a = std::exp(ms - mm);
-    ll += ls * a;
-    const T* os = o + s * o_stride;
-    for (int64_t d = 0; d < Dv; ++d) out[d] += os[d] * a;
+    const T a = std::exp(ps.m - mm);
+    ll += ps.l * a;
+    for (int64_t d = 0; d < Dv; ++d) out[d] += ps.o[d] * a;
   }
   return {mm, ll};
 }
+// Merges n parts of one row: part s has max m[s * ml_stride], sum l[s * ml_stride] and O at
+// o + s * o_stride. Writes the merged O (Dv values) into `out` and returns the merged m and l.
+template <class T>
+static inline MaxSum<T> merge(int64_t n, const T* m, const T* l, int64_t ml_stride, const T* o,
+                              int64_t o_stride, int64_t Dv, T* out) {
+  return merge_parts<T>(
+      n, [&](int64_t s) { return Part<T>{m[s * ml_stride], l[s * ml_stride], o + s * o_stride}; },
+      Dv, out);
+}
+
+// A finished part (a normalised output and its lse, -inf where it saw no key: what a call with
+// return_lse gives) as a part: O = out, m = lse, l = 1 (out = O / l, lse = m + log l).
+template <class T>
+static inline Part<T> finished(const T* out, T lse) { return {lse, T(1), out}; }
 
 // Finishes a row: folds in the sink (null: none), normalises O into `out` (Dv values; may be o)
 // and sets *lse. Returns false for a row with no visible key and no sink: the caller writes zeros

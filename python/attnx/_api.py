@@ -334,22 +334,21 @@ def _split_shared(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, s
     if plan is None:
         return None
     groups, bt, lens, ql = plan
-    qf = _wide(q)
     sc, th, cap = _scale(scale), _threads(num_threads), _softcap(softcap)
     ks, vs = _scales(k_scales, "k_scales"), _scales(v_scales, "v_scales")
 
-    def run(qx, table, lens_, ql_, causal_):
+    def run(qx, table, lens_, ql_, causal_, prior=(None, None), out_=None):
         return _core.paged_attention(qx, k_pages, v_pages, table, lens_, q_lens=ql_, causal=causal_,
-                                     scale=sc, return_lse=True, num_threads=th, softcap=cap,
-                                     k_scales=ks, v_scales=vs)
+                                     scale=sc, out=out_, return_lse=True, num_threads=th,
+                                     softcap=cap, k_scales=ks, v_scales=vs, prior_out=prior[0],
+                                     prior_lse=prior[1])
 
-    o, lse = _shared.attend(qf, bt, lens, groups, k_pages.shape[2],
-                            lambda table, lens_: run(qf, table, lens_, ql, bool(causal)),
+    # the shared parts in float32 (exact for half-precision queries), merged into the tails'
+    # call, which writes q's dtype (and `out`) with one rounding, as the plain path does
+    o, lse = _shared.attend(_wide(q), bt, lens, groups, k_pages.shape[2],
+                            lambda table, lens_, prior: run(q, table, lens_, ql, bool(causal),
+                                                            prior, out),
                             lambda qg, table, lens_, ql_: run(qg, table, lens_, ql_, False))
-    o = o.astype(q.dtype, copy=False)
-    if out is not None:
-        out[...] = o
-        o = out
     return (o, lse) if return_lse else o
 
 
@@ -365,7 +364,7 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
                scale: float | None = None, num_threads: int | None = None, return_lse: bool = False,
                window: Any = None, softcap: float | None = None, sinks: Any = None,
                alibi_slopes: Any = None, k_scales: np.ndarray | None = None,
-               v_scales: np.ndarray | None = None) -> Result:
+               v_scales: np.ndarray | None = None, prior: Any = None) -> Result:
     """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
     into their slots, then attends causally from the new queries to their whole sequences.
 
@@ -388,6 +387,10 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
         As in :func:`attention`.
     k_scales, v_scales : float32 ``(num_blocks, Hkv, block_size)``, optional
         The scale pages of quantised pages: each new row is quantised and its scale stored.
+    prior : ``(out, lse)``, float32 ``(T, Hq, Dv)`` and ``(T, Hq)``, optional
+        Each query's finished attention over keys outside these tables (lse ``-inf`` where it
+        saw none), merged in by log-sum-exp before the row is written: the shared-prefix path's
+        part (``attnx._shared``).
 
     Returns
     -------
@@ -417,4 +420,5 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
         scale=_scale(scale), return_lse=return_lse, num_threads=_threads(num_threads), window=sides,
         softcap=_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
         k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots,
-        k_scales=_scales(k_scales, "k_scales"), v_scales=_scales(v_scales, "v_scales"))
+        k_scales=_scales(k_scales, "k_scales"), v_scales=_scales(v_scales, "v_scales"),
+        prior_out=None if prior is None else prior[0], prior_lse=None if prior is None else prior[1])

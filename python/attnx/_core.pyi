@@ -50,7 +50,8 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
                     alibi_slopes: npt.ArrayLike | None = None, k_new: npt.ArrayLike | None = None,
                     v_new: npt.ArrayLike | None = None,
                     slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
-                    v_scales: npt.ArrayLike | None = None) -> _Array: ...
+                    v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
+                    prior_lse: npt.ArrayLike | None = None) -> _Array: ...
 @overload
 def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
                     seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
@@ -61,7 +62,8 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
                     alibi_slopes: npt.ArrayLike | None = None, k_new: npt.ArrayLike | None = None,
                     v_new: npt.ArrayLike | None = None,
                     slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
-                    v_scales: npt.ArrayLike | None = None) -> tuple[_Array, _Lse]: ...
+                    v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
+                    prior_lse: npt.ArrayLike | None = None) -> tuple[_Array, _Lse]: ...
 @overload
 def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
                     seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
@@ -72,7 +74,8 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
                     alibi_slopes: npt.ArrayLike | None = None, k_new: npt.ArrayLike | None = None,
                     v_new: npt.ArrayLike | None = None,
                     slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
-                    v_scales: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _Lse]: ...
+                    v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
+                    prior_lse: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _Lse]: ...
 
 def cpu_features() -> dict[str, bool]: ...
 def active_isa() -> str: ...

@@ -5,8 +5,9 @@ For each group of sequences sharing a run of blocks, the group's queries are sta
 to the shared run in one call, as one sequence of many queries (a prefill tile: every key is
 read once per kv head, whatever the number of queries); groups nest (a shared system prompt,
 then each conversation's forks). Every sequence then attends to its own tail (its table shifted
-past its deepest group's run) in one batched call, and the parts merge by their log-sum-exp
-(DESIGN.md, "Merging partial results").
+past its deepest group's run) in one batched call, which merges each row's shared part in by
+log-sum-exp before it writes the row (the kernel's ``prior_out``/``prior_lse``, the rule of
+``row_state.h``; DESIGN.md, "Merging partial results"): no merge pass over the outputs in Python.
 
 A block is shared only if it lies wholly before every query of each sequence of the group, so it
 is fully visible to all of them and the bottom-right causal alignment of the tail is unchanged.
@@ -107,20 +108,30 @@ def tails(block_tables: np.ndarray, seq_lens: np.ndarray, groups: Groups, block_
             (np.asarray(seq_lens) - depth * block_size).astype(np.int32))
 
 
-# run_tail(table, lens) and run_shared(q, table, lens, q_lens) attend and return (out, lse)
-TailFn = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+# run_tail(table, lens, prior) attends with each row's shared part (prior_out, prior_lse) merged
+# in and returns (out, lse); run_shared(q, table, lens, q_lens) attends and returns (out, lse)
+Prior = tuple[np.ndarray, np.ndarray]
+TailFn = Callable[[np.ndarray, np.ndarray, Prior], tuple[np.ndarray, np.ndarray]]
 SharedFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 def attend(q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray, groups: Groups,
            block_size: int, run_tail: TailFn, run_shared: SharedFn) -> tuple[np.ndarray, np.ndarray]:
-    """The attention of the packed queries ``q`` ``(N, Hq, D)`` (float32 or float64, so the
-    parts merge at full precision) over their whole sequences: the tails in one call, each
-    group's shared run in one call, merged part by part (the merge is associative). Returns
-    ``(out, lse)``."""
+    """The attention of the packed queries ``q`` ``(N, Hq, D)`` (float32, so the shared parts
+    are kept at full precision) over their whole sequences: each group's shared run in one call,
+    then the tails in one call that merges the shared parts in. Returns ``(out, lse)``."""
+    prior = shared_parts(q, block_tables, groups, block_size, run_shared)
     table, lens = tails(block_tables, seq_lens, groups, block_size)
-    out, lse = run_tail(table, lens)
+    return run_tail(table, lens, prior)
+
+
+def shared_parts(q: np.ndarray, block_tables: np.ndarray, groups: Groups, block_size: int,
+                 run_shared: SharedFn) -> Prior:
+    """Each query's attention over the blocks its groups share, float32 ``(out, lse)``: lse
+    ``-inf`` (and out 0) for a query in no group. A nested group's part merges into its
+    enclosing group's (the merge is associative); a top-level group's tokens have none yet."""
     bt = np.asarray(block_tables)
+    parts: list[np.ndarray] = []  # [out, lse], once the first call gives Dv
     for rows, p0, p, tok in zip(groups.rows, groups.starts, groups.blocks, groups.tokens):
         shared = bt[rows[0], p0:p][None].astype(np.int32)
         keys = (p - p0) * block_size
@@ -129,5 +140,12 @@ def attend(q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray, groups
         for chunk in np.array_split(tok, -(-len(tok) // keys)):
             o_s, l_s = run_shared(q[chunk], shared, np.array([keys], np.int32),
                                   np.array([len(chunk)], np.int32))
-            out[chunk], lse[chunk] = merge_attention([out[chunk], o_s], [lse[chunk], l_s])
-    return out, lse
+            if not parts:
+                parts = [np.zeros((len(q),) + o_s.shape[1:], np.float32),
+                         np.full((len(q), o_s.shape[1]), -np.inf, np.float32)]
+            out, lse = parts
+            if p0 > 0:
+                o_s, l_s = merge_attention([out[chunk], o_s], [lse[chunk], l_s])
+            out[chunk], lse[chunk] = o_s, l_s
+    assert parts, "attend needs at least one group"
+    return parts[0], parts[1]

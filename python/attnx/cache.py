@@ -887,8 +887,9 @@ class Step:
     def _attend_shared(self, layer: int, q: Any, k: Any, v: Any, k_pages: np.ndarray,
                        v_pages: np.ndarray, scale: float | None, num_threads: int | None,
                        return_lse: bool, softcap: float | None) -> Any:
-        """attend through the shared-prefix path: the tails' call writes the new keys and
-        values (into blocks no group shares) and attends; each group's shared blocks follow."""
+        """attend through the shared-prefix path: each group's shared blocks first (no step
+        writes into them), then the tails' call writes the new keys and values (into blocks no
+        group shares) and attends, merging the shared parts in."""
         from . import _shared
         qa = _api._as_array(q, "q")
         qf = _api._wide(qa) if qa.ndim == 3 and qa.dtype.kind == "f" else qa
@@ -896,11 +897,11 @@ class Step:
 
         ks, vs = cache.k_scales(layer), cache.v_scales(layer)
 
-        def tail(table: np.ndarray, lens: np.ndarray) -> Any:
+        def tail(table: np.ndarray, lens: np.ndarray, prior: Any) -> Any:
             return _api.paged_step(qf, k, v, k_pages, v_pages, table, lens, self.q_lens, self.slots,
                                    values_from_keys=cache.value_from_key, scale=scale,
                                    num_threads=num_threads, return_lse=True, softcap=softcap,
-                                   k_scales=ks, v_scales=vs)
+                                   k_scales=ks, v_scales=vs, prior=prior)
 
         def shared(qg: np.ndarray, table: np.ndarray, lens: np.ndarray, ql: np.ndarray) -> Any:
             return _api.paged_attention(qg, k_pages, v_pages, table, lens, q_lens=ql, causal=False,

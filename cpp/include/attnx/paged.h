@@ -39,6 +39,13 @@ struct PagedParams {
   int64_t o_sn = 0, o_sh = 0;
   float* lse = nullptr;  // optional (N, Hq)
   int64_t l_sn = 0, l_sh = 0;
+  // Optional: each row's finished part over keys outside this call (float32 output (N, Hq, Dv)
+  // and its lse (N, Hq), -inf where it saw none), merged in by log-sum-exp before the row is
+  // written: a shared prefix's part, so the tails' call writes the whole result. Null: none.
+  const float* prior_out = nullptr;
+  int64_t po_sn = 0, po_sh = 0;
+  const float* prior_lse = nullptr;
+  int64_t pl_sn = 0, pl_sh = 0;
   int num_threads = 1;
 };
 

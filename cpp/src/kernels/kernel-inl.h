@@ -9,7 +9,7 @@
 //                      p_j = exp(s_j - m'); l = alpha l + sum_j p_j; O = alpha O + sum_j p_j v_j.
 // The rules for a row that has seen no visible key, or a NaN score, are those of row_state.h.
 
-// The including file provides <cmath>, <cstring>, <limits>, kernels.h and row_state.h before
+// The including file provides <cmath>, <cstring>, <limits>, <type_traits>, kernels.h and row_state.h before
 // opening the namespace: no header may be included from inside it.
 
 namespace {
@@ -143,14 +143,29 @@ static inline void load_row_padded(const char* src, DType dtype, int64_t D, int6
   for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
 }
 
+// Rows of a later tile to prefetch while the packed QK^T runs: the 64-byte lines of `n` rows of
+// `bytes` each, spread evenly over the `calls` register-block calls of the product (call c asks
+// for its share), so the misses overlap with the FMAs instead of arriving in one burst.
+struct LinePrefetch {
+  const char* const* rows = nullptr;
+  int64_t lines_per_row = 0, lines = 0, calls = 1;
+  void share(int64_t c) const { range(lines * c / calls, lines * (c + 1) / calls); }
+  void range(int64_t l0, int64_t l1) const {
+    for (int64_t l = l0; l < l1; ++l)
+      __builtin_prefetch(rows[l / lines_per_row] + l % lines_per_row * 64, 0, 1);
+  }
+};
+
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
 template <int MR>
 static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real* kt,
-                                         int64_t Dkp, Real* s) {
+                                         int64_t Dkp, Real* s, const LinePrefetch* pf = nullptr,
+                                         int64_t l0 = 0, int64_t l1 = 0) {
   V acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = zero();
   for (int64_t d = 0; d < Dkp; ++d) {
+    if (pf != nullptr && (d & 7) == 0) pf->range(l0 + (l1 - l0) * d / Dkp, l0 + (l1 - l0) * (d + 8) / Dkp);
     const Real* kd = kt + d * kTileK;
     V k0 = load(kd), k1 = load(kd + W);
     for (int r = 0; r < MR; ++r) {
@@ -165,37 +180,52 @@ static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real*
 
 template <int MR>
 static void qk_packed_rows(const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t nw,
-                           Real* s) {
-  for (int64_t j = 0; j < nw; j += NR * W) qk_packed_block<MR>(q, ldq, kt + j, Dkp, s + j);
+                           Real* s, const LinePrefetch& pf, int64_t& call) {
+  for (int64_t j = 0; j < nw; j += NR * W) {
+    const int64_t c = call++;
+    qk_packed_block<MR>(q, ldq, kt + j, Dkp, s + j, &pf, pf.lines * c / pf.calls,
+                        pf.lines * (c + 1) / pf.calls);
+  }
 }
 
+// `next` (nn rows of `bytes`, or null) is a later tile's K, prefetched during the product.
 static void qk_packed(int M, const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t n,
-                      Real* s) {
+                      Real* s, const char* const* next, int64_t nn, int64_t bytes) {
   const int64_t nw = round_up(n, NR * W);
   constexpr int MR = 6;
+  LinePrefetch pf;
+  if (next != nullptr && nn > 0) {
+    const int64_t lpr = (bytes + 63) / 64;
+    pf = LinePrefetch{next, lpr, nn * lpr, (M + MR - 1) / MR * (nw / (NR * W))};
+  }
+  int64_t call = 0;
   int r = 0;
-  for (; r + MR <= M; r += MR) qk_packed_rows<MR>(q + r * ldq, ldq, kt, Dkp, nw, s + r * kTileK);
+  for (; r + MR <= M; r += MR) qk_packed_rows<MR>(q + r * ldq, ldq, kt, Dkp, nw, s + r * kTileK, pf, call);
   const Real* qr = q + r * ldq;
   Real* sr = s + r * kTileK;
   switch (M - r) {
-    case 5: qk_packed_rows<5>(qr, ldq, kt, Dkp, nw, sr); break;
-    case 4: qk_packed_rows<4>(qr, ldq, kt, Dkp, nw, sr); break;
-    case 3: qk_packed_rows<3>(qr, ldq, kt, Dkp, nw, sr); break;
-    case 2: qk_packed_rows<2>(qr, ldq, kt, Dkp, nw, sr); break;
-    case 1: qk_packed_rows<1>(qr, ldq, kt, Dkp, nw, sr); break;
+    case 5: qk_packed_rows<5>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
+    case 4: qk_packed_rows<4>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
+    case 3: qk_packed_rows<3>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
+    case 2: qk_packed_rows<2>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
+    case 1: qk_packed_rows<1>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
     default: break;
   }
 }
 
 // Packs the n rows of a K tile transposed: kt[d][j], zero for j >= n (to a multiple of NR*W) and
 // for d >= Dk (to Dkp). `rows` holds kTileK Real row pointers padded with zero rows past n.
+static void zero_kt_tail(int64_t n, int64_t Dkp, Real* kt) {
+  const int64_t n8 = round_up(n, 8), nw = round_up(n, NR * W);
+  for (int64_t d = 0; d < Dkp; ++d)
+    for (int64_t j = n8; j < nw; ++j) kt[d * kTileK + j] = 0;
+}
+
 static void pack_kt(const Real* const* rows, int64_t n, int64_t Dkp, Real* kt) {
   const int64_t n8 = round_up(n, 8);
   for (int64_t j = 0; j < n8; j += 8)
     for (int64_t d = 0; d < Dkp; d += 8) transpose8x8(rows + j, d, kt + d * kTileK + j, kTileK);
-  const int64_t nw = round_up(n, NR * W);
-  for (int64_t d = 0; d < Dkp; ++d)
-    for (int64_t j = n8; j < nw; ++j) kt[d * kTileK + j] = 0.f;
+  zero_kt_tail(n, Dkp, kt);
 }
 
 // Prefetch of the rows of a later tile, spread through the current tile's loops so the misses
@@ -345,11 +375,11 @@ static ATTNX_INLINE void pv_block(const Real* p, const Real* const* vrow, int64_
 // `next` (nn rows of `bytes`, or null) is a later tile's V. Each pass over a block of columns
 // prefetches its share of those rows' lines, so the requests are spread over the whole product.
 // With 32 registers, up to 4 rows take 4 vectors per pass (16 accumulators): half the passes, and
-// half the broadcasts of p per FMA.
+// half the broadcasts of p per FMA; 16 rows take 1 vector (pv below).
 template <int MR, class T>
 static void pv_rows(const Real* p, const Real* const* vrow, int64_t n, int64_t Dvp, Real* o,
                     int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
-  constexpr int NB = (W >= 16 && MR <= 4) ? 2 * NR : NR;
+  constexpr int NB = MR > 8 ? 1 : (W >= 16 && MR <= 4) ? 2 * NR : NR;
   const int64_t wide = Dvp / (NB * W) * (NB * W);
   const int64_t lines = (bytes + 63) / 64, passes = wide / (NB * W) + (Dvp - wide) / (NR * W);
   int64_t c = 0, i = 0;
@@ -366,6 +396,13 @@ static void pv(int M, const Real* p, const Real* const* vrow, int64_t n, int64_t
                int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
   constexpr int MR = 6;
   int r = 0;
+  // Half-precision values are widened as they are loaded, once per row block: on Zen 4 the
+  // widening (vcvtph2ps) competes with the FMAs. With 32 registers, blocks of 16 rows x 1 vector
+  // widen each value vector once for 16 rows instead of three times (6 + 6 + 4 rows): a
+  // shared prefix's 16-row fp16 tile took 2-4% less CPU time (alternating runs, 1 thread).
+  if constexpr (W >= 16 && (std::is_same<T, F16>::value || std::is_same<T, BF16>::value))
+    for (; r + 16 <= M; r += 16, next = nullptr)
+      pv_rows<16, T>(p + r * kTileK, vrow, n, Dvp, o + r * ldo, ldo, next, nn, bytes);
   for (; r + MR <= M; r += MR, next = nullptr)
     pv_rows<MR, T>(p + r * kTileK, vrow, n, Dvp, o + r * ldo, ldo, next, nn, bytes);
   const Real* pr = p + r * kTileK;
@@ -490,10 +527,36 @@ static const Real** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, in
 static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
                    const Scratch& sc, Real* kt) {
   const int64_t Dkp = round_up(Dk, kPad);
-  const bool inplace = ks.dtype == kNative && Dk % 8 == 0;
-  const Real* const* krow = key_rows(ks, j0, n, Dk, inplace, sc);
+  const bool inplace = (ks.dtype == kNative || ks.dtype == DType::f16) && Dk % 8 == 0;
   const int64_t dk = inplace ? Dk : Dkp;  // converted rows are already zero-padded
-  pack_kt(krow, n, dk, kt);
+  if (inplace && ks.dtype == DType::f16) {
+    // float16 rows widened inside the transpose, read in place: the fp32 copy of the tile and
+    // its reload cost a 16-row fp16 tile ~6% of its CPU time (alternating runs, 1 thread)
+    kv_rows(ks, j0, n, sc.kaddr);
+    const uint16_t* rows[8];
+    for (int64_t j = 0; j < n; j += 8) {
+      for (int64_t t = 0; t < 8; ++t)
+        rows[t] = reinterpret_cast<const uint16_t*>(j + t < n ? sc.kaddr[j + t]
+                                                              : reinterpret_cast<const char*>(sc.zero));
+      for (int64_t d = 0; d < Dk; d += 8) transpose8x8_f16(rows, d, kt + d * kTileK + j, kTileK);
+    }
+    zero_kt_tail(n, Dk, kt);
+  } else if (inplace) {
+    pack_kt(key_rows(ks, j0, n, Dk, true, sc), n, dk, kt);
+  } else {
+    // Converted 8 rows at a time into the head of kf, each 8 transposed before the next are
+    // converted. A whole converted tile (32 KiB at D 128) beside the packed one evicted itself
+    // from L1, and the conversion stalled on its stores: a sixth of a 16-row fp16 tile's cycles.
+    kv_rows(ks, j0, n, sc.kaddr);
+    const Real* rows[8];
+    for (int64_t j = 0; j < n; j += 8) {
+      const int64_t m = imin(8, n - j);
+      real_rows(ks, j0 + j, sc.kaddr + j, m, Dk, false, sc.kf, rows);
+      for (int64_t t = m; t < 8; ++t) rows[t] = sc.zero;
+      for (int64_t d = 0; d < Dkp; d += 8) transpose8x8(rows, d, kt + d * kTileK + j, kTileK);
+    }
+    zero_kt_tail(n, Dkp, kt);
+  }
   for (int64_t d = dk; d < Dkp; ++d)
     for (int64_t j = 0; j < kTileK; ++j) kt[d * kTileK + j] = 0.f;
 }
@@ -622,10 +685,12 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
   kv_rows(vs, j0, n, vaddr);
   // Few rows (decode) make this loop memory bound, and pages are scattered, so the hardware
   // prefetcher cannot guess what comes next: ask for a later tile while this one is computed.
+  // Many rows over pages (a shared prefix's stacked queries) too: without it, a 16-row fp16 tile
+  // stalled on its K conversion and its first P V pass (a fifth of its cycles).
   const char** kn = nullptr;
   const char** vn = nullptr;
   const int64_t nn = ahead.n;
-  if (!packed && nn > 0) {
+  if (nn > 0) {
     kn = sc.kaddr + kTileK;
     vn = sc.vaddr + kTileK;
     kv_rows(*ahead.k, ahead.j, nn, kn);
@@ -633,7 +698,10 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
   }
   // S = Q K^T
   if (packed) {
-    qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s);
+    // (the next K tile is prefetched only where this item packs its own: a shared packed tile
+    // is read from the buffer, not the pages)
+    qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s,
+              ks.kt == nullptr ? kn : nullptr, nn, Dk * elem_bytes(ks.dtype));
   } else {
     const Real** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
     with_type(kdt, [&](auto t) {

@@ -76,11 +76,9 @@ static ATTNX_INLINE void store_halves(__m256 s, float* lo, float* hi) {
 }
 
 // dst[c * ldd + r] = src[r][col + c] for an 8 x 8 block
-static inline void transpose8x8_256(const float* const* src, int64_t col, float* dst, int64_t ldd) {
-  __m256 r0 = _mm256_loadu_ps(src[0] + col), r1 = _mm256_loadu_ps(src[1] + col);
-  __m256 r2 = _mm256_loadu_ps(src[2] + col), r3 = _mm256_loadu_ps(src[3] + col);
-  __m256 r4 = _mm256_loadu_ps(src[4] + col), r5 = _mm256_loadu_ps(src[5] + col);
-  __m256 r6 = _mm256_loadu_ps(src[6] + col), r7 = _mm256_loadu_ps(src[7] + col);
+// (rows r0 .. r7 already in registers)
+static ATTNX_INLINE void transpose8x8_regs(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4,
+                                          __m256 r5, __m256 r6, __m256 r7, float* dst, int64_t ldd) {
   __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
   __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
   __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
@@ -99,8 +97,23 @@ static inline void transpose8x8_256(const float* const* src, int64_t col, float*
   _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
+static inline void transpose8x8_256(const float* const* src, int64_t col, float* dst, int64_t ldd) {
+  transpose8x8_regs(_mm256_loadu_ps(src[0] + col), _mm256_loadu_ps(src[1] + col),
+                    _mm256_loadu_ps(src[2] + col), _mm256_loadu_ps(src[3] + col),
+                    _mm256_loadu_ps(src[4] + col), _mm256_loadu_ps(src[5] + col),
+                    _mm256_loadu_ps(src[6] + col), _mm256_loadu_ps(src[7] + col), dst, ldd);
+}
+
 static inline __m256 load_f16_256(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// transpose8x8_256 of float16 rows, widened as they are loaded (no fp32 copy of the rows)
+static inline void transpose8x8_f16_256(const uint16_t* const* src, int64_t col, float* dst,
+                                        int64_t ldd) {
+  transpose8x8_regs(load_f16_256(src[0] + col), load_f16_256(src[1] + col),
+                    load_f16_256(src[2] + col), load_f16_256(src[3] + col),
+                    load_f16_256(src[4] + col), load_f16_256(src[5] + col),
+                    load_f16_256(src[6] + col), load_f16_256(src[7] + col), dst, ldd);
 }
 // 1-byte KV codes (see convert.h): 8 int8 to fp32; fp8 widened to u16 lanes as float16 bits
 // (e5m2: the top byte; e4m3fn: sign << 8 | magnitude << 7, the NaN code made a float16 NaN)

@@ -49,3 +49,7 @@ static inline void transpose8x8(const Real* const* src, int64_t col, Real* dst, 
   for (int r = 0; r < 8; ++r)
     for (int c = 0; c < 8; ++c) dst[c * ldd + r] = src[r][col + c];
 }
+static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, Real* dst, int64_t ldd) {
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < 8; ++c) dst[c * ldd + r] = Real(cvt::f16_to_f32(src[r][col + c]));
+}
