@@ -32,6 +32,9 @@ constexpr int kC = kDeltaChunk;
 // of AVX-512's 32 registers, 12 of AVX2's 16).
 constexpr int kGemmNR = W == 16 ? 4 : 2;
 constexpr int kGemmMR = W == 1 ? 4 : 6;
+// Lines of the next chunk asked for after each register block of a product (see NextRows): a
+// block is MR x NR vector FMAs per step of depth, so this keeps a few requests in flight.
+constexpr int kPrefetchLines = 4 * kGemmNR;
 constexpr float kL2Eps = 1e-6f;  // q / sqrt(sum q^2 + eps), as flash-linear-attention's l2norm
 
 static inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -90,6 +93,41 @@ static inline void gated_row(const float* src, const float* a, const float* b, i
   }
 }
 
+// The next chunk's q, k and v rows, asked for a few lines at a time while this chunk computes:
+// the rows of one head are strided (the other heads lie between them), the inputs are usually
+// cold, and the hardware prefetcher cannot follow three interleaved strides. Asked for all at
+// once (1,500 lines for 64 tokens of K = V = 128), most requests were dropped: a loop copying
+// 3 x 64 strided rows after a burst of prefetches took 4x as long as from cache, and as long as
+// with no prefetch at all, where 8 lines at a time spread over the work reached the cached time
+// (Zen 4; see bench/NOTES.md). gemm_panel asks for a few lines after each register block.
+struct NextRows {
+  const char* base[3] = {nullptr, nullptr, nullptr};
+  int64_t stride[3] = {0, 0, 0}, bytes[3] = {0, 0, 0};
+  int64_t rows = 0, r = 0, off = 0;
+  int a = 0;
+
+  void issue(int lines) {
+    for (; lines > 0 && r < rows; --lines) {
+      __builtin_prefetch(base[a] + r * stride[a] + off, 0, 1);
+      off += 64;
+      if (off < bytes[a]) continue;
+      off = 0;
+      if (++a == 3) a = 0, ++r;
+    }
+  }
+};
+
+static NextRows next_rows(const kern::DeltaHead& h, int64_t t0, int64_t n) {
+  const int64_t es = h.dtype == DType::f32 ? 4 : 2;  // (dtype_size is inline: see kernels.h)
+  NextRows pf;
+  pf.base[0] = h.q + t0 * h.q_st; pf.base[1] = h.k + t0 * h.k_st; pf.base[2] = h.v + t0 * h.v_st;
+  pf.stride[0] = h.q_st; pf.stride[1] = h.k_st; pf.stride[2] = h.v_st;
+  pf.bytes[0] = pf.bytes[1] = h.K * es;
+  pf.bytes[2] = h.V * es;
+  pf.rows = n > 0 ? n : 0;
+  return pf;
+}
+
 // ---- dense products ---------------------------------------------------------------------------
 // out[r] = x . y[r] for r < 8 (rows of np floats): 8 accumulators reduced together.
 static ATTNX_INLINE void dots8(const float* x, const float* const* y, int64_t np, float* out) {
@@ -140,11 +178,14 @@ static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int6
 // i + rows.
 template <int NR>
 static void gemm_panel(int64_t m, int64_t depth, const float* a, int64_t ai, int64_t ap,
-                       const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower) {
+                       const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower,
+                       NextRows* pf) {
   int64_t i = 0;
-  for (; i + kGemmMR <= m; i += kGemmMR)
+  for (; i + kGemmMR <= m; i += kGemmMR) {
     gemm_block<kGemmMR, NR>(a + i * ai, ai, ap, lower ? dmin(depth, i + kGemmMR) : depth, b, ldb,
                             c + i * ldc, ldc, acc);
+    if (pf) pf->issue(kPrefetchLines);
+  }
   const int64_t d = lower ? dmin(depth, m) : depth;
   a += i * ai;
   c += i * ldc;
@@ -164,12 +205,14 @@ static void gemm_panel(int64_t m, int64_t depth, const float* a, int64_t ai, int
 // one panel of B (depth x NR vectors) stays in L1 across the row blocks. Wide panels where the
 // registers allow (32 on AVX-512): one broadcast of A then feeds 4 FMAs instead of 2, and on
 // CPUs that split 512-bit operations in two (Zen 4) the broadcasts are what limits the block.
+// `pf`, if given, is asked for a few lines of the next chunk after each register block.
 static void gemm(int64_t m, int64_t nc, int64_t depth, const float* a, int64_t ai, int64_t ap,
-                 const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower) {
+                 const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower,
+                 NextRows* pf = nullptr) {
   int64_t j = 0;
   for (; j + kGemmNR * W <= nc; j += kGemmNR * W)
-    gemm_panel<kGemmNR>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower);
-  for (; j < nc; j += 2 * W) gemm_panel<2>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower);
+    gemm_panel<kGemmNR>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower, pf);
+  for (; j < nc; j += 2 * W) gemm_panel<2>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower, pf);
 }
 
 // y += a * x over np floats
@@ -316,29 +359,16 @@ static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
     for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
 }
 
-// Asks for the next chunk's q, k, v rows while this one computes: the rows of one head are
-// strided (the other heads lie between them), and the inputs are usually cold.
-static void prefetch_rows(const kern::DeltaHead& h, int64_t t0, int64_t n) {
-  const int64_t es = h.dtype == DType::f32 ? 4 : 2;  // (dtype_size is inline: see kernels.h)
-  for (int64_t t = t0; t < t0 + n; ++t) {
-    for (int64_t b = 0; b < h.K * es; b += 64) {
-      __builtin_prefetch(h.q + t * h.q_st + b);
-      __builtin_prefetch(h.k + t * h.k_st + b);
-    }
-    for (int64_t b = 0; b < h.V * es; b += 64) __builtin_prefetch(h.v + t * h.v_st + b);
-  }
-}
-
 // One chunk of n tokens from position t0: outputs written, state advanced from src into h.S.
 static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
                       const Chunk& c) {
   const int64_t Kp = h.Kp, Vp = h.Vp, K = h.K;
   load_chunk(h, t0, n, c);
   gate_rows(h, n, c);
-  prefetch_rows(h, t0 + n, dmin(kC, h.T - t0 - n));
+  NextRows next = next_rows(h, t0 + n, dmin(kC, h.T - t0 - n));
   // X = [exp(G) K; exp(G) Q] S0: rows 0..n-1 against the keys, kC..kC+n-1 the queries' share
-  gemm(n, Vp, K, c.kqg, Kp, 1, src, h.lds, c.x, Vp, false, false);
-  gemm(n, Vp, K, c.kqg + kC * Kp, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, false, false);
+  gemm(n, Vp, K, c.kqg, Kp, 1, src, h.lds, c.x, Vp, false, false, &next);
+  gemm(n, Vp, K, c.kqg + kC * Kp, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, false, false, &next);
   std::memset(c.a, 0, sizeof(float) * kC * kC);
   std::memset(c.p, 0, sizeof(float) * kC * kC);
   if (h.g_per_channel) pair_matrices_channel(n, Kp, c);
@@ -358,7 +388,7 @@ static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, in
     float* row = h.S + ch * h.lds;
     for (int64_t j = 0; j < Vp; j += W) store(row + j, mul(d, load(in + j)));
   }
-  gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, true, false);
+  gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, true, false, &next);
 }
 
 // ---- the recurrence, one token at a time (decode) ----------------------------------------------
