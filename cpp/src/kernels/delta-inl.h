@@ -269,17 +269,43 @@ static void load_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Ch
   }
 }
 
+// x0 . y[r] and x1 . y[r] for r < kPairCols (rows of np floats) at once: each row of y loaded
+// feeds two FMAs, where one x against 8 rows is load bound (9 loads for 8 FMAs).
+constexpr int kPairCols = W == 16 ? 8 : 4;  // 2 x kPairCols accumulators: 16 of AVX-512's 32
+                                            // registers, 8 of AVX2's 16
+static ATTNX_INLINE void dots_x2(const float* x0, const float* x1, const float* const* y, int64_t np,
+                                 float* out0, float* out1) {
+  V acc[2 * kPairCols];
+  for (int r = 0; r < 2 * kPairCols; ++r) acc[r] = zero();
+  for (int64_t c = 0; c < np; c += W) {
+    const V a = load(x0 + c), b = load(x1 + c);
+    for (int r = 0; r < kPairCols; ++r) {
+      const V yv = load(y[r] + c);
+      acc[r] = fmadd(a, yv, acc[r]);
+      acc[kPairCols + r] = fmadd(b, yv, acc[kPairCols + r]);
+    }
+  }
+  float res[2 * kPairCols];
+  for (int g = 0; g < 2 * kPairCols; g += 8) hsum8(acc + g, res + g);
+  for (int r = 0; r < kPairCols; ++r) out0[r] = res[r], out1[r] = res[kPairCols + r];
+}
+
 // A (scaled by -beta_t, so that forward substitution only adds) and P for a per-head gate: the
-// dot products times exp(G_t - G_s), W of those exps at a time (gs is zero past n).
+// dot products k_t . k_s and q_t . k_s together (one pass over the k_s), times exp(G_t - G_s),
+// W of those exps at a time (gs is zero past n).
 static void pair_matrices_head(int64_t n, int64_t Kp, const Chunk& c) {
-  alignas(64) float row[kC], e[kC];
+  alignas(64) float e[kC + W], ka[kC + kPairCols], qa[kC + kPairCols];
   for (int64_t t = 0; t < n; ++t) {
     const V gt = set1(c.gs[t]);
     for (int64_t s = 0; s <= t; s += W) store(e + s, exp(sub(gt, load(c.gs + s))));
-    row_dots(c.k + t * Kp, c.k, Kp, t, Kp, c.zero, row);
-    for (int64_t s = 0; s < t; ++s) c.a[t * kC + s] = -c.beta[t] * row[s] * e[s];
-    row_dots(c.q + t * Kp, c.k, Kp, t + 1, Kp, c.zero, row);
-    for (int64_t s = 0; s <= t; ++s) c.p[t * kC + s] = row[s] * e[s];
+    for (int64_t s0 = 0; s0 <= t; s0 += kPairCols) {
+      const float* y[kPairCols];
+      for (int r = 0; r < kPairCols; ++r) y[r] = s0 + r <= t ? c.k + (s0 + r) * Kp : c.zero;
+      dots_x2(c.k + t * Kp, c.q + t * Kp, y, Kp, ka + s0, qa + s0);
+    }
+    const float nb = -c.beta[t];
+    for (int64_t s = 0; s < t; ++s) c.a[t * kC + s] = nb * ka[s] * e[s];
+    for (int64_t s = 0; s <= t; ++s) c.p[t * kC + s] = qa[s] * e[s];
   }
 }
 
