@@ -153,14 +153,30 @@ static void row_dots(const float* x, const float* Y, int64_t ldy, int64_t ns, in
   }
 }
 
-// C[0:MR, 0:NR*W] (+)= A(0:MR, 0:depth) B(0:depth, 0:NR*W), with A(i, p) = a[i*ai + p*ap]: the
-// register block of `gemm` (MR x NR vectors of accumulators; B rows streamed, A broadcast).
+// Where a product's C starts: diag(scale) in (in with C's row stride; scale null: 1), or zero
+// (in null). Folding a row scaling into the block's first load saves a pass over C.
+struct CStart {
+  const float* in = nullptr;
+  const float* scale = nullptr;
+};
+
+static inline CStart shifted(CStart s, int64_t rows, int64_t cols, int64_t ld) {
+  if (s.in) s.in += rows * ld + cols;
+  if (s.scale) s.scale += rows;
+  return s;
+}
+
+// C[0:MR, 0:NR*W] = start + A(0:MR, 0:depth) B(0:depth, 0:NR*W), with A(i, p) = a[i*ai + p*ap]:
+// the register block of `gemm` (MR x NR vectors of accumulators; B rows streamed, A broadcast).
 template <int MR, int NR>
 static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int64_t depth,
-                                    const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
+                                    const float* b, int64_t ldb, float* c, int64_t ldc, CStart st) {
   V x[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NR; ++v) x[r][v] = acc ? load(c + r * ldc + v * W) : zero();
+  for (int r = 0; r < MR; ++r) {
+    const V sc = set1(st.scale ? st.scale[r] : 1.f);
+    for (int v = 0; v < NR; ++v)
+      x[r][v] = !st.in ? zero() : st.scale ? mul(sc, load(st.in + r * ldc + v * W)) : load(st.in + r * ldc + v * W);
+  }
   for (int64_t p = 0; p < depth; ++p) {
     V bv[NR];
     for (int v = 0; v < NR; ++v) bv[v] = load(b + p * ldb + v * W);
@@ -178,41 +194,43 @@ static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int6
 // i + rows.
 template <int NR>
 static void gemm_panel(int64_t m, int64_t depth, const float* a, int64_t ai, int64_t ap,
-                       const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower,
+                       const float* b, int64_t ldb, float* c, int64_t ldc, CStart st, bool lower,
                        NextRows* pf) {
   int64_t i = 0;
   for (; i + kGemmMR <= m; i += kGemmMR) {
     gemm_block<kGemmMR, NR>(a + i * ai, ai, ap, lower ? dmin(depth, i + kGemmMR) : depth, b, ldb,
-                            c + i * ldc, ldc, acc);
+                            c + i * ldc, ldc, shifted(st, i, 0, ldc));
     if (pf) pf->issue(kPrefetchLines);
   }
   const int64_t d = lower ? dmin(depth, m) : depth;
   a += i * ai;
   c += i * ldc;
+  st = shifted(st, i, 0, ldc);
   switch (m - i) {  // fewer than kGemmMR rows left (kGemmMR <= 8)
-    case 7: gemm_block<7, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 6: gemm_block<6, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 5: gemm_block<5, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 4: gemm_block<4, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 3: gemm_block<3, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 2: gemm_block<2, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 1: gemm_block<1, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 7: gemm_block<7, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 6: gemm_block<6, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 5: gemm_block<5, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 4: gemm_block<4, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 3: gemm_block<3, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 2: gemm_block<2, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 1: gemm_block<1, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
     default: break;
   }
 }
 
-// C (m x nc) (+)= A (m x depth) B (depth x nc), nc a multiple of 2W. Column panels outermost:
+// C (m x nc) = start + A (m x depth) B (depth x nc), nc a multiple of 2W. Column panels outermost:
 // one panel of B (depth x NR vectors) stays in L1 across the row blocks. Wide panels where the
 // registers allow (32 on AVX-512): one broadcast of A then feeds 4 FMAs instead of 2, and on
 // CPUs that split 512-bit operations in two (Zen 4) the broadcasts are what limits the block.
 // `pf`, if given, is asked for a few lines of the next chunk after each register block.
 static void gemm(int64_t m, int64_t nc, int64_t depth, const float* a, int64_t ai, int64_t ap,
-                 const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower,
+                 const float* b, int64_t ldb, float* c, int64_t ldc, CStart st, bool lower,
                  NextRows* pf = nullptr) {
   int64_t j = 0;
   for (; j + kGemmNR * W <= nc; j += kGemmNR * W)
-    gemm_panel<kGemmNR>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower, pf);
-  for (; j < nc; j += 2 * W) gemm_panel<2>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower, pf);
+    gemm_panel<kGemmNR>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, shifted(st, 0, j, ldc), lower, pf);
+  for (; j < nc; j += 2 * W)
+    gemm_panel<2>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, shifted(st, 0, j, ldc), lower, pf);
 }
 
 // y += a * x over np floats
@@ -226,7 +244,7 @@ struct Chunk {
   float *q, *k, *G, *kqg, *kd, *lk, *lq, *r, *dec, *zero;  // rows of Kp
   float *v, *x, *u, *o;                                    // rows of Vp
   float *a, *p;                                            // C x C
-  float *gs, *beta;                                        // C
+  float *gs, *beta, *eg;                                   // C
 };
 
 static Chunk carve(float* w, int64_t Kp, int64_t Vp) {
@@ -237,7 +255,7 @@ static Chunk carve(float* w, int64_t Kp, int64_t Vp) {
   c.dec = take(Kp); c.zero = take(Kp);
   c.v = take(kC * Vp); c.x = take(2 * kC * Vp); c.u = take(kC * Vp); c.o = take(Vp);
   c.a = take(kC * kC); c.p = take(kC * kC);
-  c.gs = take(kC); c.beta = take(kC);
+  c.gs = take(kC); c.beta = take(kC); c.eg = take(kC);
   return c;
 }
 
@@ -350,14 +368,16 @@ static void pair_matrices_channel(int64_t n, int64_t Kp, const Chunk& c) {
 static void forward_substitute(int64_t n, int64_t Vp, const Chunk& c) {
   for (int64_t i0 = 0; i0 < n; i0 += kGemmMR) {
     const int64_t i1 = dmin(i0 + kGemmMR, n);
-    if (i0 > 0) gemm(i1 - i0, Vp, i0, c.a + i0 * kC, kC, 1, c.u, Vp, c.u + i0 * Vp, Vp, true, false);
+    if (i0 > 0) gemm(i1 - i0, Vp, i0, c.a + i0 * kC, kC, 1, c.u, Vp, c.u + i0 * Vp, Vp, {c.u + i0 * Vp}, false);
     for (int64_t t = i0 + 1; t < i1; ++t)
       for (int64_t s = i0; s < t; ++s) axpy(c.a[t * kC + s], c.u + s * Vp, c.u + t * Vp, Vp);
   }
 }
 
-// exp(G) K and exp(G) Q (against S0), exp(G_last - G) K (into the new state), and exp(G_last)
-// (the decay of S0 over the chunk). A per-head gate needs one exp per row, not one per channel.
+// The gates against S0 and into the new state: exp(G_last - G) K (kd), exp(G_last) (dec, the
+// decay of S0 over the chunk, a row scale of the new state's product) and, against S0, exp(G):
+// per channel it scales K and Q (kqg, eg = 1); per head it is one number per row (eg), which
+// scales rows of K S0 and Q S0 instead, so K and Q go into the product as they are.
 static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
   const int64_t Kp = h.Kp;
   const float* Gl = c.G + (n - 1) * Kp;
@@ -371,15 +391,12 @@ static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
       gated_row(k, Gi, nullptr, Kp, kg);
       gated_row(q, Gi, nullptr, Kp, qg);
       gated_row(k, Gl, Gi, Kp, kd);
+      c.eg[i] = 1.f;
       continue;
     }
-    const V e = set1(std::exp(c.gs[i])), ed = set1(std::exp(c.gs[n - 1] - c.gs[i]));
-    for (int64_t ch = 0; ch < Kp; ch += W) {
-      const V kv = load(k + ch);
-      store(kg + ch, mul(kv, e));
-      store(qg + ch, mul(load(q + ch), e));
-      store(kd + ch, mul(kv, ed));
-    }
+    c.eg[i] = std::exp(c.gs[i]);
+    const V ed = set1(std::exp(c.gs[n - 1] - c.gs[i]));
+    for (int64_t ch = 0; ch < Kp; ch += W) store(kd + ch, mul(load(k + ch), ed));
   }
   if (h.g_per_channel)
     for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
@@ -392,29 +409,27 @@ static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, in
   load_chunk(h, t0, n, c);
   gate_rows(h, n, c);
   NextRows next = next_rows(h, t0 + n, dmin(kC, h.T - t0 - n));
-  // X = [exp(G) K; exp(G) Q] S0: rows 0..n-1 against the keys, kC..kC+n-1 the queries' share
-  gemm(n, Vp, K, c.kqg, Kp, 1, src, h.lds, c.x, Vp, false, false, &next);
-  gemm(n, Vp, K, c.kqg + kC * Kp, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, false, false, &next);
+  // X = [K; Q] S0 (gated per channel: see gate_rows): rows 0..n-1 the keys', kC.. the queries'
+  const float* kx = h.g_per_channel ? c.kqg : c.k;
+  const float* qx = h.g_per_channel ? c.kqg + kC * Kp : c.q;
+  gemm(n, Vp, K, kx, Kp, 1, src, h.lds, c.x, Vp, {}, false, &next);
+  gemm(n, Vp, K, qx, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, {}, false, &next);
   std::memset(c.a, 0, sizeof(float) * kC * kC);
   std::memset(c.p, 0, sizeof(float) * kC * kC);
   if (h.g_per_channel) pair_matrices_channel(n, Kp, c);
   else pair_matrices_head(n, Kp, c);
   for (int64_t i = 0; i < n; ++i) {  // U = diag(beta) (V - exp(G) K S0), then solved
-    const V b = set1(c.beta[i]);
+    const V b = set1(c.beta[i]), e = set1(c.eg[i]);
     const float *vi = c.v + i * Vp, *xi = c.x + i * Vp;
-    for (int64_t j = 0; j < Vp; j += W) store(c.u + i * Vp + j, mul(b, sub(load(vi + j), load(xi + j))));
+    for (int64_t j = 0; j < Vp; j += W)
+      store(c.u + i * Vp + j, mul(b, sub(load(vi + j), mul(e, load(xi + j)))));
   }
   forward_substitute(n, Vp, c);
   float* o = c.x + kC * Vp;  // O = exp(G) Q S0 + P U
-  gemm(n, Vp, n, c.p, kC, 1, c.u, Vp, o, Vp, true, true);
+  gemm(n, Vp, n, c.p, kC, 1, c.u, Vp, o, Vp, {o, c.eg}, true);
   for (int64_t i = 0; i < n; ++i) row_from_f32(o + i * Vp, h.V, h.dtype, h.out + (t0 + i) * h.o_st);
-  for (int64_t ch = 0; ch < K; ++ch) {  // S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U
-    const V d = set1(c.dec[ch]);
-    const float* in = src + ch * h.lds;
-    float* row = h.S + ch * h.lds;
-    for (int64_t j = 0; j < Vp; j += W) store(row + j, mul(d, load(in + j)));
-  }
-  gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, true, false, &next);
+  // S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U
+  gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, {src, c.dec}, false, &next);
 }
 
 // ---- the recurrence, one token at a time (decode) ----------------------------------------------

@@ -49,7 +49,7 @@ struct DeltaHead {
 // 64-byte aligned; delta-inl.h carves them in this order).
 static inline int64_t delta_work_floats(int64_t Kp, int64_t Vp) {
   const int64_t C = kDeltaChunk;
-  return Kp * (8 * C + kDeltaSub + 2) + Vp * (4 * C + 1) + 2 * C * C + 2 * C;
+  return Kp * (8 * C + kDeltaSub + 2) + Vp * (4 * C + 1) + 2 * C * C + 3 * C;
 }
 
 }  // namespace kern
