@@ -10,10 +10,11 @@
 namespace attnx {
 namespace kern {
 
-constexpr int kDeltaChunk = 32;  // tokens per chunk of the chunked (WY / UT-transform) form. The
+constexpr int kDeltaChunk = 16;  // tokens per chunk of the chunked (WY / UT-transform) form. The
                                  // chunk products cost 6 K V per token whatever C is; the pair
                                  // matrices, the solve and P U add 2 C (K + V): a third more at
-                                 // C = 64, a sixth at 32 (1.07x faster at K = V = 128, see NOTES)
+                                 // C = 64, a twelfth at 16. At K = V = 128, single-thread CPU time
+                                 // C = 32 vs 64: 1.07x, 16 vs 32: 1.0-1.1x (bench/NOTES.md)
 constexpr int kDeltaSub = 16;    // per-channel gates: sub-chunk whose end is the reference point
                                  // that keeps every exp() of the chunk's decays <= 1
 constexpr int kDeltaRecurrentMax = 16;  // automatic mode: sequences up to this long run the
