@@ -101,10 +101,11 @@ static inline void gated_row(const float* src, const float* a, const float* b, i
 // with no prefetch at all, where 8 lines at a time spread over the work reached the cached time
 // (Zen 4; see bench/NOTES.md). gemm_panel asks for a few lines after each register block.
 struct NextRows {
-  const char* base[3] = {nullptr, nullptr, nullptr};
-  int64_t stride[3] = {0, 0, 0}, bytes[3] = {0, 0, 0};
+  static constexpr int kMax = 2 + kern::kDeltaGroupMax;  // q, k and each value head's v
+  const char* base[kMax] = {};
+  int64_t stride[kMax] = {}, bytes[kMax] = {};
   int64_t rows = 0, r = 0, off = 0;
-  int a = 0;
+  int arrays = 0, a = 0;
 
   void issue(int lines) {
     for (; lines > 0 && r < rows; --lines) {
@@ -112,18 +113,25 @@ struct NextRows {
       off += 64;
       if (off < bytes[a]) continue;
       off = 0;
-      if (++a == 3) a = 0, ++r;
+      if (++a == arrays) a = 0, ++r;
     }
+  }
+
+  void add(const char* p, int64_t t0, int64_t st, int64_t nbytes) {
+    base[arrays] = p + t0 * st;
+    stride[arrays] = st;
+    bytes[arrays++] = nbytes;
   }
 };
 
-static NextRows next_rows(const kern::DeltaHead& h, int64_t t0, int64_t n) {
+// Rows [t0, t0 + n) of the group's q, k and v (all heads of a group share q and k).
+static NextRows next_rows(const kern::DeltaHead* hs, int G, int64_t t0, int64_t n) {
+  const kern::DeltaHead& h = hs[0];
   const int64_t es = h.dtype == DType::f32 ? 4 : 2;  // (dtype_size is inline: see kernels.h)
   NextRows pf;
-  pf.base[0] = h.q + t0 * h.q_st; pf.base[1] = h.k + t0 * h.k_st; pf.base[2] = h.v + t0 * h.v_st;
-  pf.stride[0] = h.q_st; pf.stride[1] = h.k_st; pf.stride[2] = h.v_st;
-  pf.bytes[0] = pf.bytes[1] = h.K * es;
-  pf.bytes[2] = h.V * es;
+  pf.add(h.q, t0, h.q_st, h.K * es);
+  pf.add(h.k, t0, h.k_st, h.K * es);
+  for (int g = 0; g < G; ++g) pf.add(hs[g].v, t0, hs[g].v_st, h.V * es);
   pf.rows = n > 0 ? n : 0;
   return pf;
 }
@@ -240,40 +248,54 @@ static inline void axpy(float a, const float* x, float* y, int64_t np) {
 }
 
 // ---- the chunk's working set --------------------------------------------------------------
+// One value head's view. q, k, zero, kk and qk are shared by the heads of a group (they read
+// the same key head): kk and qk hold the raw k_t . k_s and q_t . k_s of a per-head gate.
 struct Chunk {
   float *q, *k, *G, *kqg, *kd, *lk, *lq, *r, *dec, *zero;  // rows of Kp
   float *v, *x, *u, *o;                                    // rows of Vp
-  float *a, *p;                                            // C x C
+  float *a, *p, *kk, *qk;                                  // C x C
   float *gs, *beta, *eg;                                   // C
 };
 
-static Chunk carve(float* w, int64_t Kp, int64_t Vp) {
-  Chunk c;
+// The group's scratch in the order of kern::delta_work_floats: the shared part, then each head's.
+static void carve(float* w, int64_t Kp, int64_t Vp, int G, Chunk* cs) {
   auto take = [&w](int64_t n) { float* p = w; w += n; return p; };
-  c.q = take(kC * Kp); c.k = take(kC * Kp); c.G = take(kC * Kp); c.kqg = take(2 * kC * Kp);
-  c.kd = take(kC * Kp); c.lk = take(kC * Kp); c.lq = take(kC * Kp); c.r = take(kDeltaSub * Kp);
-  c.dec = take(Kp); c.zero = take(Kp);
-  c.v = take(kC * Vp); c.x = take(2 * kC * Vp); c.u = take(kC * Vp); c.o = take(Vp);
-  c.a = take(kC * kC); c.p = take(kC * kC);
-  c.gs = take(kC); c.beta = take(kC); c.eg = take(kC);
-  return c;
+  Chunk s;
+  s.q = take(kC * Kp); s.k = take(kC * Kp); s.zero = take(Kp);
+  s.kk = take(kC * kC); s.qk = take(kC * kC);
+  for (int g = 0; g < G; ++g) {
+    Chunk& c = cs[g];
+    c.q = s.q; c.k = s.k; c.zero = s.zero; c.kk = s.kk; c.qk = s.qk;
+    c.G = take(kC * Kp); c.kqg = take(2 * kC * Kp); c.kd = take(kC * Kp); c.lk = take(kC * Kp);
+    c.lq = take(kC * Kp); c.r = take(kDeltaSub * Kp); c.dec = take(Kp);
+    c.v = take(kC * Vp); c.x = take(2 * kC * Vp); c.u = take(kC * Vp); c.o = take(Vp);
+    c.a = take(kC * kC); c.p = take(kC * kC);
+    c.gs = take(kC); c.beta = take(kC); c.eg = take(kC);
+  }
 }
 
-// Positions [t0, t0 + n) in fp32: q (scaled, normalised if asked), k, v, beta, and the gates
-// summed from t0 through each position: G (a row per position) for per-channel gates, gs for
-// per-head ones.
-static void load_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
+// Positions [t0, t0 + n) of q (scaled, normalised if asked) and k in fp32: once per group.
+static void load_qk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
   const int64_t Kp = h.Kp;
-  for (int64_t i = n; i < kC; ++i) c.gs[i] = 0.f;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = t0 + i;
     float* q = c.q + i * Kp;
     float* k = c.k + i * Kp;
     row_to_f32(h.q + t * h.q_st, h.dtype, h.K, Kp, q);
     row_to_f32(h.k + t * h.k_st, h.dtype, h.K, Kp, k);
-    row_to_f32(h.v + t * h.v_st, h.dtype, h.V, h.Vp, c.v + i * h.Vp);
     scale_row(q, Kp, h.l2norm, h.scale);
     scale_row(k, Kp, h.l2norm, 1.f);
+  }
+}
+
+// The same positions of one value head: v, beta, and the gates summed from t0 through each
+// position: G (a row per position) for per-channel gates, gs for per-head ones.
+static void load_head(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
+  const int64_t Kp = h.Kp;
+  for (int64_t i = n; i < kC; ++i) c.gs[i] = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = t0 + i;
+    row_to_f32(h.v + t * h.v_st, h.dtype, h.V, h.Vp, c.v + i * h.Vp);
     c.beta[i] = h.beta[t * h.beta_st];
     const float* g = h.g + t * h.g_st;
     if (!h.g_per_channel) {
@@ -308,22 +330,32 @@ static ATTNX_INLINE void dots_x2(const float* x0, const float* x1, const float* 
   for (int r = 0; r < kPairCols; ++r) out0[r] = res[r], out1[r] = res[kPairCols + r];
 }
 
-// A (scaled by -beta_t, so that forward substitution only adds) and P for a per-head gate: the
-// dot products k_t . k_s and q_t . k_s together (one pass over the k_s), times exp(G_t - G_s),
-// W of those exps at a time (gs is zero past n).
-static void pair_matrices_head(int64_t n, int64_t Kp, const Chunk& c) {
-  alignas(64) float e[kC + W], ka[kC + kPairCols], qa[kC + kPairCols];
+// k_t . k_s (s < t) and q_t . k_s (s <= t) into kk and qk, once per group: both in one pass over
+// the k_s.
+static void pair_dots(int64_t n, int64_t Kp, const Chunk& c) {
+  alignas(64) float ka[kC + kPairCols], qa[kC + kPairCols];
   for (int64_t t = 0; t < n; ++t) {
-    const V gt = set1(c.gs[t]);
-    for (int64_t s = 0; s <= t; s += W) store(e + s, exp(sub(gt, load(c.gs + s))));
     for (int64_t s0 = 0; s0 <= t; s0 += kPairCols) {
       const float* y[kPairCols];
       for (int r = 0; r < kPairCols; ++r) y[r] = s0 + r <= t ? c.k + (s0 + r) * Kp : c.zero;
       dots_x2(c.k + t * Kp, c.q + t * Kp, y, Kp, ka + s0, qa + s0);
     }
+    for (int64_t s = 0; s <= t; ++s) c.kk[t * kC + s] = ka[s], c.qk[t * kC + s] = qa[s];
+  }
+}
+
+// A (scaled by -beta_t, so that forward substitution only adds) and P for a per-head gate: the
+// group's dot products times this head's exp(G_t - G_s), W of those exps at a time (gs is zero
+// past n).
+static void pair_matrices_head(int64_t n, const Chunk& c) {
+  alignas(64) float e[kC + W];
+  for (int64_t t = 0; t < n; ++t) {
+    const V gt = set1(c.gs[t]);
+    for (int64_t s = 0; s <= t; s += W) store(e + s, exp(sub(gt, load(c.gs + s))));
     const float nb = -c.beta[t];
-    for (int64_t s = 0; s < t; ++s) c.a[t * kC + s] = nb * ka[s] * e[s];
-    for (int64_t s = 0; s <= t; ++s) c.p[t * kC + s] = qa[s] * e[s];
+    const float *kk = c.kk + t * kC, *qk = c.qk + t * kC;
+    for (int64_t s = 0; s < t; ++s) c.a[t * kC + s] = nb * kk[s] * e[s];
+    for (int64_t s = 0; s <= t; ++s) c.p[t * kC + s] = qk[s] * e[s];
   }
 }
 
@@ -403,12 +435,13 @@ static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
 }
 
 // One chunk of n tokens from position t0: outputs written, state advanced from src into h.S.
+// q and k are loaded (and, for a per-head gate, their pair products taken) by the caller;
+// `next` asks for the group's next rows.
 static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
-                      const Chunk& c) {
+                      const Chunk& c, NextRows& next) {
   const int64_t Kp = h.Kp, Vp = h.Vp, K = h.K;
-  load_chunk(h, t0, n, c);
+  load_head(h, t0, n, c);
   gate_rows(h, n, c);
-  NextRows next = next_rows(h, t0 + n, dmin(kC, h.T - t0 - n));
   // X = [K; Q] S0 (gated per channel: see gate_rows): rows 0..n-1 the keys', kC.. the queries'
   const float* kx = h.g_per_channel ? c.kqg : c.k;
   const float* qx = h.g_per_channel ? c.kqg + kC * Kp : c.q;
@@ -417,7 +450,7 @@ static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, in
   std::memset(c.a, 0, sizeof(float) * kC * kC);
   std::memset(c.p, 0, sizeof(float) * kC * kC);
   if (h.g_per_channel) pair_matrices_channel(n, Kp, c);
-  else pair_matrices_head(n, Kp, c);
+  else pair_matrices_head(n, c);
   for (int64_t i = 0; i < n; ++i) {  // U = diag(beta) (V - exp(G) K S0), then solved
     const V b = set1(c.beta[i]), e = set1(c.eg[i]);
     const float *vi = c.v + i * Vp, *xi = c.x + i * Vp;
@@ -480,16 +513,27 @@ static void recurrent_token(const kern::DeltaHead& h, const float* src, int64_t 
   row_from_f32(c.o, h.V, h.dtype, h.out + t * h.o_st);
 }
 
-// The whole sequence of one head: chunks of kC tokens, or the token-by-token recurrence.
-static void delta_head(const kern::DeltaHead& h) {
-  const Chunk c = carve(h.work, h.Kp, h.Vp);
-  for (int64_t ch = 0; ch < h.Kp; ++ch) c.zero[ch] = 0.f;
+// The whole sequence of G value heads that read the same q and k (T and the gate's kind are the
+// same for all): chunk by chunk, q and k loaded (and paired, for per-head gates) once for all
+// of them; or the token-by-token recurrence, head by head.
+static void delta_heads(const kern::DeltaHead* hs, int G) {
+  Chunk cs[kern::kDeltaGroupMax];
+  const kern::DeltaHead& h0 = hs[0];
+  carve(h0.work, h0.Kp, h0.Vp, G, cs);
+  for (int64_t ch = 0; ch < h0.Kp; ++ch) cs[0].zero[ch] = 0.f;
   // The first token (or chunk) reads the state from S_in, every later one from S.
-  if (!h.chunked) {
-    for (int64_t t = 0; t < h.T; ++t) recurrent_token(h, t ? h.S : h.S_in, t, c);
+  if (!h0.chunked) {
+    for (int g = 0; g < G; ++g)
+      for (int64_t t = 0; t < h0.T; ++t) recurrent_token(hs[g], t ? hs[g].S : hs[g].S_in, t, cs[g]);
     return;
   }
-  for (int64_t t0 = 0; t0 < h.T; t0 += kC) run_chunk(h, t0 ? h.S : h.S_in, t0, dmin(kC, h.T - t0), c);
+  for (int64_t t0 = 0; t0 < h0.T; t0 += kC) {
+    const int64_t n = dmin(kC, h0.T - t0);
+    load_qk(h0, t0, n, cs[0]);
+    if (!h0.g_per_channel) pair_dots(n, h0.Kp, cs[0]);
+    NextRows next = next_rows(hs, G, t0 + n, dmin(kC, h0.T - t0 - n));
+    for (int g = 0; g < G; ++g) run_chunk(hs[g], t0 ? hs[g].S : hs[g].S_in, t0, n, cs[g], next);
+  }
 }
 
 }  // namespace
