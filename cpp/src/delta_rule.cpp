@@ -1,6 +1,7 @@
-// delta_rule.cpp: the gated delta-rule driver: one work item per (sequence, value head), shared
-// out across threads; each item's state lives in place in the caller's final-state buffer where
-// its rows are already padded, else in per-thread scratch. The maths is in kernels/delta-inl.h.
+// delta_rule.cpp: the gated delta-rule driver: one work item per (sequence, group of value heads
+// that read one key head; see group_size), shared out across threads; each head's state lives in
+// place in the caller's final-state buffer where its rows are already padded, else in per-thread
+// scratch. The maths is in kernels/delta-inl.h.
 #include "attnx/delta_rule.h"
 
 #include <algorithm>

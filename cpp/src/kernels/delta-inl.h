@@ -1,4 +1,6 @@
-// delta-inl.h: gated delta-rule linear attention for one (sequence, value head), written once
+// delta-inl.h: gated delta-rule linear attention for one sequence and a group of value heads
+// that read the same key head (q, k and the pair products k.k, q.k of a per-head gate are then
+// computed once for the group; everything else is per value head), written once
 // against the vector vocabulary `simd` (vec_*.h) and compiled once per instruction set (the
 // including file opens `namespace attnx::<isa>`; everything here has internal linkage).
 //
@@ -17,6 +19,8 @@
 // channel, A and P need exp(G_t[c] - G_s[c]) for every pair: pairs inside one sub-chunk of
 // kDeltaSub tokens take it directly; for the others the sub-chunk's last position e splits it as
 // exp(G_t - G_e) exp(G_e - G_s), both factors <= 1, so those pairs become plain dot products.
+// With one gate per head, exp(G_t - G_s) is one number per pair: A and P are the raw dot products
+// times it, and exp(G) scales rows of K S0 and Q S0 instead of K and Q.
 
 // The including file provides <cmath>, <cstring>, kernels.h and delta_kernels.h before opening
 // the namespace: no header may be included from inside it.
