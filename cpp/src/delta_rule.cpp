@@ -124,7 +124,8 @@ void run_item(const DeltaRuleParams& p, const DeltaPlan& pl, const kern::KernelT
   if (ds[0].T > 0) table->delta_head(ds, pl.G);
   for (int g = 0; g < pl.G; ++g) {
     const kern::DeltaHead& d = ds[g];
-    if (d.T == 0 && d.S_in != d.S) std::memcpy(d.S, d.S_in, sizeof(float) * p.K * p.V);  // empty sequence
+    if (d.T == 0 && d.S_in != d.S)  // empty sequence: the state is the initial one
+      std::memcpy(d.S, d.S_in, sizeof(float) * p.K * p.V);
     if (!p.final_state || pl.in_place) continue;
     float* dst = p.final_state + (n * p.Hv + h0 + g) * p.K * p.V;
     for (int64_t c = 0; c < p.K; ++c) std::memcpy(dst + c * p.V, d.S + c * d.lds, sizeof(float) * p.V);

@@ -186,8 +186,11 @@ static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int6
   V x[MR][NR];
   for (int r = 0; r < MR; ++r) {
     const V sc = set1(st.scale ? st.scale[r] : 1.f);
-    for (int v = 0; v < NR; ++v)
-      x[r][v] = !st.in ? zero() : st.scale ? mul(sc, load(st.in + r * ldc + v * W)) : load(st.in + r * ldc + v * W);
+    for (int v = 0; v < NR; ++v) {
+      if (!st.in) x[r][v] = zero();
+      else if (st.scale) x[r][v] = mul(sc, load(st.in + r * ldc + v * W));
+      else x[r][v] = load(st.in + r * ldc + v * W);
+    }
   }
   for (int64_t p = 0; p < depth; ++p) {
     V bv[NR];
@@ -334,8 +337,8 @@ static ATTNX_INLINE void dots_x2(const float* x0, const float* x1, const float* 
   for (int r = 0; r < kPairCols; ++r) out0[r] = res[r], out1[r] = res[kPairCols + r];
 }
 
-// k_t . k_s (s < t) and q_t . k_s (s <= t) into kk and qk, once per group: both in one pass over
-// the k_s.
+// k_t . k_s and q_t . k_s (s <= t) into kk and qk, once per group: both in one pass over the
+// k_s.
 static void pair_dots(int64_t n, int64_t Kp, const Chunk& c) {
   alignas(64) float ka[kC + kPairCols], qa[kC + kPairCols];
   for (int64_t t = 0; t < n; ++t) {
@@ -404,7 +407,8 @@ static void pair_matrices_channel(int64_t n, int64_t Kp, const Chunk& c) {
 static void forward_substitute(int64_t n, int64_t Vp, const Chunk& c) {
   for (int64_t i0 = 0; i0 < n; i0 += kGemmMR) {
     const int64_t i1 = dmin(i0 + kGemmMR, n);
-    if (i0 > 0) gemm(i1 - i0, Vp, i0, c.a + i0 * kC, kC, 1, c.u, Vp, c.u + i0 * Vp, Vp, {c.u + i0 * Vp}, false);
+    float* ui = c.u + i0 * Vp;
+    if (i0 > 0) gemm(i1 - i0, Vp, i0, c.a + i0 * kC, kC, 1, c.u, Vp, ui, Vp, {ui}, false);
     for (int64_t t = i0 + 1; t < i1; ++t)
       for (int64_t s = i0; s < t; ++s) axpy(c.a[t * kC + s], c.u + s * Vp, c.u + t * Vp, Vp);
   }
