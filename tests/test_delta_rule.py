@@ -130,6 +130,24 @@ def test_threads_give_identical_results(rng):
     np.testing.assert_array_equal(one, two)
 
 
+@pytest.mark.parametrize("gate", ["head", "channel"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_value_heads_sharing_a_key_head_match_each_head_alone(isa, rng, gate, threads):
+    """The chunked kernel runs the value heads of one key head together (q, k and their pair
+    products shared): bit for bit what each value head gives alone, state included."""
+    q, k, v, g, beta = inputs(rng, 2, 75, 1, 4, 32, 48, per_channel=gate == "channel")
+    s0 = state0(rng, 2, 4, 32, 48)
+    o, state = attnx.gated_delta_rule(q, k, v, g, beta, initial_state=s0, qk_l2norm=True,
+                                      output_final_state=True, num_threads=threads, _mode="chunked")
+    for h in range(4):
+        sl = slice(h, h + 1)
+        one, one_state = attnx.gated_delta_rule(q, k, v[:, :, sl], g[:, :, sl], beta[:, :, sl],
+                                                initial_state=s0[:, sl], qk_l2norm=True,
+                                                output_final_state=True, _mode="chunked")
+        np.testing.assert_array_equal(o[:, :, sl], one)
+        np.testing.assert_array_equal(state[:, sl], one_state)
+
+
 def test_float64_and_inputs_untouched(rng):
     q, k, v, g, beta = inputs(rng, 1, 20, 1, 1, 8, 8, dtype=np.float64)
     before = [x.copy() for x in (q, k, v, g, beta)]

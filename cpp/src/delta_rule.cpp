@@ -1,6 +1,7 @@
-// delta_rule.cpp: the gated delta-rule driver: one work item per (sequence, value head), shared
-// out across threads; each item's state lives in place in the caller's final-state buffer where
-// its rows are already padded, else in per-thread scratch. The maths is in kernels/delta-inl.h.
+// delta_rule.cpp: the gated delta-rule driver: one work item per (sequence, group of value heads
+// that read one key head; see group_size), shared out across threads; each head's state lives in
+// place in the caller's final-state buffer where its rows are already padded, else in per-thread
+// scratch. The maths is in kernels/delta-inl.h.
 #include "attnx/delta_rule.h"
 
 #include <algorithm>
@@ -31,17 +32,35 @@ struct FreeDeleter {
 // Sizes shared by every work item of one call.
 struct DeltaPlan {
   int64_t Kp = 0, Vp = 0;
+  int G = 1;              // value heads per work item (sharing one key head's q and k)
   bool in_place = false;  // the state is advanced inside final_state (V is already padded)
-  int64_t work = 0;       // floats of scratch per thread, kernel work + state if not in place
+  int64_t kernel = 0;     // floats of kernel scratch per thread
+  int64_t work = 0;       // floats of scratch per thread, kernel + G states if not in place
 };
 
-DeltaPlan plan(const DeltaRuleParams& p) {
+DeltaPlan plan(const DeltaRuleParams& p, int G) {
   DeltaPlan pl;
   pl.Kp = round_up(std::max<int64_t>(p.K, 1), kern::kPad);
   pl.Vp = round_up(std::max<int64_t>(p.V, 1), kern::kPad);
+  pl.G = G;
   pl.in_place = p.final_state != nullptr && pl.Vp == p.V;
-  pl.work = round_up(kern::delta_work_floats(pl.Kp, pl.Vp) + (pl.in_place ? 0 : p.K * pl.Vp), 16);
+  pl.kernel = kern::delta_work_floats(pl.Kp, pl.Vp, G);
+  pl.work = round_up(pl.kernel + (pl.in_place ? 0 : G * p.K * pl.Vp), 16);
   return pl;
+}
+
+// Value heads per work item: the heads that read one key head share its q and k rows and their
+// pair products (kernels/delta-inl.h), so a chunked call takes up to kDeltaGroupMax of them
+// together, as long as the items still split evenly over the threads. Decode gains nothing.
+int group_size(const DeltaRuleParams& p, int threads) {
+  bool chunked = p.mode == DeltaMode::chunked;
+  for (int64_t n = 0; n < p.N && p.mode == DeltaMode::automatic; ++n)
+    chunked = chunked || p.seq_len[n] > kern::kDeltaRecurrentMax;
+  if (!chunked) return 1;
+  const int64_t ratio = p.Hv / p.Hk;
+  for (int G = kern::kDeltaGroupMax; G > 1; G /= 2)
+    if (ratio % G == 0 && (p.N * p.Hv / G) % threads == 0) return G;
+  return 1;
 }
 
 // Where (sequence n, head h)'s state lives for the kernel (d.S, d.lds) and where the kernel
@@ -92,16 +111,23 @@ kern::DeltaHead head_view(const DeltaRuleParams& p, const DeltaPlan& pl, int64_t
   return d;
 }
 
+// Work item: pl.G consecutive value heads of one sequence (they read the same key head).
 void run_item(const DeltaRuleParams& p, const DeltaPlan& pl, const kern::KernelTable* table,
               int64_t item, float* buf) {
-  const int64_t n = item / p.Hv, h = item % p.Hv;
-  kern::DeltaHead d = head_view(p, pl, n, h);
-  d.work = buf;
-  prepare_state(p, pl, n, h, buf + kern::delta_work_floats(pl.Kp, pl.Vp), d);
-  if (d.T > 0) table->delta_head(d);
-  else if (d.S_in != d.S) std::memcpy(d.S, d.S_in, sizeof(float) * p.K * p.V);  // empty sequence
-  if (p.final_state && !pl.in_place) {
-    float* dst = p.final_state + (n * p.Hv + h) * p.K * p.V;
+  const int64_t groups = p.Hv / pl.G, n = item / groups, h0 = item % groups * pl.G;
+  kern::DeltaHead ds[kern::kDeltaGroupMax];
+  for (int g = 0; g < pl.G; ++g) {
+    ds[g] = head_view(p, pl, n, h0 + g);
+    ds[g].work = buf;
+    prepare_state(p, pl, n, h0 + g, buf + pl.kernel + g * p.K * pl.Vp, ds[g]);
+  }
+  if (ds[0].T > 0) table->delta_head(ds, pl.G);
+  for (int g = 0; g < pl.G; ++g) {
+    const kern::DeltaHead& d = ds[g];
+    if (d.T == 0 && d.S_in != d.S)  // empty sequence: the state is the initial one
+      std::memcpy(d.S, d.S_in, sizeof(float) * p.K * p.V);
+    if (!p.final_state || pl.in_place) continue;
+    float* dst = p.final_state + (n * p.Hv + h0 + g) * p.K * p.V;
     for (int64_t c = 0; c < p.K; ++c) std::memcpy(dst + c * p.V, d.S + c * d.lds, sizeof(float) * p.V);
   }
 }
@@ -112,13 +138,13 @@ void gated_delta_rule(const DeltaRuleParams& p) {
   const int64_t items = p.N * p.Hv;
   if (items == 0 || p.K == 0 || p.V == 0) return;  // nothing to read or write (no state to advance)
   const kern::KernelTable* table = active_table();
-  const DeltaPlan pl = plan(p);
   // A thread per work item at most, and only for enough work: starting a team costs more than
   // a small decode step (a few (sequence, head) states of a few KiB) takes.
   double work = 0;
   for (int64_t n = 0; n < p.N; ++n) work += double(std::max<int64_t>(p.seq_len[n], 1)) * p.Hv * p.K * p.V;
   const int64_t by_work = std::max<int64_t>(1, int64_t(work / kWorkPerThread));
   const int threads = int(std::min({int64_t(std::max(resolve_threads(p.num_threads), 1)), items, by_work}));
+  const DeltaPlan pl = plan(p, group_size(p, threads));
   // All scratch up front: a failed allocation throws here, before any thread starts.
   const std::size_t bytes = sizeof(float) * std::size_t(pl.work) * std::size_t(threads);
   std::unique_ptr<float, FreeDeleter> scratch(static_cast<float*>(std::aligned_alloc(64, bytes)));
@@ -126,7 +152,7 @@ void gated_delta_rule(const DeltaRuleParams& p) {
   float* base = scratch.get();
   parallel(threads, [&](Team& team) {
     float* buf = base + int64_t(team.id()) * pl.work;
-    team.for_dynamic(items, [&](int64_t i) { run_item(p, pl, table, i, buf); });
+    team.for_dynamic(items / pl.G, [&](int64_t i) { run_item(p, pl, table, i, buf); });
   });
 }
 

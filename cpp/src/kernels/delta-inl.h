@@ -1,4 +1,6 @@
-// delta-inl.h: gated delta-rule linear attention for one (sequence, value head), written once
+// delta-inl.h: gated delta-rule linear attention for one sequence and a group of value heads
+// that read the same key head (q, k and the pair products k.k, q.k of a per-head gate are then
+// computed once for the group; everything else is per value head), written once
 // against the vector vocabulary `simd` (vec_*.h) and compiled once per instruction set (the
 // including file opens `namespace attnx::<isa>`; everything here has internal linkage).
 //
@@ -17,6 +19,8 @@
 // channel, A and P need exp(G_t[c] - G_s[c]) for every pair: pairs inside one sub-chunk of
 // kDeltaSub tokens take it directly; for the others the sub-chunk's last position e splits it as
 // exp(G_t - G_e) exp(G_e - G_s), both factors <= 1, so those pairs become plain dot products.
+// With one gate per head, exp(G_t - G_s) is one number per pair: A and P are the raw dot products
+// times it, and exp(G) scales rows of K S0 and Q S0 instead of K and Q.
 
 // The including file provides <cmath>, <cstring>, kernels.h and delta_kernels.h before opening
 // the namespace: no header may be included from inside it.
@@ -32,6 +36,9 @@ constexpr int kC = kDeltaChunk;
 // of AVX-512's 32 registers, 12 of AVX2's 16).
 constexpr int kGemmNR = W == 16 ? 4 : 2;
 constexpr int kGemmMR = W == 1 ? 4 : 6;
+// Lines of the next chunk asked for after each register block of a product (see NextRows): a
+// block is MR x NR vector FMAs per step of depth, so this keeps a few requests in flight.
+constexpr int kPrefetchLines = 4 * kGemmNR;
 constexpr float kL2Eps = 1e-6f;  // q / sqrt(sum q^2 + eps), as flash-linear-attention's l2norm
 
 static inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -90,6 +97,49 @@ static inline void gated_row(const float* src, const float* a, const float* b, i
   }
 }
 
+// The next chunk's q, k and v rows, asked for a few lines at a time while this chunk computes:
+// the rows of one head are strided (the other heads lie between them), the inputs are usually
+// cold, and the hardware prefetcher cannot follow three interleaved strides. Asked for all at
+// once (1,500 lines for 64 tokens of K = V = 128), most requests were dropped: a loop copying
+// 3 x 64 strided rows after a burst of prefetches took 4x as long as from cache, and as long as
+// with no prefetch at all, where 8 lines at a time spread over the work reached the cached time
+// (Zen 4; see bench/NOTES.md). gemm_panel asks for a few lines after each register block.
+struct NextRows {
+  static constexpr int kMax = 2 + kern::kDeltaGroupMax;  // q, k and each value head's v
+  const char* base[kMax] = {};
+  int64_t stride[kMax] = {}, bytes[kMax] = {};
+  int64_t rows = 0, r = 0, off = 0;
+  int arrays = 0, a = 0;
+
+  void issue(int lines) {
+    for (; lines > 0 && r < rows; --lines) {
+      __builtin_prefetch(base[a] + r * stride[a] + off, 0, 1);
+      off += 64;
+      if (off < bytes[a]) continue;
+      off = 0;
+      if (++a == arrays) a = 0, ++r;
+    }
+  }
+
+  void add(const char* p, int64_t t0, int64_t st, int64_t nbytes) {
+    base[arrays] = p + t0 * st;
+    stride[arrays] = st;
+    bytes[arrays++] = nbytes;
+  }
+};
+
+// Rows [t0, t0 + n) of the group's q, k and v (all heads of a group share q and k).
+static NextRows next_rows(const kern::DeltaHead* hs, int G, int64_t t0, int64_t n) {
+  const kern::DeltaHead& h = hs[0];
+  const int64_t es = h.dtype == DType::f32 ? 4 : 2;  // (dtype_size is inline: see kernels.h)
+  NextRows pf;
+  pf.add(h.q, t0, h.q_st, h.K * es);
+  pf.add(h.k, t0, h.k_st, h.K * es);
+  for (int g = 0; g < G; ++g) pf.add(hs[g].v, t0, hs[g].v_st, h.V * es);
+  pf.rows = n > 0 ? n : 0;
+  return pf;
+}
+
 // ---- dense products ---------------------------------------------------------------------------
 // out[r] = x . y[r] for r < 8 (rows of np floats): 8 accumulators reduced together.
 static ATTNX_INLINE void dots8(const float* x, const float* const* y, int64_t np, float* out) {
@@ -115,14 +165,33 @@ static void row_dots(const float* x, const float* Y, int64_t ldy, int64_t ns, in
   }
 }
 
-// C[0:MR, 0:NR*W] (+)= A(0:MR, 0:depth) B(0:depth, 0:NR*W), with A(i, p) = a[i*ai + p*ap]: the
-// register block of `gemm` (MR x NR vectors of accumulators; B rows streamed, A broadcast).
+// Where a product's C starts: diag(scale) in (in with C's row stride; scale null: 1), or zero
+// (in null). Folding a row scaling into the block's first load saves a pass over C.
+struct CStart {
+  const float* in = nullptr;
+  const float* scale = nullptr;
+};
+
+static inline CStart shifted(CStart s, int64_t rows, int64_t cols, int64_t ld) {
+  if (s.in) s.in += rows * ld + cols;
+  if (s.scale) s.scale += rows;
+  return s;
+}
+
+// C[0:MR, 0:NR*W] = start + A(0:MR, 0:depth) B(0:depth, 0:NR*W), with A(i, p) = a[i*ai + p*ap]:
+// the register block of `gemm` (MR x NR vectors of accumulators; B rows streamed, A broadcast).
 template <int MR, int NR>
 static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int64_t depth,
-                                    const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
+                                    const float* b, int64_t ldb, float* c, int64_t ldc, CStart st) {
   V x[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NR; ++v) x[r][v] = acc ? load(c + r * ldc + v * W) : zero();
+  for (int r = 0; r < MR; ++r) {
+    const V sc = set1(st.scale ? st.scale[r] : 1.f);
+    for (int v = 0; v < NR; ++v) {
+      if (!st.in) x[r][v] = zero();
+      else if (st.scale) x[r][v] = mul(sc, load(st.in + r * ldc + v * W));
+      else x[r][v] = load(st.in + r * ldc + v * W);
+    }
+  }
   for (int64_t p = 0; p < depth; ++p) {
     V bv[NR];
     for (int v = 0; v < NR; ++v) bv[v] = load(b + p * ldb + v * W);
@@ -140,36 +209,43 @@ static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int6
 // i + rows.
 template <int NR>
 static void gemm_panel(int64_t m, int64_t depth, const float* a, int64_t ai, int64_t ap,
-                       const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower) {
+                       const float* b, int64_t ldb, float* c, int64_t ldc, CStart st, bool lower,
+                       NextRows* pf) {
   int64_t i = 0;
-  for (; i + kGemmMR <= m; i += kGemmMR)
+  for (; i + kGemmMR <= m; i += kGemmMR) {
     gemm_block<kGemmMR, NR>(a + i * ai, ai, ap, lower ? dmin(depth, i + kGemmMR) : depth, b, ldb,
-                            c + i * ldc, ldc, acc);
+                            c + i * ldc, ldc, shifted(st, i, 0, ldc));
+    if (pf) pf->issue(kPrefetchLines);
+  }
   const int64_t d = lower ? dmin(depth, m) : depth;
   a += i * ai;
   c += i * ldc;
+  st = shifted(st, i, 0, ldc);
   switch (m - i) {  // fewer than kGemmMR rows left (kGemmMR <= 8)
-    case 7: gemm_block<7, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 6: gemm_block<6, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 5: gemm_block<5, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 4: gemm_block<4, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 3: gemm_block<3, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 2: gemm_block<2, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
-    case 1: gemm_block<1, NR>(a, ai, ap, d, b, ldb, c, ldc, acc); break;
+    case 7: gemm_block<7, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 6: gemm_block<6, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 5: gemm_block<5, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 4: gemm_block<4, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 3: gemm_block<3, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 2: gemm_block<2, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 1: gemm_block<1, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
     default: break;
   }
 }
 
-// C (m x nc) (+)= A (m x depth) B (depth x nc), nc a multiple of 2W. Column panels outermost:
+// C (m x nc) = start + A (m x depth) B (depth x nc), nc a multiple of 2W. Column panels outermost:
 // one panel of B (depth x NR vectors) stays in L1 across the row blocks. Wide panels where the
 // registers allow (32 on AVX-512): one broadcast of A then feeds 4 FMAs instead of 2, and on
 // CPUs that split 512-bit operations in two (Zen 4) the broadcasts are what limits the block.
+// `pf`, if given, is asked for a few lines of the next chunk after each register block.
 static void gemm(int64_t m, int64_t nc, int64_t depth, const float* a, int64_t ai, int64_t ap,
-                 const float* b, int64_t ldb, float* c, int64_t ldc, bool acc, bool lower) {
+                 const float* b, int64_t ldb, float* c, int64_t ldc, CStart st, bool lower,
+                 NextRows* pf = nullptr) {
   int64_t j = 0;
   for (; j + kGemmNR * W <= nc; j += kGemmNR * W)
-    gemm_panel<kGemmNR>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower);
-  for (; j < nc; j += 2 * W) gemm_panel<2>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, acc, lower);
+    gemm_panel<kGemmNR>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, shifted(st, 0, j, ldc), lower, pf);
+  for (; j < nc; j += 2 * W)
+    gemm_panel<2>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, shifted(st, 0, j, ldc), lower, pf);
 }
 
 // y += a * x over np floats
@@ -179,40 +255,54 @@ static inline void axpy(float a, const float* x, float* y, int64_t np) {
 }
 
 // ---- the chunk's working set --------------------------------------------------------------
+// One value head's view. q, k, zero, kk and qk are shared by the heads of a group (they read
+// the same key head): kk and qk hold the raw k_t . k_s and q_t . k_s of a per-head gate.
 struct Chunk {
   float *q, *k, *G, *kqg, *kd, *lk, *lq, *r, *dec, *zero;  // rows of Kp
   float *v, *x, *u, *o;                                    // rows of Vp
-  float *a, *p;                                            // C x C
-  float *gs, *beta;                                        // C
+  float *a, *p, *kk, *qk;                                  // C x C
+  float *gs, *beta, *eg;                                   // C
 };
 
-static Chunk carve(float* w, int64_t Kp, int64_t Vp) {
-  Chunk c;
+// The group's scratch in the order of kern::delta_work_floats: the shared part, then each head's.
+static void carve(float* w, int64_t Kp, int64_t Vp, int G, Chunk* cs) {
   auto take = [&w](int64_t n) { float* p = w; w += n; return p; };
-  c.q = take(kC * Kp); c.k = take(kC * Kp); c.G = take(kC * Kp); c.kqg = take(2 * kC * Kp);
-  c.kd = take(kC * Kp); c.lk = take(kC * Kp); c.lq = take(kC * Kp); c.r = take(kDeltaSub * Kp);
-  c.dec = take(Kp); c.zero = take(Kp);
-  c.v = take(kC * Vp); c.x = take(2 * kC * Vp); c.u = take(kC * Vp); c.o = take(Vp);
-  c.a = take(kC * kC); c.p = take(kC * kC);
-  c.gs = take(kC); c.beta = take(kC);
-  return c;
+  Chunk s;
+  s.q = take(kC * Kp); s.k = take(kC * Kp); s.zero = take(Kp);
+  s.kk = take(kC * kC); s.qk = take(kC * kC);
+  for (int g = 0; g < G; ++g) {
+    Chunk& c = cs[g];
+    c.q = s.q; c.k = s.k; c.zero = s.zero; c.kk = s.kk; c.qk = s.qk;
+    c.G = take(kC * Kp); c.kqg = take(2 * kC * Kp); c.kd = take(kC * Kp); c.lk = take(kC * Kp);
+    c.lq = take(kC * Kp); c.r = take(kDeltaSub * Kp); c.dec = take(Kp);
+    c.v = take(kC * Vp); c.x = take(2 * kC * Vp); c.u = take(kC * Vp); c.o = take(Vp);
+    c.a = take(kC * kC); c.p = take(kC * kC);
+    c.gs = take(kC); c.beta = take(kC); c.eg = take(kC);
+  }
 }
 
-// Positions [t0, t0 + n) in fp32: q (scaled, normalised if asked), k, v, beta, and the gates
-// summed from t0 through each position: G (a row per position) for per-channel gates, gs for
-// per-head ones.
-static void load_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
+// Positions [t0, t0 + n) of q (scaled, normalised if asked) and k in fp32: once per group.
+static void load_qk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
   const int64_t Kp = h.Kp;
-  for (int64_t i = n; i < kC; ++i) c.gs[i] = 0.f;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = t0 + i;
     float* q = c.q + i * Kp;
     float* k = c.k + i * Kp;
     row_to_f32(h.q + t * h.q_st, h.dtype, h.K, Kp, q);
     row_to_f32(h.k + t * h.k_st, h.dtype, h.K, Kp, k);
-    row_to_f32(h.v + t * h.v_st, h.dtype, h.V, h.Vp, c.v + i * h.Vp);
     scale_row(q, Kp, h.l2norm, h.scale);
     scale_row(k, Kp, h.l2norm, 1.f);
+  }
+}
+
+// The same positions of one value head: v, beta, and the gates summed from t0 through each
+// position: G (a row per position) for per-channel gates, gs for per-head ones.
+static void load_head(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
+  const int64_t Kp = h.Kp;
+  for (int64_t i = n; i < kC; ++i) c.gs[i] = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = t0 + i;
+    row_to_f32(h.v + t * h.v_st, h.dtype, h.V, h.Vp, c.v + i * h.Vp);
     c.beta[i] = h.beta[t * h.beta_st];
     const float* g = h.g + t * h.g_st;
     if (!h.g_per_channel) {
@@ -226,17 +316,53 @@ static void load_chunk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Ch
   }
 }
 
+// x0 . y[r] and x1 . y[r] for r < kPairCols (rows of np floats) at once: each row of y loaded
+// feeds two FMAs, where one x against 8 rows is load bound (9 loads for 8 FMAs).
+constexpr int kPairCols = W == 16 ? 8 : 4;  // 2 x kPairCols accumulators: 16 of AVX-512's 32
+                                            // registers, 8 of AVX2's 16
+static ATTNX_INLINE void dots_x2(const float* x0, const float* x1, const float* const* y, int64_t np,
+                                 float* out0, float* out1) {
+  V acc[2 * kPairCols];
+  for (int r = 0; r < 2 * kPairCols; ++r) acc[r] = zero();
+  for (int64_t c = 0; c < np; c += W) {
+    const V a = load(x0 + c), b = load(x1 + c);
+    for (int r = 0; r < kPairCols; ++r) {
+      const V yv = load(y[r] + c);
+      acc[r] = fmadd(a, yv, acc[r]);
+      acc[kPairCols + r] = fmadd(b, yv, acc[kPairCols + r]);
+    }
+  }
+  float res[2 * kPairCols];
+  for (int g = 0; g < 2 * kPairCols; g += 8) hsum8(acc + g, res + g);
+  for (int r = 0; r < kPairCols; ++r) out0[r] = res[r], out1[r] = res[kPairCols + r];
+}
+
+// k_t . k_s and q_t . k_s (s <= t) into kk and qk, once per group: both in one pass over the
+// k_s.
+static void pair_dots(int64_t n, int64_t Kp, const Chunk& c) {
+  alignas(64) float ka[kC + kPairCols], qa[kC + kPairCols];
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t s0 = 0; s0 <= t; s0 += kPairCols) {
+      const float* y[kPairCols];
+      for (int r = 0; r < kPairCols; ++r) y[r] = s0 + r <= t ? c.k + (s0 + r) * Kp : c.zero;
+      dots_x2(c.k + t * Kp, c.q + t * Kp, y, Kp, ka + s0, qa + s0);
+    }
+    for (int64_t s = 0; s <= t; ++s) c.kk[t * kC + s] = ka[s], c.qk[t * kC + s] = qa[s];
+  }
+}
+
 // A (scaled by -beta_t, so that forward substitution only adds) and P for a per-head gate: the
-// dot products times exp(G_t - G_s), W of those exps at a time (gs is zero past n).
-static void pair_matrices_head(int64_t n, int64_t Kp, const Chunk& c) {
-  alignas(64) float row[kC], e[kC];
+// group's dot products times this head's exp(G_t - G_s), W of those exps at a time (gs is zero
+// past n).
+static void pair_matrices_head(int64_t n, const Chunk& c) {
+  alignas(64) float e[kC + W];
   for (int64_t t = 0; t < n; ++t) {
     const V gt = set1(c.gs[t]);
     for (int64_t s = 0; s <= t; s += W) store(e + s, exp(sub(gt, load(c.gs + s))));
-    row_dots(c.k + t * Kp, c.k, Kp, t, Kp, c.zero, row);
-    for (int64_t s = 0; s < t; ++s) c.a[t * kC + s] = -c.beta[t] * row[s] * e[s];
-    row_dots(c.q + t * Kp, c.k, Kp, t + 1, Kp, c.zero, row);
-    for (int64_t s = 0; s <= t; ++s) c.p[t * kC + s] = row[s] * e[s];
+    const float nb = -c.beta[t];
+    const float *kk = c.kk + t * kC, *qk = c.qk + t * kC;
+    for (int64_t s = 0; s < t; ++s) c.a[t * kC + s] = nb * kk[s] * e[s];
+    for (int64_t s = 0; s <= t; ++s) c.p[t * kC + s] = qk[s] * e[s];
   }
 }
 
@@ -281,14 +407,17 @@ static void pair_matrices_channel(int64_t n, int64_t Kp, const Chunk& c) {
 static void forward_substitute(int64_t n, int64_t Vp, const Chunk& c) {
   for (int64_t i0 = 0; i0 < n; i0 += kGemmMR) {
     const int64_t i1 = dmin(i0 + kGemmMR, n);
-    if (i0 > 0) gemm(i1 - i0, Vp, i0, c.a + i0 * kC, kC, 1, c.u, Vp, c.u + i0 * Vp, Vp, true, false);
+    float* ui = c.u + i0 * Vp;
+    if (i0 > 0) gemm(i1 - i0, Vp, i0, c.a + i0 * kC, kC, 1, c.u, Vp, ui, Vp, {ui}, false);
     for (int64_t t = i0 + 1; t < i1; ++t)
       for (int64_t s = i0; s < t; ++s) axpy(c.a[t * kC + s], c.u + s * Vp, c.u + t * Vp, Vp);
   }
 }
 
-// exp(G) K and exp(G) Q (against S0), exp(G_last - G) K (into the new state), and exp(G_last)
-// (the decay of S0 over the chunk). A per-head gate needs one exp per row, not one per channel.
+// The gates against S0 and into the new state: exp(G_last - G) K (kd), exp(G_last) (dec, the
+// decay of S0 over the chunk, a row scale of the new state's product) and, against S0, exp(G):
+// per channel it scales K and Q (kqg, eg = 1); per head it is one number per row (eg), which
+// scales rows of K S0 and Q S0 instead, so K and Q go into the product as they are.
 static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
   const int64_t Kp = h.Kp;
   const float* Gl = c.G + (n - 1) * Kp;
@@ -302,63 +431,46 @@ static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
       gated_row(k, Gi, nullptr, Kp, kg);
       gated_row(q, Gi, nullptr, Kp, qg);
       gated_row(k, Gl, Gi, Kp, kd);
+      c.eg[i] = 1.f;
       continue;
     }
-    const V e = set1(std::exp(c.gs[i])), ed = set1(std::exp(c.gs[n - 1] - c.gs[i]));
-    for (int64_t ch = 0; ch < Kp; ch += W) {
-      const V kv = load(k + ch);
-      store(kg + ch, mul(kv, e));
-      store(qg + ch, mul(load(q + ch), e));
-      store(kd + ch, mul(kv, ed));
-    }
+    c.eg[i] = std::exp(c.gs[i]);
+    const V ed = set1(std::exp(c.gs[n - 1] - c.gs[i]));
+    for (int64_t ch = 0; ch < Kp; ch += W) store(kd + ch, mul(load(k + ch), ed));
   }
   if (h.g_per_channel)
     for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
 }
 
-// Asks for the next chunk's q, k, v rows while this one computes: the rows of one head are
-// strided (the other heads lie between them), and the inputs are usually cold.
-static void prefetch_rows(const kern::DeltaHead& h, int64_t t0, int64_t n) {
-  const int64_t es = h.dtype == DType::f32 ? 4 : 2;  // (dtype_size is inline: see kernels.h)
-  for (int64_t t = t0; t < t0 + n; ++t) {
-    for (int64_t b = 0; b < h.K * es; b += 64) {
-      __builtin_prefetch(h.q + t * h.q_st + b);
-      __builtin_prefetch(h.k + t * h.k_st + b);
-    }
-    for (int64_t b = 0; b < h.V * es; b += 64) __builtin_prefetch(h.v + t * h.v_st + b);
-  }
-}
-
 // One chunk of n tokens from position t0: outputs written, state advanced from src into h.S.
+// q and k are loaded (and, for a per-head gate, their pair products taken) by the caller;
+// `next` asks for the group's next rows.
 static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
-                      const Chunk& c) {
+                      const Chunk& c, NextRows& next) {
   const int64_t Kp = h.Kp, Vp = h.Vp, K = h.K;
-  load_chunk(h, t0, n, c);
+  load_head(h, t0, n, c);
   gate_rows(h, n, c);
-  prefetch_rows(h, t0 + n, dmin(kC, h.T - t0 - n));
-  // X = [exp(G) K; exp(G) Q] S0: rows 0..n-1 against the keys, kC..kC+n-1 the queries' share
-  gemm(n, Vp, K, c.kqg, Kp, 1, src, h.lds, c.x, Vp, false, false);
-  gemm(n, Vp, K, c.kqg + kC * Kp, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, false, false);
+  // X = [K; Q] S0 (gated per channel: see gate_rows): rows 0..n-1 the keys', kC.. the queries'
+  const float* kx = h.g_per_channel ? c.kqg : c.k;
+  const float* qx = h.g_per_channel ? c.kqg + kC * Kp : c.q;
+  gemm(n, Vp, K, kx, Kp, 1, src, h.lds, c.x, Vp, {}, false, &next);
+  gemm(n, Vp, K, qx, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, {}, false, &next);
   std::memset(c.a, 0, sizeof(float) * kC * kC);
   std::memset(c.p, 0, sizeof(float) * kC * kC);
   if (h.g_per_channel) pair_matrices_channel(n, Kp, c);
-  else pair_matrices_head(n, Kp, c);
+  else pair_matrices_head(n, c);
   for (int64_t i = 0; i < n; ++i) {  // U = diag(beta) (V - exp(G) K S0), then solved
-    const V b = set1(c.beta[i]);
+    const V b = set1(c.beta[i]), e = set1(c.eg[i]);
     const float *vi = c.v + i * Vp, *xi = c.x + i * Vp;
-    for (int64_t j = 0; j < Vp; j += W) store(c.u + i * Vp + j, mul(b, sub(load(vi + j), load(xi + j))));
+    for (int64_t j = 0; j < Vp; j += W)
+      store(c.u + i * Vp + j, mul(b, sub(load(vi + j), mul(e, load(xi + j)))));
   }
   forward_substitute(n, Vp, c);
   float* o = c.x + kC * Vp;  // O = exp(G) Q S0 + P U
-  gemm(n, Vp, n, c.p, kC, 1, c.u, Vp, o, Vp, true, true);
+  gemm(n, Vp, n, c.p, kC, 1, c.u, Vp, o, Vp, {o, c.eg}, true);
   for (int64_t i = 0; i < n; ++i) row_from_f32(o + i * Vp, h.V, h.dtype, h.out + (t0 + i) * h.o_st);
-  for (int64_t ch = 0; ch < K; ++ch) {  // S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U
-    const V d = set1(c.dec[ch]);
-    const float* in = src + ch * h.lds;
-    float* row = h.S + ch * h.lds;
-    for (int64_t j = 0; j < Vp; j += W) store(row + j, mul(d, load(in + j)));
-  }
-  gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, true, false);
+  // S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U
+  gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, {src, c.dec}, false, &next);
 }
 
 // ---- the recurrence, one token at a time (decode) ----------------------------------------------
@@ -409,16 +521,27 @@ static void recurrent_token(const kern::DeltaHead& h, const float* src, int64_t 
   row_from_f32(c.o, h.V, h.dtype, h.out + t * h.o_st);
 }
 
-// The whole sequence of one head: chunks of kC tokens, or the token-by-token recurrence.
-static void delta_head(const kern::DeltaHead& h) {
-  const Chunk c = carve(h.work, h.Kp, h.Vp);
-  for (int64_t ch = 0; ch < h.Kp; ++ch) c.zero[ch] = 0.f;
+// The whole sequence of G value heads that read the same q and k (T and the gate's kind are the
+// same for all): chunk by chunk, q and k loaded (and paired, for per-head gates) once for all
+// of them; or the token-by-token recurrence, head by head.
+static void delta_heads(const kern::DeltaHead* hs, int G) {
+  Chunk cs[kern::kDeltaGroupMax];
+  const kern::DeltaHead& h0 = hs[0];
+  carve(h0.work, h0.Kp, h0.Vp, G, cs);
+  for (int64_t ch = 0; ch < h0.Kp; ++ch) cs[0].zero[ch] = 0.f;
   // The first token (or chunk) reads the state from S_in, every later one from S.
-  if (!h.chunked) {
-    for (int64_t t = 0; t < h.T; ++t) recurrent_token(h, t ? h.S : h.S_in, t, c);
+  if (!h0.chunked) {
+    for (int g = 0; g < G; ++g)
+      for (int64_t t = 0; t < h0.T; ++t) recurrent_token(hs[g], t ? hs[g].S : hs[g].S_in, t, cs[g]);
     return;
   }
-  for (int64_t t0 = 0; t0 < h.T; t0 += kC) run_chunk(h, t0 ? h.S : h.S_in, t0, dmin(kC, h.T - t0), c);
+  for (int64_t t0 = 0; t0 < h0.T; t0 += kC) {
+    const int64_t n = dmin(kC, h0.T - t0);
+    load_qk(h0, t0, n, cs[0]);
+    if (!h0.g_per_channel) pair_dots(n, h0.Kp, cs[0]);
+    NextRows next = next_rows(hs, G, t0 + n, dmin(kC, h0.T - t0 - n));
+    for (int g = 0; g < G; ++g) run_chunk(hs[g], t0 ? hs[g].S : hs[g].S_in, t0, n, cs[g], next);
+  }
 }
 
 }  // namespace

@@ -10,9 +10,15 @@
 namespace attnx {
 namespace kern {
 
-constexpr int kDeltaChunk = 64;  // tokens per chunk of the chunked (WY / UT-transform) form
+constexpr int kDeltaChunk = 16;  // tokens per chunk of the chunked (WY / UT-transform) form. The
+                                 // chunk products cost 6 K V per token whatever C is; the pair
+                                 // matrices, the solve and P U add 2 C (K + V): a third more at
+                                 // C = 64, a twelfth at 16. At K = V = 128, single-thread CPU time
+                                 // C = 32 vs 64: 1.07x, 16 vs 32: 1.0-1.1x (bench/NOTES.md)
 constexpr int kDeltaSub = 16;    // per-channel gates: sub-chunk whose end is the reference point
                                  // that keeps every exp() of the chunk's decays <= 1
+constexpr int kDeltaGroupMax = 4;  // value heads run together on one key head's q and k (their
+                                   // pair products are shared), at most
 constexpr int kDeltaRecurrentMax = 16;  // automatic mode: sequences up to this long run the
                                         // token-by-token recurrence (decode), longer ones chunked
 
@@ -39,14 +45,18 @@ struct DeltaHead {
   float scale = 1.f;
   bool l2norm = false;
   bool chunked = true;
-  float* work = nullptr;  // delta_work_floats(Kp, Vp) floats, 64-byte aligned
+  float* work = nullptr;  // the group's delta_work_floats(Kp, Vp, G) floats, 64-byte aligned (the
+                          // first head's pointer is the one read)
 };
 
-// Scratch floats one DeltaHead needs (every segment a multiple of 16 floats, so each stays
-// 64-byte aligned; delta-inl.h carves them in this order).
-static inline int64_t delta_work_floats(int64_t Kp, int64_t Vp) {
+// Scratch floats a group of G heads needs: q, k and their pair products once, the rest per
+// head (every segment a multiple of 16 floats, so each stays 64-byte aligned; delta-inl.h
+// carves them in this order).
+static inline int64_t delta_work_floats(int64_t Kp, int64_t Vp, int G) {
   const int64_t C = kDeltaChunk;
-  return Kp * (8 * C + kDeltaSub + 2) + Vp * (4 * C + 1) + 2 * C * C + 2 * C;
+  const int64_t shared = Kp * (2 * C + 1) + 2 * C * C;
+  const int64_t head = Kp * (6 * C + kDeltaSub + 1) + Vp * (4 * C + 1) + 2 * C * C + 3 * C;
+  return shared + G * head;
 }
 
 }  // namespace kern

@@ -14,6 +14,6 @@ namespace avx2 {
 }  // namespace avx2
 
 namespace kern {
-void delta_head_avx2(const DeltaHead& h) { avx2::delta_head(h); }
+void delta_head_avx2(const DeltaHead* heads, int G) { avx2::delta_heads(heads, G); }
 }  // namespace kern
 }  // namespace attnx

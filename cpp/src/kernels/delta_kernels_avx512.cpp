@@ -14,6 +14,6 @@ namespace avx512 {
 }  // namespace avx512
 
 namespace kern {
-void delta_head_avx512(const DeltaHead& h) { avx512::delta_head(h); }
+void delta_head_avx512(const DeltaHead* heads, int G) { avx512::delta_heads(heads, G); }
 }  // namespace kern
 }  // namespace attnx

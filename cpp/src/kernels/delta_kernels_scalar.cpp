@@ -14,6 +14,6 @@ namespace scalar {
 }  // namespace scalar
 
 namespace kern {
-void delta_head_scalar(const DeltaHead& h) { scalar::delta_head(h); }
+void delta_head_scalar(const DeltaHead* heads, int G) { scalar::delta_heads(heads, G); }
 }  // namespace kern
 }  // namespace attnx

@@ -130,13 +130,14 @@ struct KernelTable : FlashKernels<float> {
   float (*fma_probe)(int64_t iters);
   // Read-bandwidth probe body: sums n floats.
   float (*read_probe)(const float* p, int64_t n);
-  // Gated delta rule over one (sequence, value head) (delta_kernels.h, delta-inl.h).
-  void (*delta_head)(const DeltaHead& h);
+  // Gated delta rule over G <= kDeltaGroupMax value heads of one sequence that read the same q
+  // and k (delta_kernels.h, delta-inl.h).
+  void (*delta_head)(const DeltaHead* heads, int G);
 };
 
-void delta_head_scalar(const DeltaHead& h);
-void delta_head_avx2(const DeltaHead& h);
-void delta_head_avx512(const DeltaHead& h);
+void delta_head_scalar(const DeltaHead* heads, int G);
+void delta_head_avx2(const DeltaHead* heads, int G);
+void delta_head_avx512(const DeltaHead* heads, int G);
 
 const KernelTable* table_scalar();
 // The float64 flash kernels: scalar code (float64 is for precision, not speed), one for every CPU.

@@ -154,7 +154,9 @@ class Paged:
 class Delta:
     """``attnx.gated_delta_rule`` (qk_l2norm, gates per head or per channel) over B sequences of T
     tokens. Prefill (T > 1) is counted in the recurrence's FLOPs: per token and value head Sᵀk,
-    k uᵀ and Sᵀq, 2·K·V each (the chunked form does about a third more, not counted). Decode
+    k uᵀ and Sᵀq, 2·K·V each, which is also exactly what the chunked form's products with the
+    state cost (not counted: its 2·C·(K+V) more per token in the chunk's own matrices, a twelfth
+    at K = V = 128 with C = 16 tokens per chunk, nor the recurrence's decay of S). Decode
     (T == 1) is counted in bytes of the float32 state read and written once."""
     B: int
     T: int
