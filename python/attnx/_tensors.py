@@ -58,16 +58,19 @@ def _register_ops():
 
 
 def _torch_to_numpy(t, name):
+    # A decode loop calls this three or four times per layer and step: the common case (a CPU
+    # float tensor that needs no grad) takes the fewest attribute reads, the checks still first.
     torch = _torch()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{name}: attnx runs on the CPU, got a tensor on {t.device}: move it with "
                          f".cpu(), or use torch.nn.functional.scaled_dot_product_attention on "
                          f"{t.device.type}")
-    if t.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{name}: the tensor requires grad; {_TRAINING}")
+    if t.requires_grad:
+        if torch.is_grad_enabled():
+            raise ValueError(f"{name}: the tensor requires grad; {_TRAINING}")
+        t = t.detach()
     if t.layout != torch.strided:
         raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
-    t = t.detach()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     if t.dtype == torch.bfloat16:
@@ -101,9 +104,9 @@ def like(a, template):
         return a
     if is_torch(template):
         torch = _torch()
-        if any(s < 0 for s in a.strides):  # torch.from_numpy refuses negative strides
+        if a.strides and min(a.strides) < 0:  # torch.from_numpy refuses negative strides
             a = np.ascontiguousarray(a)
-        if a.dtype.name == "bfloat16":
+        if a.dtype.kind == "V":  # ml_dtypes.bfloat16 (dtype.name is a slow Python property)
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
     ns = getattr(template, "__array_namespace__", None)
