@@ -18,16 +18,15 @@
 #include <dlfcn.h>
 #include <link.h>
 #include <pthread.h>
-
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <exception>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -180,9 +179,9 @@ HostOmp g_omp;                          // the runtime found (written before g_o
 std::atomic<bool> g_omp_on{false};      // regions go to it
 std::atomic<uint32_t> g_omp_generation{0};  // fork generation it was switched on in
 
-// The first loaded shared object (torch's first) with the whole libgomp entry set ("gomp" or "iomp"/"omp" in its
-// name, e.g. torch/lib/libgomp-<hash>.so.1); its symbols stay valid while it is loaded (never
-// unloaded once torch imported it).
+// The first loaded OpenMP runtime (libgomp, libiomp or libomp in its name; torch's first, e.g.
+// torch/lib/libgomp-<hash>.so.1) with the whole entry set; its symbols stay valid while it is
+// loaded (never unloaded once torch imported it).
 bool find_omp(HostOmp& out) {
   std::vector<std::string> libs;
   dl_iterate_phdr(

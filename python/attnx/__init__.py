@@ -108,9 +108,10 @@ def share_torch_threads(on=True):
 
     torch's idle OpenMP threads spin for a few milliseconds after every op, so between two torch
     ops attnx's own pool would fight them for the cores (bench/NOTES.md). attnx turns this on the
-    first time it sees a torch tensor (or on ``import attnx.torch_ops`` / ``attnx.hf``) unless
-    ``ATTNX_SHARE_TORCH=0``. It applies to every later call, NumPy arrays included. A fork()ed
-    child goes back to attnx's own pool (GNU OpenMP does not survive fork).
+    first time it sees a torch tensor (a Hugging Face model's first attention call), or on
+    ``import attnx.torch_ops``, unless ``ATTNX_SHARE_TORCH=0``. It applies to every later call,
+    NumPy arrays included. A fork()ed child goes back to attnx's own pool (GNU OpenMP does not
+    survive fork).
     """
     return _core.share_omp_threads(bool(on))
 
