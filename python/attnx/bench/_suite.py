@@ -280,7 +280,8 @@ def in_loop_case(case: Case, bench: Bench) -> Row:
         return row
     q, k, v, _ = _peers.dense_inputs(_dense(case), case.seed)
     out = np.empty_like(q)
-    if case.before == "torch":  # as in a torch model's loop: tensors in (attnx then runs on torch's team)
+    if case.before == "torch" and bench.torch is not None:
+        # as in a torch model's loop: tensors in (attnx then runs on torch's team)
         q, k, v, out = (bench.torch[0].from_numpy(x) for x in (q, k, v, out))
     call = lambda: attnx.attention(q, k, v, num_threads=bench.threads, out=out)  # noqa: E731
     matmul = _matmul(case.before, bench)
