@@ -316,6 +316,10 @@ def _gqa_session(ort_mods, shape, with_past, threads):
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
+    # onnxruntime's idle threads otherwise spin for more than 50 ms after each run: every attnx or
+    # torch sample in the same round ran on cores they held (paged decode 2.4 -> 5 ms, measured;
+    # bench/NOTES.md). Blocking waits leave the cores to whoever runs next, as attnx's pool does.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
