@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 ROWS = ["prefill", "gqa_causal", "prefill_bf16", "gqa_causal_bf16", "encoder", "decode_f32", "decode_fp16", "decode_bf16",
         "decode_int8", "decode_fp8", "fork_mha_unshared", "fork_mha", "fork_gqa_unshared",
@@ -125,6 +126,7 @@ def _rows(tmp_path, args, name):
     ("prefill", ["--seq", "48,80"], ["B1 Hq4 Hkv2 S48 D32 causal", "B1 Hq4 Hkv2 S80 D32 causal"]),
     ("decode", ["--context", "70"], ["B1 Hq4 Hkv2 Sq1 Sk70 D32"]),
     ("paged-decode", ["--context", "70", "--kv-dtype", "fp16"], ["B1 Hq4 Hkv2 L70 D32 block16 fp16 KV"]),
+    ("paged-decode", ["--context", "70", "--kv-dtype", "int8"], ["B1 Hq4 Hkv2 L70 D32 block16 int8 KV"]),
 ])
 def test_bench_case_times_one_shape(tmp_path, case, lens, expect):
     res, rows = _rows(tmp_path, ["--case", case, "--heads", "4:2", "--head-dim", "32", *lens], "c.json")
@@ -148,6 +150,9 @@ def test_bench_config_times_a_models_prefill_and_decode(tmp_path):
     assert all(r["declaration"]["shape"]["window"] == 40 and r["declaration"]["shape"]["D"] == 32
                for r in rows)
     assert "model tiny-model: heads 4:2, head dim 32, sliding window 40" in res.stdout
+    _, rows = _rows(tmp_path, ["--config", "config.json", "--seq", "64", "--context", "50",
+                               "--kv-dtype", "fp8"], "q.json")
+    assert ["fp8 KV" in r["shape"] for r in rows] == [False, True]  # the prefill row runs in fp32
 
 
 @pytest.mark.parametrize("args, message", [
@@ -156,6 +161,7 @@ def test_bench_config_times_a_models_prefill_and_decode(tmp_path):
     (["--case", "prefill", "--batch", "0"], "--batch"),
     (["--config", "missing.json"], "--config"),
     (["--case", "decode", "--config", "x.json"], "--case and --config"),
+    (["--case", "prefill", "--kv-dtype", "int8"], "--kv-dtype int8"),
 ])
 def test_bench_own_shape_errors_name_the_flag_before_measuring(tmp_path, args, message):
     res = _run(["bench", *args], tmp_path, {"ATTNX_BENCH_TINY": "1"}, timeout=60)
@@ -304,6 +310,22 @@ def test_peers_that_would_need_an_s2_matrix_are_skipped_with_a_reason():
     assert "GiB of attention probabilities" in _peers.ort_skip_reason(big)
     assert "boolean mask" in _peers.torch_skip_reason(big)
     assert _peers.torch_skip_reason(_cases.Dense(1, 32, 8, 2048, 2048, 128, causal=True)) is None
+
+
+def test_quantised_rows_show_their_roofline_bound_over_the_measured_base_row():
+    int8 = _cases.Paged(8, 32, 8, 2048, 128, dtype="int8")
+    fp16 = replace(int8, dtype="fp16")
+    base = SimpleNamespace(attnx_s=2e-3, spec=SimpleNamespace(shape=fp16))
+    limits = {"read_gbps_all": 10.0, "fma_gflops_all": 1e9}  # bandwidth bound: the bytes' ratio
+    floor = int8.work() / 10e9
+    assert _cases.tokens_bound(int8, base, limits) == pytest.approx(2e-3 / floor)
+    limits = {"read_gbps_all": 1e9, "fma_gflops_all": 200.0}  # FLOP bound: fewer bytes gain nothing
+    assert _cases.tokens_bound(int8, base, limits) == pytest.approx(2e-3 / (int8.flops() / 200e9))
+    assert _cases.tokens_bound(int8, SimpleNamespace(attnx_s=None, spec=base.spec), limits) is None
+    goal = _cases.TokensOver("decode_fp16", 1.8, "fp16", bounded=True)
+    row = SimpleNamespace(extra={"bound_vs_fp16": 1.04})
+    assert goal.show(1.02, row) == "1.02× fp16 tokens/s (bound 1.0×)"
+    assert _cases.TokensOver("decode_f32", 3.5).show(2.5, SimpleNamespace(extra={})) == "2.50× fp32 tokens/s"
 
 
 def test_shared_prefix_rows_count_the_bytes_read_once_and_their_bound():

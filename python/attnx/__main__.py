@@ -90,8 +90,10 @@ def _bench_parser(sub):
     own.add_argument("--context", type=_lengths, action="append", metavar="L[,L...]",
                      help="decode context length(s) (default 4096)")
     own.add_argument("--head-dim", type=int, default=128, help="head dimension D (default 128)")
-    own.add_argument("--kv-dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
-                     help="dtype of K and V (prefill: of q, k and v too; default fp32)")
+    own.add_argument("--kv-dtype", choices=("fp32", "fp16", "bf16", "int8", "fp8"), default="fp32",
+                     help="dtype of K and V (prefill: of q, k and v too; default fp32). int8 and fp8 "
+                          "(e4m3, with per-token scales) are paged-decode only; --config then runs "
+                          "its prefill rows in fp32")
     own.add_argument("--block-size", type=int, default=16, help="paged-decode tokens per page (default 16)")
     own.add_argument("--window", type=int, default=None,
                      help="sliding window: keys each query sees, itself included")

@@ -231,6 +231,7 @@ class TokensOver:
     base: str  # key of the row whose tokens/s this one is compared with
     x: float
     label: str = "fp32"  # the base row's KV dtype, as the table names it
+    bounded: bool = False  # show the machine's bound on the ratio (``tokens_bound``)
 
     def text(self, row):
         return f"≥ {self.x:g}× {self.label} tokens/s"
@@ -247,7 +248,10 @@ class TokensOver:
         return v >= self.x
 
     def show(self, v, row):
-        return f"{v:.2f}× {self.label} tokens/s" if v is not None else f"{self.label} row n/a"
+        if v is None:
+            return f"{self.label} row n/a"
+        bound = row.extra.get(f"bound_vs_{self.label}")
+        return f"{v:.2f}× {self.label} tokens/s" + (f" (bound {bound:.1f}×)" if bound else "")
 
 
 @dataclass(frozen=True)
@@ -369,13 +373,27 @@ class OverRow:
         return text + (f" (bound {bound:.1f}×)" if bound else "")
 
 
-def shared_bound(shape, unshared, limits):
-    """The most a shared-prefix step can gain over the unshared one on this machine: each takes
-    at least the longer of its bytes over the read bandwidth and its FLOPs over the FMA peak,
-    and sharing cuts only the bytes (GQA decode is the nearer to the FLOP bound)."""
+def least_seconds(shape, limits):
+    """The roofline floor of a paged step on this machine: the longer of its bytes over the read
+    bandwidth and its FLOPs (float32 multiply-adds) over the FMA peak."""
     bw, peak = limits["read_gbps_all"] * 1e9, limits["fma_gflops_all"] * 1e9
-    least = lambda s: max(s.work() / bw, s.flops() / peak)  # noqa: E731
-    return least(unshared) / least(shape)
+    return max(shape.work() / bw, shape.flops() / peak)
+
+
+def shared_bound(shape, unshared, limits):
+    """The most a shared-prefix step can gain over the unshared one on this machine: sharing cuts
+    only the bytes, never the FLOPs (GQA decode is the nearer to the FLOP bound)."""
+    return least_seconds(unshared, limits) / least_seconds(shape, limits)
+
+
+def tokens_bound(shape, base_row, limits):
+    """The most a row of ``shape`` can gain in tokens/s over ``base_row`` as measured in this run,
+    were it at its roofline floor. Quantised KV halves the bytes again but never the FLOPs: with
+    a GQA group of 4 a decode step does 8 FLOPs per element read, so where the FMA peak over the
+    read bandwidth is near that, fp16 is already at the ridge and int8's floor is its FLOPs."""
+    if not base_row.attnx_s:
+        return None
+    return base_row.attnx_s / least_seconds(shape, limits) * shape.B / base_row.spec.shape.B
 
 
 def _goal_met(goal, v, row):
@@ -554,7 +572,7 @@ def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
     """int8 and fp8 (e4m3) KV rows of a decode shape (issue 13): tokens/s against the fp16 and
     fp32 KV rows of the same shape, in the same run; bytes read count the scales."""
     return [Case(f"{key}_{dt}", f"{name} {dt} KV", replace(shape, dtype=dt),
-                 (TokensOver(f16_key, 1.8, "fp16"), TokensOver(f32_key, 3.5)), ref,
+                 (TokensOver(f16_key, 1.8, "fp16", bounded=True), TokensOver(f32_key, 3.5, bounded=True)), ref,
                  ref_samples=1 if quick else 3, seed=seed)
             for dt in QUANTISED]
 
@@ -608,6 +626,9 @@ def custom(case, *, batch, heads, seqs, contexts, head_dim, kv_dtype, block, win
     """Rows for one user-chosen shape: ``case`` at every length of ``seqs`` (prefill: S) or
     ``contexts`` (decode, paged-decode: L). No targets: the table shows rates and ratios."""
     Hq, Hkv = heads
+    if kv_dtype in QUANTISED and case != "paged-decode":
+        raise ValueError(f"--kv-dtype {kv_dtype}: quantised keys and values live in a paged cache; "
+                         f"use --case paged-decode (got --case {case})")
     lens = seqs if case == "prefill" else contexts
     rows = []
     for n in lens:
@@ -654,6 +675,7 @@ def from_config(path, *, batch, seqs, contexts, kv_dtype, block, quick):
     """A model's causal prefill at every --seq and paged decode at every --context."""
     m = read_config(path)
     common = dict(batch=batch, heads=m["heads"], seqs=seqs, contexts=contexts, head_dim=m["head_dim"],
-                  kv_dtype=kv_dtype, block=block, window=m["window"], causal=True, quick=quick,
-                  label=m["name"])
-    return m, custom("prefill", **common) + custom("paged-decode", **common)
+                  block=block, window=m["window"], causal=True, quick=quick, label=m["name"])
+    prefill_dtype = "fp32" if kv_dtype in QUANTISED else kv_dtype  # quantised KV: pages only
+    return m, (custom("prefill", kv_dtype=prefill_dtype, **common)
+               + custom("paged-decode", kv_dtype=kv_dtype, **common))

@@ -14,7 +14,7 @@ import numpy as np
 import attnx
 
 from . import _peers
-from ._cases import Case, Delta, Dense, OverRow, isa_note, judge, shared_bound, target_text
+from ._cases import Case, Delta, Dense, OverRow, TokensOver, isa_note, judge, shared_bound, target_text, tokens_bound
 from ._machine import MiB, CpuShare
 from ._timing import Progress, alone, clock, interleaved, median, spread
 
@@ -345,9 +345,11 @@ def finalize(rows, limits):
             r.pct_of_limit = 100 * r.extra["speedup"] / machine
     by_key = {r.key: r for r in rows}
     for r in rows:
-        for goal in r.spec.goals:  # a shared-prefix row's bound needs the machine's limits
+        for goal in r.spec.goals:  # the bounds of rows judged against another need the limits
             if isinstance(goal, OverRow) and goal.base in by_key:
                 r.extra["bound_vs_unshared"] = shared_bound(r.spec.shape, by_key[goal.base].spec.shape,
                                                             limits.values)
+            if isinstance(goal, TokensOver) and goal.bounded and goal.base in by_key:
+                r.extra[f"bound_vs_{goal.label}"] = tokens_bound(r.spec.shape, by_key[goal.base], limits.values)
     for r in rows:
         judge(r, by_key)
