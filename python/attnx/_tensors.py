@@ -30,20 +30,35 @@ _TRAINING = ("attnx computes no gradients (inference only): call it under torch.
              "torch.inference_mode(), pass .detach()ed tensors, or use "
              "torch.nn.functional.scaled_dot_product_attention to train")
 
+# What each argument type is, found once per type: a decode loop passes the same few types
+# (tensors, ints, a Step) three or four times per layer and step. Safe to keep: a torch.Tensor
+# subclass cannot exist before torch is imported, so no type's answer changes later.
+_PLAIN_KIND, _TORCH_KIND, _DLPACK_KIND = 0, 1, 2
+_kinds: dict = {t: _PLAIN_KIND for t in _PLAIN}
+
 
 def _torch():
     return sys.modules.get("torch")
 
 
+def _kind(x):
+    t = type(x)
+    k = _kinds.get(t)
+    if k is None:
+        torch = _torch()
+        if torch is not None and issubclass(t, torch.Tensor):
+            k = _TORCH_KIND
+        elif issubclass(t, (np.ndarray, np.generic)) or not hasattr(t, "__dlpack__"):
+            k = _PLAIN_KIND
+        else:
+            k = _DLPACK_KIND
+        _kinds[t] = k
+    return k
+
+
 def is_torch(x):
     """True for a torch tensor (torch already imported by whoever made it)."""
-    torch = _torch()
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _foreign(x):
-    t = type(x)
-    return t not in _PLAIN and not isinstance(x, (np.ndarray, np.generic)) and hasattr(x, "__dlpack__")
+    return _kind(x) == _TORCH_KIND
 
 
 _registered = False
@@ -87,15 +102,16 @@ def _torch_to_numpy(t, name):
 
 def to_numpy(x, name="x"):
     """A NumPy view of a torch tensor or ``__dlpack__`` object (zero-copy); anything else as is."""
-    if is_torch(x):
+    k = _kind(x)
+    if k == _PLAIN_KIND:
+        return x
+    if k == _TORCH_KIND:
         return _torch_to_numpy(x, name)
-    if _foreign(x):
-        try:
-            return np.from_dlpack(x)
-        except (TypeError, RuntimeError, BufferError, ValueError) as exc:
-            raise TypeError(f"{name}: cannot read a {type(x).__name__} through __dlpack__ on the "
-                            f"CPU: {exc}") from exc
-    return x
+    try:
+        return np.from_dlpack(x)
+    except (TypeError, RuntimeError, BufferError, ValueError) as exc:
+        raise TypeError(f"{name}: cannot read a {type(x).__name__} through __dlpack__ on the "
+                        f"CPU: {exc}") from exc
 
 
 def like(a, template):
@@ -139,17 +155,17 @@ def tensor_io(fn=None, *, torch_op=None):
     def wrapper(*args, **kwargs):
         template = None
         for x in args:
-            if type(x) not in _PLAIN and _foreign(x):
+            if _kind(x) != _PLAIN_KIND:
                 template = x
                 break
         if template is None:
             for x in kwargs.values():
-                if type(x) not in _PLAIN and _foreign(x):
+                if _kind(x) != _PLAIN_KIND:
                     template = x
                     break
             if template is None:  # the NumPy path: nothing to convert
                 return fn(*args, **kwargs)
-        if is_torch(template):
+        if _kind(template) == _TORCH_KIND:
             torch = _torch()
             if torch_op is not None and torch.compiler.is_compiling():
                 from . import torch_ops
