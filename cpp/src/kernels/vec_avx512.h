@@ -70,7 +70,7 @@ static inline V load_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 static inline V load_fp8(const uint8_t* p, bool e4) {
-  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_cvtph_ps(fp8_as_f16_256(x, e4));
 }
 static inline V load_bf16(const uint16_t* p) {

@@ -115,27 +115,33 @@ static inline void transpose8x8_f16_256(const uint16_t* const* src, int64_t col,
                     load_f16_256(src[4] + col), load_f16_256(src[5] + col),
                     load_f16_256(src[6] + col), load_f16_256(src[7] + col), dst, ldd);
 }
-// 1-byte KV codes (see convert.h): 8 int8 to fp32; fp8 widened to u16 lanes as float16 bits
-// (e5m2: the top byte; e4m3fn: sign << 8 | magnitude << 7, the NaN code made a float16 NaN)
+// 1-byte KV codes (see convert.h): 8 int8 to fp32; fp8 sign-extended to 16-bit lanes and made
+// float16 bits (fp8_as_f16_*)
 static inline __m256 load_i8_256(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// fp8 codes, sign-extended to 16 bits (x: s...s eeee mmm for e4m3fn, s...s eeeee mm for e5m2), as
+// float16: e5m2 is float16's top byte. e4m3fn's float16 view is its value / 256 (same mantissa,
+// exponent field 4 bits into 5, subnormals included): x << 7 puts eeee mmm in place and the sign
+// at bits 15 and 14; clearing bit 14 leaves s 0 eeee mmm 0000000. The NaN codes (magnitude 0x7f)
+// would read 1.75 / 256 that way and become a float16 NaN (exponent all ones). 5-6 integer
+// instructions where the zero-extended form took 8 (e4m3 decode's widening competed with its
+// FMAs).
 static inline __m128i fp8_as_f16_128(__m128i x, bool e4) {
   if (!e4) return _mm_slli_epi16(x, 8);
-  const __m128i mag = _mm_and_si128(x, _mm_set1_epi16(0x7f));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(mag, 7));
-  return _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00)));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(-0x4001));  // ~0x4000
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3f80)), _mm_set1_epi16(0x3f80));
+  return _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)));
 }
 static inline __m256i fp8_as_f16_256(__m256i x, bool e4) {
   if (!e4) return _mm256_slli_epi16(x, 8);
-  const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(mag, 7));
-  return _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)),
-                                             _mm256_set1_epi16(0x7e00)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(-0x4001));
+  const __m256i nan =
+      _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3f80)), _mm256_set1_epi16(0x3f80));
+  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00)));
 }
 static inline __m256 load_fp8_256(const uint8_t* p, bool e4) {
-  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_cvtph_ps(fp8_as_f16_128(x, e4));
 }
 static inline __m256 load_bf16_256(const uint16_t* p) {
