@@ -20,6 +20,11 @@ constexpr int64_t kMaxGroup = 16;       // decode items run interleaved in group
 constexpr int64_t kPackBudget = int64_t(64) << 20;  // bytes of shared packed K per call, at most
 constexpr int64_t kPackKeep = int64_t(16) << 20;    // ... and kept for the next call, at most
 constexpr double kTeamFlops = 4e6;  // below: ~50 us of work, less than a team wake-up and barrier
+// ... unless it reads at least this many key and value elements: a decode call does few FLOPs
+// per element, so the FLOP count undersells it. One query of a SmolLM2 layer (Hq 9, Hkv 3, D 64)
+// over 512 keys reads 197k elements (1.2 MFLOP): 49 -> 35 us on two threads in fp32, 46 -> 33 in
+// fp16 (over 1024 keys: 77 -> 53 us); over 256 keys (98k) one and two threads were even.
+constexpr double kTeamElems = 160e3;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -141,10 +146,14 @@ void plan_packed_k(const P& p, Plan& plan) {
 // Split-KV: with fewer units than threads, each thread gets a slice of a unit's key range.
 template <class P>
 void plan_threads(const P& p, int num_threads, int64_t max_lk, Plan& plan) {
-  double flops = 0;
-  for (int64_t b = 0; b < p.B; ++b) flops += double(p.rows(b)) * double(p.lk(b));
+  double flops = 0, keys = 0;
+  for (int64_t b = 0; b < p.B; ++b) {
+    flops += double(p.rows(b)) * double(p.lk(b));
+    keys += double(p.lk(b));
+  }
   flops *= double(p.Hq) * double(p.Dk + p.Dv) * 2.0;
-  plan.num_threads = flops < kTeamFlops ? 1 : num_threads;
+  const double elems = keys * double(p.Hkv) * double(p.Dk + p.Dv);
+  plan.num_threads = flops < kTeamFlops && elems < kTeamElems ? 1 : num_threads;
   const int64_t n_units = plan.n_units();
   plan.nsplit = 1;
   if (n_units < 2 * plan.num_threads && max_lk >= 2 * kMinSplitKeys)
