@@ -48,17 +48,17 @@ static inline bool all_finite(V x) {
 static inline float reduce_max(V v) { return hmax256(_mm256_max_ps(lo256(v), hi256(v))); }
 static inline float reduce_add(V v) { return hadd256(_mm256_add_ps(lo256(v), hi256(v))); }
 static inline V iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-// exp(x) = 2^n 2^f with t = x log2(e), n = round(t), |f| <= 1/2: a degree-7 polynomial for 2^f
-// (Taylor; relative error ~1e-8 before rounding) and VSCALEFPS for 2^n, which also saturates to
-// 0 and inf. t is clamped to [-200, 128] (exp(-inf) = 0 exactly, exp(+inf) = inf) with x in the
-// second operand of MAX/MIN so that NaN stays NaN. Half the instructions of two AVX2 halves.
+// exp(x) = 2^n 2^f with t = x log2(e), n = round(t), |f| <= 1/2: exp256's polynomial for 2^f
+// and VSCALEFPS for 2^n, which also saturates to 0 and inf. t is clamped to [-200, 128]
+// (exp(-inf) = 0 exactly, exp(+inf) = inf) with x in the second operand of MAX/MIN so that NaN
+// stays NaN. Half the instructions of two AVX2 halves.
 static inline V exp(V x) {
   V t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   t = _mm512_min_ps(_mm512_set1_ps(128.f), _mm512_max_ps(_mm512_set1_ps(-200.f), t));
   const V n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const V f = _mm512_sub_ps(t, n);
   V p = _mm512_set1_ps(kExp2Poly[0]);
-  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
+  for (int i = 1; i < kExp2Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 static inline V tanh(V x) { return join(tanh256(lo256(x)), tanh256(hi256(x))); }
