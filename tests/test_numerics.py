@@ -230,14 +230,20 @@ def test_nan_value_with_underflowed_weight(isa):
 
 def test_all_visible_scores_minus_inf(isa):
     """Scores that are -inf from the inputs (q = -inf against positive keys): the row has no
-    finite score; the reference treats it like a row that sees nothing (0, lse -inf)."""
-    q = np.ones((1, 1, 3, 4), np.float32)
-    q[0, 0, 1, 0] = -np.inf
-    k = np.abs(np.random.default_rng(7).standard_normal((1, 1, 5, 4))).astype(np.float32) + 0.5
-    v = np.ones((1, 1, 5, 4), np.float32)
-    o, lse = check_dense(q, k, v, layout="bhsd")
-    assert np.all(o[0, 0, 1] == 0) and lse[0, 0, 1] == -np.inf
-    assert np.isfinite(o[0, 0, [0, 2]]).all()
+    finite score; the reference treats it like a row that sees nothing (0, lse -inf). Rows 1 and
+    5 of 3 (one row at a time), 6 (a 4-row group updated together, with one such row) and 12
+    (the packed prefill path), over one and two key tiles."""
+    rng = np.random.default_rng(7)
+    for sq, sk in ((3, 5), (6, 5), (12, 70)):
+        bad = [1, 5] if sq > 5 else [1]
+        q = np.ones((1, 1, sq, 4), np.float32)
+        q[0, 0, bad, 0] = -np.inf
+        k = np.abs(rng.standard_normal((1, 1, sk, 4))).astype(np.float32) + 0.5
+        v = rng.standard_normal((1, 1, sk, 4)).astype(np.float32)
+        o, lse = check_dense(q, k, v, layout="bhsd")
+        assert np.all(o[0, 0, bad] == 0) and np.all(lse[0, 0, bad] == -np.inf)
+        good = [i for i in range(sq) if i not in bad]
+        assert np.isfinite(o[0, 0, good]).all()
 
 
 # ---------------------------------------------------------------------------------------------

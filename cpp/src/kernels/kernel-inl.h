@@ -296,9 +296,33 @@ static void scale_keys(int M, Real* s, const kern::KVSource& src, int64_t j0, in
 }
 
 // ---- QK^T, dot form for few rows: K rows read in place ---------------------------------------
-// A register block is RB rows x KB keys (RB * KB accumulators, a multiple of 8 for hsum8), so
-// each K vector loaded is used RB times and the K tile is streamed once per block of rows. The
-// sums go straight to S.
+// Horizontal sums of an RB x KB register block (row r, key t at acc[r * KB + t]) into the RB rows
+// of S: 8 keys of a row, or 4 keys of two rows, per hsum8.
+template <int RB, int KB>
+static ATTNX_INLINE void reduce_block(const V* acc, Real* s) {
+  if constexpr (KB == 8) {
+    for (int r = 0; r < RB; ++r) hsum8(acc + r * 8, s + r * kTileK);
+  } else if constexpr (KB == 4) {
+    int r = 0;
+    for (; r + 2 <= RB; r += 2) hsum8_split(acc + r * 4, s + r * kTileK, s + (r + 1) * kTileK);
+    if constexpr (RB % 2 == 1) {  // the last row's 4 keys, beside 4 zero vectors
+      const V pad[8] = {acc[r * 4], acc[r * 4 + 1], acc[r * 4 + 2], acc[r * 4 + 3],
+                        zero(),     zero(),         zero(),         zero()};
+      Real t[8];
+      hsum8_split(pad, s + r * kTileK, t);
+    }
+  } else {
+    static_assert(KB == 2 && RB % 4 == 0, "register blocks are 2, 4 or 8 keys wide");
+    for (int r = 0; r < RB; r += 4) {
+      Real t[8];
+      hsum8(acc + r * 2, t);
+      for (int i = 0; i < 8; ++i) s[(r + i / 2) * kTileK + i % 2] = t[i];
+    }
+  }
+}
+
+// A register block is RB rows x KB keys, so each K vector loaded is used RB times and the K tile
+// is streamed once per block of rows. The sums go straight to S.
 template <int RB, int KB, class T>
 static ATTNX_INLINE void qk_dot_block(const Real* q, int64_t ldq, const Real* const* kr,
                                       int64_t Dk, Real* s) {
@@ -312,43 +336,40 @@ static ATTNX_INLINE void qk_dot_block(const Real* q, int64_t ldq, const Real* co
       for (int r = 0; r < RB; ++r) acc[r * KB + t] = fmadd(qv[r], kv, acc[r * KB + t]);
     }
   }
-  // reduced straight into S: 8 keys of a row, or 4 keys of two rows, per hsum8
-  if constexpr (KB == 8) {
-    for (int r = 0; r < RB; ++r) hsum8(acc + r * 8, s + r * kTileK);
-  } else if constexpr (KB == 4) {
-    for (int r = 0; r < RB; r += 2) hsum8_split(acc + r * 4, s + r * kTileK, s + (r + 1) * kTileK);
-  } else {
-    static_assert(KB == 2 && RB % 4 == 0, "register blocks are 2, 4 or 8 keys wide");
-    for (int r = 0; r < RB; r += 4) {
-      Real t[8];
-      hsum8(acc + r * 2, t);
-      for (int i = 0; i < 8; ++i) s[(r + i / 2) * kTileK + i % 2] = t[i];
-    }
+  reduce_block<RB, KB>(acc, s);
+}
+
+// Rows [r, r + RB) against the tile's n keys; the first block of rows prefetches `next` (nn rows
+// of `bytes`, or null: the next tile's K) as it goes.
+template <int RB, int KB, class T>
+static void qk_dot_rows(int r, const Real* q, int64_t ldq, const Real* const* krow, int64_t n,
+                        int64_t Dk, Real* s, const char* const* next, int64_t nn, int64_t bytes) {
+  for (int64_t j = 0; j < n; j += KB) {
+    if (r == 0 && next != nullptr)
+      for (int64_t t = j; t < imin(j + KB, nn); ++t) prefetch_row(next[t], bytes);
+    qk_dot_block<RB, KB, T>(q + r * ldq, ldq, krow + j, Dk, s + r * kTileK + j);
   }
 }
 
-// `next` (nn rows of `bytes`, or null) is the next tile's K, prefetched during the first rows.
 template <class T>
 static void qk_dot(int M, const Real* q, int64_t ldq, const Real* const* krow, int64_t n,
                    int64_t Dk, Real* s, const char* const* next, int64_t nn, int64_t bytes) {
-  // AVX-512 has 32 registers: 4 rows x 4 keys. AVX2 has 16: 4 rows x 2 keys, so the 4 GQA rows
-  // of a kv head stream K once (2 rows x 4 keys streamed it twice; fp32 decode 5.1-5.7 -> 4.9-5.2
+  // AVX-512 has 32 registers: 4 rows x 4 keys. AVX2 has 16: 4 rows x 2 keys, so the 4 GQA rows of
+  // a kv head stream K once (2 rows x 4 keys streamed it twice; fp32 decode 5.1-5.7 -> 4.9-5.2
   // ms). Its 8 accumulators at 2 FMAs per cycle and 4 cycles of latency leave no slack, which is
-  // why avx2 decode still trails avx512 on Zen 4.
-  constexpr int RB = 4, KB = W >= 16 ? 4 : 2;
+  // why avx2 decode still trails avx512 on Zen 4. The rows left over (a GQA group of 2, 3, 6 or
+  // 7: SmolLM2's is 3) form one block too, of 3 or 2 rows x 8 keys (AVX2: x 4), where they took
+  // one 1 x 8 pass each: avx2 decode of 3 rows, D 64, L 2048, one thread 53-55 -> 47-48 us;
+  // avx512 within the noise (its loads are not the bound there).
+  constexpr bool wide = W >= 16;
   int r = 0;
-  for (; r + RB <= M; r += RB)
-    for (int64_t j = 0; j < n; j += KB) {
-      if (r == 0 && next != nullptr)
-        for (int64_t t = j; t < imin(j + KB, nn); ++t) prefetch_row(next[t], bytes);
-      qk_dot_block<RB, KB, T>(q + r * ldq, ldq, krow + j, Dk, s + r * kTileK + j);
-    }
-  for (; r < M; ++r)
-    for (int64_t j = 0; j < n; j += 8) {
-      if (r == 0 && next != nullptr)
-        for (int64_t t = j; t < imin(j + 8, nn); ++t) prefetch_row(next[t], bytes);
-      qk_dot_block<1, 8, T>(q + r * ldq, ldq, krow + j, Dk, s + r * kTileK + j);
-    }
+  for (; r + 4 <= M; r += 4) qk_dot_rows<4, wide ? 4 : 2, T>(r, q, ldq, krow, n, Dk, s, next, nn, bytes);
+  switch (M - r) {
+    case 3: qk_dot_rows<3, wide ? 8 : 4, T>(r, q, ldq, krow, n, Dk, s, next, nn, bytes); break;
+    case 2: qk_dot_rows<2, wide ? 8 : 4, T>(r, q, ldq, krow, n, Dk, s, next, nn, bytes); break;
+    case 1: qk_dot_rows<1, 8, T>(r, q, ldq, krow, n, Dk, s, next, nn, bytes); break;
+    default: break;
+  }
 }
 
 // ---- O += P V: MR rows x NB*W value features per register block ------------------------------
@@ -417,6 +438,51 @@ static void pv(int M, const Real* p, const Real* const* vrow, int64_t n, int64_t
   }
 }
 
+// The online-softmax update of R rows of scores (row i at s + i * kTileK, -inf outside what it
+// sees, nw a whole number of vectors): m' = max(m, max_j s_j), s_j becomes p_j = exp(s_j - m'),
+// l = alpha l + sum_j p_j and O = alpha O with alpha = exp(m - m'). Returns false, changing
+// nothing, where a row has seen nothing visible yet (m' = -inf: the update would compute
+// exp(-inf - -inf)); the caller then skips that row's update (row_state.h).
+// Prefill runs it over 4 rows at once (softmax_rows): one row's max reduction and exp chains
+// leave the pipes idle (a row and 64-key tile is ~200 instructions at ~1.5 per cycle), 4 rows'
+// overlap; the same operations in the same order per row, so the same bits.
+template <int R>
+static inline bool online_update(Real* s, int64_t nw, Real* m, Real* l, Real* o, int64_t ldo,
+                                 int64_t Dvp) {
+  V mv[R];
+  for (int i = 0; i < R; ++i) mv[i] = set1(kNegInf);
+  for (int64_t j = 0; j < nw; j += W)
+    for (int i = 0; i < R; ++i) mv[i] = max(mv[i], load(s + i * kTileK + j));
+  Real m_new[R];
+  for (int i = 0; i < R; ++i) {
+    const Real tile_max = reduce_max(mv[i]);
+    m_new[i] = tile_max > m[i] ? tile_max : m[i];
+    if (m_new[i] == kNegInf) return false;
+  }
+  V mn[R], sum[R];
+  for (int i = 0; i < R; ++i) {
+    mn[i] = set1(m_new[i]);
+    sum[i] = zero();
+  }
+  for (int64_t j = 0; j < nw; j += W)
+    for (int i = 0; i < R; ++i) {
+      V e = exp(sub(load(s + i * kTileK + j), mn[i]));
+      store(s + i * kTileK + j, e);
+      sum[i] = add(sum[i], e);
+    }
+  for (int i = 0; i < R; ++i) {
+    const Real alpha = row::rescale(m[i], m_new[i]);
+    l[i] = l[i] * alpha + reduce_add(sum[i]);
+    m[i] = m_new[i];
+    if (alpha != 1.f) {
+      const V a = set1(alpha);
+      Real* orow = o + i * ldo;
+      for (int64_t d = 0; d < Dvp; d += W) store(orow + d, mul(a, load(orow + d)));
+    }
+  }
+  return true;
+}
+
 // ---- one tile row: modifiers, masks and the online-softmax update --------------------------
 static inline void softmax_row(Real* srow, const Real* brow, int64_t n, int64_t vlo, int64_t vhi,
                                int64_t j0, Real softcap, Real slope, int64_t pos, Real* m,
@@ -439,30 +505,10 @@ static inline void softmax_row(Real* srow, const Real* brow, int64_t n, int64_t 
   for (int64_t j = 0; j < vlo; ++j) srow[j] = kNegInf;
   for (int64_t j = vhi; j < round_up(n, W); ++j) srow[j] = kNegInf;
   // 3. online softmax over the tile's width rounded to whole vectors
-  const int64_t nw = round_up(n, W);
-  V mv = set1(kNegInf);
-  for (int64_t j = 0; j < nw; j += W) mv = max(mv, load(srow + j));
-  const Real tile_max = reduce_max(mv);
-  const Real m_old = *m;
-  const Real m_new = tile_max > m_old ? tile_max : m_old;
-  if (m_new == kNegInf) {  // nothing visible so far: skip the update, but keep a NaN score
+  if (!online_update<1>(srow, round_up(n, W), m, l, orow, 0, Dvp)) {
+    // nothing visible so far: the update is skipped, but a NaN score is kept
     for (int64_t j = vlo; j < vhi; ++j) row::keep_nan(l, srow[j]);
     std::memset(srow, 0, sizeof(Real) * kTileK);
-    return;
-  }
-  const V mn = set1(m_new);
-  V sum = zero();
-  for (int64_t j = 0; j < nw; j += W) {
-    V e = exp(sub(load(srow + j), mn));
-    store(srow + j, e);
-    sum = add(sum, e);
-  }
-  const Real alpha = row::rescale(m_old, m_new);
-  *l = *l * alpha + reduce_add(sum);
-  *m = m_new;
-  if (alpha != 1.f) {
-    const V a = set1(alpha);
-    for (int64_t d = 0; d < Dvp; d += W) store(orow + d, mul(a, load(orow + d)));
   }
 }
 
@@ -634,12 +680,32 @@ static bool tile_open(const RowSet& rs, int64_t j0, int64_t n, const Scratch& sc
   return mask_tile(rs, j0, n, sc.bias);
 }
 
+// Whether rows [r, r + R) all see every key of [j0, j0 + n), without an ALiBi slope.
+static inline bool sees_whole(const RowSet& rs, int r, int R, int64_t j0, int64_t n) {
+  for (int i = r; i < r + R; ++i)
+    if (rs.lo[i] > j0 || rs.hi[i] < j0 + n || (rs.slope != nullptr && rs.slope[i] != 0.f)) return false;
+  return true;
+}
+
 // The online-softmax update of the M rows of scores s over keys [j0, j0 + n) (bias: the mask tile
 // or null); s becomes the probabilities. Returns whether some row sees only part of the tile.
 static bool softmax_rows(const RowSet& rs, int64_t j0, int64_t n, const Real* bias,
                          Real softcap, int64_t Dvp, Real* s, const FlashState& st) {
   bool partial = bias != nullptr;
+  constexpr int R = 4;
+  const bool plain = bias == nullptr && softcap <= 0.f;
+  const int64_t nw = round_up(n, W);
   for (int r = 0; r < rs.M; ++r) {
+    if (plain && r % R == 0 && r + R <= rs.M && sees_whole(rs, r, R, j0, n)) {
+      // R rows at once (online_update); a row that has seen nothing yet sends them one by one
+      Real* sr = s + int64_t(r) * kTileK;
+      for (int i = 0; i < R; ++i)
+        for (int64_t j = n; j < nw; ++j) sr[i * kTileK + j] = kNegInf;
+      if (online_update<R>(sr, nw, st.m + r, st.l + r, st.o + int64_t(r) * st.ldo, st.ldo, Dvp)) {
+        r += R - 1;
+        continue;
+      }
+    }
     const int64_t vlo = imax(rs.lo[r] - j0, 0), vhi = imin(rs.hi[r] - j0, n);
     partial = partial || vlo > 0 || vhi < n;
     Real* srow = s + int64_t(r) * kTileK;
