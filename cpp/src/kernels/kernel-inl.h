@@ -157,10 +157,39 @@ struct LinePrefetch {
 };
 
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
-template <int MR>
+// With `Online` (a tile every row sees whole, after each row's first: fused_tile below), each
+// register block also does the online-softmax update of its scores while they are in registers:
+// p = exp(s - m) against the row's running max m, raised (O, l and the row's earlier p of this
+// tile rescaled, as softmax_row does per tile) where a score of the block exceeds it: rare after
+// a row's first keys. The max pass and the exp pass over S are gone, and the exps run beside the
+// next block's FMAs instead of after the whole product.
+struct Online {
+  Real* m;
+  Real* l;
+  Real* o;
+  int64_t ldo, Dvp;
+};
+
+// Raises row r's running max to the largest score in `hi` (the block's scores of the row, lane
+// by lane), rescaling its O, l, this tile's sum so far and its p of keys [0, j) of this tile.
+[[gnu::noinline, gnu::cold]] static void raise_max(V hi, int64_t j, Real* srow, Real* m, Real* l,
+                                                   Real* orow, int64_t Dvp, V* lsum) {
+  const Real block_max = reduce_max(hi);
+  const Real m_new = block_max > *m ? block_max : *m;
+  const Real alpha = row::rescale(*m, m_new);
+  const V a = set1(alpha);
+  *l *= alpha;
+  *lsum = mul(*lsum, a);
+  for (int64_t d = 0; d < Dvp; d += W) store(orow + d, mul(a, load(orow + d)));
+  for (int64_t t = 0; t < j; t += W) store(srow + t, mul(a, load(srow + t)));
+  *m = m_new;
+}
+
+template <int MR, bool Fused>
 static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real* kt,
-                                         int64_t Dkp, Real* s, const LinePrefetch* pf = nullptr,
-                                         int64_t l0 = 0, int64_t l1 = 0) {
+                                         int64_t Dkp, Real* s, const LinePrefetch* pf,
+                                         int64_t l0, int64_t l1, const Online* on, int64_t j,
+                                         V* lsum) {
   V acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = zero();
@@ -174,23 +203,45 @@ static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real*
       acc[r][1] = fmadd(qb, k1, acc[r][1]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) store(s + r * kTileK + c * W, acc[r][c]);
-}
-
-template <int MR>
-static void qk_packed_rows(const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t nw,
-                           Real* s, const LinePrefetch& pf, int64_t& call) {
-  for (int64_t j = 0; j < nw; j += NR * W) {
-    const int64_t c = call++;
-    qk_packed_block<MR>(q, ldq, kt + j, Dkp, s + j, &pf, pf.lines * c / pf.calls,
-                        pf.lines * (c + 1) / pf.calls);
+  if constexpr (Fused) {
+    for (int r = 0; r < MR; ++r) {
+      const V hi = max(acc[r][0], acc[r][1]);
+      if (any_greater(hi, set1(on->m[r])))
+        raise_max(hi, j, s + r * kTileK - j, on->m + r, on->l + r, on->o + r * on->ldo, on->Dvp,
+                  lsum + r);
+      const V mr = set1(on->m[r]);
+      for (int c = 0; c < NR; ++c) {
+        const V e = exp(sub(acc[r][c], mr));
+        store(s + r * kTileK + c * W, e);
+        lsum[r] = add(lsum[r], e);
+      }
+    }
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NR; ++c) store(s + r * kTileK + c * W, acc[r][c]);
   }
 }
 
-// `next` (nn rows of `bytes`, or null) is a later tile's K, prefetched during the product.
-static void qk_packed(int M, const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t n,
-                      Real* s, const char* const* next, int64_t nn, int64_t bytes) {
+template <int MR, bool Fused>
+static void qk_packed_rows(const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t nw,
+                           Real* s, const LinePrefetch& pf, int64_t& call, const Online* on) {
+  V lsum[MR];
+  for (int r = 0; r < MR; ++r) lsum[r] = zero();
+  for (int64_t j = 0; j < nw; j += NR * W) {
+    const int64_t c = call++;
+    qk_packed_block<MR, Fused>(q, ldq, kt + j, Dkp, s + j, &pf, pf.lines * c / pf.calls,
+                               pf.lines * (c + 1) / pf.calls, on, j, lsum);
+  }
+  if constexpr (Fused)
+    for (int r = 0; r < MR; ++r) on->l[r] += reduce_add(lsum[r]);
+}
+
+// `next` (nn rows of `bytes`, or null) is a later tile's K, prefetched during the product. With
+// `on` (non-null: fused_tile), s receives the probabilities and the rows' state is updated.
+template <bool Fused>
+static void qk_packed_as(int M, const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t n,
+                         Real* s, const char* const* next, int64_t nn, int64_t bytes,
+                         const Online* on) {
   const int64_t nw = round_up(n, NR * W);
   constexpr int MR = 6;
   LinePrefetch pf;
@@ -200,17 +251,32 @@ static void qk_packed(int M, const Real* q, int64_t ldq, const Real* kt, int64_t
   }
   int64_t call = 0;
   int r = 0;
-  for (; r + MR <= M; r += MR) qk_packed_rows<MR>(q + r * ldq, ldq, kt, Dkp, nw, s + r * kTileK, pf, call);
+  Online o{};
+  auto rows = [&](int r0) {  // the state of rows r0 ...
+    if (on != nullptr) o = Online{on->m + r0, on->l + r0, on->o + r0 * on->ldo, on->ldo, on->Dvp};
+    return &o;
+  };
+  for (; r + MR <= M; r += MR)
+    qk_packed_rows<MR, Fused>(q + r * ldq, ldq, kt, Dkp, nw, s + r * kTileK, pf, call, rows(r));
   const Real* qr = q + r * ldq;
   Real* sr = s + r * kTileK;
   switch (M - r) {
-    case 5: qk_packed_rows<5>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
-    case 4: qk_packed_rows<4>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
-    case 3: qk_packed_rows<3>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
-    case 2: qk_packed_rows<2>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
-    case 1: qk_packed_rows<1>(qr, ldq, kt, Dkp, nw, sr, pf, call); break;
+    case 5: qk_packed_rows<5, Fused>(qr, ldq, kt, Dkp, nw, sr, pf, call, rows(r)); break;
+    case 4: qk_packed_rows<4, Fused>(qr, ldq, kt, Dkp, nw, sr, pf, call, rows(r)); break;
+    case 3: qk_packed_rows<3, Fused>(qr, ldq, kt, Dkp, nw, sr, pf, call, rows(r)); break;
+    case 2: qk_packed_rows<2, Fused>(qr, ldq, kt, Dkp, nw, sr, pf, call, rows(r)); break;
+    case 1: qk_packed_rows<1, Fused>(qr, ldq, kt, Dkp, nw, sr, pf, call, rows(r)); break;
     default: break;
   }
+}
+
+static void qk_packed(int M, const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t n,
+                      Real* s, const char* const* next, int64_t nn, int64_t bytes,
+                      const Online* on = nullptr) {
+  if (on != nullptr)
+    qk_packed_as<true>(M, q, ldq, kt, Dkp, n, s, next, nn, bytes, on);
+  else
+    qk_packed_as<false>(M, q, ldq, kt, Dkp, n, s, next, nn, bytes, nullptr);
 }
 
 // Packs the n rows of a K tile transposed: kt[d][j], zero for j >= n (to a multiple of NR*W) and
@@ -380,15 +446,24 @@ static ATTNX_INLINE void pv_block(const Real* p, const Real* const* vrow, int64_
   V acc[MR][NB];
   for (int r = 0; r < MR; ++r)
     for (int k = 0; k < NB; ++k) acc[r][k] = load(o + r * ldo + c + k * W);
-  for (int64_t j = 0; j < n; ++j) {
-    if (next != nullptr && j < nn) prefetch_row(next[j] + blo, bhi - blo);
+  auto key = [&](int64_t j) {
     V v[NB];
     for (int k = 0; k < NB; ++k) v[k] = ld<T>(vrow[j], c + k * W);
     for (int r = 0; r < MR; ++r) {
       const V pb = set1(p[r * kTileK + j]);
       for (int k = 0; k < NB; ++k) acc[r][k] = fmadd(pb, v[k], acc[r][k]);
     }
+  };
+  // the keys that prefetch a row, then the rest: a test per key cost ~4 of the ~30 instructions
+  // of an AVX2 6-row key (prefill: PV at ~90% of its FMA bound, the front end the limit)
+  const int64_t np = next != nullptr ? imin(nn, n) : 0;
+  int64_t j = 0;
+  for (; j < np; ++j) {
+    prefetch_row(next[j] + blo, bhi - blo);
+    key(j);
   }
+#pragma GCC unroll 4
+  for (; j < n; ++j) key(j);
   for (int r = 0; r < MR; ++r)
     for (int k = 0; k < NB; ++k) store(o + r * ldo + c + k * W, acc[r][k]);
 }
@@ -687,12 +762,24 @@ static inline bool sees_whole(const RowSet& rs, int r, int R, int64_t j0, int64_
   return true;
 }
 
+// Whether the packed QK^T of keys [j0, j0 + n) can do the online-softmax update itself
+// (qk_packed with Online): every row sees every key, no soft-cap or ALiBi (the mask is the
+// caller's test), every row has a finite running max (not its first visible tile: the update
+// is skipped while it has seen nothing, see row_state.h) and the tile is whole register blocks
+// (zero keys past n would score 0).
+static bool fusable(const RowSet& rs, int64_t j0, int64_t n, Real softcap, const FlashState& st) {
+  if (softcap > 0.f || n % (NR * W) != 0 || !sees_whole(rs, 0, rs.M, j0, n)) return false;
+  for (int r = 0; r < rs.M; ++r)
+    if (!(st.m[r] > kNegInf && st.m[r] < -kNegInf)) return false;
+  return true;
+}
+
 // The online-softmax update of the M rows of scores s over keys [j0, j0 + n) (bias: the mask tile
 // or null); s becomes the probabilities. Returns whether some row sees only part of the tile.
 static bool softmax_rows(const RowSet& rs, int64_t j0, int64_t n, const Real* bias,
                          Real softcap, int64_t Dvp, Real* s, const FlashState& st) {
   bool partial = bias != nullptr;
-  constexpr int R = 4;
+  constexpr int R = W >= 16 ? 4 : 2;  // rows updated together: AVX2 has registers for the sums of 2
   const bool plain = bias == nullptr && softcap <= 0.f;
   const int64_t nw = round_up(n, W);
   for (int r = 0; r < rs.M; ++r) {
@@ -763,11 +850,14 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
     kv_rows(*ahead.v, ahead.j, nn, vn);
   }
   // S = Q K^T
+  bool fused = false;
   if (packed) {
     // (the next K tile is prefetched only where this item packs its own: a shared packed tile
     // is read from the buffer, not the pages)
+    const Online on{st.m, st.l, st.o, st.ldo, Dvp};
+    fused = bias == nullptr && fusable(rs, j0, n, softcap, st);
     qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s,
-              ks.kt == nullptr ? kn : nullptr, nn, Dk * elem_bytes(ks.dtype));
+              ks.kt == nullptr ? kn : nullptr, nn, Dk * elem_bytes(ks.dtype), fused ? &on : nullptr);
   } else {
     const Real** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
     with_type(kdt, [&](auto t) {
@@ -776,7 +866,8 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
     });
     if (k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
   }
-  const bool partial = softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
+  // (a fused tile's S is already P: every row sees it whole, so none sees it in part)
+  const bool partial = !fused && softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
   // O += P V
   const Real* const* vrow = real_rows(vs, j0, vaddr, n, Dv, v_inplace, sc.vf, sc.vrow);
   // A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN in its value would

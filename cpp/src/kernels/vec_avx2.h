@@ -30,6 +30,10 @@ static inline V mask_add(V s, V b) {
   return _mm256_blendv_ps(_mm256_add_ps(s, b), b, _mm256_cmp_ps(b, _mm256_set1_ps(-__builtin_inff()), _CMP_EQ_OQ));
 }
 // true if every lane is finite: x - x is 0 for finite x and NaN for inf or NaN
+// true if some lane of a is greater than the same lane of b (false for NaN lanes)
+static inline bool any_greater(V a, V b) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0;
+}
 static inline bool all_finite(V x) {
   return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0;
 }

@@ -42,6 +42,8 @@ static inline V mask_add(V s, V b) {
   const __mmask16 blocked = _mm512_cmp_ps_mask(b, _mm512_set1_ps(-__builtin_inff()), _CMP_EQ_OQ);
   return _mm512_mask_blend_ps(blocked, _mm512_add_ps(s, b), b);
 }
+// true if some lane of a is greater than the same lane of b (false for NaN lanes)
+static inline bool any_greater(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
 static inline bool all_finite(V x) {
   return _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0;
 }

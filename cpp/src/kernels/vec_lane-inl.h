@@ -21,6 +21,8 @@ static inline V abs(V x) { return std::fabs(x); }
 static inline V mask_add(V s, V b) { return b == -std::numeric_limits<Real>::infinity() ? b : s + b; }
 // true if every lane is finite (not inf, not NaN)
 static inline bool all_finite(V x) { return std::isfinite(x); }
+// true if some lane of a is greater than the same lane of b (false for NaN lanes)
+static inline bool any_greater(V a, V b) { return a > b; }
 static inline Real reduce_max(V v) { return v; }
 static inline Real reduce_add(V v) { return v; }
 static inline V iota() { return V(0); }
