@@ -246,13 +246,15 @@ def test_all_visible_scores_minus_inf(isa):
         assert np.isfinite(o[0, 0, good]).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf], ids=["finite", "nan", "inf", "-inf"])
-def test_running_max_raised_inside_fused_tiles(isa, bad):
+def test_running_max_raised_inside_fused_tiles(isa, bad, dtype):
     """Prefill rows (more than the dot path's 8) past their first tile update the online softmax
     inside the QK^T register blocks: keys that grow along the sequence raise each row's max
     block after block, inside tiles; a non-finite key element there poisons (NaN, inf) or
     zeroes (-inf against positive queries) exactly the reference's rows. 200 keys: whole tiles,
-    then a ragged one that takes the plain path."""
+    then a ragged one that takes the plain path. bfloat16: the dot-product path where the CPU
+    has AVX512_BF16."""
     rng = r_(11)
     B, H, Sq, Sk, D = 1, 2, 24, 200, 16
     q = np.abs(rng.standard_normal((B, H, Sq, D))).astype(np.float32)
@@ -260,6 +262,7 @@ def test_running_max_raised_inside_fused_tiles(isa, bad):
     v = rng.standard_normal((B, H, Sk, D)).astype(np.float32)
     if bad is not None:
         k[0, 1, 150, 3] = bad  # a fused tile (keys 128..191) of head 1
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
     for kw in (dict(), dict(causal=True), dict(num_threads=1)):
         o, lse = check_dense(q, k, v, layout="bhsd", **kw)
         assert np.isfinite(o[0, 0]).all()

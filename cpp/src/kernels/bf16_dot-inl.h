@@ -123,9 +123,11 @@ static void pack_p_bf16(int M, float* s, int64_t n2) {
 }
 
 // ---- S = scale * Q K^T: MR rows x kTileK keys (4 vectors) per register block ------------------
+// With `on` (a whole tile every row sees, after each row's first: kernel-inl.h's fusable
+// rule), the rows' online-softmax update is done here too, and s receives the probabilities.
 template <int MR>
 static ATTNX_INLINE void qk_bf16_block(const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n,
-                                       float scale, float* s) {
+                                       float scale, float* s, const Online* on) {
   constexpr int NC = kTileK / W;
   V acc[MR][NC];
   for (int r = 0; r < MR; ++r)
@@ -140,14 +142,27 @@ static ATTNX_INLINE void qk_bf16_block(const Pair* qb, int64_t ldq, const Pair* 
   }
   const V f = set1(scale);
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) store(s + r * kTileK + c * W, mul(acc[r][c], f));
+    for (int c = 0; c < NC; ++c) acc[r][c] = mul(acc[r][c], f);
+  if (on == nullptr) {
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NC; ++c) store(s + r * kTileK + c * W, acc[r][c]);
+    return;
+  }
+  for (int r = 0; r < MR; ++r) {
+    V sum = zero();
+    online_vectors<NC>(acc[r], 0, s + r * kTileK, *on, r, &sum);
+    on->l[r] += reduce_add(sum);
+  }
 }
 
 // d2n: the pairs that hold features (ceil(Dk / 2)); the zero pairs past them are skipped.
 static void qk_bf16(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n, float scale,
-                    float* s) {
+                    float* s, const Online* on) {
   row_blocks(M, [&](auto mr, int r) {
-    qk_bf16_block<decltype(mr)::value>(qb + r * ldq, ldq, kp, d2n, scale, s + int64_t(r) * kTileK);
+    const Online rows = on ? Online{on->m + r, on->l + r, on->o + r * on->ldo, on->ldo, on->Dvp}
+                           : Online{};
+    qk_bf16_block<decltype(mr)::value>(qb + r * ldq, ldq, kp, d2n, scale, s + int64_t(r) * kTileK,
+                                       on ? &rows : nullptr);
   });
 }
 
@@ -235,8 +250,11 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
   const float* bias = nullptr;
   if (!tile_open(rs, j0, n, sc, &bias)) return;
   const PackedKV kv = packed_kv(ks, vs, j0, n, Dk, Dv, sc);
-  qk_bf16(rs.M, qb, Dkp / 2, kv.kp, (Dk + 1) / 2, qscale, sc.s);
-  const bool partial = softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
+  // (the block is the whole tile: keys past n would score 0, so only whole tiles fuse)
+  const bool fused = bias == nullptr && n == kTileK && fusable(rs, j0, n, softcap, st);
+  const Online on{st.m, st.l, st.o, st.ldo, Dvp};
+  qk_bf16(rs.M, qb, Dkp / 2, kv.kp, (Dk + 1) / 2, qscale, sc.s, fused ? &on : nullptr);
+  const bool partial = !fused && softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
   // A key a row cannot see has p = 0, and 0 * inf or 0 * NaN in its value would still reach the
   // row: as in flash_tile, such tiles take the fp32 path where each row adds only its keys. (Also
   // a shared tile with keys past this item's n: with n odd, the last pair holds key n.)

@@ -157,7 +157,7 @@ struct LinePrefetch {
 };
 
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
-// With `Online` (a tile every row sees whole, after each row's first: fused_tile below), each
+// With `Online` (a tile every row sees whole, after each row's first: `fusable` below), each
 // register block also does the online-softmax update of its scores while they are in registers:
 // p = exp(s - m) against the row's running max m, raised (O, l and the row's earlier p of this
 // tile rescaled, as softmax_row does per tile) where a score of the block exceeds it: rare after
@@ -185,6 +185,24 @@ struct Online {
   *m = m_new;
 }
 
+// p = exp(s - m) of one row's NV score vectors in registers (keys j .. j + NV * W of the tile),
+// stored at srow + j and added to *lsum (this tile's sum so far), against the row's running max,
+// raised first where one of them exceeds it.
+template <int NV>
+static ATTNX_INLINE void online_vectors(const V* sv, int64_t j, Real* srow, const Online& on,
+                                        int r, V* lsum) {
+  V hi = sv[0];
+  for (int c = 1; c < NV; ++c) hi = max(hi, sv[c]);
+  if (any_greater(hi, set1(on.m[r])))
+    raise_max(hi, j, srow, on.m + r, on.l + r, on.o + r * on.ldo, on.Dvp, lsum);
+  const V mr = set1(on.m[r]);
+  for (int c = 0; c < NV; ++c) {
+    const V e = exp(sub(sv[c], mr));
+    store(srow + j + c * W, e);
+    *lsum = add(*lsum, e);
+  }
+}
+
 template <int MR, bool Fused>
 static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real* kt,
                                          int64_t Dkp, Real* s, const LinePrefetch* pf,
@@ -204,18 +222,7 @@ static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real*
     }
   }
   if constexpr (Fused) {
-    for (int r = 0; r < MR; ++r) {
-      const V hi = max(acc[r][0], acc[r][1]);
-      if (any_greater(hi, set1(on->m[r])))
-        raise_max(hi, j, s + r * kTileK - j, on->m + r, on->l + r, on->o + r * on->ldo, on->Dvp,
-                  lsum + r);
-      const V mr = set1(on->m[r]);
-      for (int c = 0; c < NR; ++c) {
-        const V e = exp(sub(acc[r][c], mr));
-        store(s + r * kTileK + c * W, e);
-        lsum[r] = add(lsum[r], e);
-      }
-    }
+    for (int r = 0; r < MR; ++r) online_vectors<NR>(acc[r], j, s + r * kTileK - j, *on, r, lsum + r);
   } else {
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NR; ++c) store(s + r * kTileK + c * W, acc[r][c]);
@@ -237,7 +244,7 @@ static void qk_packed_rows(const Real* q, int64_t ldq, const Real* kt, int64_t D
 }
 
 // `next` (nn rows of `bytes`, or null) is a later tile's K, prefetched during the product. With
-// `on` (non-null: fused_tile), s receives the probabilities and the rows' state is updated.
+// `on` (non-null: `fusable` tiles), s receives the probabilities and the rows' state is updated.
 template <bool Fused>
 static void qk_packed_as(int M, const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t n,
                          Real* s, const char* const* next, int64_t nn, int64_t bytes,
