@@ -195,12 +195,14 @@ static ATTNX_INLINE void online_vectors(const V* sv, int64_t j, Real* srow, cons
   for (int c = 1; c < NV; ++c) hi = max(hi, sv[c]);
   if (any_greater(hi, set1(on.m[r])))
     raise_max(hi, j, srow, on.m + r, on.l + r, on.o + r * on.ldo, on.Dvp, lsum);
-  const V mr = set1(on.m[r]);
+  const V mr = set1(on.m[r]);  // every score is now <= it (or NaN)
+  V sum = zero();
   for (int c = 0; c < NV; ++c) {
-    const V e = exp(sub(sv[c], mr));
+    const V e = exp_le0(sub(sv[c], mr));
     store(srow + j + c * W, e);
-    *lsum = add(*lsum, e);
+    sum = add(sum, e);
   }
+  *lsum = add(*lsum, sum);
 }
 
 template <int MR, bool Fused>

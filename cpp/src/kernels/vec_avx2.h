@@ -41,6 +41,7 @@ static inline float reduce_max(V v) { return hmax256(v); }
 static inline float reduce_add(V v) { return hadd256(v); }
 static inline V iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
 static inline V exp(V x) { return exp256(x); }
+static inline V exp_le0(V x) { return exp256<false>(x); }  // x <= 0 or NaN
 static inline V tanh(V x) { return tanh256(x); }
 static inline V load_f16(const uint16_t* p) { return load_f16_256(p); }
 static inline V load_bf16(const uint16_t* p) { return load_bf16_256(p); }

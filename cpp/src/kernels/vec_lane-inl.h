@@ -28,6 +28,7 @@ static inline Real reduce_add(V v) { return v; }
 static inline V iota() { return V(0); }
 // exp with exp(-inf) == 0 exactly and NaN preserved
 static inline V exp(V x) { return std::exp(x); }
+static inline V exp_le0(V x) { return std::exp(x); }  // x <= 0 or NaN
 static inline V tanh(V x) { return std::tanh(x); }
 static inline V load_f16(const uint16_t* p) { return cvt::f16_to_f32(*p); }
 static inline V load_bf16(const uint16_t* p) { return cvt::bf16_to_f32(*p); }
