@@ -463,6 +463,14 @@ def main(suite, world, rank, init_file, out_dir, timeout_s):
         os.replace(path + ".tmp", path)
     if suite != "hang":
         dist.destroy_process_group()
+        return
+    # A gloo group whose collective timed out cannot be destroyed, and torch aborts in its
+    # runloop thread ("terminate called without an active exception", SIGABRT) in about 1 run
+    # of 3 when the interpreter finalizes with it alive (gdb: pt_gloo_runloop unwound by
+    # Py_FinalizeEx). The results are written: leave without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
