@@ -231,8 +231,8 @@ def test_nan_value_with_underflowed_weight(isa):
 def test_all_visible_scores_minus_inf(isa):
     """Scores that are -inf from the inputs (q = -inf against positive keys): the row has no
     finite score; the reference treats it like a row that sees nothing (0, lse -inf). Rows 1 and
-    5 of 3 (one row at a time), 6 (a 4-row group updated together, with one such row) and 12
-    (the packed prefill path), over one and two key tiles."""
+    5 of 3, 6 (the rows updated together, 2 or 4 by ISA, hold one such row) and 12 (the packed
+    prefill path), over one and two key tiles."""
     rng = np.random.default_rng(7)
     for sq, sk in ((3, 5), (6, 5), (12, 70)):
         bad = [1, 5] if sq > 5 else [1]

@@ -159,8 +159,7 @@ static ATTNX_INLINE void qk_bf16_block(const Pair* qb, int64_t ldq, const Pair* 
 static void qk_bf16(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n, float scale,
                     float* s, const Online* on) {
   row_blocks(M, [&](auto mr, int r) {
-    const Online rows = on ? Online{on->m + r, on->l + r, on->o + r * on->ldo, on->ldo, on->Dvp}
-                           : Online{};
+    const Online rows = on ? on->rows(r) : Online{};
     qk_bf16_block<decltype(mr)::value>(qb + r * ldq, ldq, kp, d2n, scale, s + int64_t(r) * kTileK,
                                        on ? &rows : nullptr);
   });

@@ -168,6 +168,7 @@ struct Online {
   Real* l;
   Real* o;
   int64_t ldo, Dvp;
+  Online rows(int r0) const { return Online{m + r0, l + r0, o + r0 * ldo, ldo, Dvp}; }
 };
 
 // Raises row r's running max to the largest score in `hi` (the block's scores of the row, lane
@@ -224,7 +225,8 @@ static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real*
     }
   }
   if constexpr (Fused) {
-    for (int r = 0; r < MR; ++r) online_vectors<NR>(acc[r], j, s + r * kTileK - j, *on, r, lsum + r);
+    for (int r = 0; r < MR; ++r)
+      online_vectors<NR>(acc[r], j, s + r * kTileK - j, *on, r, lsum + r);
   } else {
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NR; ++c) store(s + r * kTileK + c * W, acc[r][c]);
@@ -262,7 +264,7 @@ static void qk_packed_as(int M, const Real* q, int64_t ldq, const Real* kt, int6
   int r = 0;
   Online o{};
   auto rows = [&](int r0) {  // the state of rows r0 ...
-    if (on != nullptr) o = Online{on->m + r0, on->l + r0, on->o + r0 * on->ldo, on->ldo, on->Dvp};
+    if (on != nullptr) o = on->rows(r0);
     return &o;
   };
   for (; r + MR <= M; r += MR)
@@ -438,7 +440,8 @@ static void qk_dot(int M, const Real* q, int64_t ldq, const Real* const* krow, i
   // avx512 within the noise (its loads are not the bound there).
   constexpr bool wide = W >= 16;
   int r = 0;
-  for (; r + 4 <= M; r += 4) qk_dot_rows<4, wide ? 4 : 2, T>(r, q, ldq, krow, n, Dk, s, next, nn, bytes);
+  for (; r + 4 <= M; r += 4)
+    qk_dot_rows<4, wide ? 4 : 2, T>(r, q, ldq, krow, n, Dk, s, next, nn, bytes);
   switch (M - r) {
     case 3: qk_dot_rows<3, wide ? 8 : 4, T>(r, q, ldq, krow, n, Dk, s, next, nn, bytes); break;
     case 2: qk_dot_rows<2, wide ? 8 : 4, T>(r, q, ldq, krow, n, Dk, s, next, nn, bytes); break;
@@ -527,9 +530,10 @@ static void pv(int M, const Real* p, const Real* const* vrow, int64_t n, int64_t
 // l = alpha l + sum_j p_j and O = alpha O with alpha = exp(m - m'). Returns false, changing
 // nothing, where a row has seen nothing visible yet (m' = -inf: the update would compute
 // exp(-inf - -inf)); the caller then skips that row's update (row_state.h).
-// Prefill runs it over 4 rows at once (softmax_rows): one row's max reduction and exp chains
-// leave the pipes idle (a row and 64-key tile is ~200 instructions at ~1.5 per cycle), 4 rows'
-// overlap; the same operations in the same order per row, so the same bits.
+// softmax_rows runs it over 4 rows at once (2 on AVX2, whose 16 registers spilled 4 rows' sums):
+// one row's max reduction and exp chains leave the pipes idle (a row and 64-key tile is ~200
+// instructions at ~1.5 per cycle), several rows' overlap; the same operations in the same order
+// per row, so the same bits.
 template <int R>
 static inline bool online_update(Real* s, int64_t nw, Real* m, Real* l, Real* o, int64_t ldo,
                                  int64_t Dvp) {
@@ -788,7 +792,7 @@ static bool fusable(const RowSet& rs, int64_t j0, int64_t n, Real softcap, const
 static bool softmax_rows(const RowSet& rs, int64_t j0, int64_t n, const Real* bias,
                          Real softcap, int64_t Dvp, Real* s, const FlashState& st) {
   bool partial = bias != nullptr;
-  constexpr int R = W >= 16 ? 4 : 2;  // rows updated together: AVX2 has registers for the sums of 2
+  constexpr int R = W >= 16 ? 4 : 2;  // rows updated together (online_update)
   const bool plain = bias == nullptr && softcap <= 0.f;
   const int64_t nw = round_up(n, W);
   for (int r = 0; r < rs.M; ++r) {

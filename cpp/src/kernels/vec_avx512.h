@@ -57,7 +57,8 @@ static inline V iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
 // Top = false: for x <= 0 (or NaN) only, no clamp at the top.
 template <bool Top = true>
 static inline V exp_(V x) {
-  V t = _mm512_max_ps(_mm512_set1_ps(-200.f), _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)));
+  V t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  t = _mm512_max_ps(_mm512_set1_ps(-200.f), t);
   if constexpr (Top) t = _mm512_min_ps(_mm512_set1_ps(128.f), t);
   const V n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const V f = _mm512_sub_ps(t, n);

@@ -22,7 +22,8 @@ constexpr float kExp2Poly[kExp2Terms] = {1.5354042e-4f, 1.3398790e-3f, 9.6184341
 // Top = false: for x <= 0 (or NaN) only, which needs no clamp at the top (one instruction less).
 template <bool Top = true>
 static inline __m256 exp256(__m256 x) {
-  __m256 t = _mm256_max_ps(_mm256_set1_ps(-127.f), _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)));
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  t = _mm256_max_ps(_mm256_set1_ps(-127.f), t);
   if constexpr (Top) t = _mm256_min_ps(_mm256_set1_ps(128.f), t);
   const __m256 magic = _mm256_set1_ps(12583039.f);  // 1.5 * 2^23 + 127
   const __m256 biased = _mm256_add_ps(t, magic);
