@@ -103,6 +103,21 @@ def make_rng(*salt):
     return np.random.default_rng([SEED, zlib.crc32(repr(salt).encode())])
 
 
+# Per-16-key climbs of the scores for the lazy running max (kernel-inl.h kLazyMax = 4): below,
+# near and above the slack, and far above it.
+RISES = [0.05, 2.0, 3.9, 4.1, 60.0]
+
+
+def climbing_scores(rng, rise, dtype):
+    """q, k, v (1, 2, 20, 256, 8) whose scores at scale 1 climb about `rise` every 16 keys, with
+    noise: prefill rows whose running max must follow them across fused tiles."""
+    B, H, Sq, Sk, D = 1, 2, 20, 256, 8
+    q = 1 + 0.1 * rng.standard_normal((B, H, Sq, D))
+    k = (rise / 16 / D) * np.arange(Sk)[:, None] + 0.05 * rng.standard_normal((B, H, Sk, D))
+    v = rng.standard_normal((B, H, Sk, D))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
 @pytest.fixture
 def rng(request):
     """A generator seeded by ATTNX_TEST_SEED and the test's id: reproducible, and different

@@ -148,11 +148,10 @@ static ATTNX_INLINE void qk_bf16_block(const Pair* qb, int64_t ldq, const Pair* 
       for (int c = 0; c < NC; ++c) store(s + r * kTileK + c * W, acc[r][c]);
     return;
   }
-  for (int r = 0; r < MR; ++r) {
-    V sum = zero();
-    online_vectors<NC>(acc[r], 0, s + r * kTileK, *on, r, &sum);
-    on->l[r] += reduce_add(sum);
-  }
+  V sum[MR];
+  for (int r = 0; r < MR; ++r) sum[r] = zero();
+  online_block<MR, NC, false>(acc, 0, s, *on, sum);
+  for (int r = 0; r < MR; ++r) on->l[r] += reduce_add(sum[r]);
 }
 
 // d2n: the pairs that hold features (ceil(Dk / 2)); the zero pairs past them are skipped.

@@ -7,6 +7,7 @@
 //   for each KV tile:  s_j = q.k_j (scaled) -> softcap -> + bias (ALiBi, mask) -> -inf outside
 //                      the visible range; m' = max(m, max_j s_j); alpha = exp(m - m');
 //                      p_j = exp(s_j - m'); l = alpha l + sum_j p_j; O = alpha O + sum_j p_j v_j.
+// (Prefill tiles fused into the packed QK^T raise m lazily: see kLazyMax.)
 // The rules for a row that has seen no visible key, or a NaN score, are those of row_state.h.
 
 // The including file provides <cmath>, <cstring>, <limits>, <type_traits>, kernels.h and row_state.h before
@@ -163,6 +164,19 @@ struct LinePrefetch {
 // tile rescaled, as softmax_row does per tile) where a score of the block exceeds it: rare after
 // a row's first keys. The max pass and the exp pass over S are gone, and the exps run beside the
 // next block's FMAs instead of after the whole product.
+//
+// Here the raise is lazy: only a score above m + kLazyMax raises m (to the block's max), so
+// m may lag the true running max by up to kLazyMax and p by up to e^4 ~ 55. Any reference point
+// gives the same softmax (O / l and lse = m + log l are unchanged, row_state.h's merge takes any
+// m), and p <= 55 is far from overflow. Each raise is a branch the predictor cannot know, taken
+// at the end of the block's FMA chains, whose misprediction discards the next block's FMAs
+// already in flight: random scores raised a few times per row, which cost 2 points of the FMA
+// peak (avx2 prefill 75.4 -> 77.0%, avx512 79.5 -> 82.5%, one thread). With the slack, real and
+// random scores almost never raise after a row's first tile. The bf16 path (bf16_dot-inl.h) keeps
+// the exact max: it rounds p to bf16 before P V, and a row's largest p is then exactly 1, which
+// the flash rule's error bound counts on (with the slack its max error grew past 2x the bf16-P
+// emulation's).
+constexpr Real kLazyMax = 4;
 struct Online {
   Real* m;
   Real* l;
@@ -186,24 +200,41 @@ struct Online {
   *m = m_new;
 }
 
-// p = exp(s - m) of one row's NV score vectors in registers (keys j .. j + NV * W of the tile),
-// stored at srow + j and added to *lsum (this tile's sum so far), against the row's running max,
-// raised first where one of them exceeds it.
 template <int NV>
-static ATTNX_INLINE void online_vectors(const V* sv, int64_t j, Real* srow, const Online& on,
-                                        int r, V* lsum) {
+static ATTNX_INLINE V lanes_max(const V* sv) {
   V hi = sv[0];
   for (int c = 1; c < NV; ++c) hi = max(hi, sv[c]);
-  if (any_greater(hi, set1(on.m[r])))
-    raise_max(hi, j, srow, on.m + r, on.l + r, on.o + r * on.ldo, on.Dvp, lsum);
-  const V mr = set1(on.m[r]);  // every score is now <= it (or NaN)
-  V sum = zero();
-  for (int c = 0; c < NV; ++c) {
-    const V e = exp_le0(sub(sv[c], mr));
-    store(srow + j + c * W, e);
-    sum = add(sum, e);
+  return hi;
+}
+
+// p = exp(s - m) of the MR rows x NV score vectors of a register block (keys j .. j + NV * W of
+// the tile), stored at s + r * kTileK (s: the block's first key) and added to lsum[r] (this
+// tile's sums so far), against each row's running max, raised first where a score exceeds it
+// (Lazy: exceeds it by more than kLazyMax). One test and one branch for the whole block.
+template <int MR, int NV, bool Lazy>
+static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s, const Online& on,
+                                      V* lsum) {
+  auto bound = [&](int r) { return set1(Lazy ? on.m[r] + kLazyMax : on.m[r]); };
+  Mask up = greater(lanes_max<NV>(acc[0]), bound(0));
+  for (int r = 1; r < MR; ++r) up = mask_or(up, greater(lanes_max<NV>(acc[r]), bound(r)));
+  if (any(up)) [[unlikely]] {
+    for (int r = 0; r < MR; ++r) {
+      const V hi = lanes_max<NV>(acc[r]);
+      if (any(greater(hi, bound(r))))
+        raise_max(hi, j, s + r * kTileK - j, on.m + r, on.l + r, on.o + r * on.ldo, on.Dvp, lsum + r);
+    }
   }
-  *lsum = add(*lsum, sum);
+  for (int r = 0; r < MR; ++r) {
+    const V mr = set1(on.m[r]);  // every score is now <= m + kLazyMax (or NaN)
+    V sum = exp_small(sub(acc[r][0], mr));
+    store(s + r * kTileK, sum);
+    for (int c = 1; c < NV; ++c) {
+      const V e = exp_small(sub(acc[r][c], mr));
+      store(s + r * kTileK + c * W, e);
+      sum = add(sum, e);
+    }
+    lsum[r] = add(lsum[r], sum);
+  }
 }
 
 template <int MR, bool Fused>
@@ -225,8 +256,7 @@ static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real*
     }
   }
   if constexpr (Fused) {
-    for (int r = 0; r < MR; ++r)
-      online_vectors<NR>(acc[r], j, s + r * kTileK - j, *on, r, lsum + r);
+    online_block<MR, NR, true>(acc, j, s, *on, lsum);
   } else {
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NR; ++c) store(s + r * kTileK + c * W, acc[r][c]);

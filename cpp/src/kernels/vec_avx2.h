@@ -29,11 +29,12 @@ static inline V abs(V x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
 static inline V mask_add(V s, V b) {
   return _mm256_blendv_ps(_mm256_add_ps(s, b), b, _mm256_cmp_ps(b, _mm256_set1_ps(-__builtin_inff()), _CMP_EQ_OQ));
 }
+// lane tests: greater(a, b) lane by lane (false for NaN lanes), or-ed, any lane set
+using Mask = __m256;
+static inline Mask greater(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+static inline Mask mask_or(Mask a, Mask b) { return _mm256_or_ps(a, b); }
+static inline bool any(Mask m) { return _mm256_movemask_ps(m) != 0; }
 // true if every lane is finite: x - x is 0 for finite x and NaN for inf or NaN
-// true if some lane of a is greater than the same lane of b (false for NaN lanes)
-static inline bool any_greater(V a, V b) {
-  return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0;
-}
 static inline bool all_finite(V x) {
   return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0;
 }
@@ -41,7 +42,7 @@ static inline float reduce_max(V v) { return hmax256(v); }
 static inline float reduce_add(V v) { return hadd256(v); }
 static inline V iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
 static inline V exp(V x) { return exp256(x); }
-static inline V exp_le0(V x) { return exp256<false>(x); }  // x <= 0 or NaN
+static inline V exp_small(V x) { return exp256<false>(x); }  // x <= 64 or NaN
 static inline V tanh(V x) { return tanh256(x); }
 static inline V load_f16(const uint16_t* p) { return load_f16_256(p); }
 static inline V load_bf16(const uint16_t* p) { return load_bf16_256(p); }

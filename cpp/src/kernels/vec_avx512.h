@@ -42,8 +42,11 @@ static inline V mask_add(V s, V b) {
   const __mmask16 blocked = _mm512_cmp_ps_mask(b, _mm512_set1_ps(-__builtin_inff()), _CMP_EQ_OQ);
   return _mm512_mask_blend_ps(blocked, _mm512_add_ps(s, b), b);
 }
-// true if some lane of a is greater than the same lane of b (false for NaN lanes)
-static inline bool any_greater(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
+// lane tests: greater(a, b) lane by lane (false for NaN lanes), or-ed, any lane set
+using Mask = __mmask16;
+static inline Mask greater(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+static inline Mask mask_or(Mask a, Mask b) { return Mask(a | b); }
+static inline bool any(Mask m) { return m != 0; }
 static inline bool all_finite(V x) {
   return _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0;
 }
@@ -54,7 +57,7 @@ static inline V iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
 // and VSCALEFPS for 2^n, which also saturates to 0 and inf. t is clamped to [-200, 128]
 // (exp(-inf) = 0 exactly, exp(+inf) = inf) with x in the second operand of MAX/MIN so that NaN
 // stays NaN. Half the instructions of two AVX2 halves.
-// Top = false: for x <= 0 (or NaN) only, no clamp at the top.
+// Top = false: for x <= 64 (or NaN) only, no clamp at the top.
 template <bool Top = true>
 static inline V exp_(V x) {
   V t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
@@ -67,7 +70,7 @@ static inline V exp_(V x) {
   return _mm512_scalef_ps(p, n);
 }
 static inline V exp(V x) { return exp_<true>(x); }
-static inline V exp_le0(V x) { return exp_<false>(x); }  // x <= 0 or NaN
+static inline V exp_small(V x) { return exp_<false>(x); }  // x <= 64 or NaN
 static inline V tanh(V x) { return join(tanh256(lo256(x)), tanh256(hi256(x))); }
 static inline V load_f16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -19,7 +19,7 @@ constexpr float kExp2Poly[kExp2Terms] = {1.5354042e-4f, 1.3398790e-3f, 9.6184341
 // n is rounded by adding 1.5 * 2^23 + 127, which leaves round(t) + 127 in the low mantissa bits,
 // shifted into the exponent field as they are: 14 instructions, against 16 with VROUNDPS and
 // VCVTPS2DQ and a degree-7 polynomial (prefill's softmax is mostly this function).
-// Top = false: for x <= 0 (or NaN) only, which needs no clamp at the top (one instruction less).
+// Top = false: for x <= 64 (or NaN) only, which needs no clamp at the top (one instruction less).
 template <bool Top = true>
 static inline __m256 exp256(__m256 x) {
   __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));

@@ -21,14 +21,17 @@ static inline V abs(V x) { return std::fabs(x); }
 static inline V mask_add(V s, V b) { return b == -std::numeric_limits<Real>::infinity() ? b : s + b; }
 // true if every lane is finite (not inf, not NaN)
 static inline bool all_finite(V x) { return std::isfinite(x); }
-// true if some lane of a is greater than the same lane of b (false for NaN lanes)
-static inline bool any_greater(V a, V b) { return a > b; }
+// lane tests: greater(a, b) lane by lane (false for NaN lanes), or-ed, any lane set
+using Mask = bool;
+static inline Mask greater(V a, V b) { return a > b; }
+static inline Mask mask_or(Mask a, Mask b) { return a || b; }
+static inline bool any(Mask m) { return m; }
 static inline Real reduce_max(V v) { return v; }
 static inline Real reduce_add(V v) { return v; }
 static inline V iota() { return V(0); }
 // exp with exp(-inf) == 0 exactly and NaN preserved
 static inline V exp(V x) { return std::exp(x); }
-static inline V exp_le0(V x) { return std::exp(x); }  // x <= 0 or NaN
+static inline V exp_small(V x) { return std::exp(x); }  // x <= 64 or NaN
 static inline V tanh(V x) { return std::tanh(x); }
 static inline V load_f16(const uint16_t* p) { return cvt::f16_to_f32(*p); }
 static inline V load_bf16(const uint16_t* p) { return cvt::bf16_to_f32(*p); }
