@@ -314,7 +314,7 @@ def _shared_plan(q, k_pages, block_tables, seq_lens, q_lens):
     try:
         lens = np.asarray(seq_lens)
         ql = np.ones(len(lens), np.int64) if q_lens is None else np.asarray(q_lens)
-        if (bt.ndim != 2 or lens.shape != (bt.shape[0],) or ql.shape != lens.shape
+        if (lens.shape != (bt.shape[0],) or ql.shape != lens.shape
                 or bt.dtype.kind not in "iu" or lens.dtype.kind not in "iu" or ql.dtype.kind not in "iu"
                 or np.ndim(k_pages) != 4 or int(ql.sum()) != q.shape[0] or (ql < 0).any()
                 or (ql > lens).any() or (lens > bt.shape[1] * k_pages.shape[2]).any()):

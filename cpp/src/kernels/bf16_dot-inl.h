@@ -140,17 +140,15 @@ static ATTNX_INLINE void qk_bf16_block(const Pair* qb, int64_t ldq, const Pair* 
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], k[c], qp);
     }
   }
-  const V f = set1(scale);
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = mul(acc[r][c], f);
   if (on == nullptr) {
+    const V f = set1(scale);
     for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NC; ++c) store(s + r * kTileK + c * W, acc[r][c]);
+      for (int c = 0; c < NC; ++c) store(s + r * kTileK + c * W, mul(acc[r][c], f));
     return;
   }
   V sum[MR];
   for (int r = 0; r < MR; ++r) sum[r] = zero();
-  online_block<MR, NC, false>(acc, 0, s, *on, sum);
+  online_block<MR, NC, false, true>(acc, 0, s, *on, sum, scale);
   for (int r = 0; r < MR; ++r) on->l[r] += reduce_add(sum[r]);
 }
 

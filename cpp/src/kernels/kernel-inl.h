@@ -211,25 +211,37 @@ static ATTNX_INLINE V lanes_max(const V* sv) {
 // the tile), stored at s + r * kTileK (s: the block's first key) and added to lsum[r] (this
 // tile's sums so far), against each row's running max, raised first where a score exceeds it
 // (Lazy: exceeds it by more than kLazyMax). One test and one branch for the whole block.
-template <int MR, int NV, bool Lazy>
+// Scaled: the scores are scale * acc (scale > 0; the bf16 path's products), folded into the
+// exps' argument (one FMA) and, for the test, into each row's largest (max(acc) * scale is the
+// largest scaled score: rounding is monotone).
+template <int MR, int NV, bool Lazy, bool Scaled = false>
 static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s, const Online& on,
-                                      V* lsum) {
+                                      V* lsum, Real scale = 1) {
+  const V f = set1(scale);
+  auto row_max = [&](int r) {
+    const V hi = lanes_max<NV>(acc[r]);
+    return Scaled ? mul(hi, f) : hi;
+  };
   auto bound = [&](int r) { return set1(Lazy ? on.m[r] + kLazyMax : on.m[r]); };
-  Mask up = greater(lanes_max<NV>(acc[0]), bound(0));
-  for (int r = 1; r < MR; ++r) up = mask_or(up, greater(lanes_max<NV>(acc[r]), bound(r)));
+  Mask up = greater(row_max(0), bound(0));
+  for (int r = 1; r < MR; ++r) up = mask_or(up, greater(row_max(r), bound(r)));
   if (any(up)) [[unlikely]] {
     for (int r = 0; r < MR; ++r) {
-      const V hi = lanes_max<NV>(acc[r]);
+      const V hi = row_max(r);
       if (any(greater(hi, bound(r))))
         raise_max(hi, j, s + r * kTileK - j, on.m + r, on.l + r, on.o + r * on.ldo, on.Dvp, lsum + r);
     }
   }
   for (int r = 0; r < MR; ++r) {
-    const V mr = set1(on.m[r]);  // every score is now <= m + kLazyMax (or NaN)
-    V sum = exp_small(sub(acc[r][0], mr));
+    // every score is now <= m + kLazyMax (or NaN)
+    const V mr = set1(on.m[r]), neg_m = set1(-on.m[r]);
+    auto p = [&](int c) {
+      return exp_small(Scaled ? fmadd(acc[r][c], f, neg_m) : sub(acc[r][c], mr));
+    };
+    V sum = p(0);
     store(s + r * kTileK, sum);
     for (int c = 1; c < NV; ++c) {
-      const V e = exp_small(sub(acc[r][c], mr));
+      const V e = p(c);
       store(s + r * kTileK + c * W, e);
       sum = add(sum, e);
     }
