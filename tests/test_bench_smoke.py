@@ -339,3 +339,12 @@ def test_shared_prefix_rows_count_the_bytes_read_once_and_their_bound():
     data = _peers.paged_inputs(_cases.Paged(3, 2, 1, 40, 8, block=4, shared=32), 0)
     bt = data[3]
     assert (bt[:, :8] == bt[0, :8]).all() and len(set(bt[:, 8:].ravel()) | set(bt[0, :8])) == 14
+
+
+def test_bf16_ratio_script_runs():
+    """bench/ratio.py (bf16 against fp32 prefill, interleaved) runs and prints both rates."""
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "ratio.py")
+    res = subprocess.run([sys.executable, script, "--seconds", "0.05"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "fp32 " in res.stdout and "bf16 / fp32: best" in res.stdout
