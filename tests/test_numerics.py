@@ -308,9 +308,9 @@ def test_float16_near_max(isa):
 
 @pytest.mark.xfail(strict=True, reason=(
     "kernel bug: values near float32/bfloat16's maximum (3e38) overflow the unnormalised float32 "
-    "accumulator sum_j p_j v_j (p_j <= 1, or e^4 in fused prefill tiles, summed over many keys): the output is inf where the "
-    "maths (a convex combination of the values) is finite; attention and paged_attention, every "
-    "ISA"))
+    "accumulator sum_j p_j v_j (p_j <= 1, or e^4 in fused prefill tiles, summed over many keys): "
+    "the output is inf where the maths (a convex combination of the values) is finite; attention "
+    "and paged_attention, every ISA"))
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_values_near_float32_max(isa, dtype):
     top = 3.0e38

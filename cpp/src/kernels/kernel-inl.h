@@ -233,7 +233,7 @@ static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s
     }
   }
   for (int r = 0; r < MR; ++r) {
-    // every score is now <= m + kLazyMax (or NaN)
+    // every score is now <= m (+ kLazyMax where Lazy), or NaN
     const V mr = set1(on.m[r]), neg_m = set1(-on.m[r]);
     auto p = [&](int c) {
       return exp_small(Scaled ? fmadd(acc[r][c], f, neg_m) : sub(acc[r][c], mr));
