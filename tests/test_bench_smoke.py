@@ -80,6 +80,9 @@ def test_bench_quick_writes_valid_json(tmp_path):
         assert rows[key]["rate"] > 0 and f"fp32 {'GQA ' if 'gqa' in key else ''}prefill" in rows[key]["target"]
         assert m["isa"] == "avx512bf16" or any("AVX512_BF16" in n or "not active" in n
                                                for n in rows[key]["notes"]), key
+        # its fp32 base timed in the same rounds, sample by sample
+        assert len(rows[key]["samples"]["attnx fp32"]) == len(rows[key]["samples"]["attnx"]), key
+        assert rows[key]["extra"]["base_interleaved_s"] > 0, key
     for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):  # issue 13
         assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(rows[key]["extra"]), key
         assert "fp16 tokens/s" in rows[key]["target"] and rows[key]["vs_numpy"] > 0, key
@@ -277,6 +280,23 @@ def test_progress_line_in_place_on_a_terminal_plain_lines_otherwise(tty):
         assert s.text.count("\r\x1b[K") == 3 and "round 1/3" in s.text and s.text.endswith("1 ms\n")
     else:
         assert s.text == "[1/2] prefill ...\n[1/2] prefill: 1 ms\n"
+
+
+def test_rate_over_judges_the_base_timed_in_the_same_rounds():
+    """bf16 over fp32 prefill: the ratio of the two calls timed alternately in one row, not of
+    two rows timed minutes apart (those only where the row has no interleaved base)."""
+    goal = _cases.RateOver("prefill", 1.6, "fp32 prefill")
+    case = _cases.Case("b", "prefill bf16", _cases.Dense(1, 8, 8, 2048, 2048, 64, dtype="bf16"), (goal,))
+    base = _suite.Row(_cases.Case("prefill", "prefill", _cases.Dense(1, 8, 8, 2048, 2048, 64)))
+    base.rate = 100.0
+    row = _suite.Row(case)
+    row.attnx_s, row.rate = 0.03, 190.0
+    assert goal.value(row, {"prefill": base}) == pytest.approx(1.9)  # the other row: fallback
+    row.extra["base_interleaved_s"] = 0.05
+    assert goal.value(row, {"prefill": base}) == pytest.approx(0.05 / 0.03)
+    bench = _suite.Bench(1, 3, True, True, Progress(1, _Stream(False)))
+    assert _suite._interleaved_base(case, bench) is not None
+    assert _suite._interleaved_base(base.spec, bench) is None  # an fp32 row has no base
 
 
 def test_in_loop_row_times_attnx_after_a_matmul_against_alone():

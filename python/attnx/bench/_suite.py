@@ -7,14 +7,15 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 import attnx
 
 from . import _peers
-from ._cases import Case, Delta, Dense, OverRow, TokensOver, isa_note, judge, shared_bound, target_text, tokens_bound
+from ._cases import (Case, Delta, Dense, OverRow, RateOver, TokensOver, isa_note, judge, shared_bound, target_text,
+                     tokens_bound)
 from ._machine import MiB, CpuShare
 from ._timing import Progress, alone, clock, interleaved, median, spread
 
@@ -147,6 +148,19 @@ def _time_reference(row, case, data, bench):
     row.numpy_s = t
 
 
+BASE = "attnx fp32"  # the samples of a RateOver row's base call, timed with the row's own
+
+
+def _interleaved_base(case, bench):
+    """A RateOver row's base: attnx on the same dense shape in fp32 (its call, or None)."""
+    if not isinstance(case.shape, Dense) or case.shape.dtype == "fp32":
+        return None
+    if not any(isinstance(goal, RateOver) for goal in case.goals):
+        return None
+    shape = replace(case.shape, dtype="fp32")
+    return _peers.attnx_dense(shape, _inputs(shape, case.seed), bench.threads).fn
+
+
 def run_case(case: Case, bench: Bench) -> Row:
     """The reference alone, then attnx and the peers interleaved (see _timing)."""
     row = Row(case)
@@ -157,10 +171,15 @@ def run_case(case: Case, bench: Bench) -> Row:
     if case.ref is not None:
         _time_reference(row, case, data, bench)
     fns = {name: impl.fn for name, impl in impls.items()}
+    base = _interleaved_base(case, bench)
+    if base is not None:
+        fns[BASE] = base
     s = interleaved(fns, bench.repeat, sample_s=bench.sample_s,
                     on_round=lambda r, n: bench.progress.phase(f"{' / '.join(fns)} round {r}/{n}"))
     row.samples = s
     row.attnx_s = median(s["attnx"])
+    if base is not None:
+        row.extra["base_interleaved_s"] = median(s[BASE])
     for name in PEERS:
         if name in s:
             row.peer_s[name] = median(s[name])
