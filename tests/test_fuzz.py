@@ -41,8 +41,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import (BF16, F32_EPS, ISAS, SEED, assert_matches, attention_tolerance, dense_views,
-                      from4, lowp_attention, scramble_tables)
+from conftest import (BF16, F32_EPS, ISAS, SEED, assert_matches, attention_tolerance, bf16_rounds_p,
+                      dense_views, from4, lowp_attention, scramble_tables)
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -560,7 +560,7 @@ def check_paged(q, kp, vp, tables, seq_lens, q_lens, *, out=None, num_threads=No
     pos = np.arange(q4.shape[2])[None, :] + (seq_lens - q_lens)[:, None]
     lp_o4, lp_l4 = lowp_attention(q4, k4, v4, visible4, scale=scale, softcap=kw["softcap"],
                                   alibi=kw.get("alibi_slopes"), sinks=kw.get("sinks"), pos=pos,
-                                  storage=q.dtype)
+                                  storage=q.dtype, round_p=bf16_rounds_p(q, kp, vp))
 
     def packed(x4):  # (B, H, Sq, ...) -> (N, H, ...)
         return np.concatenate([np.moveaxis(x4[b, :, :int(q_lens[b])], 1, 0)
