@@ -228,10 +228,11 @@ T positive_float(double x, const char* name) {
 }
 
 double real_arg(py::handle h, const char* name) {
+  if (PyBool_Check(h.ptr())) type_error(std::string(name) + ": expected a float, got bool");
   const double x = PyFloat_AsDouble(h.ptr());
   if (x == -1.0 && PyErr_Occurred()) {
     PyErr_Clear();
-    type_error(std::string(name) + ": expected a real number, got " + std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+    type_error(std::string(name) + ": expected a float, got " + std::string(py::str(py::type::handle_of(h).attr("__name__"))));
   }
   return x;
 }
@@ -591,6 +592,9 @@ Signature paged_signature{"paged_attention", {"q", "k_pages", "v_pages", "block_
 struct PagedArrays {
   py::array_t<int32_t> bt, sl, ql;  // ql: empty when q_lens is None
   std::vector<int64_t> q_start;
+  bool has_ql = false;
+  int64_t B = 0, max_blocks = 0;
+  int64_t tokens() const { return q_start.back(); }  // sum(q_lens), or B
 };
 
 void check_pages(const py::array& kp, const py::array& vp, PagedParams& p) {
@@ -637,8 +641,16 @@ void check_scales(py::handle k_scales, py::handle v_scales, bool write, PagedPar
   p.v_scales = static_cast<const float*>(vs.data()); p.vs_sblk = vst[0]; p.vs_sh = vst[1]; p.vs_ss = vst[2];
 }
 
+// Points p at tables checked by check_tables (against pages of p's num_blocks and block_size).
+void use_tables(const PagedArrays& keep, PagedParams& p) {
+  p.B = keep.B; p.max_blocks = keep.max_blocks;
+  p.block_tables = keep.bt.data(); p.bt_stride = keep.max_blocks;
+  p.seq_lens = keep.sl.data(); p.q_start = keep.q_start.data();
+}
+
 // block_tables (B, max_blocks) as int32, with seq_lens and q_lens: every entry a sequence reads
-// is checked < num_blocks, and q_start gets the prefix sums of q_lens.
+// is checked < num_blocks, and q_start gets the prefix sums of q_lens (the query tokens' count,
+// which q must match: check_token_count).
 void check_tables(py::handle bt_obj, py::handle seq_lens, py::handle q_lens, PagedParams& p, PagedArrays& keep) {
   py::array block_tables = py::array::ensure(bt_obj);
   const char kind = block_tables ? block_tables.dtype().kind() : 'O';
@@ -658,7 +670,8 @@ void check_tables(py::handle bt_obj, py::handle seq_lens, py::handle q_lens, Pag
   }
   constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
   keep.sl = int_vector(seq_lens, "seq_lens", p.B, kMax32, "int32");
-  const bool has_ql = !q_lens.is_none();
+  const bool has_ql = keep.has_ql = !q_lens.is_none();
+  keep.B = p.B; keep.max_blocks = p.max_blocks;
   if (has_ql) keep.ql = int_vector(q_lens, "q_lens", p.B, kMax32, "int32");
   keep.q_start.assign(std::size_t(p.B + 1), 0);
   for (int64_t b = 0; b < p.B; ++b) {
@@ -676,18 +689,24 @@ void check_tables(py::handle bt_obj, py::handle seq_lens, py::handle q_lens, Pag
     }
     keep.q_start[std::size_t(b + 1)] = keep.q_start[std::size_t(b)] + nq;
   }
-  if (keep.q_start.back() != p.N)
-    value_error("q: expected N = " + std::string(has_ql ? "sum(q_lens)" : "B") + " = " + std::to_string(keep.q_start.back()) + " query tokens, got " + std::to_string(p.N));
-  p.block_tables = keep.bt.data(); p.bt_stride = p.max_blocks;
-  p.seq_lens = keep.sl.data(); p.q_start = keep.q_start.data();
+  use_tables(keep, p);
 }
 
 // The new keys and values of a cache step: checked with everything else before the first write.
 struct NewKV {
   py::array k, v;
-  Native<int64_t> slots;
   PagedWrite wk, wv;
 };
+
+// slots (T,): where each of the T new tokens goes, block * block_size + offset, in the pool.
+Native<int64_t> check_slots(py::handle slots, int64_t tokens, int64_t num_blocks, int64_t block_size) {
+  if (slots.is_none()) value_error("slots: expected the new tokens' slots (T,)");
+  Native<int64_t> s(py::reinterpret_borrow<py::object>(slots));
+  if (s.ndim() != 1 || s.shape(0) != tokens) value_error("slots: expected shape (T,)");
+  for (int64_t t = 0; t < tokens; ++t)
+    if (s.data()[t] < 0 || s.data()[t] >= num_blocks * block_size) value_error("slots: slot out of range");
+  return s;
+}
 
 // A step's new rows, read while the pages are written: a copy if they share memory with the pages.
 py::array new_rows(py::handle obj, const char* name, const py::array& kp, const py::array& vp) {
@@ -697,20 +716,16 @@ py::array new_rows(py::handle obj, const char* name, const py::array& kp, const 
 }
 
 // v_new may be None when the values are a view of the keys (latent attention: one write).
-void prepare_new_kv(NewKV& n, py::handle k_new, py::handle v_new, py::handle slots, const PagedParams& p,
+void prepare_new_kv(NewKV& n, py::handle k_new, py::handle v_new, const Native<int64_t>& slots, const PagedParams& p,
                     py::array& kp, py::array& vp, py::array& ksc, py::array& vsc) {
   n.k = new_rows(k_new, "k", kp, vp);
   if (!kp.writeable()) value_error("k_pages: array is not writable");
   if (n.k.ndim() != 3) value_error("k: expected 3 dims (T, Hkv, Dk), got " + shape_str(n.k));
   check_shape(n.k, "k", {{"T", p.N}, {"Hkv", p.Hkv}, {"Dk", p.Dk}});
   const DType kd = dtype_of(n.k, "k");
-  n.slots = Native<int64_t>(py::reinterpret_borrow<py::object>(slots));
-  if (n.slots.ndim() != 1 || n.slots.shape(0) != p.N) value_error("slots: expected shape (T,)");
-  for (int64_t t = 0; t < p.N; ++t)
-    if (n.slots.data()[t] < 0 || n.slots.data()[t] >= p.num_blocks * p.block_size) value_error("slots: slot out of range");
   auto ks = elem_strides(n.k, "k");
   n.wk = PagedWrite{p.N, p.Hkv, p.Dk, n.k.data(), kd, ks[0], ks[1], kp.mutable_data(), p.kv_dtype,
-                    p.block_size, p.k_sblk, p.k_sh, p.k_ss, n.slots.data()};
+                    p.block_size, p.k_sblk, p.k_sh, p.k_ss, slots.data()};
   if (p.k_scales != nullptr) {
     n.wk.scales = static_cast<float*>(ksc.mutable_data());
     n.wk.sc_sblk = p.ks_sblk; n.wk.sc_sh = p.ks_sh; n.wk.sc_ss = p.ks_ss;
@@ -722,7 +737,7 @@ void prepare_new_kv(NewKV& n, py::handle k_new, py::handle v_new, py::handle slo
   const DType vd = dtype_of(n.v, "v");
   auto vs = elem_strides(n.v, "v");
   n.wv = PagedWrite{p.N, p.Hkv, p.Dv, n.v.data(), vd, vs[0], vs[1], vp.mutable_data(), p.kv_dtype,
-                    p.block_size, p.v_sblk, p.v_sh, p.v_ss, n.slots.data()};
+                    p.block_size, p.v_sblk, p.v_sh, p.v_ss, slots.data()};
   if (p.v_scales != nullptr) {
     n.wv.scales = static_cast<float*>(vsc.mutable_data());
     n.wv.sc_sblk = p.vs_sblk; n.wv.sc_sh = p.vs_sh; n.wv.sc_ss = p.vs_ss;
@@ -749,55 +764,221 @@ void check_prior(py::handle out_obj, py::handle lse_obj, PagedParams& p, py::arr
   p.prior_lse = static_cast<const float*>(pl.data()); p.pl_sn = ls[0]; p.pl_sh = ls[1];
 }
 
-py::object py_paged_attention(const Args& a) {
-  PagedParams p;
-  py::array kp = py::array::ensure(a[pKPages]), vp = py::array::ensure(a[pVPages]);
-  if (!kp) type_error("k_pages: expected a numpy array");
-  if (!vp) type_error("v_pages: expected a numpy array");
-  check_pages(kp, vp, p);
-  py::array ksc, vsc;
-  check_scales(a[pKScales], a[pVScales], !a[pKNew].is_none(), p, ksc, vsc);
-  const py::array q = native_input(a[pQ], "q");
+// A paged call's per-call inputs (everything but the pages and the tables): what
+// py_paged_attention takes from its arguments and StepPlan::attend from its own.
+struct PagedInputs {
+  py::handle q, k_new, v_new, out = Py_None, scale = Py_None, window = Py_None, softcap = Py_None,
+             sinks = Py_None, alibi = Py_None, prior_out = Py_None, prior_lse = Py_None;
+  bool causal = true, return_lse = false;
+  py::handle threads = Py_None;
+  int64_t max_left = -1;  // >= 0: the pages keep only the last max_left + 1 keys (a sliding window)
+  const Native<int64_t>* slots = nullptr;  // checked; required with k_new
+};
+
+// The variants of a call, with a sliding-window cache's rule: the window defaults to
+// (max_left, None) and may not reach further left.
+Variants paged_variants(const PagedInputs& in) {
+  Variants var = variants(in.window, in.softcap);
+  if (in.max_left >= 0) {
+    if (in.window.is_none()) {
+      var.window_left = in.max_left;
+    } else if (var.window_left < 0 || var.window_left > in.max_left) {
+      value_error("window: this cache keeps a sliding window of " + std::to_string(in.max_left + 1) +
+                  " tokens, so the left side must be <= " + std::to_string(in.max_left) + ", got " +
+                  std::string(py::repr(in.window)));
+    }
+  }
+  return var;
+}
+
+// Checks q and everything after the pages and tables (p holds both), writes the new rows, runs
+// the kernel. Nothing is written before every argument has been checked.
+py::object run_paged(PagedParams& p, py::array& kp, py::array& vp, py::array& ksc, py::array& vsc,
+                     const PagedArrays& keep, const PagedInputs& in) {
+  const py::array q = native_input(in.q, "q");
   if (q.ndim() != 3) value_error("q: expected 3 dims (N, Hq, Dk), got " + shape_str(q));
   p.q_dtype = dtype_of(q, "q");
   p.N = q.shape(0); p.Hq = q.shape(1);
   check_shape(q, "q", {{"N", p.N}, {"Hq", p.Hq}, {"Dk", p.Dk}});
   if (p.Hq % p.Hkv != 0)
     value_error("k_pages: the number of kv heads (" + std::to_string(p.Hkv) + ") must divide the number of query heads (" + std::to_string(p.Hq) + ")");
-  PagedArrays keep;
-  check_tables(a[pBlockTables], a[pSeqLens], a[pQLens], p, keep);
-  p.causal = a.flag(pCausal, true);
-  p.scale = scale_arg(a[pScale], p.Dk);
-  p.var = variants(a[pWindow], a[pSoftcap]);
+  if (keep.tokens() != p.N)
+    value_error("q: expected N = " + std::string(keep.has_ql ? "sum(q_lens)" : "B") + " = " + std::to_string(keep.tokens()) + " query tokens, got " + std::to_string(p.N));
+  p.causal = in.causal;
+  p.scale = scale_arg(in.scale, p.Dk);
+  p.var = paged_variants(in);
   py::array_t<float> sk, al;
-  if (!a[pSinks].is_none()) { sk = head_vector(a[pSinks], "sinks", p.Hq); p.var.sinks = sk.data(); }
-  if (!a[pAlibi].is_none()) { al = head_vector(a[pAlibi], "alibi_slopes", p.Hq); p.var.alibi_slopes = al.data(); }
+  if (!in.sinks.is_none()) { sk = head_vector(in.sinks, "sinks", p.Hq); p.var.sinks = sk.data(); }
+  if (!in.alibi.is_none()) { al = head_vector(in.alibi, "alibi_slopes", p.Hq); p.var.alibi_slopes = al.data(); }
   auto qs = elem_strides(q, "q");
   p.q = q.data(); p.q_sn = qs[0]; p.q_sh = qs[1];
   py::array po, pl;
-  check_prior(a[pPriorOut], a[pPriorLse], p, po, pl);
-  const bool write = !a[pKNew].is_none();
+  check_prior(in.prior_out, in.prior_lse, p, po, pl);
   NewKV nkv;
-  if (write) prepare_new_kv(nkv, a[pKNew], a[pVNew], a[pSlots], p, kp, vp, ksc, vsc);
-  OutTarget o = out_target(a[pOut], "q", p.q_dtype, q.dtype(), {{"N", p.N}, {"Hq", p.Hq}, {"Dv", p.Dv}},
+  if (!in.k_new.is_none()) prepare_new_kv(nkv, in.k_new, in.v_new, *in.slots, p, kp, vp, ksc, vsc);
+  OutTarget o = out_target(in.out, "q", p.q_dtype, q.dtype(), {{"N", p.N}, {"Hq", p.Hq}, {"Dv", p.Dv}},
                                  {q, kp, vp, keep.bt, keep.sl, keep.ql, sk, al, nkv.k, nkv.v, ksc, vsc, po, pl}, false);
   auto os = elem_strides(o.write, "out");
   p.out = o.write.mutable_data(); p.o_sn = os[0]; p.o_sh = os[1];
-  const bool return_lse = a.flag(pReturnLse, false);
   py::array_t<float> lse;
-  if (return_lse) {
+  if (in.return_lse) {
     lse = py::array_t<float>(std::vector<py::ssize_t>{p.N, p.Hq});
     p.lse = lse.mutable_data(); p.l_sn = p.Hq; p.l_sh = 1;
   }
-  p.num_threads = threads_arg(int_arg(a[pThreads], "num_threads", 0));
+  p.num_threads = threads_arg(int_arg(in.threads, "num_threads", 0));
   const PagedStep step{p, nkv.wk, nkv.wv};  // no new keys: both writes are empty
   double work = 0;
   for (int64_t b = 0; b < p.B; ++b)
     work += double(keep.q_start[std::size_t(b + 1)] - keep.q_start[std::size_t(b)]) * double(keep.sl.data()[b]);
   run_kernel(work * double(p.Hq) * double(p.Dk + p.Dv), [&]() { paged_step(step); });
-  if (return_lse) return py::make_tuple(o.result(), lse);
+  if (in.return_lse) return py::make_tuple(o.result(), lse);
   return o.result();
 }
+
+py::array page_array(py::handle obj, const char* name) {
+  py::array a = py::array::ensure(obj);
+  if (!a) type_error(std::string(name) + ": expected a numpy array");
+  return a;
+}
+
+py::object py_paged_attention(const Args& a) {
+  PagedParams p;
+  py::array kp = page_array(a[pKPages], "k_pages"), vp = page_array(a[pVPages], "v_pages");
+  check_pages(kp, vp, p);
+  py::array ksc, vsc;
+  check_scales(a[pKScales], a[pVScales], !a[pKNew].is_none(), p, ksc, vsc);
+  PagedArrays keep;
+  check_tables(a[pBlockTables], a[pSeqLens], a[pQLens], p, keep);
+  PagedInputs in;
+  in.q = a[pQ]; in.k_new = a[pKNew]; in.v_new = a[pVNew]; in.out = a[pOut]; in.scale = a[pScale];
+  in.window = a[pWindow]; in.softcap = a[pSoftcap]; in.sinks = a[pSinks]; in.alibi = a[pAlibi];
+  in.prior_out = a[pPriorOut]; in.prior_lse = a[pPriorLse]; in.threads = a[pThreads];
+  in.causal = a.flag(pCausal, true);
+  in.return_lse = a.flag(pReturnLse, false);
+  Native<int64_t> slots;
+  if (!in.k_new.is_none()) {
+    slots = check_slots(a[pSlots], keep.tokens(), p.num_blocks, p.block_size);
+    in.slots = &slots;
+  }
+  return run_paged(p, kp, vp, ksc, vsc, keep, in);
+}
+
+// ---- a cache step's plan --------------------------------------------------------------------
+// attnx.Step's per-layer call: the tables and slots of one step, checked once, then one call per
+// model layer that reads that layer's pages (num_layers tuples (k_pages, v_pages, k_scales,
+// v_scales) of one cache). A decode step calls it once per layer, inside the model's loop, where
+// each Python step around it costs several times what it costs alone (bench/NOTES.md): so the
+// plan takes the model's (B, H, S, D) arrays as they are, besides the packed (T, H, D) ones.
+class StepPlan {
+ public:
+  StepPlan(py::sequence layers, py::handle block_tables, py::handle seq_lens, py::handle q_lens,
+           py::handle slots, bool values_from_keys, py::handle max_left)
+      : layers_(layers), values_from_keys_(values_from_keys) {
+    if (py::len(layers_) == 0) value_error("layers: expected at least one layer's pages");
+    PagedParams p;
+    py::array kp, vp;
+    pages(0, p, kp, vp);
+    num_blocks_ = p.num_blocks; block_size_ = p.block_size;
+    check_tables(block_tables, seq_lens, q_lens, p, keep_);
+    slots_ = check_slots(slots, keep_.tokens(), num_blocks_, block_size_);
+    max_left_ = max_left.is_none() ? -1 : int_arg(max_left, "max_left", -1);
+    if (!max_left.is_none() && max_left_ < 0) value_error("max_left: expected an int >= 0 or None");
+  }
+
+  // One layer: writes the new k and v rows into `layer`'s pages and attends. q (T, Hq, Dk) with k,
+  // v (T, Hkv, D) returns (T, Hq, Dv); q (B, Hq, S, Dk) with k, v (B, Hkv, S, D), B * S = T (every
+  // sequence with S new tokens) returns (B, S, Hq, Dv), the layout a model's o_proj reads.
+  py::object attend(py::handle layer, py::handle q, py::handle k, py::handle v, py::handle scale,
+                    py::handle softcap, py::handle window, py::handle sinks, py::handle alibi,
+                    py::handle threads, bool return_lse, py::handle prior_out, py::handle prior_lse) {
+    if (values_from_keys_ && !v.is_none())
+      value_error("v: this cache reads values from the keys (value_from_key=True): pass v=None");
+    if (!values_from_keys_ && v.is_none()) value_error("v: expected the new values (T, num_kv_heads, value_dim)");
+    const int64_t nl = int64_t(py::len(layers_));
+    int64_t li = -1;
+    if (!PyBool_Check(layer.ptr()) && PyIndex_Check(layer.ptr())) li = int_arg(layer, "layer", -1);
+    if (li < 0 || li >= nl)
+      value_error("layer: expected an int in [0, " + std::to_string(nl) + "), got " + std::string(py::repr(layer)));
+    PagedParams p;
+    py::array kp, vp;
+    pages(li, p, kp, vp);
+    py::array ksc, vsc;
+    py::tuple t = layers_[li];
+    check_scales(t[2], t[3], true, p, ksc, vsc);
+    use_tables(keep_, p);
+    PagedInputs in;
+    const bool model_layout = py::isinstance<py::array>(q) && py::reinterpret_borrow<py::array>(q).ndim() == 4;
+    // (T, H, D) arrays the kernels can address: a model's (B, H, S, D) ones as token views
+    const py::object qt = model_layout ? tokens(q, "q") : kernel_input(q, "q");
+    const py::object kt = model_layout ? tokens(k, "k") : kernel_input(k, "k");
+    const py::object vt = v.is_none() ? py::object(py::none()) : model_layout ? tokens(v, "v") : kernel_input(v, "v");
+    in.q = qt; in.k_new = kt; in.v_new = vt; in.prior_out = prior_out; in.prior_lse = prior_lse;
+    in.scale = scale; in.softcap = softcap; in.window = window; in.sinks = sinks; in.alibi = alibi;
+    in.threads = threads; in.return_lse = return_lse; in.max_left = max_left_; in.slots = &slots_;
+    py::object r = run_paged(p, kp, vp, ksc, vsc, keep_, in);
+    if (!model_layout) return r;
+    const auto qa = py::reinterpret_borrow<py::array>(q);
+    const py::ssize_t B = qa.shape(0), S = qa.shape(2);
+    auto shaped = [&](py::handle x) {
+      auto a = py::reinterpret_borrow<py::array>(x);
+      std::vector<py::ssize_t> shape{B, S};
+      for (py::ssize_t i = 1; i < a.ndim(); ++i) shape.push_back(a.shape(i));
+      return py::object(a.reshape(shape));
+    };
+    if (return_lse) {
+      py::tuple rt = r;
+      return py::make_tuple(shaped(rt[0]), shaped(rt[1]));
+    }
+    return shaped(r);
+  }
+
+ private:
+  // Layer li's pages into p (checked: the tables were checked against layer 0's pool size).
+  void pages(int64_t li, PagedParams& p, py::array& kp, py::array& vp) {
+    py::object item = layers_[li];
+    if (!py::isinstance<py::tuple>(item) || py::len(item) != 4)
+      type_error("layers: expected (k_pages, v_pages, k_scales, v_scales) per layer");
+    py::tuple t = item;
+    kp = page_array(t[0], "k_pages"); vp = page_array(t[1], "v_pages");
+    check_pages(kp, vp, p);
+    if (num_blocks_ >= 0 && (p.num_blocks != num_blocks_ || p.block_size != block_size_))
+      value_error("k_pages: layer " + std::to_string(li) + " holds a pool of another size than layer 0");
+  }
+
+  // An input as an array the kernels can address through element strides: a copy where its
+  // last axis is strided or it is misaligned (attnx._validate.kernel_array's rule).
+  static py::object kernel_input(py::handle obj, const char* name) {
+    py::array a = native_input(obj, name);
+    if (stride_problem(a, true) == nullptr) return std::move(a);
+    return py::module_::import("numpy").attr("array")(a, py::arg("order") = "C");
+  }
+
+  // A model's (B, H, S, D) array as the step's (T = B * S, H, D) tokens: a view when its strides
+  // allow (S = 1, B = 1, or the (B, S, H, D) memory a projection writes), else a packed copy.
+  py::object tokens(py::handle obj, const char* name) const {
+    py::array a = py::reinterpret_borrow<py::array>(kernel_input(obj, name));
+    if (a.ndim() != 4) value_error(std::string(name) + ": expected 4 dims (B, H, S, D) like q, got " + shape_str(a));
+    const py::ssize_t B = a.shape(0), H = a.shape(1), S = a.shape(2), D = a.shape(3);
+    if (B * S != keep_.tokens())
+      value_error(std::string(name) + ": expected B * S = " + std::to_string(keep_.tokens()) +
+                  " tokens (every sequence of the step with S new ones), got shape " + shape_str(a));
+    const py::ssize_t sb = a.strides(0), sh = a.strides(1), ss = a.strides(2), sd = a.strides(3);
+    py::ssize_t sn = 0;
+    if (S == 1) sn = sb;
+    else if (B == 1 || sb == S * ss) sn = ss;
+    else {  // not one token axis: pack (B, S, H, D) in order
+      py::array packed = py::array::ensure(py::module_::import("numpy").attr("ascontiguousarray")(a.attr("transpose")(0, 2, 1, 3)));
+      return packed.reshape({B * S, H, D});
+    }
+    return py::array(a.dtype(), {B * S, H, D}, {sn, sh, sd}, a.data(), a);
+  }
+
+  py::sequence layers_;
+  bool values_from_keys_;
+  int64_t num_blocks_ = -1, block_size_ = -1, max_left_ = -1;
+  PagedArrays keep_;
+  Native<int64_t> slots_;
+};
 
 }  // namespace
 
@@ -953,6 +1134,12 @@ PYBIND11_MODULE(_core, m) {
   };
   for (PyMethodDef& def : entry_points)
     m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, m.ptr(), m.attr("__name__").ptr())));
+
+  py::class_<StepPlan>(m, "StepPlan")
+      .def(py::init<py::sequence, py::handle, py::handle, py::handle, py::handle, bool, py::handle>(),
+           py::arg("layers"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q_lens"),
+           py::arg("slots"), py::arg("values_from_keys"), py::arg("max_left"))
+      .def("attend", &StepPlan::attend);
 
   m.def("cpu_features", []() {
     const CpuFeatures f = cpu_features();

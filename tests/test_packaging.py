@@ -95,4 +95,6 @@ def test_stub_lists_the_module_attributes():
                  and isinstance(n.target, ast.Name) and not n.target.id.startswith("_")}
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     assert variables == set()
-    assert classes == {"InvalidArgument"} and issubclass(_core.InvalidArgument, ValueError)
+    compiled = {name for name, obj in vars(_core).items() if inspect.isclass(obj) and not name.startswith("_")}
+    assert classes == compiled == {"InvalidArgument", "StepPlan"}
+    assert issubclass(_core.InvalidArgument, ValueError)

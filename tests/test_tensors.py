@@ -46,6 +46,20 @@ def test_ops_register_on_first_tensor_not_on_import():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_cache_step_on_tensors_registers_too():
+    """attnx.hf reaches the cache's NumPy core through to_numpy, not a wrapped entry point: the
+    first tensor seen there registers the ops and joins torch's thread team all the same."""
+    code = ("import sys, attnx, torch, numpy as np\n"
+            "cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=4)\n"
+            "step = cache.begin_step([cache.new_sequence()], [1])\n"
+            "x = torch.ones(1, 1, 1, 4)\n"
+            "q, k = (attnx._tensors.to_numpy(t, n) for t, n in ((x, 'q'), (x, 'k')))\n"
+            "step._attend(0, q, k, k)\n"
+            "assert 'attnx.torch_ops' in sys.modules\n"
+            "torch.ops.attnx.attention.default\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_views_are_zero_copy(dtype):
     base = _rand(2, 5, 4, 16, dtype=dtype)

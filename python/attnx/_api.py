@@ -406,28 +406,21 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
     out : ndarray ``(T, Hq, Dv)`` of q's dtype (and lse ``(T, Hq)``). Every argument is checked
     before the first write.
     """
-    qa = _unit_last(_as_array(q, "q"))
-    if qa.ndim != 3:
-        raise ValueError(f"q: expected shape (T, Hq, D), got {qa.shape}")
-    if values_from_keys:
-        if v is not None:
-            raise ValueError("v: this cache reads values from the keys (value_from_key=True): pass v=None")
-        va = None
-    elif v is None:
-        raise ValueError("v: expected the new values (T, num_kv_heads, value_dim)")
-    else:
-        va = _unit_last(_as_array(v, "v"))
-    sides = _window(window)
-    if max_left is not None:
-        if sides is None:
-            sides = (max_left, None)
-        elif sides[0] is None or sides[0] > max_left:
-            raise ValueError(f"window: this cache keeps a sliding window of {max_left + 1} tokens, "
-                             f"so the left side must be <= {max_left}, got {window!r}")
-    return _core.paged_attention(
-        qa, k_pages, v_pages, block_tables, seq_lens, q_lens=q_lens, causal=True,
-        scale=_scale(scale), return_lse=return_lse, num_threads=_threads(num_threads), window=sides,
-        softcap=_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
-        k_new=_unit_last(_as_array(k, "k")), v_new=va, slots=slots,
-        k_scales=_scales(k_scales, "k_scales"), v_scales=_scales(v_scales, "v_scales"),
-        prior_out=None if prior is None else prior[0], prior_lse=None if prior is None else prior[1])
+    plan = _core.StepPlan([(k_pages, v_pages, k_scales, v_scales)], block_tables, seq_lens, q_lens,
+                          slots, values_from_keys, max_left)
+    return step_call(plan, 0, q, k, v, scale, num_threads, return_lse, window, softcap, sinks,
+                     alibi_slopes, prior)
+
+
+def step_call(plan, layer, q, k, v, scale=None, num_threads=None, return_lse=False, window=None,
+              softcap=None, sinks=None, alibi_slopes=None, prior=None):
+    """One layer of a cache step through its ``_core.StepPlan``: the Python-side conversions
+    (window sides, thread counts) where given, then one binding call that checks the rest.
+    ``attnx.Step`` calls it once per model layer, so the common case takes no Python step."""
+    if window is not None:
+        window = _window(window)
+    if num_threads is not None:
+        num_threads = _threads(num_threads)
+    po, pl = (None, None) if prior is None else prior
+    return plan.attend(layer, q, k, v, scale, softcap, window, sinks, alibi_slopes, num_threads,
+                       return_lse, po, pl)

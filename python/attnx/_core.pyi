@@ -6,7 +6,7 @@ in this order). ``py::array`` parameters take NumPy arrays only; the
 ``py::object`` ones (masks, lengths, per-head vectors, new K/V) take anything NumPy converts.
 """
 
-from typing import Any, Literal, Optional, Tuple, overload
+from typing import Any, Literal, Optional, Sequence, Tuple, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +76,17 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
                     slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
                     v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
                     prior_lse: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _Lse]: ...
+
+class StepPlan:
+    """A cache step's tables and slots, checked once; ``attend`` runs one layer (bindings.cpp)."""
+    def __init__(self, layers: Sequence[tuple[_Array, _Array, _Array | None, _Array | None]],
+                 block_tables: npt.ArrayLike, seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike,
+                 slots: npt.ArrayLike, values_from_keys: bool, max_left: int | None) -> None: ...
+    def attend(self, layer: int, q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike | None,
+               scale: float | None, softcap: float | None, window: _Window | None,
+               sinks: npt.ArrayLike | None, alibi: npt.ArrayLike | None, threads: int | None,
+               return_lse: bool, prior_out: npt.ArrayLike | None,
+               prior_lse: npt.ArrayLike | None) -> _Array | tuple[_Array, _Lse]: ...
 
 def cpu_features() -> dict[str, bool]: ...
 def active_isa() -> str: ...

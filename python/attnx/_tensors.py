@@ -73,9 +73,16 @@ def _register_ops():
 
 
 def _torch_to_numpy(t, name):
-    # A decode loop calls this three or four times per layer and step: the common case (a CPU
-    # float tensor that needs no grad) takes the fewest attribute reads, the checks still first.
+    # A decode loop calls this three or four times per layer and step. Tensor.numpy() refuses
+    # every case below itself (another device, a sparse layout, requires_grad, a conj or neg
+    # bit, bfloat16), so the common case is that one call, and the checks below run only to say
+    # what to do (or to take the no-grad, bfloat16 and conj/neg cases that attnx can read).
     torch = _torch()
+    if t.dtype is not torch.bfloat16:
+        try:
+            return t.numpy()
+        except (TypeError, RuntimeError):
+            pass
     if not t.is_cpu:
         raise ValueError(f"{name}: attnx runs on the CPU, got a tensor on {t.device}: move it with "
                          f".cpu(), or use torch.nn.functional.scaled_dot_product_attention on "
@@ -106,6 +113,8 @@ def to_numpy(x, name="x"):
     if k == _PLAIN_KIND:
         return x
     if k == _TORCH_KIND:
+        if not _registered:  # the first tensor seen: torch.ops.attnx and torch's thread team
+            _register_ops()
         return _torch_to_numpy(x, name)
     try:
         return np.from_dlpack(x)
@@ -171,7 +180,6 @@ def tensor_io(fn=None, *, torch_op=None):
                 from . import torch_ops
 
                 return getattr(torch_ops, torch_op)(*args, **kwargs)
-            _register_ops()
         names = fn.__code__.co_varnames
         args = [to_numpy(x, names[i] if i < len(names) else "arg") for i, x in enumerate(args)]
         out = kwargs.get("out")

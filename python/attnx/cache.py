@@ -65,7 +65,7 @@ from typing import Any, Iterable, Sequence, cast
 
 import numpy as np
 
-from . import _api, _session, _tensors
+from . import _api, _core, _session, _tensors
 from . import reference as _ref
 from ._blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
 from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
@@ -225,10 +225,12 @@ class PagedKVCache:
         self._k, self._v = self._pool_arrays()
         self.prefix_caching = bool(prefix_caching)
         self._k_scales, self._v_scales = self._scale_arrays()
+        self._views: list[Any] | None = None  # per-layer page views (_all_layer_pages)
         self._alloc = BlockAllocator(self.num_blocks, caching=self.prefix_caching)
         self._hit_tokens = self._query_tokens = 0
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
+        self._epoch = 0  # bumped with every sequence's version: unchanged, every step is current
         self._lock = threading.RLock()
 
     def _pool_arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
@@ -258,28 +260,41 @@ class PagedKVCache:
     # ---- pages ---------------------------------------------------------------------------------
     def k_pages(self, layer: int) -> np.ndarray:
         """Zero-copy view of layer ``layer``'s keys: ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
-        return self._k[_index(layer, "layer", self.num_layers)]
+        return self._layer_pages(layer)[0]
 
     def v_pages(self, layer: int) -> np.ndarray:
         """Zero-copy view of layer ``layer``'s values: ``(num_blocks, num_kv_heads, block_size, value_dim)``."""
-        li = _index(layer, "layer", self.num_layers)
-        if self._v is None:
-            return self._k[li][..., :self.value_dim]
-        return self._v[li]
+        return self._layer_pages(layer)[1]
 
     def k_scales(self, layer: int) -> np.ndarray | None:
         """Zero-copy view of layer ``layer``'s key scales, float32 ``(num_blocks, num_kv_heads,
         block_size)`` (a quantised cache; None for float pages): key row ``(block, head, slot)``
         reads back as ``k_pages(layer)[block, head, slot] * k_scales(layer)[block, head, slot]``."""
-        li = _index(layer, "layer", self.num_layers)
-        return None if self._k_scales is None else self._k_scales[li]
+        return self._layer_pages(layer)[2]
 
     def v_scales(self, layer: int) -> np.ndarray | None:
         """Zero-copy view of layer ``layer``'s value scales, as :meth:`k_scales` (with
         ``value_from_key`` the values are the keys' first features: the keys' scales)."""
-        li = _index(layer, "layer", self.num_layers)
-        scales = self._k_scales if self._v_scales is None else self._v_scales
-        return None if scales is None else scales[li]
+        return self._layer_pages(layer)[3]
+
+    def _layer_pages(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Layer ``layer``'s views ``(k_pages, v_pages, k_scales, v_scales)``, made once (a decode
+        step asks for them once per layer)."""
+        views = self._all_layer_pages()
+        if type(layer) is int and 0 <= layer < len(views):  # the usual call, in one test
+            return views[layer]
+        return views[_index(layer, "layer", self.num_layers)]
+
+    def _all_layer_pages(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]]:
+        """Every layer's ``_layer_pages`` (what a step's ``_core.StepPlan`` indexes by layer)."""
+        if self._views is None:
+            k, v, ks = self._k, self._v, self._k_scales
+            vs = ks if self._v_scales is None else self._v_scales
+            self._views = [
+                (k[i], k[i][..., :self.value_dim] if v is None else v[i],
+                 None if ks is None else ks[i], None if vs is None else vs[i])
+                for i in range(self.num_layers)]
+        return self._views
 
     # ---- the allocator's figures, for checks and tests -----------------------------------------
     @property
@@ -398,7 +413,7 @@ class PagedKVCache:
             if s.tokens is not None:
                 s.tokens = s.tokens[:n]
             s.length = n
-            s.version += 1
+            self._changed(s)
 
     def free(self, seq: int) -> None:
         """Ends ``seq`` and returns its blocks (those it does not share) to the pool.
@@ -412,7 +427,7 @@ class PagedKVCache:
             sid, s = self._lookup(seq)
             self._alloc.decref(s.row.held())
             s.state = None  # its recurrent states go with it
-            s.version += 1
+            self._changed(s)
             del self._seqs[sid]
 
     def length(self, seq: int) -> int:
@@ -764,11 +779,18 @@ class PagedKVCache:
             # the step's first query (position s.length) sees no key before this block
             self._alloc.decref(s.row.release_before(self._first_in_window(s.length)))
         s.length += n
+        self._changed(s)
+
+    def _changed(self, s: _Seq) -> None:
+        """``s`` was truncated, freed or stepped: steps made before are stale (is_current)."""
         s.version += 1
+        self._epoch += 1
 
     def is_current(self, step: Step) -> bool:
         """Whether ``step`` may still be attended: it was made by this cache and none of its
         sequences was truncated, freed or stepped again since."""
+        if step._cache is self and step._epoch == self._epoch:
+            return True  # nothing changed since the step began (asked once per layer: kept cheap)
         with self._lock:
             return step._cache is self and all(
                 s.version == v for s, v in zip(step._seqs, step._versions))
@@ -796,6 +818,7 @@ class Step:
         self._cache = cache
         self._seqs = seqs
         self._versions = [s.version for s in seqs]
+        self._epoch = cache._epoch
         self.seq_ids = ids
         self.q_lens = np.array(counts, dtype=np.int32)
         self.seq_lens = np.array([s.length for s in seqs], dtype=np.int32)
@@ -808,6 +831,7 @@ class Step:
         self.positions = pos.astype(np.int32)
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
         self._shared: Any = None  # the shared-prefix groups, planned at the first attend
+        self._plan: Any = None  # the _core.StepPlan, made at the first attend
         self._linear_done: set[int] = set()  # linear layers already advanced by this step
 
     @property
@@ -867,22 +891,41 @@ class Step:
         ValueError, TypeError
             A malformed argument. Nothing is written.
         """
+        return self._attend(layer, q, k, v, scale=scale, num_threads=num_threads,
+                            return_lse=return_lse, window=window, softcap=softcap, sinks=sinks,
+                            alibi_slopes=alibi_slopes, shared_prefix=shared_prefix)
+
+    def _attend(self, layer: int, q: Any, k: Any, v: Any, *, scale: float | None = None,
+                num_threads: int | None = None, return_lse: bool = False, window: Any = None,
+                softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
+                shared_prefix: bool = True) -> Any:
+        """:meth:`attend` on NumPy arrays (no tensor conversion): what ``attnx.hf`` calls once
+        per model layer, with NumPy views of the model's tensors."""
         cache = self._cache
-        k_pages, v_pages = cache.k_pages(layer), cache.v_pages(layer)
-        if not cache.is_current(self):
+        # is_current's first test inline (this runs once per model layer)
+        if cache._epoch != self._epoch and not cache.is_current(self):
             raise StaleStepError("attend: a sequence of this step was truncated, freed or "
                                  "stepped again since begin_step")
         if (shared_prefix and cache.sliding_window is None and window is None and sinks is None
                 and alibi_slopes is None and self._shared_groups()):
-            return self._attend_shared(layer, q, k, v, k_pages, v_pages, scale, num_threads,
-                                       return_lse, softcap)
-        return _api.paged_step(
-            q, k, v, k_pages, v_pages, self.block_tables, self.seq_lens, self.q_lens, self.slots,
-            values_from_keys=cache.value_from_key,
-            max_left=None if cache.sliding_window is None else cache.sliding_window - 1,
-            scale=scale, num_threads=num_threads, return_lse=return_lse, window=window,
-            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-            k_scales=cache.k_scales(layer), v_scales=cache.v_scales(layer))
+            k_pages, v_pages, _, _ = cache._layer_pages(layer)
+            if getattr(q, "ndim", 3) != 4:
+                return self._attend_shared(layer, q, k, v, k_pages, v_pages, scale, num_threads,
+                                           return_lse, softcap)
+            # a model's (B, H, S, D) arrays (attnx.hf): packed (T, H, D), the result (B, S, H, Dv)
+            b, s = q.shape[0], q.shape[2]
+            res = self._attend_shared(layer, _packed(q), _packed(k), _packed(v), k_pages, v_pages,
+                                      scale, num_threads, return_lse, softcap)
+            if return_lse:
+                return tuple(r.reshape((b, s) + r.shape[1:]) for r in res)
+            return res.reshape((b, s) + res.shape[1:])
+        plan = self._plan
+        if plan is None:  # the tables and slots, checked once for every layer of the step
+            plan = self._plan = _core.StepPlan(
+                cache._all_layer_pages(), self.block_tables, self.seq_lens, self.q_lens, self.slots,
+                cache.value_from_key, None if cache.sliding_window is None else cache.sliding_window - 1)
+        return _api.step_call(plan, layer, q, k, v, scale, num_threads, return_lse, window, softcap,
+                              sinks, alibi_slopes)
 
     def _attend_shared(self, layer: int, q: Any, k: Any, v: Any, k_pages: np.ndarray,
                        v_pages: np.ndarray, scale: float | None, num_threads: int | None,
@@ -972,6 +1015,14 @@ class Step:
             s.state[li] = final[i]
         self._linear_done.add(li)
         return o[0]
+
+
+def _packed(x: Any) -> Any:
+    """A model's ``(B, H, S, D)`` array as ``(B * S, H, D)`` tokens in sequence order (None stays)."""
+    if x is None:
+        return None
+    x = np.asarray(x)
+    return x.transpose(0, 2, 1, 3).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3])
 
 
 def _kv_dtype(dtype: Any) -> np.dtype[Any]:

@@ -41,8 +41,11 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"attnx.hf needs torch and transformers (>= 5.24): pip install 'attnx[hf]' ({exc})") from exc
 
+import numpy as np
+
 from . import _api
-from .cache import PagedKVCache
+from ._tensors import like, to_numpy
+from .cache import PagedKVCache, _packed
 
 __all__ = ["register", "attention_forward", "mask_hook", "PagedCache", "NAME"]
 
@@ -309,32 +312,35 @@ class PagedCache(Cache):
         valid = _new_tokens(attention_mask, batch, q_len)
         counts = [q_len] * batch if valid is None else valid.sum(1).tolist()
         self._step = self.pool.begin_step(self.seq_ids, counts)
-        self._valid = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)
+        self._valid = None if valid is None else valid.reshape(-1).nonzero().squeeze(1).numpy()
         self._attended = set()
         self.seen += q_len
 
     def attend(self, module, query, key, value, attention_mask, scaling, softcap, s_aux):
         """Stores this layer's new keys and values in the pool and attends: ``(B, Sq, Hq, Dv)``."""
         layer = module.layer_idx
-        batch, heads, q_len, dim = query.shape
+        batch, heads, q_len, _ = query.shape
         if self._step is None or layer in self._attended:
             self._begin(batch, q_len, key.dtype, attention_mask)
         self._attended.add(layer)
         self._pending.discard(layer)
         spec = getattr(attention_mask, "_attnx_spec", None)
         window = None if spec is None or spec.window is None else (spec.window - 1, None)
-
-        def packed(x):  # (B, H, Sq, D) -> (tokens, H, D) of the stored tokens, in sequence order
-            x = x.transpose(1, 2).reshape(batch * q_len, x.shape[1], x.shape[3])
-            return x if self._valid is None else x[self._valid]
-
-        o = self._step.attend(layer, packed(query), packed(key), packed(value), scale=scaling,
-                              softcap=softcap, sinks=_sinks(s_aux), window=window)
-        if self._valid is not None:
-            full = o.new_zeros((batch * q_len,) + tuple(o.shape[1:]))
-            full[self._valid] = o
-            o = full
-        return o.reshape(batch, q_len, heads, o.shape[-1])
+        valid = self._valid
+        sinks = None if s_aux is None else to_numpy(_sinks(s_aux), "s_aux")
+        # Once per layer and step, inside the model's loop, where every extra step of glue costs
+        # several times what it costs alone: NumPy views of the model's tensors, one Step call
+        # that reads their (B, H, S, D) layout as it is and returns (B, S, Hq, Dv), no torch op.
+        q, k, v = to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value")
+        if valid is None:
+            o = self._step._attend(layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window)
+            return like(o, query)
+        # padded rows: only the real tokens are stored and attend, padding rows get zeros
+        q, k, v = (_packed(x)[valid] for x in (q, k, v))
+        o = self._step._attend(layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window)
+        full = np.zeros((batch * q_len,) + o.shape[1:], o.dtype)
+        full[valid] = o
+        return like(full.reshape(batch, q_len, heads, o.shape[-1]), query)
 
     # -- transformers' Cache API, for the whole cache at once
     def get_seq_length(self, layer_idx=0):
