@@ -650,7 +650,7 @@ void use_tables(const PagedArrays& keep, PagedParams& p) {
 
 // block_tables (B, max_blocks) as int32, with seq_lens and q_lens: every entry a sequence reads
 // is checked < num_blocks, and q_start gets the prefix sums of q_lens (the query tokens' count,
-// which q must match: check_token_count).
+// which q must match: run_paged checks it).
 void check_tables(py::handle bt_obj, py::handle seq_lens, py::handle q_lens, PagedParams& p, PagedArrays& keep) {
   py::array block_tables = py::array::ensure(bt_obj);
   const char kind = block_tables ? block_tables.dtype().kind() : 'O';
