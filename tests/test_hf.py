@@ -335,6 +335,18 @@ def test_paged_cache_fork_and_crop():
     assert cache.pool.num_used_blocks == 2  # copy-on-write of the shared, partly filled block
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_cache_in_grad_mode_says_what_to_do(dtype):
+    # the paged path reads float32 tensors through Tensor.numpy() directly; a tensor that
+    # requires grad still gets attnx's message (and nothing is written), whatever the dtype
+    model = _tiny("llama").to(dtype)
+    model.set_attn_implementation("attnx")
+    cache = attnx.hf.PagedCache(model.config, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match="requires grad; attnx computes no gradients"):
+        model(input_ids=torch.tensor([[5, 6, 7]]), cache=cache)
+    assert not cache.pool.k_pages(0).any() and not cache.pool.v_pages(0).any()  # nothing written
+
+
 def test_hf_generate_example_runs():
     # examples/hf_generate.py's measuring loop, on a tiny model (the script loads SmolLM2 itself)
     import hf_generate

@@ -870,6 +870,10 @@ class Step:
             Converted to the cache's dtype as they are stored (quantised, each row with its
             scale, in a quantised cache). ``v`` must be None when the cache
             has ``value_from_key`` (the values are read from the keys).
+            Or, when every sequence of the step has the same ``S`` new tokens, a model's
+            ``(B, Hq, S, head_dim)`` / ``(B, num_kv_heads, S, D)`` arrays as its attention
+            module holds them (read in place where the strides allow); the result is then
+            ``(B, S, Hq, value_dim)`` (and lse ``(B, S, Hq)``).
         window, softcap, sinks, alibi_slopes
             As in :func:`attnx.attention`. A cache with ``sliding_window=W`` uses
             ``window=(W - 1, None)`` by default and refuses a wider left side.

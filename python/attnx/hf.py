@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import numpy as np
 
-from . import _api
+from . import _api, torch_ops  # noqa: F401  (torch.ops.attnx, and attnx's regions on torch's thread team)
 from ._tensors import like, to_numpy
 from .cache import PagedKVCache, _packed
 
@@ -288,6 +288,7 @@ class PagedCache(Cache):
         self.seen = 0  # positions per row as transformers counts them (padding included)
         self._step = None
         self._valid = None
+        self._direct = False
         self._attended = set()
         self._pending = set()
 
@@ -312,6 +313,7 @@ class PagedCache(Cache):
         valid = _new_tokens(attention_mask, batch, q_len)
         counts = [q_len] * batch if valid is None else valid.sum(1).tolist()
         self._step = self.pool.begin_step(self.seq_ids, counts)
+        self._direct = dtype in (torch.float32, torch.float16)  # the model's tensors view as NumPy as they are
         self._valid = None if valid is None else valid.reshape(-1).nonzero().squeeze(1).numpy()
         self._attended = set()
         self.seen += q_len
@@ -331,10 +333,17 @@ class PagedCache(Cache):
         # Once per layer and step, inside the model's loop, where every extra step of glue costs
         # several times what it costs alone: NumPy views of the model's tensors, one Step call
         # that reads their (B, H, S, D) layout as it is and returns (B, S, Hq, Dv), no torch op.
-        q, k, v = to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value")
+        direct = self._direct
+        if direct:  # float32 / float16: Tensor.numpy() refuses what to_numpy checks (see there)
+            try:
+                q, k, v = query.numpy(), key.numpy(), value.numpy()
+            except (TypeError, RuntimeError):
+                direct = False
+        if not direct:
+            q, k, v = to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value")
         if valid is None:
             o = self._step._attend(layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window)
-            return like(o, query)
+            return torch.from_numpy(o) if direct else like(o, query)
         # padded rows: only the real tokens are stored and attend, padding rows get zeros
         q, k, v = (_packed(x)[valid] for x in (q, k, v))
         o = self._step._attend(layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window)
