@@ -959,9 +959,13 @@ class StepPlan {
     py::array a = py::reinterpret_borrow<py::array>(kernel_input(obj, name));
     if (a.ndim() != 4) value_error(std::string(name) + ": expected 4 dims (B, H, S, D) like q, got " + shape_str(a));
     const py::ssize_t B = a.shape(0), H = a.shape(1), S = a.shape(2), D = a.shape(3);
-    if (B * S != keep_.tokens())
-      value_error(std::string(name) + ": expected B * S = " + std::to_string(keep_.tokens()) +
-                  " tokens (every sequence of the step with S new ones), got shape " + shape_str(a));
+    bool uniform = B == keep_.B;  // row b is sequence b, with S new tokens
+    for (int64_t b = 0; uniform && b < keep_.B; ++b)
+      uniform = keep_.q_start[std::size_t(b + 1)] - keep_.q_start[std::size_t(b)] == S;
+    if (!uniform)
+      value_error(std::string(name) + ": a (B, H, S, D) array needs B = " + std::to_string(keep_.B) +
+                  " sequences with S new tokens each (this step has " + std::to_string(keep_.tokens()) +
+                  " tokens in all: pass them packed, (T, H, D)), got shape " + shape_str(a));
     const py::ssize_t sb = a.strides(0), sh = a.strides(1), ss = a.strides(2), sd = a.strides(3);
     py::ssize_t sn = 0;
     if (S == 1) sn = sb;

@@ -89,13 +89,16 @@ def test_model_layout_through_the_shared_prefix_path():
         assert_bits_equal(o4.reshape(o3.shape), o3)
 
 
-def test_model_layout_needs_one_token_count_per_sequence():
+@pytest.mark.parametrize("counts, b, s", [([1, 2], 2, 1), ([2, 0], 1, 2), ([2, 0], 2, 1)])
+def test_model_layout_needs_one_token_count_per_sequence(counts, b, s):
+    """Row b of a (B, H, S, D) array is sequence b: refused unless every sequence has S new
+    tokens, even where B * S is the step's token count."""
     (cache, _), seqs = twins("float32")
-    step = cache.begin_step(seqs, [1, 2])  # 3 tokens: no (B, H, S, D) array holds them
-    x = np.zeros((2, 4, 1, 8), np.float32)
-    kv = np.zeros((2, 2, 1, 8), np.float32)
+    step = cache.begin_step(seqs, counts)
+    x = np.zeros((b, 4, s, 8), np.float32)
+    kv = np.zeros((b, 2, s, 8), np.float32)
     snap = snapshot(cache)
-    with pytest.raises(ValueError, match=r"q: expected B \* S = 3 tokens"):
+    with pytest.raises(ValueError, match=r"q: a \(B, H, S, D\) array needs B = 2 sequences with S new tokens each"):
         step._attend(0, x, kv, kv)
     assert_unchanged(cache, snap)
 
