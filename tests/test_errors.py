@@ -120,6 +120,11 @@ CASES = {
     "layout_unknown": (case(layout="bsdh"), ValueError, "layout"),
     "layout_upper": (case(layout="BHSD"), ValueError, "layout"),
     "layout_none": (case(layout=None), ValueError, "layout"),
+    # (an array is compared element by element by `in`: refused before that, whatever it holds)
+    "layout_empty_array": (case(layout=lambda: np.array([])), ValueError, "layout"),
+    "layout_array_of_it": (case(layout=lambda: np.array(["bhsd"])), ValueError, "layout"),
+    "layout_list": (case(layout=["bhsd"]), ValueError, "layout"),
+    "layout_bytes": (case(layout=b"bhsd"), ValueError, "layout"),
     # window
     "window_left_negative": (case(window=(-1, None)), ValueError, "window"),
     "window_right_negative": (case(window=(None, -2)), ValueError, "window"),
@@ -193,3 +198,28 @@ def test_set_isa_rejects_missing_avx512():
     with pytest.raises(ValueError, match="avx512"):
         attnx._core.set_isa("avx512")
     assert attnx.cpu_features()["isa"] == before
+
+
+@pytest.mark.parametrize("bad", [np.array([]), np.array(["bhsd"]), ["bshd"], b"bhsd", 0],
+                         ids=["empty_array", "array_of_it", "list", "bytes", "int"])
+def test_every_string_choice_refuses_what_is_not_one_of_its_strings(bad):
+    """One rule (``_validate.choice``) for every argument that picks among strings: a value that
+    is not one of them, arrays included (which ``in`` would compare element by element), is a
+    ValueError naming the argument, on every entry point that takes one."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
+    lse = np.zeros((1, 2, 3), np.float32)
+    g = np.zeros((1, 3, 2), np.float32)
+    beta = np.full((1, 3, 2), 0.5, np.float32)
+    calls = {
+        "layout": [lambda: attnx.attention(q, k, v, layout=bad),
+                   lambda: attnx.reference.attention(q, k, v, layout=bad),
+                   lambda: attnx.merge_attention([q], [lse], layout=bad),
+                   lambda: attnx.reference.merge_attention([q], [lse], layout=bad),
+                   lambda: attnx.gated_delta_rule(q, k, v, g, beta, layout=bad)],
+        "_mode": [lambda: attnx.gated_delta_rule(q, k, v, g, beta, _mode=bad)],
+    }
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(ValueError, match=f"^{name}: expected '"):
+                fn()

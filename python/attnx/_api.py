@@ -15,11 +15,10 @@ import numpy as np
 
 from . import _core, _tensors
 from ._validate import as_array as _as_array, kernel_array as _unit_last, real as _real
-from ._validate import window_sides as _window
+from ._validate import LAYOUTS as _LAYOUTS, choice as _choice, window_sides as _window
 
 __all__ = ["attention", "paged_attention"]
 
-_LAYOUTS = ("bhsd", "bshd")
 _KIND_FLOAT = "f"
 
 ArrayLike = Any  # an ndarray, or anything np.asarray takes
@@ -196,14 +195,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     k = k if type(k) is np.ndarray else _as_array(k, "k")
     v = v if type(v) is np.ndarray else _as_array(v, "v")
     rank = q.ndim
-    plain = rank == 4 and layout == "bhsd" and k.ndim == 4 and v.ndim == 4
+    plain = rank == 4 and type(layout) is str and layout == "bhsd" and k.ndim == 4 and v.ndim == 4
     if plain:
         q4, k4, v4 = q, k, v
     else:
         if rank not in (2, 3, 4):
             raise ValueError(f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}")
-        if layout not in _LAYOUTS:
-            raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+        _choice(layout, _LAYOUTS, "layout")
         q4, k4, v4 = _to4(q, "q", rank, layout), _to4(k, "k", rank, layout), _to4(v, "v", rank, layout)
     q4, k4, v4 = _unit_last(q4), _unit_last(k4), _unit_last(v4)
     if mask is not None:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._validate import LAYOUTS, choice
+
 __all__ = ["DeltaArgs", "delta_args", "from_bshd"]
 
-_LAYOUTS = ("bshd", "bhsd")
 
 
 @dataclass
@@ -103,8 +104,7 @@ def _gates(g, beta, B, T, Hv, K, layout):
 
 def delta_args(q, k, v, g, beta, *, scale, initial_state, layout, cu_seqlens, lengths):
     """Checks every argument of the gated delta rule; see ``attnx.gated_delta_rule``."""
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout: expected 'bshd' or 'bhsd', got {layout!r}")
+    choice(layout, LAYOUTS, "layout")
     q = _time_major(_float(q, "q"), "q", 4, layout)
     k = _time_major(_float(k, "k"), "k", 4, layout)
     v = _time_major(_float(v, "v"), "v", 4, layout)

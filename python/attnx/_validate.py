@@ -13,8 +13,20 @@ from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
-__all__ = ["storage_dtype", "positive_int", "as_int", "int_in", "index", "counts", "as_array",
-           "native_order", "kernel_array", "real", "window_sides"]
+__all__ = ["LAYOUTS", "choice", "storage_dtype", "positive_int", "as_int", "int_in", "index",
+           "counts", "as_array", "native_order", "kernel_array", "real", "window_sides"]
+
+
+LAYOUTS = ("bhsd", "bshd")  # the layouts of 4-D (B, H, S, D) / (B, S, H, D) arrays
+
+
+def choice(x: object, choices: Tuple[str, ...], name: str) -> str:
+    """``x`` if it is one of the strings ``choices``. Anything else, an array included (``in``
+    would compare it element by element), is a ValueError naming the argument."""
+    if isinstance(x, str) and x in choices:
+        return x
+    listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+    raise ValueError(f"{name}: expected {listed}, got {x!r}")
 
 
 def storage_dtype(dtype: Any, name: str = "dtype") -> np.dtype[Any]:

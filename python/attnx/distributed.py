@@ -39,7 +39,7 @@ except ImportError as _exc:  # pragma: no cover - the tests skip without torch
 
 from . import _api
 from ._segments import segment_attention
-from ._validate import positive_int, storage_dtype
+from ._validate import LAYOUTS as _LAYOUTS, choice, positive_int, storage_dtype
 from .cache import CacheFullError, PagedKVCache, StaleStepError
 from .merge import merge_attention
 
@@ -48,7 +48,6 @@ __all__ = ["attention", "ring_attention", "zigzag_shard", "zigzag_unshard", "zig
 
 _BF16 = storage_dtype("bfloat16")
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16), _BF16)
-_LAYOUTS = ("bhsd", "bshd")
 _SHARDINGS = ("zigzag", "contiguous")
 
 
@@ -164,8 +163,7 @@ def _check_dtype(x, name, like=None):
 
 def _inputs4(q, k, v, layout):
     """q, k, v as (B, H, S, D) views with the attention's shape rules checked, and q's rank."""
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    choice(layout, _LAYOUTS, "layout")
     q, k, v = _numpy(q, "q"), _numpy(k, "k"), _numpy(v, "v")
     rank = q.ndim
     if rank not in (2, 3, 4):
@@ -326,8 +324,7 @@ def zigzag_positions(seq_len, rank, world):
 
 
 def _seq_axis(ndim, layout):
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    choice(layout, _LAYOUTS, "layout")
     return -3 if layout == "bshd" and ndim >= 3 else -2
 
 
@@ -439,8 +436,7 @@ def ring_attention(q_local, k_local, v_local, *, causal=False, kv_lens=None, sca
     as_torch = isinstance(q_local, torch.Tensor)
     error, values = None, None
     try:
-        if sharding not in _SHARDINGS:
-            raise ValueError(f"sharding: expected 'zigzag' or 'contiguous', got {sharding!r}")
+        choice(sharding, _SHARDINGS, "sharding")
         q4, k4, v4, rank = _inputs4(q_local, k_local, v_local, layout)
         scale = _api._scale(scale, q4.shape[3])
         values = [q4.shape[2], k4.shape[2], _SHARDINGS.index(sharding)] + _signature(

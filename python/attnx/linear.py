@@ -15,6 +15,7 @@ from . import _core
 from ._api import _threads  # the one rule for num_threads (checked, capped)
 from ._delta_args import delta_args, from_bshd
 from ._tensors import tensor_io
+from ._validate import choice
 
 __all__ = ["gated_delta_rule"]
 
@@ -92,8 +93,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     >>> o.shape, state.shape
     ((1, 5, 4, 16), (1, 4, 16, 16))
     """
-    if _mode not in _MODES:
-        raise ValueError(f"_mode: expected one of {sorted(_MODES)}, got {_mode!r}")
+    choice(_mode, tuple(_MODES), "_mode")
     args = delta_args(q, k, v, g, beta, scale=scale, initial_state=initial_state, layout=layout,
                       cu_seqlens=cu_seqlens, lengths=lengths)
     threads = _threads(num_threads)

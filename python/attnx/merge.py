@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import _api
+from ._validate import LAYOUTS, choice
 
 __all__ = ["merge_attention"]
 
-_LAYOUTS = ("bhsd", "bshd")
 
 
 def _dtype_name(dt):
@@ -55,8 +55,7 @@ def _parts(xs, name):
 
 
 def _check(outs, lses, layout):
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    choice(layout, LAYOUTS, "layout")
     if isinstance(outs, np.ndarray) or isinstance(lses, np.ndarray):
         raise TypeError("outs, lses: expected sequences (one array per part), got a single array; "
                         "use list(x) to merge along its first axis")

@@ -72,6 +72,14 @@ _Result = Union[_Array, tuple[_Array, _Array]]  # out, or (out, lse) with return
 __all__ = ["attention", "attention_weights", "paged_attention", "scaled_dot_product_attention"]
 
 _LAYOUTS = ("bhsd", "bshd")
+
+
+def _check_layout(layout: object) -> None:
+    # (the package's attnx._validate.choice, kept here: the definition imports nothing of attnx
+    # and loads without it, tests/test_reference.py)
+    if not (isinstance(layout, str) and layout in _LAYOUTS):
+        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+
 _FLOAT_DTYPES = tuple(
     d
     for d in (np.dtype(np.float16), _BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
@@ -355,8 +363,7 @@ def _compute(q, k, v, *, scale, causal, allowed, additive, kv_lens, q_lens, wind
 def _prepare(q, k, v, *, causal, mask, kv_lens, q_lens, scale, layout, window, softcap,
              sinks, alibi_slopes) -> tuple[_Array, _Array, _Array, _Array | None, int, dict[str, Any]]:
     """Validate the common arguments and bring everything to 4-D float64 bhsd."""
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout: must be 'bhsd' or 'bshd', got {layout!r}")
+    _check_layout(layout)
     q = _float_array(q, "q")
     k = _float_array(k, "k")
     rank = q.ndim
@@ -764,8 +771,7 @@ def merge_attention(outs, lses, *, layout="bhsd", out_dtype=None):
     out : ndarray of the outputs' shape, ``out_dtype``
     lse : ndarray, float32 (float64 when the output is float64)
     """
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    _check_layout(layout)
     outs = [_float_array(o, f"outs[{i}]") for i, o in enumerate(outs)]
     lses = [_float_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
     if not outs or len(outs) != len(lses):
