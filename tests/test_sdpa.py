@@ -102,24 +102,28 @@ def _torch_sdpa(torch, q, k, v, **kw):
         return torch.nn.functional.scaled_dot_product_attention(**t, **kw).numpy()
 
 
-@pytest.mark.parametrize("i", range(CASES))
-def test_random_against_torch(i):
-    torch = pytest.importorskip("torch")
-    q, k, v, kw = random_case(make_rng("ref", i))
-    got = attnx.scaled_dot_product_attention(q, k, v, **kw)
+def _torch_sdpa_combined(torch, q, k, v, **kw):
+    """torch's SDPA, with attn_mask and is_causal together spelled out as one mask where torch
+    refuses the pair: its fallback path always has, and from torch 2.14 every path does (attnx,
+    like torch's CPU flash path before 2.14, combines them)."""
     try:
-        want = _torch_sdpa(torch, q, k, v, **kw)
+        return _torch_sdpa(torch, q, k, v, **kw)
     except RuntimeError as exc:
-        # torch's fallback path refuses attn_mask together with is_causal; its CPU flash path
-        # (and attnx) combine them: compare with the combination spelled out
         assert "is_causal" in str(exc) and "attn_mask" in kw and kw["is_causal"]
         L, S = q.shape[-2], k.shape[-2]
         tri = np.tril(np.ones((L, S), bool))
         m = kw["attn_mask"]
         kw = dict(kw, is_causal=False,
                   attn_mask=(m & tri) if m.dtype == bool else np.where(tri, m, -np.inf))
-        want = _torch_sdpa(torch, q, k, v, **kw)
-    close(got, want, v)
+        return _torch_sdpa(torch, q, k, v, **kw)
+
+
+@pytest.mark.parametrize("i", range(CASES))
+def test_random_against_torch(i):
+    torch = pytest.importorskip("torch")
+    q, k, v, kw = random_case(make_rng("ref", i))
+    got = attnx.scaled_dot_product_attention(q, k, v, **kw)
+    close(got, _torch_sdpa_combined(torch, q, k, v, **kw), v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +193,7 @@ def test_mask_and_causal_combine(L, S):
     got = attnx.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
     close(got, attnx.attention(q, k, v, mask=m & np.tril(np.ones((L, S), bool))), v, 1e-6)
     torch = pytest.importorskip("torch")
-    close(got, _torch_sdpa(torch, q, k, v, attn_mask=m, is_causal=True), v)  # 4-D: flash path
+    close(got, _torch_sdpa_combined(torch, q, k, v, attn_mask=m, is_causal=True), v)
 
 
 def test_gqa_reads_the_right_kv_head():

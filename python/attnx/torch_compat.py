@@ -167,8 +167,9 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
         **Top-left aligned, as in torch**: query row ``i`` sees key ``j`` iff ``j <= i``,
         whatever ``L`` and ``S``. When ``attn_mask`` is given too, the two are combined (AND
         for a boolean mask, ``-inf`` above the diagonal for a float one): that is what torch
-        2.13's CPU kernel returns for 4-D inputs, while torch's documentation (and its
-        fallback path for other ranks) raises an error for this combination.
+        2.13's CPU kernel returns for 4-D inputs, while torch's documentation, its fallback
+        path for other ranks and, from torch 2.14, every path raise an error for this
+        combination.
     scale : float, optional
         Defaults to ``1/sqrt(E)``. Any float, as in torch: 0 gives uniform attention over the
         visible keys, a negative scale flips the scores, NaN propagates. Held in float32 like
