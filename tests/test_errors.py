@@ -223,3 +223,31 @@ def test_every_string_choice_refuses_what_is_not_one_of_its_strings(bad):
         for fn in fns:
             with pytest.raises(ValueError, match=f"^{name}: expected '"):
                 fn()
+
+
+@pytest.mark.parametrize("bad", [np.array([]), np.array([1.0, 0.0])], ids=["empty", "two"])
+def test_every_flag_refuses_what_has_no_truth_value(bad):
+    """A bool argument takes any truth value (the binding's rule, ``_validate.flag`` in Python);
+    an array without one (NumPy: ambiguous; an error in NumPy 2, a warning and False in NumPy 1)
+    is a TypeError naming the argument, on every entry point, before anything is written."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
+    g = np.zeros((1, 2, 3), np.float32)  # (B, T, H) of q as (B, S, H, D)
+    beta = np.full((1, 2, 3), 0.5, np.float32)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    calls = {
+        "causal": lambda: attnx.attention(q, k, v, causal=bad),
+        "return_lse": lambda: attnx.attention(q, k, v, return_lse=bad),
+        "is_causal": lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=bad),
+        "enable_gqa": lambda: attnx.scaled_dot_product_attention(q, k, v, enable_gqa=bad),
+        "return_weights": lambda: attnx.MultiHeadAttention(8, 2)(x, return_weights=bad),
+        "value_from_key": lambda: attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4,
+                                                     num_blocks=2, block_size=4, value_from_key=bad),
+        "prefix_caching": lambda: attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4,
+                                                     num_blocks=2, block_size=4, prefix_caching=bad),
+        "output_final_state": lambda: attnx.gated_delta_rule(q, k, v, g, beta, output_final_state=bad),
+        "qk_l2norm": lambda: attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=bad),
+    }
+    for name, fn in calls.items():
+        with pytest.raises(TypeError, match=f"^{name}: expected a bool"):
+            fn()

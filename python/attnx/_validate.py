@@ -9,11 +9,12 @@ values to the types it reads.
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "choice", "storage_dtype", "positive_int", "as_int", "int_in", "index",
+__all__ = ["LAYOUTS", "choice", "flag", "storage_dtype", "positive_int", "as_int", "int_in", "index",
            "counts", "as_array", "native_order", "kernel_array", "real", "window_sides"]
 
 
@@ -27,6 +28,21 @@ def choice(x: object, choices: Tuple[str, ...], name: str) -> str:
         return x
     listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
     raise ValueError(f"{name}: expected {listed}, got {x!r}")
+
+
+def flag(x: object, name: str) -> bool:
+    """``x``'s truth value, the binding's rule for bool arguments (``Args::flag`` in
+    cpp/bindings.cpp). An object without one, such as an empty or a many-element array (whose
+    truth value NumPy calls ambiguous: an error in NumPy 2, a deprecation warning and False in
+    NumPy 1), is a TypeError naming the argument."""
+    if x is True or x is False:
+        return x
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            return bool(x)
+    except Exception:
+        raise TypeError(f"{name}: expected a bool, got {x!r}") from None
 
 
 def storage_dtype(dtype: Any, name: str = "dtype") -> np.dtype[Any]:

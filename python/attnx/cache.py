@@ -69,7 +69,7 @@ from . import _api, _core, _session, _tensors
 from . import reference as _ref
 from ._blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
 from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
-from ._validate import positive_int as _positive_int, storage_dtype as _dtype
+from ._validate import flag as _flag, positive_int as _positive_int, storage_dtype as _dtype
 
 __all__ = ["PagedKVCache", "Step", "CacheFullError", "StaleStepError"]
 
@@ -215,7 +215,7 @@ class PagedKVCache:
         self.quantised = _ref.quantised_dtype(self.dtype) is not None
         self.sliding_window = (None if sliding_window is None
                                else _int_in(sliding_window, "sliding_window", 1, _MAX_TOKENS))
-        self.value_from_key = bool(value_from_key)
+        self.value_from_key = _flag(value_from_key, "value_from_key")
         if self.value_from_key and self.value_dim > self.head_dim:
             raise ValueError(f"value_dim: with value_from_key the values are the first value_dim features "
                              f"of the keys, so value_dim ({self.value_dim}) must be <= head_dim ({self.head_dim})")
@@ -223,7 +223,7 @@ class PagedKVCache:
             raise ValueError("num_blocks * block_size: the pool must hold fewer than 2**31 slots")
         self.linear_layers, self.state_shape = _linear_config(linear_layers, state_shape)
         self._k, self._v = self._pool_arrays()
-        self.prefix_caching = bool(prefix_caching)
+        self.prefix_caching = _flag(prefix_caching, "prefix_caching")
         self._k_scales, self._v_scales = self._scale_arrays()
         self._views: list[Any] | None = None  # per-layer page views (_all_layer_pages)
         self._alloc = BlockAllocator(self.num_blocks, caching=self.prefix_caching)

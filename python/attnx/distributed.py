@@ -39,7 +39,7 @@ except ImportError as _exc:  # pragma: no cover - the tests skip without torch
 
 from . import _api
 from ._segments import segment_attention
-from ._validate import LAYOUTS as _LAYOUTS, choice, positive_int, storage_dtype
+from ._validate import LAYOUTS as _LAYOUTS, choice, flag, positive_int, storage_dtype
 from .cache import CacheFullError, PagedKVCache, StaleStepError
 from .merge import merge_attention
 
@@ -196,7 +196,7 @@ def _signature(q4, k4, v4, rank, layout, causal, kv_lens, scale):
     """What every rank must agree on, as ints (names in _SIGNATURE)."""
     B, Hq, _, Dk = q4.shape
     return [B, Hq, Dk, k4.shape[1], v4.shape[3], _DTYPES.index(q4.dtype), rank,
-            _LAYOUTS.index(layout), bool(causal), _digest(_lens_array(kv_lens, B, rank)),
+            _LAYOUTS.index(layout), flag(causal, "causal"), _digest(_lens_array(kv_lens, B, rank)),
             _digest(np.float64(scale))]
 
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import numpy as np
 
 from . import _api, _tensors
-from ._validate import positive_int as _positive, storage_dtype as _storage_dtype
+from ._validate import flag as _flag, positive_int as _positive, storage_dtype as _storage_dtype
 from . import reference as _reference
 
 __all__ = ["MultiHeadAttention"]
@@ -302,7 +302,7 @@ class MultiHeadAttention:
         y = y.astype(self.dtype, copy=False)
         if unbatched:
             y = y[0]
-        if not return_weights:
+        if not _flag(return_weights, "return_weights"):
             return y
         w = _reference.attention_weights(q, k, causal=causal, mask=mask, kv_lens=kv_lens,
                                          q_lens=q_lens, layout="bshd")

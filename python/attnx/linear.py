@@ -15,7 +15,7 @@ from . import _core
 from ._api import _threads  # the one rule for num_threads (checked, capped)
 from ._delta_args import delta_args, from_bshd
 from ._tensors import tensor_io
-from ._validate import choice
+from ._validate import choice, flag
 
 __all__ = ["gated_delta_rule"]
 
@@ -103,7 +103,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     o, final = _core.gated_delta_rule(
         _storage(args.q, dtype), _storage(args.k, dtype), _storage(args.v, dtype),
         _storage(args.g, np.float32), _storage(args.beta, np.float32), args.sequences, state,
-        bool(output_final_state), args.scale, bool(qk_l2norm), _MODES[_mode], threads)
+        flag(output_final_state, "output_final_state"), args.scale, flag(qk_l2norm, "qk_l2norm"),
+        _MODES[_mode], threads)
     if in_dtype == np.float64:
         o = o.astype(np.float64)
     o = from_bshd(o, layout)

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _api, _tensors
 from . import reference as _reference
-from ._validate import as_array as _as_array, native_order as _native_order
+from ._validate import as_array as _as_array, flag as _flag, native_order as _native_order
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -208,7 +208,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
     (1, 2, 3, 4)
     """
     _check_dropout(dropout_p)
-    q, k, v = _check_inputs(query, key, value, bool(enable_gqa))
+    is_causal, enable_gqa = _flag(is_causal, "is_causal"), _flag(enable_gqa, "enable_gqa")
+    q, k, v = _check_inputs(query, key, value, enable_gqa)
     out_dtype = q.dtype
     L, E = q.shape[-2:]
     S = k.shape[-2]
@@ -221,7 +222,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
             enable_gqa=enable_gqa).astype(out_dtype, copy=False)
     q, scale = scaled
 
-    (q_lead, k_lead, v_lead), out_lead = _lead_shapes(q, k, v, bool(enable_gqa))
+    (q_lead, k_lead, v_lead), out_lead = _lead_shapes(q, k, v, enable_gqa)
     rank = len(out_lead) + 2
 
     mask: Optional[np.ndarray] = None
