@@ -241,6 +241,7 @@ def test_every_flag_refuses_what_has_no_truth_value(bad):
         "is_causal": lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=bad),
         "enable_gqa": lambda: attnx.scaled_dot_product_attention(q, k, v, enable_gqa=bad),
         "return_weights": lambda: attnx.MultiHeadAttention(8, 2)(x, return_weights=bad),
+        "bias": lambda: attnx.MultiHeadAttention(8, 2, bias=bad),
         "value_from_key": lambda: attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4,
                                                      num_blocks=2, block_size=4, value_from_key=bad),
         "prefix_caching": lambda: attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4,

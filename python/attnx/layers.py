@@ -172,6 +172,7 @@ class MultiHeadAttention:
         self.head_dim = _positive(head_dim, "head_dim")
         self.context_dim = self.d_model if context_dim is None else _positive(context_dim,
                                                                               "context_dim")
+        bias = _flag(bias, "bias")
         self.dtype = _layer_dtype(dtype)
         self._compute = _F64 if self.dtype == _F64 else _F32  # what x, Q, K, V and heads are in
         if rng is not None and seed is not None:
