@@ -5,7 +5,9 @@
 #   2. auditwheel repair               -> a manylinux wheel; `auditwheel show` must say manylinux,
 #                                         (nothing to vendor: the module links only glibc's pthreads)
 #   3. the repaired wheel in a fresh virtual environment, `--no-index --only-binary :all:` from a
-#      local wheelhouse (no compiler, no index): smoke command + test subset, outside the tree
+#      local wheelhouse (no compiler, no index), with the OLDEST releases of its dependencies that
+#      pyproject.toml allows: smoke command + test subset, outside the tree (the rest of CI runs
+#      the newest)
 #   4. `pip install attnx-X.tar.gz` in another fresh virtual environment: builds, smoke command
 #
 #   bash .ci/wheel.sh            # what .ci/run calls
@@ -65,13 +67,32 @@ esac
 # ---- 3. the repaired wheel in a fresh venv, from a local wheelhouse only ----------------------
 step "fresh venv from the wheelhouse"
 WH=$WORK/wheelhouse
-# The dependencies and the test tools, as binary wheels (downloaded once; nothing is built).
-"$TOOLS/bin/python" -m pip download -q --only-binary :all: -d "$WH" \
-  "numpy>=1.23" "ml_dtypes>=0.3" "pytest>=7" "hypothesis>=6"
+# The floors of the runtime dependencies, read from pyproject.toml: "name>=X.Y" becomes
+# "name~=X.Y.0", the newest patch release of the oldest minor release allowed (the first patch
+# releases of an old minor may have no wheel for this Python).
+FLOORS=$("$TOOLS/bin/python" - <<'PYEOF'
+import re, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+floors = []
+for d in deps:
+    m = re.fullmatch(r"([A-Za-z0-9_.-]+)>=(\d+\.\d+)", d)
+    if m is None:
+        raise SystemExit(f"wheel: dependency {d!r} is not name>=X.Y: say here what its floor is")
+    floors.append(f"{m[1]}~={m[2]}.0")
+print(" ".join(floors))
+PYEOF
+)
+echo "wheel: the fresh venv gets the dependency floors: $FLOORS"
+# Those and the test tools, as binary wheels (downloaded once; nothing is built). Step 4 takes
+# the newest releases from the index.
+# shellcheck disable=SC2086  # FLOORS is a list of requirements
+"$TOOLS/bin/python" -m pip download -q --only-binary :all: -d "$WH" $FLOORS "pytest>=7" "hypothesis>=6"
 rm -rf "$WORK/venv-wheel"
 "$PY" -m venv "$WORK/venv-wheel"
 VPY=$WORK/venv-wheel/bin/python
-"$VPY" -m pip install -q --no-index --only-binary :all: --find-links "$WH" "$REPAIRED" pytest hypothesis
+# shellcheck disable=SC2086
+"$VPY" -m pip install -q --no-index --only-binary :all: --find-links "$WH" "$REPAIRED" $FLOORS pytest hypothesis
+"$VPY" -c "import numpy, ml_dtypes; print(f'wheel: numpy {numpy.__version__}, ml_dtypes {ml_dtypes.__version__}')"
 # The wheel's version is the package's version (one place: pyproject.toml).
 WHEEL_VERSION=$(basename "$REPAIRED" | cut -d- -f2)
 "$VPY" -c "import attnx, sys; v = attnx.__version__; sys.exit(0 if v == '$WHEEL_VERSION' else f'__version__ {v} != wheel {\"$WHEEL_VERSION\"}')"
