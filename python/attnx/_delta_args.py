@@ -19,7 +19,6 @@ from ._validate import LAYOUTS, choice
 __all__ = ["DeltaArgs", "delta_args", "from_bshd"]
 
 
-
 @dataclass
 class DeltaArgs:
     q: np.ndarray  # (B, T, Hk, K)

@@ -14,7 +14,6 @@ from ._validate import LAYOUTS, choice
 __all__ = ["merge_attention"]
 
 
-
 def _dtype_name(dt):
     return dt.name if dt.name != "void" else str(dt)
 
