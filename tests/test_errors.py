@@ -200,17 +200,24 @@ def test_set_isa_rejects_missing_avx512():
     assert attnx.cpu_features()["isa"] == before
 
 
+def small_problem():
+    """A valid (1, 2, 3, 4) q, k, v and the gated delta rule's g, beta for them read as
+    (B, T, H, D): the calls below fail only by the argument under test."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
+    g = np.zeros((1, 2, 3), np.float32)
+    beta = np.full((1, 2, 3), 0.5, np.float32)
+    return q, k, v, g, beta
+
+
 @pytest.mark.parametrize("bad", [np.array([]), np.array(["bhsd"]), ["bshd"], b"bhsd", 0],
                          ids=["empty_array", "array_of_it", "list", "bytes", "int"])
 def test_every_string_choice_refuses_what_is_not_one_of_its_strings(bad):
     """One rule (``_validate.choice``) for every argument that picks among strings: a value that
     is not one of them, arrays included (which ``in`` would compare element by element), is a
     ValueError naming the argument, on every entry point that takes one."""
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
+    q, k, v, g, beta = small_problem()
     lse = np.zeros((1, 2, 3), np.float32)
-    g = np.zeros((1, 3, 2), np.float32)
-    beta = np.full((1, 3, 2), 0.5, np.float32)
     calls = {
         "layout": [lambda: attnx.attention(q, k, v, layout=bad),
                    lambda: attnx.reference.attention(q, k, v, layout=bad),
@@ -230,11 +237,8 @@ def test_every_flag_refuses_what_has_no_truth_value(bad):
     """A bool argument takes any truth value (the binding's rule, ``_validate.flag`` in Python);
     an array without one (NumPy: ambiguous; an error in NumPy 2, a warning and False in NumPy 1)
     is a TypeError naming the argument, on every entry point, before anything is written."""
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
-    g = np.zeros((1, 2, 3), np.float32)  # (B, T, H) of q as (B, S, H, D)
-    beta = np.full((1, 2, 3), 0.5, np.float32)
-    x = rng.standard_normal((3, 8)).astype(np.float32)
+    q, k, v, g, beta = small_problem()
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
     calls = {
         "causal": lambda: attnx.attention(q, k, v, causal=bad),
         "return_lse": lambda: attnx.attention(q, k, v, return_lse=bad),
