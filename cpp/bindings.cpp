@@ -387,15 +387,22 @@ struct Signature {
   const char* function;
   std::vector<const char*> params;  // in positional order
   std::size_t required;             // the first `required` must be given
-  std::vector<py::object> names;    // interned, on first use (with the GIL held)
+  // Interned on first use (with the GIL held) and owned for good: the Signatures are globals,
+  // and a py::object here would be released by their destructors at exit, after the interpreter
+  // has finalised (Python 3.13 frees its object allocator first: that release crashed).
+  std::vector<PyObject*> names;
 };
 
 class Args {
  public:
   Args(Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames)
       : sig_(sig), vals_(sig.params.size(), nullptr) {
-    if (sig.names.empty())
-      for (const char* p : sig.params) sig.names.push_back(py::reinterpret_steal<py::object>(PyUnicode_InternFromString(p)));
+    if (sig.names.size() < sig.params.size())  // all or, after a failed allocation, a prefix
+      for (std::size_t j = sig.names.size(); j < sig.params.size(); ++j) {
+        PyObject* name = PyUnicode_InternFromString(sig.params[j]);
+        if (name == nullptr) throw py::error_already_set();
+        sig.names.push_back(name);
+      }
     if (std::size_t(nargs) > vals_.size())
       type_error(std::string(sig.function) + "() takes at most " + std::to_string(vals_.size()) + " positional arguments");
     for (Py_ssize_t i = 0; i < nargs; ++i) vals_[std::size_t(i)] = args[i];
@@ -424,9 +431,9 @@ class Args {
  private:
   std::size_t index(PyObject* key) const {
     for (std::size_t j = 0; j < sig_.names.size(); ++j)
-      if (key == sig_.names[j].ptr()) return j;
+      if (key == sig_.names[j]) return j;
     for (std::size_t j = 0; j < sig_.names.size(); ++j)
-      if (PyUnicode_Compare(key, sig_.names[j].ptr()) == 0) return j;
+      if (PyUnicode_Compare(key, sig_.names[j]) == 0) return j;
     PyErr_Clear();
     type_error(std::string(sig_.function) + "() got an unexpected keyword argument '" + std::string(py::str(key)) + "'");
   }

@@ -98,3 +98,21 @@ def test_stub_lists_the_module_attributes():
     compiled = {name for name, obj in vars(_core).items() if inspect.isclass(obj) and not name.startswith("_")}
     assert classes == compiled == {"InvalidArgument", "StepPlan"}
     assert issubclass(_core.InvalidArgument, ValueError)
+
+
+def test_a_process_that_called_the_bindings_exits_cleanly():
+    # The binding's argument names are interned once and kept by global objects. Released by
+    # their destructors at exit, after the interpreter has finalised, they crashed Python 3.13
+    # (SIGSEGV in the object allocator) in any process that had called paged_attention: this
+    # reproduces that on such an interpreter (on 3.11 the release happened to be harmless).
+    code = """if True:
+        import numpy as np, attnx
+        q = np.ones((1, 2, 8), np.float32)
+        pages = np.ones((4, 2, 4, 8), np.float32)
+        attnx.paged_attention(q, pages, pages, np.array([[0, 1]], np.int32), np.array([8], np.int32),
+                              causal=True, scale=0.5, return_lse=True)
+        attnx.attention(q, q, q, causal=True, scale=0.5, return_lse=True)
+        print("called")
+    """
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stdout.strip()) == (0, "called"), res.stderr
