@@ -154,19 +154,51 @@ class FlashRun {
                             tb.sc, st);
     }
     if (nsplit > 1) return;
-    for (int64_t g = 0; g < u.n; ++g)
+    for (int64_t g = 0; g < u.n; ++g) {
+      rescue(rs[g], ks[g], vs[g], keys, st[g], tb);
       for (int r = 0; r < rs[g].M; ++r)
         finalize_row(item(u.first + g), r, st[g].o + r * plan_.Dvp, st[g].m[r], st[g].l[r], tb.tmp);
+    }
   }
 
-  // Merges the split-KV parts of item ix's rows and finishes them.
+  // Merges the split-KV parts of item ix's rows and finishes them. Rows whose merged O
+  // overflowed (row_state.h "overflow") are computed again, the item's keys in one part, in this
+  // thread's slot; where that is still not finite, the merged row was right.
   void merge_item(int64_t ix, const Buffers& tb) {
     const Item& it = item(ix);
-    for (int64_t r = 0; r < it.nh * it.ni; ++r) {
-      const row::MaxSum<T> ml = row::merge(plan_.nsplit, parts_.m(ix, 0) + r, parts_.l(ix, 0) + r,
-                                        parts_.ml_stride(), parts_.o(ix, 0) + r * plan_.Dvp,
-                                        parts_.o_stride(), p_.Dv, tb.merged);
-      finalize_row(it, r, tb.merged, ml.m, ml.l, tb.tmp);
+    const int M = int(it.nh * it.ni);
+    auto merged = [&](int r) {
+      return row::merge(plan_.nsplit, parts_.m(ix, 0) + r, parts_.l(ix, 0) + r, parts_.ml_stride(),
+                        parts_.o(ix, 0) + r * plan_.Dvp, parts_.o_stride(), p_.Dv, tb.merged);
+    };
+    T m0[kRowsPerItem];  // the merged max of each overflowed row, -inf for the others
+    bool any = false;
+    for (int r = 0; r < M; ++r) {
+      const row::MaxSum<T> ml = merged(r);
+      // (an item has at most kRowsPerItem rows: the test only keeps m0 in bounds)
+      const bool bad = M <= kRowsPerItem && row::overflowed(tb.merged, ml.m, ml.l, p_.Dv);
+      if (M <= kRowsPerItem) m0[r] = bad ? ml.m : row::neg_inf<T>();
+      any = any || bad;
+      if (!bad) finalize_row(it, r, tb.merged, ml.m, ml.l, tb.tmp);
+    }
+    if (!any) return;
+    const Slot<T> s = tb.slot(0);  // free: every unit has run
+    kern::RowSetT<T> rs;
+    prepare(it, s, rs);
+    for (int r = 0; r < M; ++r)
+      if (m0[r] > row::neg_inf<T>()) m0[r] = row::restart_max(m0[r], rs.hi[r] - rs.lo[r]);
+    kern::KVSource k = p_.k_src(it.b, it.kvh), v = p_.v_src(it.b, it.kvh);
+    packed_.attach(plan_, it, p_.lk(it.b), k);
+    const kern::FlashStateT<T> st{s.o, plan_.Dvp, s.m, s.l};
+    again(rs, k, v, span(&rs, 1, plan_.kt_tile(it) >= 0), st, m0, tb);
+    for (int r = 0; r < M; ++r) {
+      if (!(m0[r] > row::neg_inf<T>())) continue;
+      if (!row::overflowed(s.o + r * plan_.Dvp, s.m[r], s.l[r], p_.Dv)) {
+        finalize_row(it, r, s.o + r * plan_.Dvp, s.m[r], s.l[r], tb.tmp);
+      } else {
+        const row::MaxSum<T> ml = merged(r);
+        finalize_row(it, r, tb.merged, ml.m, ml.l, tb.tmp);
+      }
     }
   }
 
@@ -206,24 +238,64 @@ class FlashRun {
     }
   }
 
-  // The unit's key range (the union of its rows'), cut into nsplit tile-aligned parts: part
-  // `split` of it.
-  KeyPart unit_keys(const Unit& u, const kern::RowSetT<T>* rs, int64_t split) const {
+  // The union of the key ranges of the rows of n row sets, from a multiple of kTileK where the
+  // keys are packed tiles (`aligned`: packed tiles start at multiples of kTileK, so must the
+  // items' tiles).
+  static KeyPart span(const kern::RowSetT<T>* rs, int64_t n, bool aligned) {
     int64_t jb = std::numeric_limits<int64_t>::max(), je = 0;
-    bool aligned = false;  // packed tiles start at multiples of kTileK: so must the item's tiles
-    for (int64_t g = 0; g < u.n; ++g) {
+    for (int64_t g = 0; g < n; ++g)
       for (int r = 0; r < rs[g].M; ++r)
         if (rs[g].lo[r] < rs[g].hi[r]) {
           jb = std::min(jb, rs[g].lo[r]);
           je = std::max(je, rs[g].hi[r]);
         }
-      aligned = aligned || plan_.kt_tile(item(u.first + g)) >= 0;
-    }
     if (je <= jb) jb = je = 0;
     if (aligned) jb = jb / kern::kTileK * kern::kTileK;
-    const int64_t part = round_up(ceil_div(je - jb, plan_.nsplit), kern::kTileK);
-    const int64_t pb = std::min(je, jb + split * part);
-    return {pb, std::min(je, pb + part)};
+    return {jb, je};
+  }
+
+  // The unit's key range (the union of its rows'), cut into nsplit tile-aligned parts: part
+  // `split` of it.
+  KeyPart unit_keys(const Unit& u, const kern::RowSetT<T>* rs, int64_t split) const {
+    bool aligned = false;
+    for (int64_t g = 0; g < u.n; ++g) aligned = aligned || plan_.kt_tile(item(u.first + g)) >= 0;
+    const KeyPart all = span(rs, u.n, aligned);
+    const int64_t part = round_up(ceil_div(all.end - all.begin, plan_.nsplit), kern::kTileK);
+    const int64_t pb = std::min(all.end, all.begin + split * part);
+    return {pb, std::min(all.end, pb + part)};
+  }
+
+  // An item's rows whose O overflowed (row_state.h "overflow") computed again, from the start,
+  // with their max moved up; rows whose O is then still not finite (an infinite or NaN value of
+  // their own) are computed a third time as they were the first, the others as in the second.
+  void rescue(const kern::RowSetT<T>& rs, const kern::KVSource& k, const kern::KVSource& v,
+              const KeyPart& keys, const kern::FlashStateT<T>& st, const Buffers& tb) const {
+    if (rs.M > kRowsPerItem) return;  // (never: an item has at most kRowsPerItem rows)
+    T m0[kRowsPerItem];
+    bool any = false;
+    for (int r = 0; r < rs.M; ++r) {
+      const bool bad = row::overflowed(st.o + r * plan_.Dvp, st.m[r], st.l[r], p_.Dv);
+      m0[r] = bad ? row::restart_max(st.m[r], rs.hi[r] - rs.lo[r]) : row::neg_inf<T>();
+      any = any || bad;
+    }
+    if (!any) return;
+    again(rs, k, v, keys, st, m0, tb);
+    bool own = false;
+    for (int r = 0; r < rs.M; ++r)
+      if (m0[r] > row::neg_inf<T>() && row::overflowed(st.o + r * plan_.Dvp, st.m[r], st.l[r], p_.Dv)) {
+        m0[r] = row::neg_inf<T>();
+        own = true;
+      }
+    if (own) again(rs, k, v, keys, st, m0, tb);
+  }
+
+  // Computes the rows of one item again from the start over keys, with running maxima m0.
+  void again(const kern::RowSetT<T>& rs, const kern::KVSource& k, const kern::KVSource& v,
+             const KeyPart& keys, const kern::FlashStateT<T>& st, const T* m0, const Buffers& tb) const {
+    row::init(rs.M, st.o, plan_.Dvp, st.m, st.l);
+    std::copy(m0, m0 + rs.M, st.m);
+    if (keys.end > keys.begin)
+      table_->flash(rs, k, v, keys.begin, keys.end, p_.Dk, p_.Dv, p_.var.softcap, tb.sc, st);
   }
 
   // Item ix's sources, and its state (in the slot, or its split-KV part) initialised.

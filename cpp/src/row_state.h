@@ -21,7 +21,14 @@
 //   finalize  a sink (a logit in the denominator that carries no value) is folded into m and l;
 //             then a row with l = 0 (no visible key and no sink: empty or fully masked) is written
 //             as zeros with lse = -inf, any other as O / l with lse = m + log(l).
+//   overflow  O sums p v before the division by l, so values near the type's largest (3e38 in
+//             float) can overflow it where O / l, a weighted mean of the values, is finite.
+//             `overflowed` finds such a row (m and l finite, O not); the driver computes it again
+//             from the start with m = restart_max(m, its keys), which keeps sum p |v| below the
+//             largest value. A row whose O is still not finite then has an infinite or NaN value
+//             among its own: the driver computes it once more as it was first.
 //
+
 // Every function here has internal linkage (static): the kernel files include this header with
 // wide instruction sets enabled, and an inline (COMDAT) copy compiled with AVX could otherwise be
 // the one the linker keeps for the baseline driver (see kernels.h).
@@ -126,6 +133,27 @@ static inline bool finalize(const T* o, T m, T l, const T* sink, int64_t Dv, T* 
   *lse = m + std::log(l);
   return true;
 }
+
+// Whether the row's O overflowed while its max and sum stayed finite (see "overflow" above). A
+// NaN or infinite value, or a NaN score (l = NaN), makes O non-finite legitimately: the first two
+// are found here too, and computing such a row again gives the same non-finite result.
+template <class T>
+static inline bool overflowed(const T* o, T m, T l, int64_t Dv) {
+  if (!(std::isfinite(m) && std::isfinite(l) && l > T(0))) return false;
+  const T top = std::numeric_limits<T>::max();
+  int bad = 0;  // (this form vectorises: a compare and an OR per vector)
+  for (int64_t d = 0; d < Dv; ++d) bad |= !(std::fabs(o[d]) <= top);
+  return bad != 0;
+}
+
+// The running max to compute an overflowed row of n keys again with, from the m it ended with:
+// m lags the row's largest score by at most kLazyMax = 4, so every p = exp(s - m') is then at most
+// e^(4 - 5 - ln n) = 1 / (e n), and sum p |v| stays below the largest |v| / e. The shift is no
+// larger than that needs, because each exp's argument s - m' is rounded at its own size: the row's
+// weights gain a relative error of about (5 + ln n) 2^-24 (a few float32 ulps), where the row
+// would otherwise be infinite.
+template <class T>
+static inline T restart_max(T m, int64_t n) { return m + T(5) + std::log(T(n > 1 ? n : 1)); }
 
 }  // namespace row
 }  // namespace attnx
