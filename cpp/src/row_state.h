@@ -28,7 +28,6 @@
 //             largest value. A row whose O is still not finite then has an infinite or NaN value
 //             among its own: the driver computes it once more as it was first.
 //
-
 // Every function here has internal linkage (static): the kernel files include this header with
 // wide instruction sets enabled, and an inline (COMDAT) copy compiled with AVX could otherwise be
 // the one the linker keeps for the baseline driver (see kernels.h).
@@ -149,9 +148,9 @@ static inline bool overflowed(const T* o, T m, T l, int64_t Dv) {
 // The running max to compute an overflowed row of n keys again with, from the m it ended with:
 // m lags the row's largest score by at most kLazyMax = 4, so every p = exp(s - m') is then at most
 // e^(4 - 5 - ln n) = 1 / (e n), and sum p |v| stays below the largest |v| / e. The shift is no
-// larger than that needs, because each exp's argument s - m' is rounded at its own size: the row's
-// weights gain a relative error of about (5 + ln n) 2^-24 (a few float32 ulps), where the row
-// would otherwise be infinite.
+// larger than that needs, because each exp's argument s - m' is rounded at its own size (measured:
+// the rows come out as accurate as the same problem with the values scaled down, which does not
+// overflow; tests/test_numerics.py).
 template <class T>
 static inline T restart_max(T m, int64_t n) { return m + T(5) + std::log(T(n > 1 ? n : 1)); }
 
