@@ -30,5 +30,7 @@ if where.startswith(source + os.sep):
     sys.exit(f"wheel_smoke: imported attnx from the source tree ({where}), not the installed one")
 print(f"wheel_smoke: attnx {attnx.__version__} from {where}")
 PYEOF
-"$PY" -m attnx
+SMOKE=$("$PY" -m attnx)
+echo "$SMOKE"
+grep -q "max |diff|" <<<"$SMOKE" || { echo "wheel_smoke: python -m attnx printed no kernel-vs-reference line" >&2; exit 1; }
 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" "${SUBSET[@]/#/tests/}"
