@@ -259,6 +259,26 @@ def test_common_tolerance_counts_the_rounding_of_p(bf16_isa):
     check_attention(q, k, v, window=(7, 5), softcap=4.0, q_lens=q_lens)
 
 
+def test_lse_keeps_float32_accuracy_where_returned(bf16_isa, rng):
+    """A call that returns no lse may compute p to 2.9e-6 (P is rounded to bf16 anyway); one that
+    returns it keeps the float32 exp. Row i scores 0 on key 0 and a_i on 255 keys (the 256 bf16
+    values in [-4, 0)), so lse_i = log(1 + 255 e^a_i): the shorter exp would put it ~2e-6 off at
+    the a_i where its error peaks, the float32 one ~3e-7."""
+    a = np.unique(np.arange(-4, 0, 1 / 64).astype(BF16).astype(np.float64))
+    assert a.size == 256
+    q = np.zeros((1, 1, 256, 64), BF16)
+    q[0, 0, :, 0] = a
+    k = np.zeros((1, 1, 256, 64), BF16)
+    k[0, 0, 1:, 0] = 1
+    v = rand(rng, (1, 1, 256, 64), BF16)
+    o, lse = attnx.attention(q, k, v, scale=1.0, return_lse=True)
+    np.testing.assert_allclose(lse[0, 0], np.log1p(255 * np.exp(a)), rtol=0, atol=1e-6)
+    # and with or without it, the output keeps the flash rule
+    assert_flash_rule(q, k, v, scale=1.0)
+    np.testing.assert_allclose(o.astype(np.float64), attnx.attention(q, k, v, scale=1.0).astype(np.float64),
+                               rtol=2 ** -7, atol=0)
+
+
 def test_nonfinite_values_stay_in_their_rows(bf16_isa, rng):
     """An infinite value reaches only the rows that see its key (the fp32 fallback of a tile that
     some row sees in part), not the rows before it under causal masking, where 0 * inf would

@@ -231,7 +231,7 @@ class FlashRun {
       }
     }
     rs = kern::RowSetT<T>{M, s.q, Dkp, lo, hi, pos, nullptr, p_.mask_kind, s.mask_rows, p_.mask_sk,
-                          p_.q_dtype, p_.scale};
+                          p_.q_dtype, p_.scale, p_.lse_at(it.b, it.h0, it.i0) != nullptr};
     if (p_.var.alibi_slopes != nullptr) {
       for (int r = 0; r < M; ++r) s.slopes[r] = p_.var.alibi_slopes[it.h0 + r / it.ni];
       rs.slope = s.slopes;

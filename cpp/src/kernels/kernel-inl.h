@@ -216,7 +216,10 @@ static ATTNX_INLINE V lanes_max(const V* sv) {
 // Scaled: the scores are scale * acc (scale > 0; the bf16 path's products), folded into the
 // exps' argument (one FMA) and, for the test, into each row's largest (max(acc) * scale is the
 // largest scaled score: rounding is monotone).
-template <int MR, int NV, bool Lazy, bool Scaled = false>
+struct ExactP {
+  static ATTNX_INLINE V exp(V x) { return exp_small(x); }
+};
+template <int MR, int NV, bool Lazy, bool Scaled = false, class PExp = ExactP>
 static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s, const Online& on,
                                       V* lsum, Real scale = 1) {
   const V f = set1(scale);
@@ -238,7 +241,7 @@ static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s
     // every score is now <= m (+ kLazyMax where Lazy), or NaN
     const V mr = set1(on.m[r]), neg_m = set1(-on.m[r]);
     auto p = [&](int c) {
-      return exp_small(Scaled ? fmadd(acc[r][c], f, neg_m) : sub(acc[r][c], mr));
+      return PExp::exp(Scaled ? fmadd(acc[r][c], f, neg_m) : sub(acc[r][c], mr));
     };
     V sum = p(0);
     store(s + r * kTileK, sum);

@@ -69,6 +69,9 @@ struct RowSetT {
   // queries back (q / scale rounds to the bf16 value exactly) to use bf16 dot products.
   DType q_dtype = DType::f32;
   T scale = 1;
+  // The rows' l must be float32-accurate: they return an lse. Where false, the avx512bf16 path
+  // (which rounds P to bf16) may compute p to 2.9e-6 instead of 1.3 ulp (bf16_dot-inl.h).
+  bool exact_l = true;
 };
 using RowSet = RowSetT<float>;
 

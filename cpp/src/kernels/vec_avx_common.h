@@ -11,6 +11,12 @@ constexpr int kExp2Terms = 7;
 constexpr float kExp2Poly[kExp2Terms] = {1.5354042e-4f, 1.3398790e-3f, 9.6184341e-3f, 5.5503327e-2f,
                                          2.4022648e-1f, 6.9314718e-1f, 1.0f};
 
+// 2^f for |f| <= 1/2 to 2.9e-6 relative (degree 4, fitted for relative error): the bf16 path's
+// probabilities, which are rounded to bf16 (2^-9) before P V.
+constexpr int kExp2TermsBf16 = 5;
+constexpr float kExp2PolyBf16[kExp2TermsBf16] = {9.5828529e-3f, 5.5906426e-2f, 2.4024099e-1f,
+                                                 6.9312418e-1f, 1.0f};
+
 // exp on 8 lanes: t = x log2(e), n = round(t), f = t - n (|f| <= 1/2), 2^f by the polynomial
 // above, 2^n through the exponent bits. t is clamped to [-127, 128]: n = -127 puts 0 in the
 // exponent field, so exp(-inf) = 0 exactly (masked scores must weigh nothing) and anything below
