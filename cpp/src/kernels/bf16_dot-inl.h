@@ -113,7 +113,8 @@ static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const fl
 }
 
 // The probabilities of M rows (s, kTileK floats a row) rounded to bf16, as n2 key pairs in place
-// at the start of each row (a row's pair t is at int32 index t of the row).
+// at the start of each row (a row's pair t is at int32 index t of the row). Fused tiles store
+// them so from registers (Bf16P::store_row) and skip this pass.
 static void pack_p_bf16(int M, float* s, int64_t n2) {
   for (int r = 0; r < M; ++r) {
     float* row = s + int64_t(r) * kTileK;
@@ -128,8 +129,15 @@ static void pack_p_bf16(int M, float* s, int64_t n2) {
 // exp's (B1 H8 S2048 D64 prefill +2-3%). l then carries the same 2.9e-6: O / l keeps it, far
 // below bf16's rounding, but lse = m + log l would lose its float32 accuracy, so rows that return
 // an lse (RowSet::exact_l) keep the exact exp.
+template <bool Short>
 struct Bf16P {
-  static ATTNX_INLINE V exp(V x) { return simd::exp_bf16(x); }
+  static ATTNX_INLINE V exp(V x) { return Short ? simd::exp_bf16(x) : simd::exp_small(x); }
+  // P V's operand at once: the row's pairs where pack_p_bf16 would put them
+  template <int NV>
+  static ATTNX_INLINE void store_row(float* srow, const V (&e)[NV]) {
+    static_assert(NV % 2 == 0, "whole pairs of vectors");
+    for (int c = 0; c < NV; c += 2) _mm512_storeu_si512(srow + c * W / 2, round_pairs(e[c], e[c + 1]));
+  }
 };
 
 // ---- S = scale * Q K^T: MR rows x kTileK keys (4 vectors) per register block ------------------
@@ -261,7 +269,7 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
   // (the block is the whole tile: keys past n would score 0, so only whole tiles fuse)
   const bool fused = bias == nullptr && n == kTileK && fusable(rs, j0, n, softcap, st);
   const Online on{st.m, st.l, st.o, st.ldo, Dvp};
-  (rs.exact_l ? qk_bf16<ExactP> : qk_bf16<Bf16P>)(rs.M, qb, Dkp / 2, kv.kp, (Dk + 1) / 2, qscale,
+  (rs.exact_l ? qk_bf16<Bf16P<false>> : qk_bf16<Bf16P<true>>)(rs.M, qb, Dkp / 2, kv.kp, (Dk + 1) / 2, qscale,
                                                  sc.s, fused ? &on : nullptr);
   const bool partial = !fused && softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
   // A key a row cannot see has p = 0, and 0 * inf or 0 * NaN in its value would still reach the
@@ -273,7 +281,7 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
     pv_visible(rs, j0, bias, sc.s, fv, n, Dvp, st.o, st.ldo);
     return;
   }
-  pack_p_bf16(rs.M, sc.s, n2);
+  if (!fused) pack_p_bf16(rs.M, sc.s, n2);  // (fused: qk_bf16 stored the pairs)
   pv_bf16(rs.M, reinterpret_cast<const Pair*>(sc.s), kv.vp, n2, Dvp, st.o, st.ldo);
 }
 

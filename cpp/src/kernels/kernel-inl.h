@@ -216,8 +216,14 @@ static ATTNX_INLINE V lanes_max(const V* sv) {
 // Scaled: the scores are scale * acc (scale > 0; the bf16 path's products), folded into the
 // exps' argument (one FMA) and, for the test, into each row's largest (max(acc) * scale is the
 // largest scaled score: rounding is monotone).
+// PExp: how the block's p are computed and stored (exp, store): ExactP, float32 p with exp's
+// 1.3 ulp; the bf16 path's own (bf16_dot-inl.h) store them as bf16 pairs.
 struct ExactP {
   static ATTNX_INLINE V exp(V x) { return exp_small(x); }
+  template <int NV>
+  static ATTNX_INLINE void store_row(Real* srow, const V (&e)[NV]) {
+    for (int c = 0; c < NV; ++c) simd::store(srow + c * W, e[c]);
+  }
 };
 template <int MR, int NV, bool Lazy, bool Scaled = false, class PExp = ExactP>
 static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s, const Online& on,
@@ -240,16 +246,12 @@ static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s
   for (int r = 0; r < MR; ++r) {
     // every score is now <= m (+ kLazyMax where Lazy), or NaN
     const V mr = set1(on.m[r]), neg_m = set1(-on.m[r]);
-    auto p = [&](int c) {
-      return PExp::exp(Scaled ? fmadd(acc[r][c], f, neg_m) : sub(acc[r][c], mr));
-    };
-    V sum = p(0);
-    store(s + r * kTileK, sum);
-    for (int c = 1; c < NV; ++c) {
-      const V e = p(c);
-      store(s + r * kTileK + c * W, e);
-      sum = add(sum, e);
-    }
+    V e[NV];
+    for (int c = 0; c < NV; ++c)
+      e[c] = PExp::exp(Scaled ? fmadd(acc[r][c], f, neg_m) : sub(acc[r][c], mr));
+    PExp::store_row(s + r * kTileK, e);
+    V sum = e[0];
+    for (int c = 1; c < NV; ++c) sum = add(sum, e[c]);
     lsum[r] = add(lsum[r], sum);
   }
 }
