@@ -143,7 +143,7 @@ struct Bf16P {
 // ---- S = scale * Q K^T: MR rows x kTileK keys (4 vectors) per register block ------------------
 // With `on` (a whole tile every row sees, after each row's first: kernel-inl.h's fusable
 // rule), the rows' online-softmax update is done here too, and s receives the probabilities
-// (PExp: ExactP, or Bf16P where no lse is returned).
+// (PExp: Bf16P<false> where the rows return an lse, else Bf16P<true>).
 template <int MR, class PExp>
 static ATTNX_INLINE void qk_bf16_block(const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n,
                                        float scale, float* s, const Online* on) {
@@ -269,8 +269,8 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
   // (the block is the whole tile: keys past n would score 0, so only whole tiles fuse)
   const bool fused = bias == nullptr && n == kTileK && fusable(rs, j0, n, softcap, st);
   const Online on{st.m, st.l, st.o, st.ldo, Dvp};
-  (rs.exact_l ? qk_bf16<Bf16P<false>> : qk_bf16<Bf16P<true>>)(rs.M, qb, Dkp / 2, kv.kp, (Dk + 1) / 2, qscale,
-                                                 sc.s, fused ? &on : nullptr);
+  const auto qk = rs.exact_l ? qk_bf16<Bf16P<false>> : qk_bf16<Bf16P<true>>;
+  qk(rs.M, qb, Dkp / 2, kv.kp, (Dk + 1) / 2, qscale, sc.s, fused ? &on : nullptr);
   const bool partial = !fused && softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
   // A key a row cannot see has p = 0, and 0 * inf or 0 * NaN in its value would still reach the
   // row: as in flash_tile, such tiles take the fp32 path where each row adds only its keys. (Also
