@@ -135,10 +135,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     ----------
     q : ndarray, ``(B, Hq, Sq, Dk)`` (layout ``"bhsd"``) or ``(B, Sq, Hq, Dk)`` (``"bshd"``);
         also ``(Hq, Sq, Dk)`` / ``(Sq, Hq, Dk)`` and ``(Sq, Dk)``. float32, float16 or
-        bfloat16 (``ml_dtypes.bfloat16``), computed in float32; or float64 (NumPy's default:
-        Python lists convert to it), computed and accumulated in float64 by the same tiled
-        kernel (O(S·D) memory), where an additive mask, ``scale``, the modifiers and ``lse``
-        are float64 too.
+        bfloat16 (``ml_dtypes.bfloat16``), computed in float32 (a bfloat16 prefill on a CPU
+        with AVX512_BF16: bf16 dot products, P rounded to bf16; README, "bfloat16 compute");
+        or float64 (NumPy's default: Python lists convert to it), computed and accumulated in
+        float64 by the same tiled kernel (O(S·D) memory), where an additive mask, ``scale``,
+        the modifiers and ``lse`` are float64 too.
     k : ndarray, ``(B, Hkv, Sk, Dk)`` in the same layout, rank and dtype. ``Hq % Hkv == 0``:
         query head ``h`` reads kv head ``h // (Hq // Hkv)`` (GQA; MQA is ``Hkv == 1``).
     v : ndarray, ``(B, Hkv, Sk, Dv)``; ``Dv`` may differ from ``Dk``.
