@@ -13,7 +13,7 @@
 # through the `isa` fixture), except test_memory_is_linear_in_sequence_length (RSS under ASan's
 # allocator measures ASan, not attnx); the differential fuzz runs ATTNX_FUZZ_EXAMPLES=1000 dense
 # + 500 paged cases instead of 3000 + 1500. Tests that measure RSS or set RLIMIT_AS skip
-# themselves (ATTNX_SANITIZED=1). About 5 min on 2 cores, build included.
+# themselves (ATTNX_SANITIZED=1). About 12 min on 2 cores: 4 of them the build, 8 the tests.
 #
 # ASan reports go to $WORK/reports too (log_path) and any "ERROR:" there fails the run, also
 # one from a subprocess whose test did not look; UBSan reports go to stderr and stop the process
@@ -74,8 +74,11 @@ EOF
 # ---- build ------------------------------------------------------------------------------------
 echo "sanitize: building attnx with -DATTNX_SANITIZE=ON"
 T0=$(date +%s)
+# -g1: line tables only (file:line in every report's stack), not full debug info, which took a
+# third of the build's time in the templated kernels.
 "$VPY" -m pip install -q --no-build-isolation --no-deps --force-reinstall \
   -Ccmake.define.ATTNX_SANITIZE=ON -Ccmake.build-type=RelWithDebInfo \
+  -Ccmake.define.CMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
   -Cbuild-dir="$WORK/build" "$ROOT"
 echo "sanitize: built in $(( $(date +%s) - T0 )) s"
 
