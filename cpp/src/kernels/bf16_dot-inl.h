@@ -115,12 +115,15 @@ static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const fl
 // The probabilities of M rows (s, kTileK floats a row) rounded to bf16, as n2 key pairs in place
 // at the start of each row (a row's pair t is at int32 index t of the row). Fused tiles store
 // them so from registers (Bf16P::store_row) and skip this pass.
+// Keys [c, c + 2W) of a row (a, b: their p) as 16 pairs at [c / 2, c / 2 + 16): at or before
+// the floats they came from.
+static ATTNX_INLINE void store_pairs(float* row, int64_t c, V a, V b) {
+  _mm512_storeu_si512(row + c / 2, round_pairs(a, b));
+}
 static void pack_p_bf16(int M, float* s, int64_t n2) {
   for (int r = 0; r < M; ++r) {
     float* row = s + int64_t(r) * kTileK;
-    // chunk c's 16 pairs go to [c / 2, c / 2 + 16): at or before the floats it reads
-    for (int64_t c = 0; c < 2 * n2; c += 2 * W)
-      _mm512_storeu_si512(row + c / 2, round_pairs(load(row + c), load(row + c + W)));
+    for (int64_t c = 0; c < 2 * n2; c += 2 * W) store_pairs(row, c, load(row + c), load(row + c + W));
   }
 }
 
@@ -136,7 +139,7 @@ struct Bf16P {
   template <int NV>
   static ATTNX_INLINE void store_row(float* srow, const V (&e)[NV]) {
     static_assert(NV % 2 == 0, "whole pairs of vectors");
-    for (int c = 0; c < NV; c += 2) _mm512_storeu_si512(srow + c * W / 2, round_pairs(e[c], e[c + 1]));
+    for (int c = 0; c < NV; c += 2) store_pairs(srow, c * W, e[c], e[c + 1]);
   }
 };
 
