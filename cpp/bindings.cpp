@@ -227,12 +227,15 @@ T positive_float(double x, const char* name) {
   return T(x);
 }
 
+// The name of a Python object's type, for error messages ("list", "Tensor").
+std::string type_name(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")); }
+
 double real_arg(py::handle h, const char* name) {
   if (PyBool_Check(h.ptr())) type_error(std::string(name) + ": expected a float, got bool");
   const double x = PyFloat_AsDouble(h.ptr());
   if (x == -1.0 && PyErr_Occurred()) {
     PyErr_Clear();
-    type_error(std::string(name) + ": expected a float, got " + std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+    type_error(std::string(name) + ": expected a float, got " + type_name(h));
   }
   return x;
 }
@@ -253,7 +256,7 @@ int64_t int_arg(py::handle h, const char* name, int64_t dflt) {
   py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(h.ptr()));
   if (!i) {
     PyErr_Clear();
-    type_error(std::string(name) + ": expected an int, got " + std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+    type_error(std::string(name) + ": expected an int, got " + type_name(h));
   }
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
@@ -627,7 +630,7 @@ py::array scale_pages(py::handle obj, const char* name, const PagedParams& p, bo
     type_error(n + (quantised ? ": pages of dtype " + std::string(dtype_name(p.kv_dtype)) + " need their float32 scales"
                               : ": only quantised pages (int8, float8_e4m3fn, float8_e5m2) have scales; pass None"));
   if (!quantised) return py::array();
-  if (!py::isinstance<py::array>(obj)) type_error(n + ": expected a numpy float32 array, got " + std::string(py::str(obj.get_type())));
+  if (!py::isinstance<py::array>(obj)) type_error(n + ": expected a numpy float32 array, got " + type_name(obj));
   py::array a = py::reinterpret_borrow<py::array>(obj);
   const py::dtype dt = a.dtype();
   if (dt.kind() != 'f' || dt.itemsize() != 4 || !native_order(dt))

@@ -125,6 +125,8 @@ def test_a_change_to_another_sequence_keeps_the_step_current():
 @pytest.mark.parametrize("bad, exc, match", [
     (dict(scale=True), TypeError, "scale: expected a float, got bool"),
     (dict(softcap=False), TypeError, "softcap: expected a float, got bool"),
+    (dict(scale="0.5"), TypeError, "scale: expected a float, got str"),
+    (dict(softcap=[1.0]), TypeError, "softcap: expected a float, got list"),
     (dict(layer=True), ValueError, r"layer: expected an int in \[0, 2\)"),
     (dict(layer=2), ValueError, r"layer: expected an int in \[0, 2\)"),
     (dict(layer=-1), ValueError, r"layer: expected an int in \[0, 2\)"),
