@@ -41,20 +41,36 @@ bool has_avx512bf16(const CpuFeatures& f) {
   return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512bf16;
 }
 
+// The wide kernels' tables exist only where CMake compiled them (x86-64: ATTNX_X86_KERNELS). On
+// other CPUs every feature above reads false, so they are never asked for there; nothing else
+// names them, so such a build does not link against them.
+enum class Wide { avx2, avx512, avx512bf16 };
+const kern::KernelTable* wide_table(Wide w) {
+#if defined(ATTNX_X86_KERNELS) && ATTNX_X86_KERNELS
+  switch (w) {
+    case Wide::avx2: return kern::table_avx2();
+    case Wide::avx512: return kern::table_avx512();
+    case Wide::avx512bf16: return kern::table_avx512bf16();
+  }
+#endif
+  (void)w;
+  throw InvalidArgument("this build of attnx has only the portable scalar kernels");
+}
+
 const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f) {
   if (name == "scalar") return kern::table_scalar();
   if (name == "avx2") {
     if (!has_avx2(f)) throw InvalidArgument("ATTNX_ISA=avx2: this CPU lacks AVX2, FMA or F16C");
-    return kern::table_avx2();
+    return wide_table(Wide::avx2);
   }
   if (name == "avx512") {
     if (!has_avx512(f)) throw InvalidArgument("ATTNX_ISA=avx512: this CPU lacks AVX-512F");
-    return kern::table_avx512();
+    return wide_table(Wide::avx512);
   }
   if (name == "avx512bf16") {
     if (!has_avx512bf16(f))
       throw InvalidArgument("ATTNX_ISA=avx512bf16: this CPU lacks AVX512_BF16 (or AVX-512BW/VL)");
-    return kern::table_avx512bf16();
+    return wide_table(Wide::avx512bf16);
   }
   throw InvalidArgument("unknown instruction set '" + name +
                         "' (expected scalar, avx2, avx512 or avx512bf16)");
@@ -62,9 +78,9 @@ const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f
 
 const kern::KernelTable* best_table() {
   const CpuFeatures f = cpu_features();
-  if (has_avx512bf16(f)) return kern::table_avx512bf16();
-  if (has_avx512(f)) return kern::table_avx512();
-  if (has_avx2(f)) return kern::table_avx2();
+  if (has_avx512bf16(f)) return wide_table(Wide::avx512bf16);
+  if (has_avx512(f)) return wide_table(Wide::avx512);
+  if (has_avx2(f)) return wide_table(Wide::avx2);
   return kern::table_scalar();
 }
 
