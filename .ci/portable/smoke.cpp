@@ -1,7 +1,8 @@
 // smoke.cpp: the C++ core on a CPU without attnx's x86 kernels (built and run by
 // .ci/portable/cross_aarch64.sh under qemu). Dense attention in float32 and float64 over GQA,
-// causal, Dk != Dv, padding and several threads, against a naive float64 softmax written here;
-// the ISA choice (scalar, and a clear error for the x86 paths) and the probes.
+// causal, Dk != Dv, padding and several threads, and a paged int8 decode (rows quantised by
+// paged_write, pages in shuffled blocks), against a naive float64 softmax written here; the ISA
+// choice (scalar, and a clear error for the x86 paths) and the probes.
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -10,6 +11,7 @@
 
 #include "attnx/attention.h"
 #include "attnx/dispatch.h"
+#include "attnx/paged.h"
 #include "attnx/probes.h"
 
 namespace {
@@ -93,6 +95,68 @@ double max_error(const Case& c, std::mt19937& rng) {
   return err;
 }
 
+// B sequences of L tokens in int8 pages of shuffled blocks, one decode query each (GQA 4):
+// attention over the dequantised rows (code * scale, read back from the pages).
+double paged_int8_error(std::mt19937& rng) {
+  const int64_t B = 3, Hq = 8, Hkv = 2, D = 64, L = 77, bs = 16, per = (L + bs - 1) / bs, nb = B * per;
+  std::normal_distribution<float> nd;
+  std::vector<float> k(B * L * Hkv * D), v(k.size()), q(B * Hq * D);
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  for (float& x : q) x = nd(rng);
+  std::vector<int32_t> table(nb);
+  for (int64_t i = 0; i < nb; ++i) table[i] = int32_t((i * 7 + 3) % nb);  // 7 is prime to nb = 15
+  std::vector<int64_t> slots(B * L);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < L; ++t) slots[b * L + t] = table[b * per + t / bs] * bs + t % bs;
+  std::vector<int8_t> kp(nb * Hkv * bs * D), vp(kp.size());
+  std::vector<float> ks(nb * Hkv * bs), vs(ks.size());
+  auto write = [&](const std::vector<float>& src, std::vector<int8_t>& pages, std::vector<float>& sc) {
+    attnx::PagedWrite w;
+    w.n = B * L, w.H = Hkv, w.D = D, w.src = src.data(), w.s_sn = Hkv * D, w.s_sh = D;
+    w.pages = pages.data(), w.page_dtype = attnx::DType::i8;
+    w.block_size = bs, w.p_sblk = Hkv * bs * D, w.p_sh = bs * D, w.p_ss = D;
+    w.slots = slots.data(), w.scales = sc.data(), w.sc_sblk = Hkv * bs, w.sc_sh = bs, w.sc_ss = 1;
+    attnx::paged_write(w);
+  };
+  write(k, kp, ks);
+  write(v, vp, vs);
+  std::vector<int32_t> lens(B, int32_t(L));
+  std::vector<int64_t> q_start(B + 1);
+  for (int64_t b = 0; b <= B; ++b) q_start[b] = b;
+  std::vector<float> out(B * Hq * D, -1.f);
+  attnx::PagedParams p;
+  p.B = B, p.N = B, p.Hq = Hq, p.Hkv = Hkv, p.Dk = D, p.Dv = D, p.kv_dtype = attnx::DType::i8;
+  p.q = q.data(), p.q_sn = Hq * D, p.q_sh = D;
+  p.k_pages = kp.data(), p.v_pages = vp.data(), p.num_blocks = nb, p.block_size = bs;
+  p.k_sblk = p.v_sblk = Hkv * bs * D, p.k_sh = p.v_sh = bs * D, p.k_ss = p.v_ss = D;
+  p.k_scales = ks.data(), p.v_scales = vs.data();
+  p.ks_sblk = p.vs_sblk = Hkv * bs, p.ks_sh = p.vs_sh = bs, p.ks_ss = p.vs_ss = 1;
+  p.block_tables = table.data(), p.bt_stride = per, p.max_blocks = per;
+  p.seq_lens = lens.data(), p.q_start = q_start.data();
+  p.scale = float(1.0 / std::sqrt(double(D)));
+  p.out = out.data(), p.o_sn = Hq * D, p.o_sh = D;
+  p.num_threads = 2;
+  attnx::paged_attention(p);
+  // the same problem, dense, over the dequantised rows
+  const Case c{B, Hq, Hkv, 1, L, D, D, false, 0, 1};
+  std::vector<double> qd(q.begin(), q.end()), kd(B * Hkv * L * D), vd(kd.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < L; ++t)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t blk = table[b * per + t / bs], off = t % bs;
+        const int64_t row = (blk * Hkv + h) * bs + off;
+        for (int64_t d = 0; d < D; ++d) {
+          kd[((b * Hkv + h) * L + t) * D + d] = double(float(kp[row * D + d]) * ks[row]);
+          vd[((b * Hkv + h) * L + t) * D + d] = double(float(vp[row * D + d]) * vs[row]);
+        }
+      }
+  const std::vector<double> ref = reference(c, qd, kd, vd, double(p.scale));
+  double err = 0;
+  for (size_t i = 0; i < out.size(); ++i) err = std::max(err, std::fabs(double(out[i]) - ref[i]));
+  return err;
+}
+
 }  // namespace
 
 int main() {
@@ -129,6 +193,10 @@ int main() {
     std::snprintf(msg, sizeof msg, "%s: float32 max error %.2e, float64 %.2e", name, e32, e64);
     check(e32 < 2e-5 && e64 < 1e-12, msg);
   }
+  const double pe = paged_int8_error(rng);
+  char pmsg[160];
+  std::snprintf(pmsg, sizeof pmsg, "paged decode over int8 pages, B3 Hq8 Hkv2 L77 D64 block 16: max error %.2e", pe);
+  check(pe < 2e-5, pmsg);
   const double fma = attnx::probe_fma_gflops(1, 0.05);
   check(fma > 0 && std::isfinite(fma), "FMA probe runs (" + std::to_string(fma) + " GFLOP/s under emulation)");
   std::printf("%s\n", failures ? "portable smoke: FAILED" : "portable smoke: all passed");
