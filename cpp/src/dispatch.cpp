@@ -19,6 +19,7 @@ CpuFeatures cpu_features() {
 #if defined(__x86_64__) || defined(__i386__)
   // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
   __builtin_cpu_init();
+  f.sse2 = __builtin_cpu_supports("sse2");
   f.avx2 = __builtin_cpu_supports("avx2");
   f.fma = __builtin_cpu_supports("fma");
   f.f16c = __builtin_cpu_supports("f16c");

@@ -5,7 +5,7 @@
 namespace attnx {
 
 struct CpuFeatures {
-  bool sse2 = true, avx2 = false, fma = false, f16c = false, avx512f = false;
+  bool sse2 = false, avx2 = false, fma = false, f16c = false, avx512f = false;  // all false off x86
   bool avx512bw = false, avx512vl = false, avx512bf16 = false;  // the avx512bf16 path needs all 3
 };
 
