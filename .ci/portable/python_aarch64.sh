@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The Python package on aarch64, emulated: Debian's arm64 CPython 3.11 in a sysroot, PyPI's
+# aarch64 wheels of the test dependencies, attnx's extension cross-compiled against them, and
+# pytest run under qemu-user. By hand (not part of .ci/run: it takes tens of minutes), as root on
+# a Debian/Ubuntu x86-64 host; it registers qemu-aarch64 with binfmt_misc so that the tests'
+# subprocesses (sys.executable) run too.
+# Usage: bash .ci/portable/python_aarch64.sh [pytest args...]   (default: a broad kernel subset)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+WORK=${ATTNX_A64_DIR:-/tmp/attnx-aarch64}
+PY=python3
+mkdir -p "$WORK"/{debs,root,site,wheels,pkg}
+
+# 1. the cross toolchain, qemu, and an arm64 CPython with its libraries (unpacked, not installed)
+dpkg --add-architecture arm64
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null
+(cd "$WORK/debs" && apt-get download -q \
+  python3.11-minimal:arm64 libpython3.11-minimal:arm64 libpython3.11-stdlib:arm64 \
+  libpython3.11-dev:arm64 libc6:arm64 libstdc++6:arm64 libgcc-s1:arm64 zlib1g:arm64 \
+  libexpat1:arm64 libffi8:arm64 libssl3:arm64 libbz2-1.0:arm64 liblzma5:arm64 \
+  libsqlite3-0:arm64 libuuid1:arm64 libncursesw6:arm64 libtinfo6:arm64 libreadline8:arm64 \
+  libdb5.3:arm64 libgdbm6:arm64 libcrypt1:arm64 libnsl2:arm64 libtirpc3:arm64 \
+  libgssapi-krb5-2:arm64 libkrb5-3:arm64 libk5crypto3:arm64 libcom-err2:arm64 \
+  libkrb5support0:arm64 libkeyutils1:arm64 >/dev/null)
+for d in "$WORK"/debs/*.deb; do dpkg -x "$d" "$WORK/root"; done
+export QEMU_LD_PREFIX=$WORK/root
+A64PY=$WORK/root/usr/bin/python3.11
+
+# 2. the test dependencies as PyPI's aarch64 wheels, unpacked into one site directory
+"$PY" -m pip download -q -d "$WORK/wheels" --only-binary=:all: --python-version 3.11 --implementation cp \
+  --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64 \
+  numpy ml_dtypes pytest hypothesis safetensors
+for w in "$WORK"/wheels/*.whl; do "$PY" -m zipfile -e "$w" "$WORK/site/"; done
+
+# 3. the core (scalar path) and the extension, cross-compiled
+bash .ci/portable/cross_aarch64.sh build/cross-aarch64 > "$WORK/cross.log" 2>&1 || { cat "$WORK/cross.log"; exit 1; }
+PB=$("$PY" -c "import pybind11; print(pybind11.get_include())")
+rm -rf "$WORK/pkg/attnx" && cp -r python/attnx "$WORK/pkg/attnx"
+rm -rf "$WORK"/pkg/attnx/_core.*.so "$WORK"/pkg/attnx/__pycache__
+aarch64-linux-gnu-g++ -O2 -shared -fPIC -std=c++17 -fvisibility=hidden -Icpp/include -Icpp/src \
+  -I"$PB" -I"$WORK/root/usr/include/python3.11" -I"$WORK/root/usr/include" cpp/bindings.cpp \
+  build/cross-aarch64/libattnx_core.a -pthread -o "$WORK/pkg/attnx/_core.cpython-311-aarch64-linux-gnu.so"
+
+# 4. binfmt_misc, so that an aarch64 executable started by a test runs under qemu too
+[ -e /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+[ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || cat /usr/lib/binfmt.d/qemu-aarch64.conf > /proc/sys/fs/binfmt_misc/register
+
+# 5. the tests, from a copy of the tree whose python/ is the aarch64 package
+rm -rf "$WORK/run" && mkdir -p "$WORK/run" && cp -r tests pyproject.toml "$WORK/run/"
+ln -sfn "$WORK/pkg" "$WORK/run/python"
+cd "$WORK/run"
+export PYTHONPATH=$WORK/pkg:$WORK/site
+"$A64PY" -c "import platform, attnx; print(platform.machine(), attnx.cpu_features()['isa'])"
+if [ $# -eq 0 ]; then
+  set -- tests/test_attention.py tests/test_paged.py tests/test_float64.py tests/test_cache.py \
+    tests/test_fork.py tests/test_hardening.py tests/test_errors.py tests/test_delta_rule.py \
+    tests/test_variants.py tests/test_numerics.py tests/test_step_plan.py tests/test_prefix.py \
+    tests/test_merge.py tests/test_threads.py tests/test_quant_reference.py tests/test_quant_kv.py \
+    tests/test_reference.py
+fi
+"$A64PY" -m pytest -q -p no:cacheprovider "$@"
