@@ -42,21 +42,26 @@ bool has_avx512bf16(const CpuFeatures& f) {
   return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512bf16;
 }
 
-// The wide kernels' tables exist only where CMake compiled them (x86-64: ATTNX_X86_KERNELS). On
-// other CPUs every feature above reads false, so they are never asked for there; nothing else
-// names them, so such a build does not link against them.
+// The wide kernels' tables exist only where CMake compiled them (x86-64: ATTNX_X86_KERNELS);
+// nothing else names them, so another build does not link against them. Elsewhere every
+// feature above reads false, except on 32-bit x86, which gets the portable path too.
 enum class Wide { avx2, avx512, avx512bf16 };
-const kern::KernelTable* wide_table(Wide w) {
 #if defined(ATTNX_X86_KERNELS) && ATTNX_X86_KERNELS
+constexpr bool kWideKernels = true;
+const kern::KernelTable* wide_table(Wide w) {
   switch (w) {
     case Wide::avx2: return kern::table_avx2();
     case Wide::avx512: return kern::table_avx512();
-    case Wide::avx512bf16: return kern::table_avx512bf16();
+    case Wide::avx512bf16: break;
   }
-#endif
-  (void)w;
-  throw InvalidArgument("this build of attnx has only the portable scalar kernels");
+  return kern::table_avx512bf16();
 }
+#else
+constexpr bool kWideKernels = false;
+const kern::KernelTable* wide_table(Wide) {
+  throw InvalidArgument("this build of attnx has only the portable scalar kernels (not an x86-64 build)");
+}
+#endif
 
 const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f) {
   if (name == "scalar") return kern::table_scalar();
@@ -79,6 +84,7 @@ const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f
 
 const kern::KernelTable* best_table() {
   const CpuFeatures f = cpu_features();
+  if (!kWideKernels) return kern::table_scalar();
   if (has_avx512bf16(f)) return wide_table(Wide::avx512bf16);
   if (has_avx512(f)) return wide_table(Wide::avx512);
   if (has_avx2(f)) return wide_table(Wide::avx2);
