@@ -3,6 +3,7 @@
 // causal, Dk != Dv, padding and several threads, and a paged int8 decode (rows quantised by
 // paged_write, pages in shuffled blocks), against a naive float64 softmax written here; the ISA
 // choice (scalar, and a clear error for the x86 paths) and the probes.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -28,6 +29,13 @@ struct Case {
   int32_t kv_len;  // 0: all of Sk
   int threads;
 };
+
+template <class T>
+double max_abs_diff(const std::vector<T>& got, const std::vector<double>& want) {
+  double err = 0;
+  for (size_t i = 0; i < got.size(); ++i) err = std::max(err, std::fabs(double(got[i]) - want[i]));
+  return err;
+}
 
 // out[b][h][i] = softmax_j(q.k_j * scale) v_j over the keys row i sees (bottom-right causal)
 std::vector<double> reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k,
@@ -90,9 +98,7 @@ double max_error(const Case& c, std::mt19937& rng) {
   p.num_threads = c.threads;
   attnx::attention(p);
   const std::vector<double> ref = reference(c, qd, kd, vd, double(p.scale));
-  double err = 0;
-  for (size_t i = 0; i < out.size(); ++i) err = std::max(err, std::fabs(double(out[i]) - ref[i]));
-  return err;
+  return max_abs_diff(out, ref);
 }
 
 // B sequences of L tokens in int8 pages of shuffled blocks, one decode query each (GQA 4):
@@ -152,9 +158,7 @@ double paged_int8_error(std::mt19937& rng) {
         }
       }
   const std::vector<double> ref = reference(c, qd, kd, vd, double(p.scale));
-  double err = 0;
-  for (size_t i = 0; i < out.size(); ++i) err = std::max(err, std::fabs(double(out[i]) - ref[i]));
-  return err;
+  return max_abs_diff(out, ref);
 }
 
 }  // namespace

@@ -112,14 +112,15 @@ static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const fl
   return bad == 0;
 }
 
-// The probabilities of M rows (s, kTileK floats a row) rounded to bf16, as n2 key pairs in place
-// at the start of each row (a row's pair t is at int32 index t of the row). Fused tiles store
-// them so from registers (Bf16P::store_row) and skip this pass.
 // Keys [c, c + 2W) of a row (a, b: their p) as 16 pairs at [c / 2, c / 2 + 16): at or before
 // the floats they came from.
 static ATTNX_INLINE void store_pairs(float* row, int64_t c, V a, V b) {
   _mm512_storeu_si512(row + c / 2, round_pairs(a, b));
 }
+
+// The probabilities of M rows (s, kTileK floats a row) rounded to bf16, as n2 key pairs in place
+// at the start of each row (a row's pair t is at int32 index t of the row). Fused tiles store
+// them so from registers (Bf16P::store_row) and skip this pass.
 static void pack_p_bf16(int M, float* s, int64_t n2) {
   for (int r = 0; r < M; ++r) {
     float* row = s + int64_t(r) * kTileK;
