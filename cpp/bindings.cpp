@@ -1160,8 +1160,12 @@ PYBIND11_MODULE(_core, m) {
     py::dict d;
     d["sse2"] = f.sse2; d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["avx512f"] = f.avx512f;
     d["avx512bw"] = f.avx512bw; d["avx512vl"] = f.avx512vl; d["avx512bf16"] = f.avx512bf16;
+    d["avx512_vnni"] = f.avx512_vnni; d["avx_vnni"] = f.avx_vnni; d["avx512_fp16"] = f.avx512_fp16;
+    d["amx_tile"] = f.amx_tile; d["amx_bf16"] = f.amx_bf16; d["amx_int8"] = f.amx_int8;
+    d["amx_fp16"] = f.amx_fp16; d["amx_permitted"] = f.amx_permitted;
     return d;
   });
+  m.def("bf16_dot_gain", &bf16_dot_gain);
   m.def("active_isa", []() { return std::string(active_isa()); });
   m.def("set_isa", [](const std::string& name) { set_isa(name); }, py::arg("name"));
   m.def("set_num_threads", [](int n) {

@@ -4,7 +4,7 @@ reference with a tolerance that follows the dtype (see ``attention_tolerance``).
 
 Environment:
   ATTNX_TEST_SEED           seed of every random test (default 0); printed in the header
-  ATTNX_ISA                 scalar | avx2 | avx512 | avx512bf16 | auto: run the kernel tests on that
+  ATTNX_ISA                 scalar | avx2 | avx512 | avx512bf16 | amx | auto: run the kernel tests on that
                             path only
   ATTNX_HYPOTHESIS_PROFILE  "ci" (default) or "soak" (many more examples)
 """
@@ -62,6 +62,8 @@ def supported_isas():
             isas.append("avx512")
             if has_avx512bf16(f):
                 isas.append("avx512bf16")
+                if has_amx(f):
+                    isas.append("amx")
     return isas
 
 
@@ -72,14 +74,29 @@ def has_avx512bf16(f=None):
                                   "avx512bf16"))
 
 
+def has_amx(f=None):
+    """Whether the CPU can run the amx path (AMX-BF16 granted by the OS, and AVX512_BF16)."""
+    f = attnx.cpu_features() if f is None else f
+    return has_avx512bf16(f) and bool(f.get("amx_bf16")) and bool(f.get("amx_permitted"))
+
+
+# The paths that compute bf16 prefill with bf16 products (and round P to bf16 before P V).
+BF16_PRODUCT_ISAS = ("avx512bf16", "amx")
+# dispatch.cpp's kBf16DotGain: the avx512bf16 path is the default only where vdpbf16ps gives
+# more multiply-adds per second than float32 FMAs by this factor.
+BF16_DOT_GAIN = 1.25
+
 ISAS = supported_isas()
 
 
 def best_isa():
-    """The fastest path this CPU has, whatever ATTNX_ISA says."""
+    """The fastest path this CPU has, whatever ATTNX_ISA says: AMX where granted, else the bf16
+    dot products where they measure faster than float32 FMAs, else the widest vectors."""
     f = attnx.cpu_features()
     if f["avx2"] and f["fma"] and f["f16c"]:
-        if has_avx512bf16(f):
+        if has_amx(f):
+            return "amx"
+        if has_avx512bf16(f) and attnx._core.bf16_dot_gain() > BF16_DOT_GAIN:
             return "avx512bf16"
         return "avx512" if f["avx512f"] else "avx2"
     return "scalar"
@@ -279,10 +296,10 @@ def _structure4(q4, k4, *, mask, kv_lens, q_lens, rank):
 
 
 def bf16_rounds_p(q, k, v):
-    """Whether the active path may round P to bf16 before P V on these inputs: avx512bf16 with
-    q, k and v all bf16 (its prefill-shaped calls do, as FlashAttention and torch's bf16 SDPA
-    do; README "dtypes"). Its same-precision twin then rounds P too."""
-    return (attnx.cpu_features()["isa"] == "avx512bf16"
+    """Whether the active path may round P to bf16 before P V on these inputs: avx512bf16 or amx
+    with q, k and v all bf16 (their prefill-shaped calls do, as FlashAttention and torch's bf16
+    SDPA do; README "dtypes"). Its same-precision twin then rounds P too."""
+    return (attnx.cpu_features()["isa"] in BF16_PRODUCT_ISAS
             and all(np.asarray(x).dtype == BF16 for x in (q, k, v)))
 
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
-from conftest import BF16, F32_EPS, check_attention, has_avx512bf16, rand
+from conftest import (BF16, BF16_PRODUCT_ISAS, BF16_DOT_GAIN, F32_EPS, ISAS, best_isa, check_attention,
+                      has_amx, has_avx512bf16, rand)
 
 # Bounds measured on this path (Zen 4, random shapes below): the kernel's max error is 1.0x the
 # emulation's (median; at most 1.05x), its mean error 1.0x; against torch's bf16 SDPA 1.0x max
@@ -35,16 +36,18 @@ TORCH_RATIO = 2.0
 needs_bf16 = pytest.mark.skipif(not has_avx512bf16(), reason="CPU lacks AVX512_BF16")
 
 
-@pytest.fixture
-def bf16_isa():
-    """Runs the test on the avx512bf16 path (skips where the CPU lacks it), restoring the
-    active path afterwards."""
+@pytest.fixture(params=BF16_PRODUCT_ISAS)
+def bf16_isa(request):
+    """Runs the test on each path with bf16 products (avx512bf16's dot products, amx's tiles;
+    skips those the CPU lacks), restoring the active path afterwards."""
     if not has_avx512bf16():
         pytest.skip("CPU lacks AVX512_BF16")
+    if request.param == "amx" and not has_amx():
+        pytest.skip("CPU lacks AMX-BF16, or the OS did not grant the tile state")
     previous = attnx.cpu_features()["isa"]
-    attnx._core.set_isa("avx512bf16")
+    attnx._core.set_isa(request.param)
     try:
-        yield
+        yield request.param
     finally:
         attnx._core.set_isa(previous)
 
@@ -106,9 +109,42 @@ def _isa_in_child(env_isa):
 
 @needs_bf16
 def test_selected_at_import_and_forceable():
-    assert _isa_in_child(None)[:2] == (0, "avx512bf16")
+    """The default is the measured choice (conftest.best_isa: AMX where granted, else bf16 dot
+    products only where they out-run float32 FMAs); every path the CPU has can be forced."""
+    assert _isa_in_child(None)[:2] == (0, best_isa())
     assert _isa_in_child("avx512bf16")[:2] == (0, "avx512bf16")
     assert _isa_in_child("avx512")[:2] == (0, "avx512")
+    if has_amx():
+        assert _isa_in_child("amx")[:2] == (0, "amx")
+
+
+def test_bf16_dot_gain_is_measured():
+    """The probe behind the choice: multiply-adds per second of vdpbf16ps over 512-bit FMAs (0
+    without AVX512_BF16). Every CPU measured sits far from the line (Zen 4 ~2, Sapphire Rapids
+    ~0.5), so the default path does not flip between runs."""
+    gain = attnx._core.bf16_dot_gain()
+    if not has_avx512bf16():
+        assert gain == 0
+    else:
+        assert 0.1 < gain < 10
+        assert abs(gain - BF16_DOT_GAIN) > 0.2, gain
+
+
+@pytest.mark.skipif(has_amx(), reason="this CPU runs the amx path")
+def test_set_isa_rejects_missing_amx():
+    before = attnx.cpu_features()["isa"]
+    with pytest.raises(ValueError, match="AMX"):
+        attnx._core.set_isa("amx")
+    assert attnx.cpu_features()["isa"] == before
+
+
+def test_cpu_features_reports_matrix_engines():
+    f = attnx.cpu_features()
+    for key in ("avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+                "amx_fp16", "amx_permitted"):
+        assert isinstance(f[key], bool), key
+    assert not f["amx_permitted"] or f["amx_tile"]
+    assert f["isa"] != "amx" or has_amx(f)
 
 
 @pytest.mark.skipif(has_avx512bf16(), reason="this CPU has AVX512_BF16")
@@ -140,8 +176,9 @@ def test_avx512_keeps_fp32_widening(rng, causal):
     got = on_isa("avx512", lambda: attnx.attention(q, k, v, causal=causal, return_lse=True))
     np.testing.assert_array_equal(got[0], want[0].astype(BF16))
     np.testing.assert_array_equal(got[1], want[1])
-    fast = on_isa("avx512bf16", lambda: attnx.attention(q, k, v, causal=causal))
-    assert not np.array_equal(fast, got[0]), "avx512bf16 did not take its own path"
+    for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
+        fast = on_isa(isa, lambda: attnx.attention(q, k, v, causal=causal))
+        assert not np.array_equal(fast, got[0]), f"{isa} did not take its own path"
 
 
 @needs_bf16
@@ -153,8 +190,8 @@ def test_other_dtypes_match_avx512(rng, dtype):
     k = rand(rng, (1, 2, 90, 48), dtype)
     v = rand(rng, (1, 2, 90, 40), dtype)
     a = on_isa("avx512", lambda: attnx.attention(q, k, v, causal=True))
-    b = on_isa("avx512bf16", lambda: attnx.attention(q, k, v, causal=True))
-    np.testing.assert_array_equal(a, b)
+    for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
+        np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v, causal=True)))
 
 
 @needs_bf16
@@ -162,8 +199,8 @@ def test_bf16_decode_matches_avx512(rng):
     q = rand(rng, (3, 8, 1, 64), BF16)
     k, v = (rand(rng, (3, 2, 300, 64), BF16) for _ in range(2))
     a = on_isa("avx512", lambda: attnx.attention(q, k, v))
-    b = on_isa("avx512bf16", lambda: attnx.attention(q, k, v))
-    np.testing.assert_array_equal(a, b)
+    for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
+        np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v)))
 
 
 # ---- numerics --------------------------------------------------------------------------------

@@ -4,15 +4,54 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "attnx/attention.h"
 #include "kernels/kernels.h"
 #include "parallel.h"
 
 namespace attnx {
+
+namespace {
+
+#if defined(__x86_64__) || defined(__i386__)
+// XCR0: the register states the OS saves (bits 17-18: the AMX tile configuration and data).
+uint64_t xcr0() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;  // no OSXSAVE
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
+}
+#endif
+
+// Asks Linux for the AMX tile data state, once per process (a forked child and every thread
+// inherit it). A refusal, or another OS, means no AMX: a tile instruction would be SIGILL.
+bool request_amx() {
+#if defined(__linux__) && defined(__x86_64__)
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
 
 CpuFeatures cpu_features() {
   CpuFeatures f;
@@ -27,6 +66,21 @@ CpuFeatures cpu_features() {
   f.avx512bw = __builtin_cpu_supports("avx512bw");
   f.avx512vl = __builtin_cpu_supports("avx512vl");
   f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    f.avx512_vnni = f.avx512f && (c & (1u << 11));
+    f.avx512_fp16 = f.avx512f && (d & (1u << 23));
+    const bool tiles_saved = (xcr0() & (3u << 17)) == (3u << 17);
+    f.amx_bf16 = tiles_saved && (d & (1u << 22));
+    f.amx_tile = tiles_saved && (d & (1u << 24));
+    f.amx_int8 = tiles_saved && (d & (1u << 25));
+    unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+    if (a >= 1 && __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) {
+      f.avx_vnni = f.avx2 && (a1 & (1u << 4));
+      f.amx_fp16 = tiles_saved && (a1 & (1u << 21));
+    }
+    f.amx_permitted = f.amx_tile && request_amx();
+  }
 #endif
   return f;
 }
@@ -41,27 +95,56 @@ bool has_avx512(const CpuFeatures& f) { return has_avx2(f) && f.avx512f; }
 bool has_avx512bf16(const CpuFeatures& f) {
   return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512bf16;
 }
+bool has_amx(const CpuFeatures& f) { return has_avx512bf16(f) && f.amx_bf16 && f.amx_permitted; }
 
 // The wide kernels' tables exist only where CMake compiled them (x86-64: ATTNX_X86_KERNELS);
 // nothing else names them, so another build does not link against them. Elsewhere every
 // feature above reads false, except on 32-bit x86, which gets the portable path too.
-enum class Wide { avx2, avx512, avx512bf16 };
+enum class Wide { avx2, avx512, avx512bf16, amx };
 #if defined(ATTNX_X86_KERNELS) && ATTNX_X86_KERNELS
 constexpr bool kWideKernels = true;
 const kern::KernelTable* wide_table(Wide w) {
   switch (w) {
     case Wide::avx2: return kern::table_avx2();
     case Wide::avx512: return kern::table_avx512();
-    case Wide::avx512bf16: break;
+    case Wide::avx512bf16: return kern::table_avx512bf16();
+    case Wide::amx: break;
   }
-  return kern::table_avx512bf16();
+  return kern::table_amx();
+}
+// Seconds per multiply-add of f(iters) (the fastest of 3 runs).
+template <class Probe>
+double seconds_per_mac(Probe f, int64_t iters, double macs_per_iter) {
+  double best = 1e30;
+  volatile float sink = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    sink = sink + f(iters);
+    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+    best = std::min(best, dt.count());
+  }
+  return best / (double(iters) * macs_per_iter);
+}
+double measure_bf16_dot_gain() {
+  constexpr int64_t kIters = 4000;  // ~50k instructions of each: tens of microseconds
+  kern::fma512_probe(kIters);       // (wakes the 512-bit units before either is timed)
+  const double fma = seconds_per_mac(kern::fma512_probe, kIters, 12 * 16);
+  const double dot = seconds_per_mac(kern::bf16_dot_probe, kIters, 12 * 32);
+  return fma / dot;
 }
 #else
 constexpr bool kWideKernels = false;
 const kern::KernelTable* wide_table(Wide) {
   throw InvalidArgument("this build of attnx has only the portable scalar kernels (not an x86-64 build)");
 }
+double measure_bf16_dot_gain() { return 0; }
 #endif
+
+// vdpbf16ps does twice an FMA's multiply-adds per instruction; where it issues at half the rate
+// or less (Intel's Sapphire Rapids: 0.5x the multiply-adds of float32 FMAs, measured) the
+// float32-widening kernels are the faster bf16 path, where it issues at an FMA's rate (AMD Zen 4:
+// 2x) the bf16 path is. The two are far apart on every CPU measured, so the line sits between.
+constexpr double kBf16DotGain = 1.25;
 
 const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f) {
   if (name == "scalar") return kern::table_scalar();
@@ -78,14 +161,25 @@ const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f
       throw InvalidArgument("ATTNX_ISA=avx512bf16: this CPU lacks AVX512_BF16 (or AVX-512BW/VL)");
     return wide_table(Wide::avx512bf16);
   }
+  if (name == "amx") {
+    if (!has_avx512bf16(f) || !f.amx_bf16)
+      throw InvalidArgument("ATTNX_ISA=amx: this CPU lacks AMX-BF16 (or AVX512_BF16)");
+    if (!f.amx_permitted)
+      throw InvalidArgument("ATTNX_ISA=amx: the OS did not grant this process the AMX tile state");
+    return wide_table(Wide::amx);
+  }
   throw InvalidArgument("unknown instruction set '" + name +
-                        "' (expected scalar, avx2, avx512 or avx512bf16)");
+                        "' (expected scalar, avx2, avx512, avx512bf16 or amx)");
 }
 
+// The fastest path for every kind of call: AMX tiles for bf16 prefill where the OS allows them
+// (the float32-widening kernels for the rest), else bf16 dot products where they measure faster
+// than float32 FMAs (bf16_dot_gain), else the widest vectors.
 const kern::KernelTable* best_table() {
   const CpuFeatures f = cpu_features();
   if (!kWideKernels) return kern::table_scalar();
-  if (has_avx512bf16(f)) return wide_table(Wide::avx512bf16);
+  if (has_amx(f)) return wide_table(Wide::amx);
+  if (has_avx512bf16(f) && bf16_dot_gain() > kBf16DotGain) return wide_table(Wide::avx512bf16);
   if (has_avx512(f)) return wide_table(Wide::avx512);
   if (has_avx2(f)) return wide_table(Wide::avx2);
   return kern::table_scalar();
@@ -109,6 +203,11 @@ const kern::KernelTable* active_table() {
 }
 
 const char* active_isa() { return active_table()->name; }
+
+double bf16_dot_gain() {
+  static const double gain = has_avx512bf16(cpu_features()) ? measure_bf16_dot_gain() : 0.0;
+  return gain;
+}
 
 void set_isa(const std::string& name) {
   g_table.store(name == "auto" ? best_table() : table_for(name, cpu_features()),

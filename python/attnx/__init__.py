@@ -64,11 +64,13 @@ def cpu_features() -> dict[str, bool | str]:
     """What this CPU offers and which kernel path is active.
 
     Returns a dict: ``{"sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-    "avx512bf16": bool, "isa": "scalar" | "avx2" | "avx512" | "avx512bf16"}``. The path is the
-    best the CPU supports unless ``ATTNX_ISA`` (``scalar``, ``avx2``, ``avx512`` or
-    ``avx512bf16``) forced one at import. ``avx512bf16`` is ``avx512`` with bf16 dot products
-    (AVX512_BF16) for prefill over bfloat16 q, k and v; ``ATTNX_ISA=avx512`` keeps bfloat16 on
-    the float32-widening kernels.
+    "avx512bf16", "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+    "amx_fp16", "amx_permitted": bool, "isa": "scalar" | "avx2" | "avx512" | "avx512bf16" |
+    "amx"}``. ``amx_permitted``: the OS granted this process the AMX tile state. The path is
+    the fastest the CPU supports, measured (README "Platforms"), unless ``ATTNX_ISA`` forced one
+    at import. ``avx512bf16`` is ``avx512`` with bf16 dot products (AVX512_BF16) for prefill over
+    bfloat16 q, k and v, ``amx`` the same with AMX tile products; ``ATTNX_ISA=avx512`` keeps
+    bfloat16 on the float32-widening kernels.
     """
     f: dict[str, bool | str] = dict(_core.cpu_features())
     f["isa"] = _core.active_isa()

@@ -17,10 +17,13 @@ def _fmt(xs):
 
 def info():
     f = attnx.cpu_features()
-    names = ("sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16")
+    names = ("sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16",
+             "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_fp16")
     flags = ", ".join(k for k in names if f.get(k)) or "none of the x86 extensions attnx has kernels for"
     print(f"attnx {attnx.__version__}")
     print(f"instruction set: {f['isa']} (CPU offers: {flags})")
+    if f.get("amx_tile") and not f.get("amx_permitted"):
+        print("  (the OS did not grant this process the AMX tile state: AMX unused)")
     print(f"threads: {attnx.get_num_threads()} (attnx's own pool, fork-safe)")
     print()
     # The seed's multi-head example: three tokens, four features, two heads of two features each,

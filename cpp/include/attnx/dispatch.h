@@ -7,12 +7,22 @@ namespace attnx {
 struct CpuFeatures {
   bool sse2 = false, avx2 = false, fma = false, f16c = false, avx512f = false;  // all false off x86
   bool avx512bw = false, avx512vl = false, avx512bf16 = false;  // the avx512bf16 path needs all 3
+  // Matrix engines and integer dot products (CPUID leaf 7; the AVX-512 ones only where the OS
+  // saves the wide registers). amx_permitted: this process may use the tile state (Linux grants
+  // it on request, dispatch.cpp); without it a tile instruction is SIGILL.
+  bool avx512_vnni = false, avx_vnni = false, avx512_fp16 = false;
+  bool amx_tile = false, amx_bf16 = false, amx_int8 = false, amx_fp16 = false;
+  bool amx_permitted = false;
 };
 
 CpuFeatures cpu_features();
-// The active instruction set: "scalar", "avx2", "avx512" or "avx512bf16" (avx512, with bf16 dot
-// products for bf16 prefill).
+// The active instruction set: "scalar", "avx2", "avx512", "avx512bf16" (avx512, with bf16 dot
+// products for bf16 prefill) or "amx" (avx512, with AMX-BF16 tiles for bf16 prefill).
 const char* active_isa();
+// How many more multiply-adds per second this CPU's vdpbf16ps gives than its 512-bit FMAs
+// (measured once, at first use; 0 where the CPU lacks AVX512_BF16): the avx512bf16 path is the
+// default only where it is above kBf16DotGain (dispatch.cpp).
+double bf16_dot_gain();
 // Forces an instruction set (as ATTNX_ISA does); throws InvalidArgument if the CPU lacks it.
 void set_isa(const std::string& name);
 

@@ -87,7 +87,7 @@ static void pack_k_bf16(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t
 }
 
 // Values [j0, j0 + n) (row addresses addr) as bf16 pairs along the keys,
-// vp[t][d] = (v[2 t][d], v[2 t + 1][d]) ((n + 1) / 2 x Dvp pairs, zero past n and past Dv): one
+// vp[t][d] = (v[2 t][d], v[2 t + 1][d]) (kTileK / 2 x Dvp pairs, zero past n and past Dv): one
 // vdpbf16ps multiplies a row's pair of probabilities by 16 features' pairs. Returns whether every
 // value is finite (no bf16 with an all-ones exponent).
 static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const float* zero, Pair* vp) {
@@ -109,6 +109,9 @@ static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const fl
       _mm512_storeu_si512(vp + t * Dvp + d, _mm512_or_si512(lo, hi));
     }
   }
+  // zero pair rows to the tile's end: AMX's tile products read whole blocks of 16 pairs
+  for (int64_t t = (n + 1) / 2; t < kTileK / 2; ++t)
+    std::memset(vp + t * Dvp, 0, sizeof(Pair) * std::size_t(Dvp));
   return bad == 0;
 }
 

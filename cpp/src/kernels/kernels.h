@@ -148,6 +148,11 @@ const FlashKernels<double>* table_f64();
 const KernelTable* table_avx2();
 const KernelTable* table_avx512();
 const KernelTable* table_avx512bf16();  // avx512, with bf16 dot products for bf16 prefill
+const KernelTable* table_amx();         // avx512, with AMX-BF16 tile products for bf16 prefill
+// Multiply-add probe bodies for the path choice (dispatch.cpp): `iters` rounds of 12 independent
+// vdpbf16ps (32 multiply-adds each) and of 12 independent 512-bit FMAs (16 each).
+float bf16_dot_probe(int64_t iters);
+float fma512_probe(int64_t iters);
 
 }  // namespace kern
 }  // namespace attnx

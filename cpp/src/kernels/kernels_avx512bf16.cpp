@@ -23,6 +23,30 @@ namespace simd = avx512::simd;
 }  // namespace avx512bf16
 
 namespace kern {
+// 12 independent chains of each: more than latency x throughput on the CPUs measured (4-5
+// cycles x 2 per cycle for FMAs), so the loops time the issue rate, not a dependency.
+float bf16_dot_probe(int64_t iters) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i) * 1e-3f);
+  const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // (1, 1)
+  const __m512bh y = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // (1e-7, 1e-7)
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+  __m512 s = _mm512_setzero_ps();
+  for (int i = 0; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+float fma512_probe(int64_t iters) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i) * 1e-3f);
+  const __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], x, y);
+  __m512 s = _mm512_setzero_ps();
+  for (int i = 0; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+
 const KernelTable* table_avx512bf16() {
   // avx512's table but for `flash` (pack_k stays the fp32 layout's: nothing outside the kernels
   // calls it, and the bf16 path packs its own tiles, pack_k_bf16, into KVSource::kt)
