@@ -5,10 +5,15 @@ import json
 import os
 import subprocess
 import sys
+
+import attnx
 from dataclasses import replace
 from types import SimpleNamespace
 
-ROWS = ["prefill", "gqa_causal", "prefill_bf16", "gqa_causal_bf16", "encoder", "decode_f32", "decode_fp16", "decode_bf16",
+# (chunk_bf16, against the vector path that AMX replaces, only where the amx path runs)
+ROWS = ["prefill", "gqa_causal", "prefill_bf16", "gqa_causal_bf16", "causal_bf16"]
+ROWS += ["chunk_bf16"] if attnx.cpu_features()["isa"] == "amx" else []
+ROWS += ["encoder", "decode_f32", "decode_fp16", "decode_bf16",
         "decode_int8", "decode_fp8", "fork_mha_unshared", "fork_mha", "fork_gqa_unshared",
         "fork_gqa", "decode_long", "decode_long_fp16", "decode_long_int8",
         "decode_long_fp8", "small", "threads", "memory", "delta_prefill", "delta_decode"]
@@ -53,7 +58,8 @@ def test_bench_quick_writes_valid_json(tmp_path):
     result = json.loads((tmp_path / "tmp.json").read_text())
     assert {"date", "config", "machine", "limits", "rows", "others_cpu_share"} <= set(result)
     m = result["machine"]
-    assert m["cpu_model"] and m["threads"] == 2 and m["isa"] in ("scalar", "avx2", "avx512", "avx512bf16")
+    assert m["cpu_model"] and m["threads"] == 2 and m["isa"] in ("scalar", "avx2", "avx512", "avx512bf16",
+                                                                 "amx")
     assert m["versions"]["numpy"] and "torch" in m["versions"]
     lim = result["limits"]
     assert lim["fma_gflops_all"] > 0 and lim["fma_gflops_1"] > 0 and lim["read_gbps_all"] > 0
@@ -76,13 +82,19 @@ def test_bench_quick_writes_valid_json(tmp_path):
     for key in ("fork_mha", "fork_gqa"):
         assert rows[key]["extra"]["bound_vs_unshared"] >= 1.0, key
         assert "× unshared (bound" in rows[key]["met_text"], key
-    for key, base in (("prefill_bf16", "prefill"), ("gqa_causal_bf16", "gqa_causal")):  # issue 13
+    for key in ("prefill_bf16", "gqa_causal_bf16", "causal_bf16"):  # issues 13 and 33
         assert rows[key]["rate"] > 0 and f"fp32 {'GQA ' if 'gqa' in key else ''}prefill" in rows[key]["target"]
-        assert m["isa"] == "avx512bf16" or any("AVX512_BF16" in n or "not active" in n
-                                               for n in rows[key]["notes"]), key
+        # the target follows the path: 4x fp32 with AMX tiles, else never slower than fp32
+        assert ("≥ 4× fp32" in rows[key]["target"]) == (m["isa"] == "amx"), key
+        assert m["isa"] in ("amx", "avx512bf16") or any(
+            "AVX512_BF16" in n or "fp32-widening" in n or "not active" in n
+            for n in rows[key]["notes"]), key
         # its fp32 base timed in the same rounds, sample by sample
         assert len(rows[key]["samples"]["attnx fp32"]) == len(rows[key]["samples"]["attnx"]), key
         assert rows[key]["extra"]["base_interleaved_s"] > 0, key
+    if "chunk_bf16" in rows:  # against the vector path, timed in the same rounds
+        assert "vector path" in rows["chunk_bf16"]["target"], rows["chunk_bf16"]["target"]
+        assert rows["chunk_bf16"]["extra"]["path_interleaved_s"] > 0
     for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):  # issue 13
         assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(rows[key]["extra"]), key
         assert "fp16 tokens/s" in rows[key]["target"] and rows[key]["vs_numpy"] > 0, key

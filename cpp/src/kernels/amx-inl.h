@@ -45,23 +45,44 @@ class TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
-// The tiles' own buffers, per thread: Q as pairs and S (then P) for up to kRowsPad rows, and a
-// staging copy of the output rows of a partial row block.
+// Keys per wide block: kWideTiles whole KV tiles whose scores every row sees (wide_block below)
+// go through one softmax pass and one P V product, so each output tile is loaded and stored once
+// per 256 keys instead of once per 64, and each P V accumulation runs 16 tile products deep.
+constexpr int kWideTiles = 4;
+constexpr int64_t kWideKeys = kWideTiles * kTileK;
+
+// The tiles' own buffers, per thread: Q as pairs and S (then P) for up to kRowsPad rows, a
+// staging copy of the output rows of a partial row block, the scores of a wide block's row pair,
+// and the K and V pairs of a wide block's tiles where they are not shared.
 constexpr int kRowsPad = 64 + 2 * kTileRows;  // kRowsPerItem rounded up to whole row-block pairs
 struct AmxScratch {
-  std::vector<float, std::allocator<float>> raw;
-  Pair* qb = nullptr;  // (kRowsPad, Dkp / 2): zero rows past M
-  float* s = nullptr;  // (kRowsPad, kTileK)
+  std::vector<float> raw;
+  Pair* qb = nullptr;       // (kRowsPad, Dkp / 2): zero rows past M
+  float* s = nullptr;       // (kRowsPad, kTileK)
   float* ostage = nullptr;  // (2 * kTileRows, Dvp)
+  float* sw = nullptr;      // (2 * kTileRows, kWideKeys)
+  float* kv[kWideTiles] = {};  // each (Dkp * kTileK): a tile's K pairs, then its V pairs
+  float* vf[kWideTiles] = {};  // each (kTileK * Dvp): V pairs where they do not fit beside K
   int64_t dkp = -1, dvp = -1;
   void size(int64_t Dkp, int64_t Dvp) {
     if (Dkp == dkp && Dvp == dvp) return;
     const int64_t nq = kRowsPad * Dkp / 2, ns = kRowsPad * kTileK, no = 2 * kTileRows * Dvp;
-    raw.assign(std::size_t(nq + ns + no + 16), 0.f);
-    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
-    qb = reinterpret_cast<Pair*>(base);
-    s = base + nq;
-    ostage = s + ns;
+    const int64_t nw = 2 * kTileRows * kWideKeys, nk = Dkp * kTileK, nv = kTileK * Dvp;
+    raw.assign(std::size_t(nq + ns + no + nw + kWideTiles * (nk + nv) + 16), 0.f);
+    float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+    auto take = [&](int64_t count) {
+      float* p = at;
+      at += count;
+      return p;
+    };
+    qb = reinterpret_cast<Pair*>(take(nq));
+    s = take(ns);
+    ostage = take(no);
+    sw = take(nw);
+    for (int t = 0; t < kWideTiles; ++t) {
+      kv[t] = take(nk);
+      vf[t] = take(nv);
+    }
     dkp = Dkp;
     dvp = Dvp;
   }
@@ -71,45 +92,50 @@ static AmxScratch& amx_scratch() {
   return sc;
 }
 
-// ---- S = Q K^T (unscaled) for rows [0, M) rounded up to 32, all kTileK keys ---------------------
-// qb: ldq pairs a row; kp: pack_k_bf16's layout (kTileK pairs a row, one row per feature pair);
-// nkb: the 16-pair blocks of features that hold data.
-static void qk_amx(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t nkb, float* s) {
-  const int64_t lda = ldq * 4, ldb = kTileK * 4, lds = kTileK * 4;
+// ---- S = Q K^T (unscaled): rows [0, M) rounded up to 32 x the kTileK keys of each of nt tiles
+// (tile t: kp[t], pack_k_bf16's layout: kTileK pairs a row, one row per feature pair) into
+// s (lds floats a row; tile t's keys at columns t * kTileK). qb: ldq pairs a row; nkb: the
+// 16-pair blocks of features that hold data.
+static void qk_amx(int M, const Pair* qb, int64_t ldq, const Pair* const* kp, int nt, int64_t nkb,
+                   float* s, int64_t lds) {
+  const int64_t lda = ldq * 4, ldb = kTileK * 4, ldc = lds * 4;
   for (int r = 0; r < M; r += 2 * kTileRows) {
     const Pair* a = qb + r * ldq;
-    for (int c = 0; c < kTileK; c += 2 * kTilePairs) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kb = 0; kb < nkb; ++kb) {
-        const Pair* b = kp + kb * kTilePairs * kTileK + c;
-        _tile_loadd(4, a + kb * kTilePairs, lda);
-        _tile_loadd(5, a + kTileRows * ldq + kb * kTilePairs, lda);
-        _tile_loadd(6, b, ldb);
-        _tile_loadd(7, b + kTilePairs, ldb);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+    for (int t = 0; t < nt; ++t)
+      for (int c = 0; c < kTileK; c += 2 * kTilePairs) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          const Pair* b = kp[t] + kb * kTilePairs * kTileK + c;
+          _tile_loadd(4, a + kb * kTilePairs, lda);
+          _tile_loadd(5, a + kTileRows * ldq + kb * kTilePairs, lda);
+          _tile_loadd(6, b, ldb);
+          _tile_loadd(7, b + kTilePairs, ldb);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        float* out = s + int64_t(r) * lds + t * kTileK + c;
+        _tile_stored(0, out, ldc);
+        _tile_stored(1, out + kTilePairs, ldc);
+        _tile_stored(2, out + kTileRows * lds, ldc);
+        _tile_stored(3, out + kTileRows * lds + kTilePairs, ldc);
       }
-      float* out = s + int64_t(r) * kTileK + c;
-      _tile_stored(0, out, lds);
-      _tile_stored(1, out + kTilePairs, lds);
-      _tile_stored(2, out + kTileRows * kTileK, lds);
-      _tile_stored(3, out + kTileRows * kTileK + kTilePairs, lds);
-    }
   }
 }
 
-// ---- O += P V: p holds each row's key pairs at its start (kTileK floats a row), zero from pair
-// n2 to a whole block; vp: pack_v_bf16's layout (Dvp pairs a row, one row per key pair), zero
-// rows from n2 to a whole block. Rows past M (to a multiple of 32) go through `stage`. -----------
-static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp, float* o,
-                   int64_t ldo, float* stage) {
-  const int64_t nkb = (n2 + kTilePairs - 1) / kTilePairs;
-  const int64_t lda = kTileK * 4, ldb = Dvp * 4;
+// ---- O += P V: p holds each row's key pairs at its start (ldp floats a row: the pairs of tile t
+// from pair t * kTileK / 2), zero from pair n2 of the last tile to a whole block; vp[t]:
+// pack_v_bf16's layout (Dvp pairs a row, one row per key pair, zero rows past its keys). Rows
+// past M (to a multiple of 32) go through `stage`. nt tiles, the last with n2 key pairs. --------
+static void pv_amx(int M, const Pair* p, int64_t ldp, const Pair* const* vp, int nt, int64_t n2,
+                   int64_t Dvp, float* o, int64_t ldo, float* stage) {
+  constexpr int64_t kTileBlocks = kTileK / 2 / kTilePairs;  // 16-pair blocks of a whole tile
+  const int64_t nkb = (nt - 1) * kTileBlocks + (n2 + kTilePairs - 1) / kTilePairs;
+  const int64_t lda = ldp * 4, ldb = Dvp * 4;
   for (int r = 0; r < M; r += 2 * kTileRows) {
     const int rows = M - r < 2 * kTileRows ? M - r : 2 * kTileRows;
     float* orow = o + r * ldo;
@@ -120,7 +146,7 @@ static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp
       orow = stage;
       ld = Dvp;
     }
-    const Pair* a = p + int64_t(r) * kTileK;
+    const Pair* a = p + int64_t(r) * ldp;
     for (int64_t c = 0; c < Dvp; c += 2 * kTilePairs) {
       float* oc = orow + c;
       _tile_loadd(0, oc, ld * 4);
@@ -128,9 +154,9 @@ static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp
       _tile_loadd(2, oc + kTileRows * ld, ld * 4);
       _tile_loadd(3, oc + kTileRows * ld + kTilePairs, ld * 4);
       for (int64_t kb = 0; kb < nkb; ++kb) {
-        const Pair* b = vp + kb * kTilePairs * Dvp + c;
+        const Pair* b = vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c;
         _tile_loadd(4, a + kb * kTilePairs, lda);
-        _tile_loadd(5, a + kTileRows * kTileK + kb * kTilePairs, lda);
+        _tile_loadd(5, a + kTileRows * ldp + kb * kTilePairs, lda);
         _tile_loadd(6, b, ldb);
         _tile_loadd(7, b + kTilePairs, ldb);
         _tile_dpbf16ps(0, 4, 6);
@@ -187,7 +213,7 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   const PackedKV kv = packed_kv(ks, vs, j0, n, Dk, Dv, sc);
   const int M = rs.M;
   float* s = ax.s;
-  qk_amx(M, qb, Dkp / 2, kv.kp, ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs, s);
+  qk_amx(M, qb, Dkp / 2, &kv.kp, 1, ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs, s, kTileK);
   // (the block is the whole tile: keys past n would score 0, so only whole tiles fuse)
   const bool fused = bias == nullptr && n == kTileK && fusable(rs, j0, n, softcap, st);
   bool partial = false;
@@ -214,7 +240,83 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   const int64_t n2r = round_up(n2, kTilePairs);  // pairs past n2 must be zeros, not stale floats
   if (n2r > n2)
     for (int r = 0; r < M; ++r) std::memset(s + r * kTileK + n2, 0, sizeof(float) * std::size_t(n2r - n2));
-  pv_amx(M, reinterpret_cast<const Pair*>(s), kv.vp, n2, Dvp, st.o, st.ldo, ax.ostage);
+  pv_amx(M, reinterpret_cast<const Pair*>(s), kTileK, &kv.vp, 1, n2, Dvp, st.o, st.ldo, ax.ostage);
+}
+
+// ---- wide blocks: kWideTiles whole tiles that every row sees whole --------------------------
+// Whether keys [j0, j0 + kWideKeys) form one: no mask, soft-cap or ALiBi, every row sees them
+// all and has a finite running max (as kernel-inl.h's `fusable`), and a positive score factor
+// (the raw products' max times it is the scores' max).
+static bool wide_block(const kern::RowSet& rs, int64_t j0, int64_t j_end, float softcap,
+                       float qscale, const kern::FlashState& st) {
+  return j0 + kWideKeys <= j_end && rs.mask_kind == MaskKind::none && qscale > 0.f &&
+         fusable(rs, j0, kWideKeys, softcap, st);
+}
+
+// The online-softmax update of rows [r0, r1) over a wide block's raw products (s: row r at
+// (r - r0) * kWideKeys): m' = max(m, scale * max_j s_j), O and l rescaled by exp(m - m'), then
+// p_j = exp(scale * s_j - m') rounded to bf16 pairs at the start of the row and added to l.
+// The exact max (no lazy slack): a row's largest p is exactly 1, as the bf16 path's error bound
+// counts on (kernel-inl.h kLazyMax).
+template <class PExp>
+static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
+                         const kern::FlashState& st) {
+  constexpr int NV = kWideKeys / W;
+  const V f = set1(scale);
+  for (int r = r0; r < r1; ++r) {
+    float* srow = s + int64_t(r - r0) * kWideKeys;
+    V hi = load(srow);
+    for (int c = 1; c < NV; ++c) hi = max(hi, load(srow + c * W));
+    const float m_new = std::fmax(st.m[r], reduce_max(mul(hi, f)));
+    const float alpha = row::rescale(st.m[r], m_new);
+    if (alpha != 1.f) {
+      const V a = set1(alpha);
+      float* orow = st.o + int64_t(r) * st.ldo;
+      for (int64_t d = 0; d < Dvp; d += W) store(orow + d, mul(a, load(orow + d)));
+      st.l[r] *= alpha;
+      st.m[r] = m_new;
+    }
+    const V neg_m = set1(-m_new);
+    V sum = zero();
+    for (int c = 0; c < NV; c += 2) {
+      const V e0 = PExp::exp(fmadd(load(srow + c * W), f, neg_m));
+      const V e1 = PExp::exp(fmadd(load(srow + (c + 1) * W), f, neg_m));
+      store_pairs(srow, c * W, e0, e1);
+      sum = add(sum, add(e0, e1));
+    }
+    st.l[r] += reduce_add(sum);
+  }
+}
+
+// Accumulates the wide block of keys [j0, j0 + kWideKeys) into the state (wide_block holds).
+static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
+                           const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
+                           int64_t Dk, int64_t Dv, const kern::Scratch& sc,
+                           const kern::FlashState& st, AmxScratch& ax) {
+  const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
+  const Pair* kp[kWideTiles];
+  const Pair* vp[kWideTiles];
+  for (int t = 0; t < kWideTiles; ++t) {
+    // each tile's pairs in its own buffer where it is not shared (packed_kv packs into sc.kt)
+    kern::Scratch own = sc;
+    own.kt = ax.kv[t];
+    own.vf = ax.vf[t];
+    const PackedKV kv = packed_kv(ks, vs, j0 + t * kTileK, kTileK, Dk, Dv, own);
+    kp[t] = kv.kp;
+    vp[t] = kv.vp;
+  }
+  const int64_t nkb = ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs;
+  for (int r = 0; r < rs.M; r += 2 * kTileRows) {
+    const int r1 = int(imin(rs.M, r + 2 * kTileRows));
+    qk_amx(2 * kTileRows, qb + r * (Dkp / 2), Dkp / 2, kp, kWideTiles, nkb, ax.sw, kWideKeys);
+    if (rs.exact_l)
+      wide_softmax<Bf16P<false>>(r, r1, ax.sw, qscale, Dvp, st);
+    else
+      wide_softmax<Bf16P<true>>(r, r1, ax.sw, qscale, Dvp, st);
+    const kern::FlashState part{st.o + int64_t(r) * st.ldo, st.ldo, st.m + r, st.l + r};
+    pv_amx(r1 - r, reinterpret_cast<const Pair*>(ax.sw), kWideKeys, vp, kWideTiles, kTileK / 2,
+           Dvp, part.o, part.ldo, ax.ostage);
+  }
 }
 
 // The table's `flash`: bf16 prefill items on AMX tiles, the rest on avx512's own flash (the
@@ -236,10 +338,19 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
   pack_q_bf16(rs, Dkp, back ? inv : 1.f, ax.qb);
   const int Mr = int(round_up(rs.M, 2 * kTileRows));
   std::memset(ax.qb + rs.M * (Dkp / 2), 0, sizeof(Pair) * std::size_t((Mr - rs.M) * (Dkp / 2)));
+  const float qscale = back ? rs.scale : 1.f;
   TileScope tiles;
-  for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK)
-    flash_tile_amx(rs, ax.qb, back ? rs.scale : 1.f, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv,
-                   softcap, sc, st, ax);
+  for (int64_t j0 = j_begin; j0 < j_end;) {
+    const bool wide_on = std::getenv("ATTNX_AMX_WIDE") == nullptr || std::getenv("ATTNX_AMX_WIDE")[0] != '0';  // TEMP A/B
+    if (wide_on && wide_block(rs, j0, j_end, softcap, qscale, st)) {
+      flash_wide_amx(rs, ax.qb, qscale, ks, vs, j0, Dk, Dv, sc, st, ax);
+      j0 += kWideKeys;
+    } else {
+      flash_tile_amx(rs, ax.qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv, softcap,
+                     sc, st, ax);
+      j0 += kTileK;
+    }
+  }
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 // kernel has granted this process the tile state (amx_permitted()).
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <immintrin.h>
 #include <limits>

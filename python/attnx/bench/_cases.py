@@ -151,6 +151,29 @@ class Paged:
 
 
 @dataclass(frozen=True)
+class Chunk(Paged):
+    """A chunked prefill through ``attnx.paged_attention``: ``new`` query tokens per sequence,
+    the last ``new`` of its L positions (causal), against its L tokens in pages. Counted in FLOPs
+    (every query sees the L - new earlier tokens and the new ones up to itself)."""
+    new: int = 512
+    kind = "flops"
+
+    def flops(self):
+        seen = self.new * (self.L - self.new) + self.new * (self.new + 1) / 2
+        return 4.0 * self.Hq * self.D * self.B * seen
+
+    def work(self):
+        return self.flops()
+
+    def cut(self, B=None, S=None):
+        return replace(self, B=min(B or self.B, self.B))
+
+    def describe(self):
+        return (_dims(B=self.B, Hq=self.Hq, Hkv=self.Hkv, L=self.L, D=self.D)
+                + f", {self.new} new tokens, block{self.block} {self.dtype} KV")
+
+
+@dataclass(frozen=True)
 class Delta:
     """``attnx.gated_delta_rule`` (qk_l2norm, gates per head or per channel) over B sequences of T
     tokens. Prefill (T > 1) is counted in the recurrence's FLOPs: per token and value head Sᵀk,
@@ -281,6 +304,29 @@ class RateOver:
 
     def show(self, v, row):
         return f"{v:.2f}× {self.label}" if v is not None else f"{self.label} row n/a"
+
+
+@dataclass(frozen=True)
+class OverPath:
+    """This row's attnx call over the same call on another kernel path (``isa``: the vector path
+    that a matrix engine replaces), timed interleaved with it sample by sample. None where that
+    path or the row's own is not this CPU's (nothing to compare)."""
+    isa: str
+    x: float
+    label: str
+
+    def text(self, row):
+        return f"≥ {self.x:g}× {self.label}"
+
+    def value(self, row, rows):
+        base = row.extra.get("path_interleaved_s")
+        return base / row.attnx_s if base and row.attnx_s else None
+
+    def ok(self, v):
+        return v >= self.x
+
+    def show(self, v, row):
+        return f"{v:.2f}× {self.label}"
 
 
 @dataclass(frozen=True)
@@ -451,7 +497,7 @@ class Case:
     seed: int = 0
     kind: str = ""
     before: str = ""  # in-loop rows: the library whose matmul runs right before each attnx call
-    isa: str = ""  # the kernel path the row is about: the bench notes when another one runs it
+    isa: str = ""  # the kernel paths ("a|b") the row is about: the bench notes when another runs it
 
     @property
     def row_kind(self):
@@ -518,29 +564,59 @@ def suite(*, tiny, quick, threads, repeat):
 
 
 def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
-    """bf16 prefill on AVX512_BF16 dot products (issue 13): the prefill and causal GQA shapes in
-    bf16, against torch's bf16 SDPA and the fp32 rows of the same shapes in the same run."""
-    return [
+    """bf16 prefill (issues 13 and 33): three shapes in bf16 against torch's bf16 SDPA and the
+    same shape in fp32 in the same rounds, and a chunked prefill over bf16 pages against the
+    vector path. The targets follow the path the CPU runs: with AMX tiles, >= 4x our fp32 and
+    >= 1.5x torch (which uses them too); elsewhere the dispatch rule, bf16 never slower than
+    widening to fp32 (>= 1.0x), and >= 1.0x torch."""
+    from .. import cpu_features
+
+    amx = cpu_features()["isa"] == "amx"
+    over_fp32, over_torch = (4.0, 1.5) if amx else (1.0, 1.0)
+    S_long = 4096 if not tiny else 256
+    cut = 1 if tiny else 8 if quick else 2
+    cases = [
         Case("prefill_bf16", "prefill bf16", Dense(1, H_pre, H_pre, S_pre, S_pre, 64, dtype="bf16"),
-             (RateOver("prefill", 1.6, "fp32 prefill"), FasterThan("torch", 1.0, "(bf16)")),
-             {"S": S_pre // (8 if quick and not tiny else 2)}, seed=1, isa="avx512bf16"),
+             (RateOver("prefill", over_fp32, "fp32 prefill"), FasterThan("torch", over_torch, "(bf16)")),
+             {"S": S_pre // (8 if quick and not tiny else 2)}, seed=1, isa=BF16_PRODUCTS),
         Case("gqa_causal_bf16", "causal GQA prefill bf16",
              Dense(1, Hq, Hkv, S_gqa, S_gqa, 128, causal=True, dtype="bf16"),
-             (RateOver("gqa_causal", 1.6, "fp32 GQA prefill"),
-              FasterThan("torch", 1.0, "(bf16, enable_gqa)")),
-             {"S": S_gqa // (1 if tiny else 8 if quick else 2)}, seed=2, isa="avx512bf16"),
+             (RateOver("gqa_causal", over_fp32, "fp32 GQA prefill"),
+              FasterThan("torch", over_torch, "(bf16, enable_gqa)")),
+             {"S": S_gqa // cut}, seed=2, isa=BF16_PRODUCTS),
+        Case("causal_bf16", "causal prefill bf16",
+             Dense(1, 16, 16, S_long, S_long, 128, causal=True, dtype="bf16"),
+             (RateOver("causal_bf16", over_fp32, "fp32 prefill"),
+              FasterThan("torch", over_torch, "(bf16)")),
+             {"S": S_long // (4 * cut)}, seed=8, isa=BF16_PRODUCTS),
     ]
+    if amx:  # the chunked prefill's own target is against the vector path AMX replaces
+        L = 4096 if not tiny else 512
+        cases.append(Case("chunk_bf16", "chunked prefill bf16 KV",
+                          Chunk(1, Hq, Hkv, L, 128, dtype="bf16", new=512 if not tiny else 64),
+                          (OverPath("avx512", 3.0, "the vector path"),), None, seed=9,
+                          isa=BF16_PRODUCTS))
+    return cases
+
+
+# The paths that compute bf16 prefill with bf16 products: the bf16 rows are about them.
+BF16_PRODUCTS = "amx|avx512bf16"
 
 
 def isa_note(isa):
-    """Why the kernel path ``isa`` is not the one running (None when it is)."""
-    from .. import cpu_features
+    """Why none of the kernel paths ``isa`` ("a|b") is the one running (None when one is)."""
+    from .. import _core, cpu_features
 
     f = cpu_features()
-    if f["isa"] == isa:
+    if f["isa"] in isa.split("|"):
         return None
-    if isa == "avx512bf16" and not (f.get("avx512bf16") and f.get("avx512bw") and f.get("avx512vl")):
-        return "CPU lacks AVX512_BF16: bf16 runs on the fp32-widening kernels (target not reachable)"
+    if isa == BF16_PRODUCTS and not f.get("amx_permitted"):
+        if not (f.get("avx512bf16") and f.get("avx512bw") and f.get("avx512vl")):
+            return "CPU lacks AVX512_BF16 and AMX: bf16 runs on the fp32-widening kernels"
+        gain = _core.bf16_dot_gain()
+        if f["isa"] == "avx512" and gain < 1.25:
+            return (f"bf16 runs on the fp32-widening kernels: this CPU's bf16 dot products give "
+                    f"{gain:.2f}x the multiply-adds/s of fp32 FMAs (no AMX)")
     return f"{isa} not active (ATTNX_ISA forced {f['isa']})"
 
 

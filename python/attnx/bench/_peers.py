@@ -15,7 +15,7 @@ import numpy as np
 import attnx
 from attnx import reference
 
-from ._cases import QUANTISED, Delta, Dense, Paged, np_dtype, visible_range
+from ._cases import QUANTISED, Chunk, Delta, Dense, Paged, np_dtype, visible_range
 
 
 @dataclass
@@ -79,7 +79,11 @@ def paged_inputs(shape: Paged, seed):
     block_tables = np.empty((shape.B, nper), np.int32)
     block_tables[:, :common] = perm[:common]
     block_tables[:, common:] = perm[common:].reshape(shape.B, nper - common)
-    q = _randn(rng, (shape.B, shape.Hq, shape.D), dt)
+    if isinstance(shape, Chunk):  # the last `new` positions of each sequence, packed
+        q = _randn(rng, (shape.B * shape.new, shape.Hq, shape.D), dt)
+        scales["q_lens"] = np.full(shape.B, shape.new, np.int32)
+    else:
+        q = _randn(rng, (shape.B, shape.Hq, shape.D), dt)
     return q, k_pages, v_pages, block_tables, np.full(shape.B, shape.L, np.int32), scales
 
 
@@ -159,6 +163,8 @@ def reference_call(shape, data, cut):
         q, kp, vp, bt, _, scales = data
         nper = -(-cut.L // cut.block)
         rq, rbt, rsl = q[:cut.B], bt[:cut.B, :nper], np.full(cut.B, cut.L, np.int32)
+        if isinstance(shape, Chunk):
+            rq, scales = q[:cut.B * cut.new], dict(scales, q_lens=scales["q_lens"][:cut.B])
         return lambda: reference.paged_attention(rq, kp, vp, rbt, rsl, window=_window(shape),
                                                  **scales)
     q, k, v, kv_lens = data
@@ -269,6 +275,8 @@ def ort_skip_reason(shape):
     no per-sequence key mask; its CPU kernel takes float32 and float16."""
     if isinstance(shape, Delta):
         return "onnxruntime: no delta-rule operator"
+    if isinstance(shape, Chunk):
+        return "onnxruntime GQA: no chunk of queries over a paged cache"
     if shape.dtype not in ORT_DTYPES:
         return f"onnxruntime GQA: no {shape.dtype} on CPU"
     if isinstance(shape, Dense) and shape.Sq > 1 and not (shape.causal and shape.Sq == shape.Sk
@@ -287,6 +295,8 @@ def torch_skip_reason(shape):
     or the KV is quantised (SDPA has no int8 / fp8 KV cache)."""
     if shape.dtype in QUANTISED:
         return f"torch SDPA: no {shape.dtype} KV"
+    if isinstance(shape, Chunk):
+        return "torch SDPA: no paged or bottom-right causal chunk (its is_causal is top-left)"
     if isinstance(shape, Dense) and shape.Sq > 1 and (shape.window or shape.kv_lens):
         mask = shape.B * shape.Sq * shape.Sk
         if mask > MAX_PEER_SCRATCH:

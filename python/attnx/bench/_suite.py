@@ -14,7 +14,7 @@ import numpy as np
 import attnx
 
 from . import _peers
-from ._cases import (Case, Delta, Dense, OverRow, RateOver, TokensOver, isa_note, judge, shared_bound, target_text,
+from ._cases import (Case, Delta, Dense, OverPath, OverRow, RateOver, TokensOver, isa_note, judge, shared_bound, target_text,
                      tokens_bound)
 from ._machine import MiB, CpuShare
 from ._timing import Progress, alone, clock, interleaved, median, spread
@@ -161,6 +161,28 @@ def _interleaved_base(case, bench):
     return _peers.attnx_dense(shape, _inputs(shape, case.seed), bench.threads).fn
 
 
+PATH = "attnx vector path"  # the samples of an OverPath row's call on the other kernel path
+
+
+def _interleaved_path(case, fn):
+    """An OverPath row's base: the row's own attnx call on the goal's kernel path (or None where
+    this CPU runs neither that path nor another one the goal is about)."""
+    from .. import _core, cpu_features
+
+    goal = next((g for g in case.goals if isinstance(g, OverPath)), None)
+    if goal is None or cpu_features()["isa"] == goal.isa:
+        return None
+
+    def on_path():
+        mine = _core.active_isa()
+        _core.set_isa(goal.isa)
+        try:
+            fn()
+        finally:
+            _core.set_isa(mine)
+    return on_path
+
+
 def run_case(case: Case, bench: Bench) -> Row:
     """The reference alone, then attnx and the peers interleaved (see _timing)."""
     row = Row(case)
@@ -174,12 +196,17 @@ def run_case(case: Case, bench: Bench) -> Row:
     base = _interleaved_base(case, bench)
     if base is not None:
         fns[BASE] = base
+    path = _interleaved_path(case, fns["attnx"])
+    if path is not None:
+        fns[PATH] = path
     s = interleaved(fns, bench.repeat, sample_s=bench.sample_s,
                     on_round=lambda r, n: bench.progress.phase(f"{' / '.join(fns)} round {r}/{n}"))
     row.samples = s
     row.attnx_s = median(s["attnx"])
     if base is not None:
         row.extra["base_interleaved_s"] = median(s[BASE])
+    if path is not None:
+        row.extra["path_interleaved_s"] = median(s[PATH])
     for name in PEERS:
         if name in s:
             row.peer_s[name] = median(s[name])
