@@ -361,3 +361,33 @@ def test_nonfinite_value_past_an_items_keys_in_a_shared_tile(bf16_isa, rng):
     v = rand(rng, (1, 1, 12, 16), BF16)
     v[0, 0, 3, 7] = np.inf
     check_attention(q, k, v, causal=True, expect_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 80, 900, 64, 64), (1, 2, 2, 70, 1100, 128, 96),
+                                   (2, 8, 2, 33, 700, 40, 72), (1, 1, 1, 64, 1400, 576, 512)],
+                         ids=str)
+@pytest.mark.parametrize("lse", [False, True])
+def test_flash_rule_long_keys(bf16_isa, rng, shape, lse):
+    """Long key ranges: the amx path takes 256 keys at once where every row sees them (one
+    softmax pass, row pairs pipelined against each other's tile products), with partial row
+    pairs (M not a multiple of 32), GQA, Dk != Dv and odd widths; with and without the lse."""
+    B, hq, hkv, sq, sk, dk, dv = shape
+    q = rand(rng, (B, hq, sq, dk), BF16)
+    k = rand(rng, (B, hkv, sk, dk), BF16)
+    v = rand(rng, (B, hkv, sk, dv), BF16)
+    for causal in (False, True):
+        assert_flash_rule(q, k, v, causal=causal)
+        if lse:
+            check_attention(q, k, v, causal=causal)
+
+
+def test_long_keys_nonfinite_value(bf16_isa, rng):
+    """An infinite value inside a 256-key block that every row sees reaches every row (as in the
+    reference), and one in a block that rows see in part only the rows that see it."""
+    q = rand(rng, (1, 2, 40, 32), BF16)
+    k = rand(rng, (1, 2, 800, 32), BF16)
+    v = rand(rng, (1, 2, 800, 32), BF16)
+    v[0, 0, 500, 3] = np.inf
+    v[0, 1, 790, 5] = -np.inf
+    check_attention(q, k, v, expect_nan=True)
+    check_attention(q, k, v, causal=True, expect_nan=True)

@@ -60,14 +60,14 @@ struct AmxScratch {
   Pair* qb = nullptr;       // (kRowsPad, Dkp / 2): zero rows past M
   float* s = nullptr;       // (kRowsPad, kTileK)
   float* ostage = nullptr;  // (2 * kTileRows, Dvp)
-  float* sw = nullptr;      // (2 * kTileRows, kWideKeys)
+  float* sw = nullptr;      // 2 x (2 * kTileRows, kWideKeys): two row pairs' scores
   float* kv[kWideTiles] = {};  // each (Dkp * kTileK): a tile's K pairs, then its V pairs
   float* vf[kWideTiles] = {};  // each (kTileK * Dvp): V pairs where they do not fit beside K
   int64_t dkp = -1, dvp = -1;
   void size(int64_t Dkp, int64_t Dvp) {
     if (Dkp == dkp && Dvp == dvp) return;
     const int64_t nq = kRowsPad * Dkp / 2, ns = kRowsPad * kTileK, no = 2 * kTileRows * Dvp;
-    const int64_t nw = 2 * kTileRows * kWideKeys, nk = Dkp * kTileK, nv = kTileK * Dvp;
+    const int64_t nw = 2 * 2 * kTileRows * kWideKeys, nk = Dkp * kTileK, nv = kTileK * Dvp;
     raw.assign(std::size_t(nq + ns + no + nw + kWideTiles * (nk + nv) + 16), 0.f);
     float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
     auto take = [&](int64_t count) {
@@ -92,50 +92,45 @@ static AmxScratch& amx_scratch() {
   return sc;
 }
 
-// ---- S = Q K^T (unscaled): rows [0, M) rounded up to 32 x the kTileK keys of each of nt tiles
-// (tile t: kp[t], pack_k_bf16's layout: kTileK pairs a row, one row per feature pair) into
-// s (lds floats a row; tile t's keys at columns t * kTileK). qb: ldq pairs a row; nkb: the
-// 16-pair blocks of features that hold data.
-static void qk_amx(int M, const Pair* qb, int64_t ldq, const Pair* const* kp, int nt, int64_t nkb,
-                   float* s, int64_t lds) {
-  const int64_t lda = ldq * 4, ldb = kTileK * 4, ldc = lds * 4;
+// ---- S = Q K^T (unscaled) for rows [0, M) rounded up to 32, all kTileK keys of one tile -------
+// qb: ldq pairs a row; kp: pack_k_bf16's layout (kTileK pairs a row, one row per feature pair);
+// nkb: the 16-pair blocks of features that hold data. s: kTileK floats a row.
+static void qk_amx(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t nkb, float* s) {
+  const int64_t lda = ldq * 4, ldb = kTileK * 4, lds = kTileK * 4;
   for (int r = 0; r < M; r += 2 * kTileRows) {
     const Pair* a = qb + r * ldq;
-    for (int t = 0; t < nt; ++t)
-      for (int c = 0; c < kTileK; c += 2 * kTilePairs) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < nkb; ++kb) {
-          const Pair* b = kp[t] + kb * kTilePairs * kTileK + c;
-          _tile_loadd(4, a + kb * kTilePairs, lda);
-          _tile_loadd(5, a + kTileRows * ldq + kb * kTilePairs, lda);
-          _tile_loadd(6, b, ldb);
-          _tile_loadd(7, b + kTilePairs, ldb);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        float* out = s + int64_t(r) * lds + t * kTileK + c;
-        _tile_stored(0, out, ldc);
-        _tile_stored(1, out + kTilePairs, ldc);
-        _tile_stored(2, out + kTileRows * lds, ldc);
-        _tile_stored(3, out + kTileRows * lds + kTilePairs, ldc);
+    for (int c = 0; c < kTileK; c += 2 * kTilePairs) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const Pair* b = kp + kb * kTilePairs * kTileK + c;
+        _tile_loadd(4, a + kb * kTilePairs, lda);
+        _tile_loadd(5, a + kTileRows * ldq + kb * kTilePairs, lda);
+        _tile_loadd(6, b, ldb);
+        _tile_loadd(7, b + kTilePairs, ldb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
       }
+      float* out = s + int64_t(r) * kTileK + c;
+      _tile_stored(0, out, lds);
+      _tile_stored(1, out + kTilePairs, lds);
+      _tile_stored(2, out + kTileRows * kTileK, lds);
+      _tile_stored(3, out + kTileRows * kTileK + kTilePairs, lds);
+    }
   }
 }
 
-// ---- O += P V: p holds each row's key pairs at its start (ldp floats a row: the pairs of tile t
-// from pair t * kTileK / 2), zero from pair n2 of the last tile to a whole block; vp[t]:
-// pack_v_bf16's layout (Dvp pairs a row, one row per key pair, zero rows past its keys). Rows
-// past M (to a multiple of 32) go through `stage`. nt tiles, the last with n2 key pairs. --------
-static void pv_amx(int M, const Pair* p, int64_t ldp, const Pair* const* vp, int nt, int64_t n2,
-                   int64_t Dvp, float* o, int64_t ldo, float* stage) {
-  constexpr int64_t kTileBlocks = kTileK / 2 / kTilePairs;  // 16-pair blocks of a whole tile
-  const int64_t nkb = (nt - 1) * kTileBlocks + (n2 + kTilePairs - 1) / kTilePairs;
-  const int64_t lda = ldp * 4, ldb = Dvp * 4;
+// ---- O += P V: p holds each row's key pairs at its start (kTileK floats a row), zero from pair
+// n2 to a whole block; vp: pack_v_bf16's layout (Dvp pairs a row, one row per key pair), zero
+// rows from n2 to a whole block. Rows past M (to a multiple of 32) go through `stage`. -----------
+static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp, float* o,
+                   int64_t ldo, float* stage) {
+  const int64_t nkb = (n2 + kTilePairs - 1) / kTilePairs;
+  const int64_t lda = kTileK * 4, ldb = Dvp * 4;
   for (int r = 0; r < M; r += 2 * kTileRows) {
     const int rows = M - r < 2 * kTileRows ? M - r : 2 * kTileRows;
     float* orow = o + r * ldo;
@@ -146,7 +141,7 @@ static void pv_amx(int M, const Pair* p, int64_t ldp, const Pair* const* vp, int
       orow = stage;
       ld = Dvp;
     }
-    const Pair* a = p + int64_t(r) * ldp;
+    const Pair* a = p + int64_t(r) * kTileK;
     for (int64_t c = 0; c < Dvp; c += 2 * kTilePairs) {
       float* oc = orow + c;
       _tile_loadd(0, oc, ld * 4);
@@ -154,9 +149,9 @@ static void pv_amx(int M, const Pair* p, int64_t ldp, const Pair* const* vp, int
       _tile_loadd(2, oc + kTileRows * ld, ld * 4);
       _tile_loadd(3, oc + kTileRows * ld + kTilePairs, ld * 4);
       for (int64_t kb = 0; kb < nkb; ++kb) {
-        const Pair* b = vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c;
+        const Pair* b = vp + kb * kTilePairs * Dvp + c;
         _tile_loadd(4, a + kb * kTilePairs, lda);
-        _tile_loadd(5, a + kTileRows * ldp + kb * kTilePairs, lda);
+        _tile_loadd(5, a + kTileRows * kTileK + kb * kTilePairs, lda);
         _tile_loadd(6, b, ldb);
         _tile_loadd(7, b + kTilePairs, ldb);
         _tile_dpbf16ps(0, 4, 6);
@@ -213,7 +208,7 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   const PackedKV kv = packed_kv(ks, vs, j0, n, Dk, Dv, sc);
   const int M = rs.M;
   float* s = ax.s;
-  qk_amx(M, qb, Dkp / 2, &kv.kp, 1, ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs, s, kTileK);
+  qk_amx(M, qb, Dkp / 2, kv.kp, ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs, s);
   // (the block is the whole tile: keys past n would score 0, so only whole tiles fuse)
   const bool fused = bias == nullptr && n == kTileK && fusable(rs, j0, n, softcap, st);
   bool partial = false;
@@ -240,7 +235,7 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   const int64_t n2r = round_up(n2, kTilePairs);  // pairs past n2 must be zeros, not stale floats
   if (n2r > n2)
     for (int r = 0; r < M; ++r) std::memset(s + r * kTileK + n2, 0, sizeof(float) * std::size_t(n2r - n2));
-  pv_amx(M, reinterpret_cast<const Pair*>(s), kTileK, &kv.vp, 1, n2, Dvp, st.o, st.ldo, ax.ostage);
+  pv_amx(M, reinterpret_cast<const Pair*>(s), kv.vp, n2, Dvp, st.o, st.ldo, ax.ostage);
 }
 
 // ---- wide blocks: kWideTiles whole tiles that every row sees whole --------------------------
@@ -253,21 +248,129 @@ static bool wide_block(const kern::RowSet& rs, int64_t j0, int64_t j_end, float 
          fusable(rs, j0, kWideKeys, softcap, st);
 }
 
+// The tile products of a wide block's row pair, cut into steps so that they can run between the
+// rows of another row pair's softmax: the tile unit works through a step's few instructions
+// (tens of cycles each) while the vector units run the exps that follow them in program order.
+// Run back to back instead, each waits for the other (products then softmax, per row pair).
+//   QkSteps: S = Q K^T of 32 rows x the block's keys, one 32 x 32 block of scores a step.
+//   PvSteps: O += P V of 32 rows, two 16-pair blocks of keys a step (the output tiles loaded at
+//   a column pair's first step and stored at its last).
+struct QkSteps {
+  const Pair* a;  // the row pair's first query row (ldq pairs a row)
+  int64_t ldq, nkb;
+  const Pair* const* kp;
+  float* s;  // kWideKeys floats a row
+  int step_ = 0;
+  int steps() const { return kWideTiles * 2; }
+  void step() {
+    const int t = step_ / 2, c = step_ % 2 * 2 * kTilePairs;
+    ++step_;
+    const int64_t lda = ldq * 4, ldb = kTileK * 4, ldc = kWideKeys * 4;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      const Pair* b = kp[t] + kb * kTilePairs * kTileK + c;
+      _tile_loadd(4, a + kb * kTilePairs, lda);
+      _tile_loadd(5, a + kTileRows * ldq + kb * kTilePairs, lda);
+      _tile_loadd(6, b, ldb);
+      _tile_loadd(7, b + kTilePairs, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* out = s + t * kTileK + c;
+    _tile_stored(0, out, ldc);
+    _tile_stored(1, out + kTilePairs, ldc);
+    _tile_stored(2, out + kTileRows * kWideKeys, ldc);
+    _tile_stored(3, out + kTileRows * kWideKeys + kTilePairs, ldc);
+  }
+};
+
+struct PvSteps {
+  static constexpr int64_t kKbs = kWideKeys / 2 / kTilePairs, kKbStep = 2;
+  const Pair* p;  // the row pair's P: pairs at the start of each row, kWideKeys floats a row
+  const Pair* const* vp;
+  int64_t Dvp;
+  float* o;  // the row pair's output rows (ldo floats a row; a staging copy for a partial pair)
+  int64_t ldo;
+  int step_ = 0;
+  int steps() const { return int(Dvp / (2 * kTilePairs) * (kKbs / kKbStep)); }
+  void step() {
+    const int64_t c = step_ / (kKbs / kKbStep) * 2 * kTilePairs, kb0 = step_ % (kKbs / kKbStep) * kKbStep;
+    ++step_;
+    float* oc = o + c;
+    const int64_t ld = ldo * 4, lda = kWideKeys * 4, ldb = Dvp * 4;
+    constexpr int64_t kTileBlocks = kTileK / 2 / kTilePairs;
+    if (kb0 == 0) {
+      _tile_loadd(0, oc, ld);
+      _tile_loadd(1, oc + kTilePairs, ld);
+      _tile_loadd(2, oc + kTileRows * ldo, ld);
+      _tile_loadd(3, oc + kTileRows * ldo + kTilePairs, ld);
+    }
+    for (int64_t kb = kb0; kb < kb0 + kKbStep; ++kb) {
+      const Pair* b = vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c;
+      _tile_loadd(4, p + kb * kTilePairs, lda);
+      _tile_loadd(5, p + kTileRows * kWideKeys + kb * kTilePairs, lda);
+      _tile_loadd(6, b, ldb);
+      _tile_loadd(7, b + kTilePairs, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if (kb0 + kKbStep == kKbs) {
+      _tile_stored(0, oc, ld);
+      _tile_stored(1, oc + kTilePairs, ld);
+      _tile_stored(2, oc + kTileRows * ldo, ld);
+      _tile_stored(3, oc + kTileRows * ldo + kTilePairs, ld);
+    }
+  }
+};
+
+// Up to two step sequences run one after the other (a row pair's P V, then the next one's Q K^T),
+// spread evenly over `rows` calls of at(i).
+struct TileSteps {
+  PvSteps* pv = nullptr;
+  QkSteps* qk = nullptr;
+  int total = 0, done = 0, rows = 1;
+  TileSteps(PvSteps* p, QkSteps* q, int r) : pv(p), qk(q), rows(r) {
+    total = (p ? p->steps() : 0) + (q ? q->steps() : 0);
+  }
+  void one() {
+    if (pv && pv->step_ < pv->steps())
+      pv->step();
+    else
+      qk->step();
+    ++done;
+  }
+  void at(int i) {  // after row i of `rows`
+    const int due = int(int64_t(total) * (i + 1) / rows);
+    while (done < due) one();
+  }
+  void finish() {
+    while (done < total) one();
+  }
+};
+
 // The online-softmax update of rows [r0, r1) over a wide block's raw products (s: row r at
 // (r - r0) * kWideKeys): m' = max(m, scale * max_j s_j), O and l rescaled by exp(m - m'), then
 // p_j = exp(scale * s_j - m') rounded to bf16 pairs at the start of the row and added to l.
 // The exact max (no lazy slack): a row's largest p is exactly 1, as the bf16 path's error bound
-// counts on (kernel-inl.h kLazyMax).
+// counts on (kernel-inl.h kLazyMax). `tiles` runs its steps between the rows.
 template <class PExp>
 static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
-                         const kern::FlashState& st) {
+                         const kern::FlashState& st, TileSteps& tiles) {
   constexpr int NV = kWideKeys / W;
   const V f = set1(scale);
   for (int r = r0; r < r1; ++r) {
     float* srow = s + int64_t(r - r0) * kWideKeys;
     V hi = load(srow);
     for (int c = 1; c < NV; ++c) hi = max(hi, load(srow + c * W));
-    const float m_new = std::fmax(st.m[r], reduce_max(mul(hi, f)));
+    const float top = reduce_max(mul(hi, f));
+    const float m_new = top > st.m[r] ? top : st.m[r];
     const float alpha = row::rescale(st.m[r], m_new);
     if (alpha != 1.f) {
       const V a = set1(alpha);
@@ -285,10 +388,13 @@ static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
       sum = add(sum, add(e0, e1));
     }
     st.l[r] += reduce_add(sum);
+    tiles.at(r - r0);
   }
+  tiles.finish();
 }
 
 // Accumulates the wide block of keys [j0, j0 + kWideKeys) into the state (wide_block holds).
+// Row pair i's softmax runs beside row pair i-1's P V and row pair i+1's Q K^T (TileSteps).
 static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
                            const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
                            int64_t Dk, int64_t Dv, const kern::Scratch& sc,
@@ -306,17 +412,45 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
     vp[t] = kv.vp;
   }
   const int64_t nkb = ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs;
-  for (int r = 0; r < rs.M; r += 2 * kTileRows) {
-    const int r1 = int(imin(rs.M, r + 2 * kTileRows));
-    qk_amx(2 * kTileRows, qb + r * (Dkp / 2), Dkp / 2, kp, kWideTiles, nkb, ax.sw, kWideKeys);
+  const int pairs = int((rs.M + 2 * kTileRows - 1) / (2 * kTileRows));
+  auto sbuf = [&](int i) { return ax.sw + i % 2 * (2 * kTileRows * kWideKeys); };
+  auto qk_steps = [&](int i) {
+    return QkSteps{qb + i * 2 * kTileRows * (Dkp / 2), Dkp / 2, nkb, kp, sbuf(i)};
+  };
+  // the output rows of row pair i (its rows past M in the staging copy: copied in, then back)
+  auto rows_of = [&](int i) { return int(imin(rs.M, (i + 1) * 2 * kTileRows)) - i * 2 * kTileRows; };
+  auto out_of = [&](int i) -> std::pair<float*, int64_t> {
+    float* o = st.o + int64_t(i) * 2 * kTileRows * st.ldo;
+    const int rows = rows_of(i);
+    if (rows == 2 * kTileRows) return {o, st.ldo};
+    for (int r = 0; r < rows; ++r) std::memcpy(ax.ostage + r * Dvp, o + r * st.ldo, sizeof(float) * std::size_t(Dvp));
+    std::memset(ax.ostage + rows * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - rows) * Dvp));
+    return {ax.ostage, Dvp};
+  };
+  auto out_back = [&](int i) {
+    const int rows = rows_of(i);
+    if (rows == 2 * kTileRows) return;
+    float* o = st.o + int64_t(i) * 2 * kTileRows * st.ldo;
+    for (int r = 0; r < rows; ++r) std::memcpy(o + r * st.ldo, ax.ostage + r * Dvp, sizeof(float) * std::size_t(Dvp));
+  };
+  QkSteps first = qk_steps(0);
+  TileSteps(nullptr, &first, 1).finish();
+  PvSteps pv_prev{};
+  for (int i = 0; i < pairs; ++i) {
+    QkSteps next = qk_steps(i + 1);
+    TileSteps tiles(i > 0 ? &pv_prev : nullptr, i + 1 < pairs ? &next : nullptr,
+                    rows_of(i));
+    const int r0 = i * 2 * kTileRows;
     if (rs.exact_l)
-      wide_softmax<Bf16P<false>>(r, r1, ax.sw, qscale, Dvp, st);
+      wide_softmax<Bf16P<false>>(r0, r0 + rows_of(i), sbuf(i), qscale, Dvp, st, tiles);
     else
-      wide_softmax<Bf16P<true>>(r, r1, ax.sw, qscale, Dvp, st);
-    const kern::FlashState part{st.o + int64_t(r) * st.ldo, st.ldo, st.m + r, st.l + r};
-    pv_amx(r1 - r, reinterpret_cast<const Pair*>(ax.sw), kWideKeys, vp, kWideTiles, kTileK / 2,
-           Dvp, part.o, part.ldo, ax.ostage);
+      wide_softmax<Bf16P<true>>(r0, r0 + rows_of(i), sbuf(i), qscale, Dvp, st, tiles);
+    if (i > 0) out_back(i - 1);
+    const auto [o, ldo] = out_of(i);
+    pv_prev = PvSteps{reinterpret_cast<const Pair*>(sbuf(i)), vp, Dvp, o, ldo};
   }
+  TileSteps(&pv_prev, nullptr, 1).finish();
+  out_back(pairs - 1);
 }
 
 // The table's `flash`: bf16 prefill items on AMX tiles, the rest on avx512's own flash (the
@@ -341,8 +475,7 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
   const float qscale = back ? rs.scale : 1.f;
   TileScope tiles;
   for (int64_t j0 = j_begin; j0 < j_end;) {
-    const bool wide_on = std::getenv("ATTNX_AMX_WIDE") == nullptr || std::getenv("ATTNX_AMX_WIDE")[0] != '0';  // TEMP A/B
-    if (wide_on && wide_block(rs, j0, j_end, softcap, qscale, st)) {
+    if (wide_block(rs, j0, j_end, softcap, qscale, st)) {
       flash_wide_amx(rs, ax.qb, qscale, ks, vs, j0, Dk, Dv, sc, st, ax);
       j0 += kWideKeys;
     } else {

@@ -7,11 +7,11 @@
 // kernel has granted this process the tile state (amx_permitted()).
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <immintrin.h>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels/kernels.h"
