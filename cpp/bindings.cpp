@@ -1166,6 +1166,8 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("bf16_dot_gain", &bf16_dot_gain);
+  m.def("set_int8_query", [](bool on) { set_int8_query(on); }, py::arg("on"));
+  m.def("int8_query", &int8_query);
   m.def("active_isa", []() { return std::string(active_isa()); });
   m.def("set_isa", [](const std::string& name) { set_isa(name); }, py::arg("name"));
   m.def("set_num_threads", [](int n) {

@@ -93,7 +93,7 @@ std::atomic<int> g_threads{0};
 bool has_avx2(const CpuFeatures& f) { return f.avx2 && f.fma && f.f16c; }
 bool has_avx512(const CpuFeatures& f) { return has_avx2(f) && f.avx512f; }
 bool has_avx512bf16(const CpuFeatures& f) {
-  return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512bf16;
+  return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512bf16 && f.avx512_vnni;
 }
 bool has_amx(const CpuFeatures& f) { return has_avx512bf16(f) && f.amx_bf16 && f.amx_permitted; }
 
@@ -158,7 +158,7 @@ const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f
   }
   if (name == "avx512bf16") {
     if (!has_avx512bf16(f))
-      throw InvalidArgument("ATTNX_ISA=avx512bf16: this CPU lacks AVX512_BF16 (or AVX-512BW/VL)");
+      throw InvalidArgument("ATTNX_ISA=avx512bf16: this CPU lacks AVX512_BF16 (or AVX-512BW/VL/VNNI)");
     return wide_table(Wide::avx512bf16);
   }
   if (name == "amx") {
@@ -203,6 +203,12 @@ const kern::KernelTable* active_table() {
 }
 
 const char* active_isa() { return active_table()->name; }
+
+namespace {
+std::atomic<bool> g_int8_query{false};
+}  // namespace
+void set_int8_query(bool on) { g_int8_query.store(on, std::memory_order_relaxed); }
+bool int8_query() { return g_int8_query.load(std::memory_order_relaxed); }
 
 double bf16_dot_gain() {
   static const double gain = has_avx512bf16(cpu_features()) ? measure_bf16_dot_gain() : 0.0;

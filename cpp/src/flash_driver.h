@@ -11,8 +11,11 @@
 #include <exception>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
+#include "attnx/dispatch.h"
+#include "attnx/paged.h"
 #include "kernels/kernels.h"
 #include "parallel.h"
 #include "plan.h"
@@ -216,6 +219,7 @@ class FlashRun {
     int64_t* hi = lo + M;
     int64_t* pos = hi + M;
     const int64_t Lq = p_.lq(it.b), Lk = p_.lk(it.b), Dkp = plan_.Dkp;
+    const bool q8 = int8_rows(it);
     for (int64_t hh = 0; hh < it.nh; ++hh) {
       for (int64_t ii = 0; ii < it.ni; ++ii) {
         const int64_t r = hh * it.ni + ii, h = it.h0 + hh, i = it.i0 + ii;
@@ -227,6 +231,7 @@ class FlashRun {
         table_->load_row(p_.q_row(it.b, h, i), p_.q_dtype, p_.Dk, qr);
         for (int64_t d = 0; d < p_.Dk; ++d) qr[d] *= p_.scale;
         for (int64_t d = p_.Dk; d < Dkp; ++d) qr[d] = T(0);
+        if (q8) s.qfactor[r] = quantise_query(qr, s.qcodes + r * Dkp);
         if (p_.mask_kind != MaskKind::none) s.mask_rows[r] = p_.mask_row(it.b, h, i);
       }
     }
@@ -235,6 +240,33 @@ class FlashRun {
     if (p_.var.alibi_slopes != nullptr) {
       for (int r = 0; r < M; ++r) s.slopes[r] = p_.var.alibi_slopes[it.h0 + r / it.ni];
       rs.slope = s.slopes;
+    }
+    if (q8) {
+      rs.qfactor = s.qfactor;
+      rs.qcodes = s.qcodes;
+    }
+  }
+
+  // Whether the item's query rows are quantised to int8 (kern::RowSetT::qfactor): over int8
+  // keys, float queries, while int8_query() is on.
+  bool int8_rows(const Item& it) const {
+    if constexpr (!std::is_same<T, float>::value) {
+      return false;
+    } else {
+      return p_.k_src(it.b, it.kvh).dtype == DType::i8 && int8_query();
+    }
+  }
+
+  // The scaled query row (Dk values, zero-padded to Dkp) as its int8 codes by the keys' rule
+  // (quantise_row): into `codes` (zero-padded) and, as values, in place; returns their factor.
+  T quantise_query(T* qr, int8_t* codes) const {
+    if constexpr (!std::is_same<T, float>::value) {
+      return T(1);  // (never called: int8_rows is false for float64)
+    } else {
+      const T f = quantise_row(qr, p_.Dk, DType::i8, codes);
+      for (int64_t d = 0; d < p_.Dk; ++d) qr[d] = T(codes[d]);
+      std::memset(codes + p_.Dk, 0, std::size_t(plan_.Dkp - p_.Dk));
+      return f;
     }
   }
 

@@ -54,6 +54,8 @@ struct ThreadScratch {
   std::vector<int64_t> ints;
   std::vector<const char*> mask_rows;
   std::vector<T> slopes;
+  std::vector<T> qfactors;
+  std::vector<int8_t> qcodes;
 };
 
 template <class T>
@@ -72,6 +74,8 @@ struct Slot {
   int64_t* lo;              // 3 x M_max: each row's visible keys [lo, hi) and its position
   const char** mask_rows;   // M_max mask row addresses
   T* slopes;                // M_max ALiBi slopes
+  T* qfactor;               // M_max factors of int8 queries' scores (kern::RowSetT::qfactor)
+  int8_t* qcodes;           // (M_max, Dkp) their codes (kern::RowSetT::qcodes)
 };
 
 // A thread's buffers for one call: the kernels' tile scratch, a row to finish output rows in and
@@ -85,11 +89,14 @@ struct ThreadBuffers {
   int64_t* ints = nullptr;
   const char** mask_rows = nullptr;
   T* slopes = nullptr;
+  T* qfactors = nullptr;
+  int8_t* qcodes = nullptr;
   int64_t M_max = 0, Dkp = 0, Dvp = 0;
 
   Slot<T> slot(int64_t g) const {
     return {q + g * M_max * Dkp, o + g * M_max * Dvp,      m + g * M_max, l + g * M_max,
-            ints + g * 3 * M_max, mask_rows + g * M_max, slopes + g * M_max};
+            ints + g * 3 * M_max, mask_rows + g * M_max, slopes + g * M_max,
+            qfactors + g * M_max, qcodes + g * M_max * Dkp};
   }
 };
 
@@ -134,6 +141,8 @@ class ScratchLayout {
     ts.ints.resize(std::size_t(group_ * 3 * M_));
     ts.mask_rows.resize(std::size_t(group_ * M_));
     ts.slopes.resize(std::size_t(group_ * M_));
+    ts.qfactors.resize(std::size_t(group_ * M_));
+    ts.qcodes.resize(std::size_t(group_ * M_ * Dkp_));
     ThreadBuffers<T> tb;
     auto at = [&](Part part) { return base + offset_[part]; };
     tb.sc = kern::ScratchT<T>{at(kKt),          at(kKf), at(kVf), at(kS), at(kBias), at(kZero), at(kQb),
@@ -149,6 +158,8 @@ class ScratchLayout {
     tb.ints = ts.ints.data();
     tb.mask_rows = ts.mask_rows.data();
     tb.slopes = ts.slopes.data();
+    tb.qfactors = ts.qfactors.data();
+    tb.qcodes = ts.qcodes.data();
     tb.M_max = M_;
     tb.Dkp = Dkp_;
     tb.Dvp = Dvp_;

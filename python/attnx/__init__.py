@@ -57,6 +57,7 @@ __all__ = [
     "MultiHeadAttention",
     "scaled_dot_product_attention",
     "gated_delta_rule",
+    "set_int8_query",
 ]
 
 
@@ -118,6 +119,19 @@ def share_torch_threads(on=True):
     return _core.share_omp_threads(bool(on))
 
 
+def set_int8_query(on=True):
+    """Integer queries over int8 KV pages (off by default; ``ATTNX_INT8_QUERY=1`` at import turns
+    it on): each query row, times the scale, is quantised like the keys (``s_q = max|q| / 127``,
+    round half to even) and ``QKᵀ`` is computed over the codes, exactly (AVX512-VNNI's integer
+    dot products where the kernels have them; the same scores on every path), times ``s_q`` and
+    each key's scale. ``P V`` stays in float32. ``attnx.reference.paged_attention(...,
+    int8_query=True)`` is its twin. Off: the float32 query against the dequantised keys. Returns
+    the previous setting."""
+    before = bool(_core.int8_query())
+    _core.set_int8_query(bool(on))
+    return before
+
+
 def _select_isa_from_env():
     # Fail at import, with a clear message, if ATTNX_ISA asks for what this CPU lacks.
     isa = _os.environ.get("ATTNX_ISA", "").strip()
@@ -129,5 +143,7 @@ def _select_isa_from_env():
 
 
 _select_isa_from_env()
+if _os.environ.get("ATTNX_INT8_QUERY", "0").strip() == "1":
+    set_int8_query(True)
 if _os.environ.get("ATTNX_SHARE_BLAS", "1").strip() != "0":
     share_blas_threads()

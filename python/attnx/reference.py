@@ -522,7 +522,7 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
                     softcap: float | None = None, sinks: npt.ArrayLike | None = None,
                     alibi_slopes: npt.ArrayLike | None = None,
                     out_dtype: npt.DTypeLike | None = None, k_scales: npt.ArrayLike | None = None,
-                    v_scales: npt.ArrayLike | None = None) -> _Result:
+                    v_scales: npt.ArrayLike | None = None, int8_query: bool = False) -> _Result:
     """Attention over a paged KV cache (decode and chunked prefill).
 
     Sequence b owns the kv slots ``0 .. seq_lens[b]-1``; slot t lives in block
@@ -551,6 +551,10 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
     k_scales, v_scales : float32 array_like, (num_blocks, Hkv, block_size), optional
         With pages of a quantised dtype (int8, float8_e4m3fn, float8_e5m2), and only then:
         each row's scale; attention is over ``dequantize_kv(pages, scales)``.
+    int8_query : bool
+        With int8 pages: the twin of the kernels' integer queries (``attnx.set_int8_query``).
+        Each query row times ``scale`` (a float32 product) is quantised as the keys are
+        (:func:`quantize_query`), so each score is ``(q_q · k_q) * s_q * s_k``.
 
     Returns
     -------
@@ -558,6 +562,8 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
     lse : ndarray, (N, Hq), only if ``return_lse``
         float32, or float64 when the output dtype is float64.
     """
+    if int8_query and np.asarray(k_pages).dtype == np.int8 and k_scales is not None:
+        q, scale = quantize_query(q, scale), 1.0
     k_pages, v_pages = _dequantised_pages(k_pages, v_pages, k_scales, v_scales)
     q = _float_array(q, "q")
     k_pages = _float_array(k_pages, "k_pages")
@@ -921,6 +927,18 @@ def quantised_max(dtype):
     """The largest code magnitude of a quantised dtype, float32: 127 for int8, finfo.max for fp8."""
     dt = _quantised_or_raise(dtype)
     return np.float32(127.0 if dt == np.int8 else float(_ml_dtypes.finfo(dt).max))
+
+
+def quantize_query(q, scale=None):
+    """The integer query of int8 KV: each row of ``q`` (..., Dk) times ``scale`` (default
+    1/sqrt(Dk)), a float32 product, quantised as the keys are (:func:`quantize_kv`, int8), and
+    read back as ``q_q * s_q`` in float64: attention over it with scale 1 gives the scores
+    ``(q_q · k_q) * s_q * s_k``."""
+    q32 = _float_array(q, "q").astype(np.float32)
+    sc = np.float32(1.0 / np.sqrt(q32.shape[-1]) if scale is None else scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        q_q, s_q = quantize_kv(q32 * sc, "int8")
+    return q_q.astype(np.float64) * s_q.astype(np.float64)[..., None]
 
 
 def quantize_kv(x, dtype):

@@ -49,4 +49,11 @@ int share_blas_threads(bool on);
 // team is in use. A fork()ed child uses attnx's pool again (libgomp does not survive fork).
 bool share_omp_threads(bool on);
 
+// Integer queries over int8 KV (off by default): each query row, times `scale`, is quantised like
+// the keys (s_q = max|q| / 127, round half to even) and Q K^T is computed over the codes, exactly
+// (VNNI's integer dot products where the kernels have them), times s_q and each key's scale.
+// Off: the float32 query against the dequantised keys.
+void set_int8_query(bool on);
+bool int8_query();
+
 }  // namespace attnx

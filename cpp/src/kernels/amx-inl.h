@@ -453,14 +453,14 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   out_back(pairs - 1);
 }
 
-// The table's `flash`: bf16 prefill items on AMX tiles, the rest on avx512's own flash (the
-// float32-widening kernels: on the CPUs that have AMX they are faster than AVX512_BF16's
-// vdpbf16ps, see dispatch.cpp).
+// The table's `flash`: bf16 prefill items on AMX tiles, the rest on kernel-inl.h's flash (the
+// float32-widening kernels, with VNNI for integer queries: on the CPUs that have AMX they are
+// faster than AVX512_BF16's vdpbf16ps, see dispatch.cpp).
 static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                       int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                       const kern::Scratch& sc, const kern::FlashState& st) {
   if (!bf16_prefill(rs, ks, vs)) {
-    kern::table_avx512()->flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
+    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (kernel-inl.h's, this unit's)
     return;
   }
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);

@@ -2,7 +2,7 @@
 // (vdpbf16ps: 16 lanes, each adding two bf16 x bf16 products to an fp32 sum), for bf16 q, k and v.
 // kernels_avx512bf16.cpp includes it after kernel-inl.h, inside the same namespace: it reuses that
 // file's masks, online-softmax update and shared packed tiles. Everything else (other dtypes, few
-// rows: decode) runs avx512's fp32-widening `flash` (kernels_avx512.cpp).
+// rows: decode) runs kernel-inl.h's fp32-widening `flash`.
 //
 // Numerics (the flash-attention rule; README "dtypes"):
 //   S = scale * (q . k): the bf16 q and k as they are (q is taken back from the driver's scaled
@@ -305,7 +305,7 @@ static void flash_bf16(const kern::RowSet& rs, const kern::KVSource& ks, const k
                        int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                        const kern::Scratch& sc, const kern::FlashState& st) {
   if (!bf16_prefill(rs, ks, vs)) {
-    kern::table_avx512()->flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
+    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (kernel-inl.h's, this unit's)
     return;
   }
   // q / scale is the bf16 query (see the head of this file) unless the scale is 0 or its inverse

@@ -421,6 +421,14 @@ static void scale_keys(int M, Real* s, const kern::KVSource& src, int64_t j0, in
     for (int64_t j = 0; j < n; ++j) s[r * kTileK + j] *= f[j];
 }
 
+// Integer queries (RowSet::qfactor): row r of the M rows of scores times its factor.
+static void scale_rows(int M, Real* s, const Real* f, int64_t n) {
+  for (int r = 0; r < M; ++r) {
+    const V fr = set1(f[r]);
+    for (int64_t j = 0; j < n; j += W) store(s + r * kTileK + j, mul(load(s + r * kTileK + j), fr));
+  }
+}
+
 // ---- QK^T, dot form for few rows: K rows read in place ---------------------------------------
 // Horizontal sums of an RB x KB register block (row r, key t at acc[r * KB + t]) into the RB rows
 // of S: 8 keys of a row, or 4 keys of two rows, per hsum8.
@@ -498,6 +506,79 @@ static void qk_dot(int M, const Real* q, int64_t ldq, const Real* const* krow, i
     default: break;
   }
 }
+
+#if defined(ATTNX_VNNI)
+// ---- QK^T of integer queries over int8 keys read in place: VNNI's vpdpbusd -------------------
+// vpdpbusd multiplies unsigned bytes by signed ones: the keys go in as k + 128 (their sign bit
+// flipped) and the queries as they are, so each sum is q . k + 128 sum(q), corrected per row.
+// Every partial sum is an integer below 2^24 (Dk < 1040): the float scores are exactly what the
+// FMA path computes over the same codes.
+// 128 * the sum of each row's codes (M <= kDotRows rows of ldq bytes): the correction.
+static void code_sums(const RowSet& rs, int64_t Dk, float* sum) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int r = 0; r < rs.M; ++r) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t d = 0; d < Dk; d += 64)
+      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_loadu_si512(rs.qcodes + r * rs.ldq + d));
+    sum[r] = 128.f * float(_mm512_reduce_add_epi32(acc));
+  }
+}
+
+template <int RB, int KB>
+static ATTNX_INLINE void qk_vnni_block(const int8_t* q8, int64_t ld, int64_t Dk,
+                                       const Real* const* kr, Real* s) {
+  __m512i acc[RB * KB];
+  for (int a = 0; a < RB * KB; ++a) acc[a] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t d = 0; d < Dk; d += 64) {
+    __m512i qv[RB];
+    for (int r = 0; r < RB; ++r) qv[r] = _mm512_loadu_si512(q8 + r * ld + d);
+    for (int t = 0; t < KB; ++t) {
+      const __m512i kv = _mm512_xor_si512(_mm512_loadu_si512(reinterpret_cast<const int8_t*>(kr[t]) + d), flip);
+      for (int r = 0; r < RB; ++r) acc[r * KB + t] = _mm512_dpbusd_epi32(acc[r * KB + t], kv, qv[r]);
+    }
+  }
+  V f[RB * KB];
+  for (int a = 0; a < RB * KB; ++a) f[a] = _mm512_cvtepi32_ps(acc[a]);
+  reduce_block<RB, KB>(f, s);
+}
+
+// S = Q K^T (the codes' sums) of the M integer query rows (rs.qcodes) against the tile's n int8
+// key rows (Dk a multiple of 64).
+// The first block of rows prefetches `next` (nn rows of `bytes`, or null: the next tile's K) as
+// it goes, a few rows per block of keys, as qk_dot_rows does.
+static void qk_vnni(const RowSet& rs, const Real* const* krow, int64_t n, int64_t Dk, Real* s,
+                    const char* const* next, int64_t nn, int64_t bytes) {
+  const int M = rs.M;
+  const int64_t ld = rs.ldq;
+  int r = 0;
+  auto ahead = [&](int64_t j, int64_t kb) {
+    if (r == 0 && next != nullptr)
+      for (int64_t t = j; t < imin(j + kb, nn); ++t) prefetch_row(next[t], bytes);
+  };
+  for (; r + 4 <= M; r += 4)
+    for (int64_t j = 0; j < n; j += 4) {
+      ahead(j, 4);
+      qk_vnni_block<4, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
+    }
+  for (; r + 2 <= M; r += 2)
+    for (int64_t j = 0; j < n; j += 4) {
+      ahead(j, 4);
+      qk_vnni_block<2, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
+    }
+  for (; r < M; ++r)
+    for (int64_t j = 0; j < n; j += 8) {
+      ahead(j, 8);
+      qk_vnni_block<1, 8>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
+    }
+  float sum[kern::kDotRows];
+  code_sums(rs, Dk, sum);
+  for (int i = 0; i < M; ++i) {
+    const V corr = set1(sum[i]);
+    for (int64_t j = 0; j < n; j += W) store(s + i * kTileK + j, sub(load(s + i * kTileK + j), corr));
+  }
+}
+#endif
 
 // ---- O += P V: MR rows x NB*W value features per register block ------------------------------
 template <int MR, int NB, class T>
@@ -830,7 +911,8 @@ static inline bool sees_whole(const RowSet& rs, int r, int R, int64_t j0, int64_
 // is skipped while it has seen nothing, see row_state.h) and the tile is whole register blocks
 // (zero keys past n would score 0).
 static bool fusable(const RowSet& rs, int64_t j0, int64_t n, Real softcap, const FlashState& st) {
-  if (softcap > 0.f || n % (NR * W) != 0 || !sees_whole(rs, 0, rs.M, j0, n)) return false;
+  if (softcap > 0.f || n % (NR * W) != 0 || rs.qfactor != nullptr || !sees_whole(rs, 0, rs.M, j0, n))
+    return false;
   for (int r = 0; r < rs.M; ++r)
     if (!(st.m[r] > kNegInf && st.m[r] < -kNegInf)) return false;
   return true;
@@ -922,12 +1004,18 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
               ks.kt == nullptr ? kn : nullptr, nn, Dk * elem_bytes(ks.dtype), fused ? &on : nullptr);
   } else {
     const Real** krow = key_rows(ks, j0, n, Dk, k_inplace, sc);
+#if defined(ATTNX_VNNI)
+    if (rs.qcodes != nullptr && kdt == DType::i8 && Dk % 64 == 0)
+      qk_vnni(rs, krow, n, Dk, sc.s, kn, nn, Dk);
+    else
+#endif
     with_type(kdt, [&](auto t) {
       qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, k_inplace ? Dk : Dkp, sc.s, kn, nn,
                           Dk * elem_bytes(ks.dtype));
     });
     if (k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
   }
+  if (rs.qfactor != nullptr) scale_rows(M, sc.s, rs.qfactor, n);
   // (a fused tile's S is already P: every row sees it whole, so none sees it in part)
   const bool partial = !fused && softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
   // O += P V

@@ -72,6 +72,12 @@ struct RowSetT {
   // The rows' l must be float32-accurate: they return an lse. Where false, the avx512bf16 path
   // (which rounds P to bf16) may compute p to 2.9e-6 instead of 1.3 ulp (bf16_dot-inl.h).
   bool exact_l = true;
+  // Integer queries over int8 keys (null otherwise): q holds each row quantised like the keys,
+  // integers in [-127, 127], and row r's scores take the factor qfactor[r] (its scale times
+  // `scale`) besides each key's scale. Sums of code products are exact in T for Dk < 1040, so
+  // FMAs over them and VNNI's integer dot products give the same scores.
+  const T* qfactor = nullptr;
+  const int8_t* qcodes = nullptr;  // with qfactor: the same codes as int8, (M, ldq) zero-padded
 };
 using RowSet = RowSetT<float>;
 

@@ -1,6 +1,7 @@
 // kernels_amx.cpp: the avx512 kernels, with AMX-BF16 tile products for prefill over bf16 q, k and
-// v (amx-inl.h). Every other call runs avx512's own table entries (kernels_avx512.cpp): the
-// float32-widening kernels, bit for bit what ATTNX_ISA=avx512 computes. kernel-inl.h and
+// v (amx-inl.h), and AVX512-VNNI for integer queries over int8 keys (kernel-inl.h, ATTNX_VNNI).
+// Every other call runs kernel-inl.h's float32-widening kernels, bit for bit what
+// ATTNX_ISA=avx512 computes. kernel-inl.h and
 // bf16_dot-inl.h are compiled here again for what the tile loop shares with them (masks, online
 // softmax, the bf16 pair layouts). CMake compiles this file with -mamx-tile -mamx-bf16 besides
 // the avx512bf16 flags; dispatch.cpp calls table_amx() only where the CPU has AMX-BF16 and the
@@ -13,6 +14,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#define ATTNX_VNNI 1
 
 #include "kernels/kernels.h"
 #include "row_state.h"
@@ -32,6 +35,7 @@ const KernelTable* table_amx() {
     KernelTable t = *table_avx512();
     t.name = "amx";
     t.flash = &amx::flash_amx;
+    t.flash_group = &amx::flash_group;
     return t;
   }();
   return &table;

@@ -1,15 +1,19 @@
 // kernels_avx512bf16.cpp: the avx512 kernels, with bf16 dot products (AVX512_BF16's vdpbf16ps)
-// for prefill over bf16 q, k and v (bf16_dot-inl.h). Every other call runs avx512's own table
-// entries (kernels_avx512.cpp): the same code, bit for bit the same results. kernel-inl.h is
-// compiled here again only for the helpers the bf16 tile loop shares (masks, softmax, packing).
-// CMake compiles this file with -mavx512bf16 besides the avx512 flags; dispatch.cpp calls
-// table_avx512bf16() only on CPUs that have AVX512_BF16 (and AVX512BW/VL, which bf16_dot-inl.h's
-// masked 16-bit loads use; every such CPU has them).
+// for prefill over bf16 q, k and v (bf16_dot-inl.h), and AVX512-VNNI's integer dot products for
+// integer queries over int8 keys (kernel-inl.h, ATTNX_VNNI). Every other call runs kernel-inl.h
+// as kernels_avx512.cpp does: the same code, bit for bit the same results. CMake compiles this
+// file with -mavx512bf16 -mavx512vnni besides the avx512 flags; dispatch.cpp calls
+// table_avx512bf16() only on CPUs that have AVX512_BF16, AVX512-VNNI and AVX512BW/VL (which
+// bf16_dot-inl.h's masked 16-bit loads use; every CPU with AVX512_BF16 has all three).
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <immintrin.h>
 #include <limits>
 #include <type_traits>
+#include <vector>
+
+#define ATTNX_VNNI 1
 
 #include "kernels/kernels.h"
 #include "row_state.h"
@@ -54,6 +58,7 @@ const KernelTable* table_avx512bf16() {
     KernelTable t = *table_avx512();
     t.name = "avx512bf16";
     t.flash = &avx512bf16::flash_bf16;
+    t.flash_group = &avx512bf16::flash_group;
     return t;
   }();
   return &table;
