@@ -391,3 +391,40 @@ def test_long_keys_nonfinite_value(bf16_isa, rng):
     v[0, 1, 790, 5] = -np.inf
     check_attention(q, k, v, expect_nan=True)
     check_attention(q, k, v, causal=True, expect_nan=True)
+
+
+@pytest.mark.skipif(not has_amx(), reason="CPU lacks AMX-BF16, or the OS did not grant the tile state")
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # 3.12+: fork with threads
+def test_amx_in_forked_children_and_threads(rng):
+    """The tile state's permission is the process's (asked once, at the first choice of path): a
+    fork()ed child and Python threads running at once compute on the tiles too, and agree with
+    the parent's result."""
+    import threading
+    q, k, v = (rand(rng, (1, 4, 300, 64), BF16) for _ in range(3))
+    want = on_isa("amx", lambda: attnx.attention(q, k, v, causal=True))
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if its own tiles give the same bits
+        try:
+            attnx._core.set_isa("amx")
+            got = attnx.attention(q, k, v, causal=True, num_threads=2)
+            os._exit(0 if np.array_equal(got, want) else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    results = [None] * 4
+
+    def work(i):
+        results[i] = attnx.attention(q, k, v, causal=True, num_threads=1)
+    previous = attnx.cpu_features()["isa"]
+    attnx._core.set_isa("amx")
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        attnx._core.set_isa(previous)
+    for r in results:
+        np.testing.assert_array_equal(r, want)
