@@ -316,9 +316,11 @@ BasicVariants<T> variants(py::handle window, py::handle softcap) {
   return v;
 }
 
+// A call's thread count; 0 (None) is resolved here, so that a bad default (ATTNX_NUM_THREADS)
+// is refused before a step writes its new keys, not after.
 int threads_arg(int64_t n) {
   if (n < 0 || n > std::numeric_limits<int>::max()) value_error("num_threads: expected a positive int or None");
-  return int(n);
+  return n == 0 ? get_num_threads() : int(n);
 }
 
 // ---- out -------------------------------------------------------------------------------------

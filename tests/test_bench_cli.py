@@ -120,6 +120,13 @@ def test_kv_dtype_takes_the_caches_names_and_the_short_ones(no_timing, name, lab
     assert [c.shape.dtype for c in run["cases"]] == [label]
 
 
+def test_a_bad_attnx_num_threads_is_a_one_line_error_before_the_run(monkeypatch, capsys, no_timing):
+    monkeypatch.setenv("ATTNX_NUM_THREADS", "lots")
+    assert "ATTNX_NUM_THREADS" in refused([], capsys, no_timing)
+    cli.main(["bench", "--threads", "2"])  # an explicit count does not read it
+    assert no_timing[0]["threads"] == 2
+
+
 def test_bench_run_refuses_zero_threads_and_repeats():
     with pytest.raises(ValueError, match="^threads"):
         bench.run(threads=0, cases=[])

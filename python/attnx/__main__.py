@@ -23,7 +23,11 @@ def info():
     flags = ", ".join(k for k in names if f.get(k)) or "none of the x86 extensions attnx has kernels for"
     print(f"attnx {attnx.__version__}")
     print(f"instruction set: {f['isa']} (CPU offers: {flags})")
-    print(f"threads: {attnx.get_num_threads()} (attnx's own pool, fork-safe)")
+    try:
+        threads = attnx.get_num_threads()
+    except ValueError as e:  # a bad ATTNX_NUM_THREADS: said here, refused by every call
+        threads = f"? ({e})"
+    print(f"threads: {threads} (attnx's own pool, fork-safe)")
     print()
     # The seed's multi-head example: three tokens, four features, two heads of two features each,
     # each head using its slice of X as Q = K = V, scale 1/sqrt(2) (the default for d_k = 2).
@@ -193,7 +197,13 @@ def _checked(args):
     from ._validate import SHORT_NAMES, dtype_name
     from .bench import _cases
 
-    run = dict(threads=_count(args.threads, "--threads", True),
+    threads = _count(args.threads, "--threads", True)
+    if threads is None:
+        try:
+            threads = attnx.get_num_threads()  # (ATTNX_NUM_THREADS checked now, not mid-run)
+        except ValueError as e:
+            raise _Usage(str(e)) from None
+    run = dict(threads=threads,
                repeat=_count(args.repeat, "--repeat", True), json_path=args.json,
                plot_path=args.plot, cases=None, title=None)
     batch = _count(args.batch, "--batch")
