@@ -127,6 +127,13 @@ def test_a_bad_attnx_num_threads_is_a_one_line_error_before_the_run(monkeypatch,
     assert no_timing[0]["threads"] == 2
 
 
+def test_info_with_a_bad_attnx_num_threads_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("ATTNX_NUM_THREADS", "0")
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ATTNX_NUM_THREADS" in err
+
+
 def test_bench_run_refuses_zero_threads_and_repeats():
     with pytest.raises(ValueError, match="^threads"):
         bench.run(threads=0, cases=[])

@@ -21,12 +21,13 @@ def info():
     f = attnx.cpu_features()
     names = ("sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16")
     flags = ", ".join(k for k in names if f.get(k)) or "none of the x86 extensions attnx has kernels for"
-    print(f"attnx {attnx.__version__}")
-    print(f"instruction set: {f['isa']} (CPU offers: {flags})")
     try:
         threads = attnx.get_num_threads()
-    except ValueError as e:  # a bad ATTNX_NUM_THREADS: said here, refused by every call
-        threads = f"? ({e})"
+    except ValueError as e:  # a bad ATTNX_NUM_THREADS: every call refuses it
+        print(f"python -m attnx: error: {e}", file=sys.stderr)
+        return 2
+    print(f"attnx {attnx.__version__}")
+    print(f"instruction set: {f['isa']} (CPU offers: {flags})")
     print(f"threads: {threads} (attnx's own pool, fork-safe)")
     print()
     # The seed's multi-head example: three tokens, four features, two heads of two features each,
