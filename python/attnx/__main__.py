@@ -163,6 +163,7 @@ def _model(path):
     where = f"--config {path}"
     if "num_attention_heads" not in cfg:
         raise _Usage(f"{where}: has no num_attention_heads (not a model config?)")
+
     def field(key, optional=False):
         return _count(cfg.get(key), f"{where}: {key}", optional, " (or null)" if optional else "")
 

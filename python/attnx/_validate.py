@@ -69,7 +69,7 @@ def dtype_name(dtype: Any, name: str = "dtype", allowed: Tuple[str, ...] = FLOAT
         except TypeError:
             label = None
     if label in allowed:
-        return cast(str, label)
+        return label
     listed = ", ".join(f"{n!r}" for n in allowed[:-1]) + f" or {allowed[-1]!r}"
     aliases = ", ".join(f"{a!r}" for a, n in DTYPE_ALIASES.items() if n in allowed)
     raise TypeError(f"{name}: expected {listed}" + (f" (or {aliases})" if aliases else "")
