@@ -316,9 +316,11 @@ BasicVariants<T> variants(py::handle window, py::handle softcap) {
   return v;
 }
 
+// A call's thread count; 0 (None) is resolved here, so that a bad default (ATTNX_NUM_THREADS)
+// is refused before a step writes its new keys, not after.
 int threads_arg(int64_t n) {
   if (n < 0 || n > std::numeric_limits<int>::max()) value_error("num_threads: expected a positive int or None");
-  return int(n);
+  return n == 0 ? get_num_threads() : int(n);
 }
 
 // ---- out -------------------------------------------------------------------------------------
@@ -335,6 +337,46 @@ bool may_share_memory(const py::array& a, const py::array& b) {
   };
   const auto sa = span(a), sb = span(b);
   return sa.first <= sb.second && sb.first <= sa.second;
+}
+
+// Whether two elements of `a` share a byte (a broadcast view, an `expand`ed tensor, as_strided):
+// written there, one element's result would replace another's. Exact: axes of extent 1 are never
+// stepped; sorted by |stride|, each axis stepping past everything the smaller ones span rules
+// overlap out (every ordinary, transposed or sliced array), a zero stride rules it in, and
+// anything else (interleaved strides) is settled by marking each element's bytes.
+bool self_overlaps(const py::array& a) {
+  if (a.size() <= 1) return false;
+  const int64_t es = int64_t(a.itemsize());
+  std::vector<std::pair<int64_t, int64_t>> axes;  // (|byte stride|, extent) of stepped axes
+  for (py::ssize_t i = 0; i < a.ndim(); ++i)
+    if (a.shape(i) > 1) axes.emplace_back(std::abs(int64_t(a.strides(i))), int64_t(a.shape(i)));
+  std::sort(axes.begin(), axes.end());
+  if (axes.front().first == 0) return true;
+  int64_t span = es;  // bytes spanned by the axes before this one
+  bool nested = true;
+  for (auto& [stride, n] : axes) {
+    if (stride < span) { nested = false; break; }
+    span += stride * (n - 1);
+  }
+  if (nested) return false;
+  span = es;
+  for (auto& [stride, n] : axes) span += stride * (n - 1);
+  std::vector<bool> used(std::size_t(span), false);
+  std::vector<int64_t> idx(axes.size(), 0);
+  for (int64_t off = 0;;) {  // odometer over the elements, offsets from the lowest address
+    for (int64_t b = off; b < off + es; ++b) {
+      if (used[std::size_t(b)]) return true;
+      used[std::size_t(b)] = true;
+    }
+    std::size_t d = 0;
+    for (; d < axes.size(); ++d) {
+      off += axes[d].first;
+      if (++idx[d] < axes[d].second) break;
+      off -= axes[d].first * axes[d].second;
+      idx[d] = 0;
+    }
+    if (d == axes.size()) return false;
+  }
 }
 
 // Where the kernel writes a call's result. `out` (checked first: dtype, byte order, shape,
@@ -372,6 +414,9 @@ OutTarget out_target(py::handle out, const char* of, DType dt, const py::dtype& 
     type_error(std::string("out: expected dtype ") + dtype_name(dt) + " (the dtype of " + of + "), got " + dtype_str(o));
   check_shape(o, "out", dims);
   if (!o.writeable()) value_error("out: array is not writable");
+  if (self_overlaps(o))
+    value_error("out: elements of the array overlap one another (a broadcast or expanded view, "
+                "byte strides " + std::string(py::str(o.attr("strides"))) + "): each result needs its own memory; pass a fresh array");
   if (!strided_ok) elem_strides(o, "out");  // refuses what the kernel cannot address
   bool direct = stride_problem(o, true) == nullptr;
   for (py::handle r : reads)

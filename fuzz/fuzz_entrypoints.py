@@ -15,14 +15,16 @@ read-only, misaligned, byte-swapped, a field of a structured array, a zero-strid
 logical size of 2**40, NaN/inf values, lists, 0-d). Valid-looking problems draw integer arguments
 (lengths, tables) in every integer width and byte order (NumPy scalars where one length will do),
 window sides as NumPy integers or wider than any sequence, extreme scale/softcap values, an
-``out`` that overlaps q, k, v, the mask or the pages, and new keys read from the very pool a
+``out`` that overlaps q, k, v, the mask or the pages, an ``out`` whose own elements share memory
+(a writable zero-stride or overlapping-stride view), and new keys read from the very pool a
 step writes. Rules checked on every call:
 
 * the outcome is a result or one of ``ALLOWED`` (ValueError, TypeError, KeyError, IndexError,
   MemoryError, attnx.CacheFullError, attnx.StaleStepError); anything else (SystemError,
   RuntimeError, a segfault, a sanitizer report) is a finding;
 * inputs are not modified (except where they share memory with ``out`` or the pool a step
-  writes); when the call raises, ``out`` is not modified either;
+  writes); when the call raises, ``out`` is not modified either; an ``out`` whose elements
+  share memory is refused (a result there is a finding: some element would hold another's);
 * a cache operation that raises leaves the cache exactly as it was (block tables, lengths,
   reference counts, free list, pages), and after every operation the pool is consistent (no
   leaked or doubly held block, reference counts = holders);
@@ -300,6 +302,33 @@ def overlapping_out(p, shape, dtype, inputs):
     return buf[start:start + size].reshape(shape), inputs
 
 
+def self_overlapping_out(p, shape, dtype):
+    """A writable ``out`` of ``shape`` (over a buffer of 7s) whose elements share memory where it
+    has an axis of extent > 1: contiguous strides with one shrunk (to 0 at times)."""
+    strides, step = [0] * len(shape), 1
+    for ax in reversed(range(len(shape))):
+        strides[ax] = step
+        step *= max(shape[ax], 1)
+    axes = [ax for ax, n in enumerate(shape) if n > 1]
+    if axes:
+        ax = p.pick(axes)
+        strides[ax] = p.pick([0, max(0, strides[ax] - 1)] if strides[ax] > 1 else [0])
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if 0 not in shape else 1
+    buf = np.full(span, 7.0, dtype)
+    return np.lib.stride_tricks.as_strided(buf, shape, [s * buf.itemsize for s in strides],
+                                           writeable=True)
+
+
+def shares_elements(a):
+    """Whether two index tuples of ``a`` reach the same offset (brute force)."""
+    if not isinstance(a, np.ndarray) or a.size < 2:
+        return False
+    offsets = np.zeros(a.shape, np.int64)
+    for ax, (n, s) in enumerate(zip(a.shape, a.strides)):
+        offsets = offsets + (np.arange(n) * s).reshape([n if i == ax else 1 for i in range(a.ndim)])
+    return np.unique(offsets).size < a.size
+
+
 def rand_array(p, shape, dtype):
     r = np.random.default_rng(p.int(0, 2**16))
     return r.standard_normal(shape).astype(dtype)
@@ -346,6 +375,8 @@ def call(entry, fn, inputs=(), out=None, writes=()):
     else:
         STATS[(entry, "result")] += 1
         ok = True
+        if out is not None and shares_elements(out):
+            raise Finding(f"{entry}: accepted an out whose elements share memory")
     written = [w for w in (out, *writes) if isinstance(w, np.ndarray)]
     for x, x0 in before:
         if x0 is not None and not any(np.may_share_memory(x, w) for w in written) and not _same(x, x0):
@@ -405,6 +436,8 @@ def fuzz_attention(p):
                 kw["out"] = out
                 if mask is not None:
                     kw["mask"] = mask
+        elif p.bool(25):
+            kw["out"] = self_overlapping_out(p, out_shape, dtype)
     args = {"q": q, "k": k, "v": v, **kw}
     names = list(args) + ["mask", "kv_lens", "q_lens", "out", "scale", "window", "bogus_kwarg"]
     for _ in range(p.int(0, 4)):
@@ -463,6 +496,8 @@ def fuzz_paged(p):
                 p, args["out"].shape, q.dtype, (q, kp, vp))
             if out is not None:
                 args["out"] = out
+        elif p.bool(25):
+            args["out"] = self_overlapping_out(p, args["out"].shape, q.dtype)
     names = list(args) + ["q_lens", "out", "bogus_kwarg"]
     for _ in range(p.int(0, 4)):
         name = p.pick(names)

@@ -185,11 +185,13 @@ def test_bench_own_shape_errors_name_the_flag_before_measuring(tmp_path, args, m
 
 
 def test_read_config_head_dim_and_kv_heads_defaults(tmp_path):
+    from attnx.__main__ import _model
+
     p = tmp_path / "c.json"
     p.write_text(json.dumps({"text_config": {"num_attention_heads": 8, "hidden_size": 512,
                                              "head_dim": 128, "use_sliding_window": False,
                                              "sliding_window": 4096, "model_type": "m"}}))
-    assert _cases.read_config(p) == {"name": "m", "heads": (8, 8), "head_dim": 128, "window": None}
+    assert _model(p) == {"name": "m", "heads": (8, 8), "head_dim": 128, "window": None}
 
 
 def _judged(case, **measured):

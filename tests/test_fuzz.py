@@ -8,8 +8,9 @@ zero-stride broadcasts); a boolean or additive mask (float16/bfloat16/float32/fl
 entries) of a broadcast shape; kv_lens / q_lens padding (lists, NumPy scalars and arrays of every
 integer width and byte order); causal; window (sides as NumPy integers of any width, or wider than
 any sequence), softcap and scale (at the ends of float32's normal range, as NumPy scalars), sinks,
-ALiBi; num_threads; an ``out`` array (fresh, strided, a structured field, aliasing q, or
-overlapping q, k, v or the mask); and the instruction set. Non-finite keys and values are planted where
+ALiBi; num_threads; an ``out`` array (fresh, strided, a structured field, aliasing q,
+overlapping q, k, v or the mask, or with drawn strides whose elements may share memory, which
+must be refused untouched); and the instruction set. Non-finite keys and values are planted where
 some rows do not look (past kv_lens), and non-finite keys where rows do: NaN and inf must reach
 exactly the rows the reference says.
 The result is held to the reference with conftest's dtype-aware tolerance (``attention_tolerance``:
@@ -22,7 +23,7 @@ owns NaN, junk ids past each sequence's last block), block size, kv and q dtypes
 page layouts (head-major, slot-major, sliced, reversed or structured-field pool), tables and
 lengths of every integer width and byte order, a mix of q_lens (0, decode 1, chunks, whole
 prefill), zero-length sequences, causal, variants (extreme scalars too), threads, ``out`` (fresh,
-strided, aliasing q, inside the pool it reads) and ISA, and holds the
+strided, aliasing q, inside the pool it reads, drawn strides that may overlap) and ISA, and holds the
 result to ``attnx.reference.paged_attention`` with the same tolerance rule.
 
 How much: ``FUZZ_EXAMPLES`` (3000) dense and ``FUZZ_EXAMPLES // 2`` (1500) paged cases per run,
@@ -208,6 +209,48 @@ def present(x, how, rng, last=True):
     raise AssertionError(how)
 
 
+def any_strides(shape, dtype, r, unit_last=False):
+    """An ``out`` of ``shape`` over a buffer of 7s with drawn element strides: a contiguous
+    layout in a random axis order with one stride shrunk (to 0 at times), so that its elements
+    may share memory, interleave without meeting, or neither. ``unit_last``: the last axis keeps
+    stride 1 (paged_attention's rule). Returns (out, buffer)."""
+    nd = len(shape)
+    order = list(r.permutation(nd - 1 if unit_last else nd)) + ([nd - 1] if unit_last else [])
+    strides, step = [0] * nd, 1
+    for ax in reversed(order):
+        strides[ax] = step
+        step *= max(shape[ax], 1)
+    movable = [ax for ax in range(nd) if shape[ax] > 1 and not (unit_last and ax == nd - 1)]
+    if movable:
+        ax = int(r.choice(movable))
+        strides[ax] = int(r.choice([0, r.integers(1, strides[ax] + 1)]))
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if 0 not in shape else 1
+    buf = np.full(span, 7.0, dtype)
+    out = np.lib.stride_tricks.as_strided(buf, shape, [s * buf.itemsize for s in strides],
+                                          writeable=True)
+    return out, buf
+
+
+def shares_elements(a):
+    """The oracle for ``out`` refusals: whether two index tuples of ``a`` reach the same offset
+    (brute force; the strides are whole elements)."""
+    offsets = np.zeros(a.shape, np.int64)
+    for ax, (n, s) in enumerate(zip(a.shape, a.strides)):
+        offsets = offsets + (np.arange(n) * s).reshape([n if i == ax else 1 for i in range(a.ndim)])
+    return np.unique(offsets).size < a.size
+
+
+def refused_untouched(call, out, buf):
+    """Where ``out`` shares elements, ``call()`` is a ValueError naming it and the buffer stays
+    7s; returns True then (the case is over), False where ``out`` is a valid target."""
+    if out is None or not shares_elements(out):
+        return False
+    with pytest.raises(ValueError, match=r"^out: elements of the array overlap"):
+        call()
+    assert (buf.astype(np.float64) == 7.0).all(), "a refused out was written"
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # dense attention
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +297,8 @@ def dense_problems(draw):
         scale=draw(st.sampled_from([None, None, 0.05, 1.0, 2.5, F32_TINY, 1e-30, 1e12])),
         scalar_type=draw(st.sampled_from([float, np.float64, np.float32])),
         num_threads=draw(st.sampled_from([None, 1, 2, 3])),
-        out=draw(st.sampled_from([None, None, "fresh", "strided", "field", "alias_q", "overlap"])),
+        out=draw(st.sampled_from([None, None, "fresh", "strided", "field", "alias_q", "overlap",
+                                  "any_strides"])),
         overlap_with=draw(st.sampled_from(["q", "k", "v", "mask"])),
         isa=draw(st.sampled_from(ISAS)),
         data_seed=draw(st.integers(0, 2**32 - 1)),
@@ -369,6 +413,12 @@ def test_dense_fuzz(spec):
                 kw["mask"] = x
             else:
                 q, k, v = (x if n == name else a for n, a in (("q", q), ("k", k), ("v", v)))
+    elif spec["out"] == "any_strides":
+        out, buf = any_strides(out_shape, dtype, r)
+        with on_isa(spec["isa"]):
+            if refused_untouched(lambda: attnx.attention(q, k, v, layout=layout, out=out, **kw),
+                                 out, buf):
+                return
     with on_isa(spec["isa"]):
         o, _ = check_dense(q, k, v, layout=layout, out=out, **kw)
     if not expect_nan and spec["planted"] != "seen" and not (
@@ -407,7 +457,8 @@ def paged_problems(draw):
         sinks=draw(st.booleans()), alibi=draw(st.booleans()),
         scale=draw(st.sampled_from([None, None, 0.1, 1.5, 1e-30, np.float32(0.3)])),
         num_threads=draw(st.sampled_from([None, 1, 2, 3])),
-        out=draw(st.sampled_from([None, None, "fresh", "strided", "alias_q", "overlap_pages"])),
+        out=draw(st.sampled_from([None, None, "fresh", "strided", "alias_q", "overlap_pages",
+                                  "any_strides"])),
         planted=draw(st.booleans()),
         isa=draw(st.sampled_from(ISAS)),
         data_seed=draw(st.integers(0, 2**32 - 1)),
@@ -514,6 +565,12 @@ def test_paged_fuzz(spec):
         out = q
     elif spec["out"] == "overlap_pages" and q.dtype == kp.dtype:  # out inside the pool it reads
         kp, out = _overlapping(kp, (N, Hq, Dv), q.dtype, r)
+    elif spec["out"] == "any_strides":
+        out, buf = any_strides((N, Hq, Dv), q.dtype.newbyteorder("="), r, unit_last=True)
+        with on_isa(spec["isa"]):
+            if refused_untouched(lambda: attnx.paged_attention(q, kp, vp, tables, seq_lens, out=out,
+                                                               **lens_kw, **kw), out, buf):
+                return
     with on_isa(spec["isa"]):
         check_paged(q, kp, vp, tables, seq_lens, q_lens, out=out, num_threads=spec["num_threads"],
                     poisoned=not spec["planted"], decode=not lens_kw, **kw)

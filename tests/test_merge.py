@@ -220,3 +220,46 @@ def test_mixed_dtypes_and_single_arrays_are_refused():
         attnx.merge_attention(np.stack([o, o]), np.stack([lse, lse]))
     with pytest.raises(TypeError, match="outs: expected a sequence"):
         attnx.merge_attention(5, 6)
+
+
+# ---- tensors in, the same kind out (issue 31) -------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("form", ["list", "tuple", "generator", "keywords"])
+def test_torch_parts_give_torch_results(dtype, form):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 5, 8)).astype(np.float32)).to(
+        getattr(torch, dtype)) for _ in range(3))
+    parts = [attnx.attention(q, k[:, :, s], v[:, :, s], return_lse=True)
+             for s in (slice(0, 2), slice(2, 5))]
+    assert all(isinstance(o, torch.Tensor) for o, _ in parts)
+    outs, lses = [p[0] for p in parts], [p[1] for p in parts]
+    if form == "tuple":
+        outs, lses = tuple(outs), tuple(lses)
+    if form == "generator":
+        outs, lses = (o for o in outs), (x for x in lses)
+    out, lse = (attnx.merge_attention(outs=outs, lses=lses) if form == "keywords"
+                else attnx.merge_attention(outs, lses))
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    # the same values as the NumPy merge of the same parts
+    to_np = lambda t: t.float().numpy()  # noqa: E731
+    want_out, want_lse = attnx.merge_attention([to_np(p[0]) for p in parts],
+                                               [p[1].numpy() for p in parts])
+    np.testing.assert_allclose(out.float().numpy(), want_out, atol=1e-2 if dtype != "float32" else 1e-6)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=1e-5)
+
+
+def test_numpy_parts_still_give_numpy():
+    rng = np.random.default_rng(4)
+    o = [rng.standard_normal((2, 3, 4)).astype(np.float32) for _ in range(2)]
+    x = [rng.standard_normal((2, 3)).astype(np.float32) for _ in range(2)]
+    out, lse = attnx.merge_attention(o, x)
+    assert type(out) is np.ndarray and type(lse) is np.ndarray
+
+
+def test_a_tensor_part_on_another_device_names_it():
+    torch = pytest.importorskip("torch")
+    o = torch.zeros(2, 3, 4, device="meta")
+    with pytest.raises(ValueError, match=r"^outs\[0\]"):
+        attnx.merge_attention([o, o], [torch.zeros(2, 3), torch.zeros(2, 3)])

@@ -4,7 +4,10 @@
   (a ValueError naming the argument otherwise, also for bools and floats); a count above
   ``_core._max_threads()`` (4 per CPU this process may run on, at most 1024) is capped with a
   RuntimeWarning instead of starting that many threads (issue 18's smaller deviations).
-* The default: ``OMP_NUM_THREADS`` at call time if set, else the CPUs of the affinity mask.
+* The default: ``ATTNX_NUM_THREADS`` at call time if set (attnx's own knob: a value that is not
+  a positive integer is a ValueError naming it at the call, before anything is written), else
+  ``OMP_NUM_THREADS``, else the CPUs of the affinity mask; ``set_num_threads`` and ``num_threads=``
+  come before all of them (issue 31).
 * The pool: each calling thread's workers are made once and reused, and joined when that thread
   exits (no thread leaks per call or per caller); ``ATTNX_SPIN_US=0`` (sleep at once) gives the
   same bits as the default spin.
@@ -191,3 +194,88 @@ print(h.hexdigest())
         assert r.returncode == 0, r.stderr
         digests.add(r.stdout.strip())
     assert len(digests) == 1
+
+
+# ---- ATTNX_NUM_THREADS (issue 31) --------------------------------------------------------------
+@pytest.fixture
+def clean_env(monkeypatch):
+    monkeypatch.delenv("ATTNX_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    attnx.set_num_threads(0)
+    yield monkeypatch
+    attnx.set_num_threads(0)
+
+
+@pytest.mark.parametrize("env, expected", [("3", 3), (" 2 ", 2), ("+3", 3), ("", None), ("   ", None),
+                                           ("100000", "cap")])
+def test_attnx_num_threads_sets_the_default(clean_env, env, expected):
+    cpus = min(len(os.sched_getaffinity(0)), _core._max_threads())
+    clean_env.setenv("ATTNX_NUM_THREADS", env)
+    assert attnx.get_num_threads() == {None: cpus, "cap": _core._max_threads()}.get(expected, expected)
+
+
+def test_attnx_num_threads_precedence(clean_env):
+    clean_env.setenv("OMP_NUM_THREADS", "3")
+    assert attnx.get_num_threads() == 3
+    clean_env.setenv("ATTNX_NUM_THREADS", "2")
+    assert attnx.get_num_threads() == 2, "ATTNX_NUM_THREADS comes before OMP_NUM_THREADS"
+    attnx.set_num_threads(1)
+    assert attnx.get_num_threads() == 1, "set_num_threads comes before ATTNX_NUM_THREADS"
+    attnx.set_num_threads(0)
+    clean_env.setenv("ATTNX_NUM_THREADS", "bad")
+    for entry, call in _calls().items():  # num_threads= comes first: the variable is not read
+        call(2)
+
+
+BAD = ["abc", "0", "-1", "2.5", "3,2", "1e3", "4 threads", "0x4"]
+
+
+@pytest.mark.parametrize("env", BAD)
+def test_bad_attnx_num_threads_is_a_value_error_at_the_call(clean_env, env):
+    clean_env.setenv("ATTNX_NUM_THREADS", env)
+    with pytest.raises(ValueError, match=f"^ATTNX_NUM_THREADS: expected a positive integer.*{env!r}"):
+        attnx.get_num_threads()
+    for entry, call in _calls().items():
+        with pytest.raises(ValueError, match="^ATTNX_NUM_THREADS"):
+            call(None)
+    q = np.ones((1, 4, 1, 8), np.float32)  # (B, T, H, K)
+    with pytest.raises(ValueError, match="^ATTNX_NUM_THREADS"):
+        attnx.gated_delta_rule(q, q, q, np.zeros((1, 4, 1), np.float32), np.ones((1, 4, 1), np.float32))
+    clean_env.setenv("OMP_NUM_THREADS", "2")  # OpenMP's variable does not excuse attnx's
+    with pytest.raises(ValueError, match="^ATTNX_NUM_THREADS"):
+        attnx.get_num_threads()
+
+
+def test_a_refused_call_writes_nothing(clean_env):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 6, 8)).astype(np.float32) for _ in range(3))
+    out = np.full_like(q, 7.0)
+    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
+    st = cache.begin_step([cache.new_sequence()], [3])
+    x = rng.standard_normal((3, 1, 8)).astype(np.float32)
+    pages = cache.k_pages(0).copy(), cache.v_pages(0).copy()
+    clean_env.setenv("ATTNX_NUM_THREADS", "many")
+    with pytest.raises(ValueError, match="^ATTNX_NUM_THREADS"):
+        attnx.attention(q, k, v, out=out)
+    with pytest.raises(ValueError, match="^ATTNX_NUM_THREADS"):
+        st.attend(0, x, x, x)
+    assert (out == 7.0).all()
+    assert np.array_equal(cache.k_pages(0), pages[0]) and np.array_equal(cache.v_pages(0), pages[1])
+    clean_env.delenv("ATTNX_NUM_THREADS")
+    np.testing.assert_array_equal(attnx.attention(q, k, v, out=out), attnx.attention(q, k, v))
+
+
+def test_attnx_num_threads_changes_no_other_librarys_threads(tmp_path):
+    """torch reads OMP_NUM_THREADS, not ATTNX_NUM_THREADS; NumPy's BLAS likewise."""
+    code = ("import attnx, numpy, sys; n = attnx.get_num_threads(); import torch; "
+            "print(n, torch.get_num_threads())")
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k not in ("ATTNX_NUM_THREADS", "OMP_NUM_THREADS")}
+    env["OMP_NUM_THREADS"] = "2"
+    runs = []
+    for extra in ({}, {"ATTNX_NUM_THREADS": "1"}):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**env, **extra}, timeout=300)
+        assert r.returncode == 0, r.stderr
+        runs.append(r.stdout.split())
+    assert runs == [["2", "2"], ["1", "2"]]

@@ -235,6 +235,25 @@ int omp_num_threads_env() {
   return int(std::min<long>(v, kThreadLimit));
 }
 
+// ATTNX_NUM_THREADS: attnx's own default, before OMP_NUM_THREADS (so attnx and the OpenMP
+// libraries beside it can be given different counts); read at each call like it. Unset or blank:
+// 0. Anything but one positive integer (blanks around it allowed) is refused, not ignored: the
+// call raises ValueError (InvalidArgument) before any work.
+int attnx_num_threads_env() {
+  const char* env = std::getenv("ATTNX_NUM_THREADS");
+  if (env == nullptr) return 0;
+  const char* p = env;
+  while (*p == ' ' || *p == '\t') ++p;
+  if (*p == '\0') return 0;
+  char* end = nullptr;
+  const long v = std::strtol(p, &end, 10);
+  while (end != p && (*end == ' ' || *end == '\t')) ++end;
+  if (end == p || *end != '\0' || v < 1)
+    throw InvalidArgument(std::string("ATTNX_NUM_THREADS: expected a positive integer (or unset), "
+                          "got '") + env + "'");
+  return int(std::min<long>(v, kThreadLimit));
+}
+
 // Every thread count passes here: at most max_threads(), which is never below 4 (so the common
 // small counts skip its affinity system call).
 int capped(int n) { return n <= 4 ? n : std::min(n, max_threads()); }
@@ -244,6 +263,7 @@ int capped(int n) { return n <= 4 ? n : std::min(n, max_threads()); }
 void set_num_threads(int n) { g_threads.store(n < 0 ? 0 : n); }
 int get_num_threads() {
   int n = g_threads.load();
+  if (n <= 0) n = attnx_num_threads_env();
   if (n <= 0) n = omp_num_threads_env();
   return capped(n > 0 ? n : available_cpus());
 }

@@ -80,13 +80,15 @@ def cpu_features() -> dict[str, bool | str]:
 
 def set_num_threads(n):
     """Threads for every later call (``n >= 1``); ``0`` returns to the default, read at each
-    call: ``OMP_NUM_THREADS`` if set, else the CPUs this process may run on. A count above 4 per
-    such CPU (or above 1024) is capped, with a RuntimeWarning. The environment is never changed."""
+    call: ``ATTNX_NUM_THREADS`` if set (a ValueError at the call if it is not a positive
+    integer), else ``OMP_NUM_THREADS`` if set, else the CPUs this process may run on. A count
+    above 4 per such CPU (or above 1024) is capped, with a RuntimeWarning. The environment is
+    never changed."""
     _core.set_num_threads(_api._thread_count(n, "n", 0, "an int >= 0", stacklevel=3))
 
 
 def get_num_threads():
-    """Threads a call uses when it is not given ``num_threads``."""
+    """Threads a call uses when it is not given ``num_threads`` (see :func:`set_num_threads`)."""
     return _core.get_num_threads()
 
 

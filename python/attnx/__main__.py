@@ -4,6 +4,8 @@ two-head worked example; ``python -m attnx bench``: the side-by-side benchmark (
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 import numpy as np
@@ -20,11 +22,16 @@ def info():
     names = ("sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16",
              "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_fp16")
     flags = ", ".join(k for k in names if f.get(k)) or "none of the x86 extensions attnx has kernels for"
+    try:
+        threads = attnx.get_num_threads()
+    except ValueError as e:  # a bad ATTNX_NUM_THREADS: every call refuses it
+        print(f"python -m attnx: error: {e}", file=sys.stderr)
+        return 2
     print(f"attnx {attnx.__version__}")
     print(f"instruction set: {f['isa']} (CPU offers: {flags})")
     if f.get("amx_tile") and not f.get("amx_permitted"):
         print("  (the OS did not grant this process the AMX tile state: AMX unused)")
-    print(f"threads: {attnx.get_num_threads()} (attnx's own pool, fork-safe)")
+    print(f"threads: {threads} (attnx's own pool, fork-safe)")
     print()
     # The seed's multi-head example: three tokens, four features, two heads of two features each,
     # each head using its slice of X as Q = K = V, scale 1/sqrt(2) (the default for d_k = 2).
@@ -52,15 +59,16 @@ def info():
     return 0 if err < 1e-5 else 1
 
 
-def _lengths(text):
-    """``"512,2048"`` -> [512, 2048] (argparse type of --seq / --context)."""
-    try:
-        xs = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        xs = []
-    if not xs or min(xs) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive lengths like 2048 or 512,2048, got {text!r}")
-    return xs
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (``prog: error: ...``, exit 2), without the usage
+    block argparse prints first; ``--help`` still shows it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Usage(Exception):
+    """A bad option or config field: main prints it as the parser's one-line error."""
 
 
 def _bench_parser(sub):
@@ -88,15 +96,16 @@ def _bench_parser(sub):
                           "paged decode at every --context")
     own.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
     own.add_argument("--heads", default="32:8", help="query:KV heads, e.g. 32:8, or one number (default 32:8)")
-    own.add_argument("--seq", type=_lengths, action="append", metavar="S[,S...]",
+    own.add_argument("--seq", action="append", metavar="S[,S...]",
                      help="prefill length(s) (default 2048; --config: 512,2048)")
-    own.add_argument("--context", type=_lengths, action="append", metavar="L[,L...]",
+    own.add_argument("--context", action="append", metavar="L[,L...]",
                      help="decode context length(s) (default 4096)")
     own.add_argument("--head-dim", type=int, default=128, help="head dimension D (default 128)")
-    own.add_argument("--kv-dtype", choices=("fp32", "fp16", "bf16", "int8", "fp8"), default="fp32",
-                     help="dtype of K and V (prefill: of q, k and v too; default fp32). int8 and fp8 "
-                          "(e4m3, with per-token scales) are paged-decode only; --config then runs "
-                          "its prefill rows in fp32")
+    own.add_argument("--kv-dtype", default="fp32",
+                     help="dtype of K and V (prefill: of q, k and v too; default fp32): fp32, fp16, "
+                          "bf16, int8 or fp8, or as PagedKVCache names them (float32, float16, "
+                          "bfloat16, int8, float8_e4m3fn). int8 and fp8 (e4m3, with per-token scales) "
+                          "are paged-decode only; --config then runs its prefill rows in fp32")
     own.add_argument("--block-size", type=int, default=16, help="paged-decode tokens per page (default 16)")
     own.add_argument("--window", type=int, default=None,
                      help="sliding window: keys each query sees, itself included")
@@ -104,39 +113,139 @@ def _bench_parser(sub):
     return b
 
 
-def _own_cases(args, parser):
-    """The cases --case / --config ask for (None: the fixed suite); errors name the flag."""
+def _count(value, name, optional=False, also=""):
+    """``value`` as an int >= 1 (None where ``optional``); bools, floats, strings are refused.
+    ``also``: what else the error says is accepted."""
+    from ._validate import as_int
+
+    if value is None and optional:
+        return None
+    n = as_int(value)
+    if n is None or n < 1:
+        shown = json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+        raise _Usage(f"{name}: expected a positive integer{also}, got {shown}")
+    return n
+
+
+def _lengths(texts, name):
+    """``["512,2048", "64"]`` (repeated --seq / --context) -> [512, 2048, 64], or None."""
+    if not texts:
+        return None
+    try:
+        xs = [int(x) for text in texts for x in text.split(",") if x.strip()]
+    except ValueError:
+        xs = []
+    if not xs or min(xs) < 1:
+        raise _Usage(f"{name}: expected positive lengths like 2048 or 512,2048, got {','.join(texts)!r}")
+    return xs
+
+
+def _writable(path, name):
+    """Fails now, not after minutes of measuring, where ``path`` cannot be written (the file is
+    opened for appending and left as it was)."""
+    if path is None:
+        return
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise _Usage(f"{name}: cannot write {path}: {e.strerror or e}") from None
+    if not existed:
+        os.remove(path)
+
+
+def _model(path):
+    """A Hugging Face config's attention shape, every field checked (named in the error)."""
     from .bench import _cases
 
-    if args.case is None and args.config is None:
-        return None, None
+    try:
+        cfg = _cases.load_config(path)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    where = f"--config {path}"
+    if "num_attention_heads" not in cfg:
+        raise _Usage(f"{where}: has no num_attention_heads (not a model config?)")
+
+    def field(key, optional=False):
+        return _count(cfg.get(key), f"{where}: {key}", optional, " (or null)" if optional else "")
+
+    Hq = field("num_attention_heads")
+    Hkv = field("num_key_value_heads", True) or Hq  # (absent or null: one KV head per query head)
+    D = field("head_dim", True)
+    if D is None:
+        if "hidden_size" not in cfg:
+            raise _Usage(f"{where}: has neither head_dim nor hidden_size")
+        D = field("hidden_size") // Hq
+        if D < 1:
+            raise _Usage(f"{where}: hidden_size {cfg['hidden_size']} is less than "
+                         f"num_attention_heads {Hq}")
+    use = cfg.get("use_sliding_window", True)
+    if not isinstance(use, bool) and use is not None:
+        raise _Usage(f"{where}: use_sliding_window: expected true or false, got {use!r}")
+    window = field("sliding_window", True) if use is not False else None
+    if Hq % Hkv:
+        raise _Usage(f"{where}: num_attention_heads {Hq} is not a multiple of "
+                     f"num_key_value_heads {Hkv}")
+    name = cfg.get("_name_or_path") or cfg.get("model_type") or "model"
+    return {"name": str(name).rstrip("/").split("/")[-1], "heads": (Hq, Hkv), "head_dim": D,
+            "window": window}
+
+
+# the dtypes the bench can time K and V in
+BENCH_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")
+
+
+def _checked(args):
+    """Every option and --config field of ``bench``, checked before anything is measured: returns
+    what ``bench.run`` takes. A bad one raises _Usage naming it."""
+    from ._validate import SHORT_NAMES, dtype_name
+    from .bench import _cases
+
+    threads = _count(args.threads, "--threads", True)
+    if threads is None:
+        try:
+            threads = attnx.get_num_threads()  # (ATTNX_NUM_THREADS checked now, not mid-run)
+        except ValueError as e:
+            raise _Usage(str(e)) from None
+    run = dict(threads=threads,
+               repeat=_count(args.repeat, "--repeat", True), json_path=args.json,
+               plot_path=args.plot, cases=None, title=None)
+    batch = _count(args.batch, "--batch")
+    head_dim = _count(args.head_dim, "--head-dim")
+    block = _count(args.block_size, "--block-size")
+    window = _count(args.window, "--window", True)
+    try:
+        kv_dtype = dtype_name(args.kv_dtype, "--kv-dtype", BENCH_DTYPES)
+    except TypeError as e:
+        raise _Usage(str(e)) from None
+    kv_dtype = SHORT_NAMES.get(kv_dtype, kv_dtype)  # the bench's labels: fp16, bf16, int8, fp8
+    seqs, contexts = _lengths(args.seq, "--seq"), _lengths(args.context, "--context") or [4096]
+    _writable(args.json, "--json")
+    _writable(args.plot, "--plot")
     if args.case and args.config:
-        parser.error("--case and --config: give one of them")
-    for flag in ("batch", "head_dim", "block_size", "window"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            parser.error(f"--{flag.replace('_', '-')}: expected a positive number, got {value}")
-    flat = lambda xs: [n for x in xs for n in x] if xs else None  # noqa: E731
-    seqs, contexts = flat(args.seq), flat(args.context) or [4096]
+        raise _Usage("--case and --config: give one of them")
     try:
         if args.config:
-            model, cases = _cases.from_config(args.config, batch=args.batch, seqs=seqs or [512, 2048],
-                                              contexts=contexts, kv_dtype=args.kv_dtype,
-                                              block=args.block_size, quick=args.quick)
-            return cases, (f"model {model['name']}: heads {model['heads'][0]}:{model['heads'][1]}, "
-                           f"head dim {model['head_dim']}, sliding window {model['window'] or 'none'}")
-        cases = _cases.custom(args.case, batch=args.batch, heads=_cases.parse_heads(args.heads),
-                              seqs=seqs or [2048], contexts=contexts, head_dim=args.head_dim,
-                              kv_dtype=args.kv_dtype, block=args.block_size, window=args.window,
-                              causal=not args.no_causal, quick=args.quick)
-        return cases, None
+            model = _model(args.config)
+            run["cases"] = _cases.from_config(model, batch=batch, seqs=seqs or [512, 2048],
+                                              contexts=contexts, kv_dtype=kv_dtype, block=block,
+                                              quick=args.quick)
+            run["title"] = (f"model {model['name']}: heads {model['heads'][0]}:{model['heads'][1]}, "
+                            f"head dim {model['head_dim']}, sliding window {model['window'] or 'none'}")
+        elif args.case:
+            run["cases"] = _cases.custom(args.case, batch=batch, heads=_cases.parse_heads(args.heads),
+                                         seqs=seqs or [2048], contexts=contexts, head_dim=head_dim,
+                                         kv_dtype=kv_dtype, block=block, window=window,
+                                         causal=not args.no_causal, quick=args.quick)
     except ValueError as e:
-        parser.error(str(e))
+        raise _Usage(str(e)) from None
+    return run
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m attnx", description=__doc__)
+    parser = _Parser(prog="python -m attnx", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     b = _bench_parser(sub)
     args = parser.parse_args(argv)
@@ -144,9 +253,11 @@ def main(argv=None):
         return info()
     from . import bench
 
-    cases, title = _own_cases(args, b)
-    bench.run(threads=args.threads, repeat=args.repeat, quick=args.quick, tiny=args.tiny,
-              json_path=args.json, plot_path=args.plot, cases=cases, in_loop=args.in_loop, title=title)
+    try:
+        run = _checked(args)
+    except _Usage as e:
+        b.error(str(e))
+    bench.run(quick=args.quick, tiny=args.tiny, in_loop=args.in_loop, **run)
     return 0
 
 

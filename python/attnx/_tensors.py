@@ -151,14 +151,37 @@ def _wrap(res, template, out, out_np):
     return like(res, template)
 
 
-def tensor_io(fn=None, *, torch_op=None):
+def _open_sequences(args, kwargs, names, positions):
+    """``args`` and ``kwargs`` with each argument named in ``names`` that is a sequence of arrays
+    (a list, a tuple or an iterator) as a list of NumPy views of its items; and the first
+    tensor among those items, or None."""
+    template = None
+    args = list(args)
+    for i, name in zip(positions, names):
+        holder, key = (args, i) if i < len(args) else (kwargs, name)
+        if holder is kwargs and name not in kwargs:
+            continue
+        v = holder[key]
+        if isinstance(v, (list, tuple)) or (hasattr(v, "__next__") and _kind(v) == _PLAIN_KIND):
+            v = list(v)
+            if template is None:
+                template = next((x for x in v if _kind(x) != _PLAIN_KIND), None)
+            holder[key] = [to_numpy(x, f"{name}[{j}]") for j, x in enumerate(v)]
+    return args, kwargs, template
+
+
+def tensor_io(fn=None, *, torch_op=None, sequences=()):
     """Decorator: tensor arguments in, the same kind of results out (see the module docstring).
 
     ``torch_op``: the name of a :mod:`attnx.torch_ops` function that takes the same arguments;
-    while ``torch.compile`` traces, calls with torch tensors go there instead.
+    while ``torch.compile`` traces, calls with torch tensors go there instead. ``sequences``:
+    names of arguments that are sequences of arrays (``merge_attention``'s parts): their items
+    are arguments too (the first tensor among them sets the kind of the results).
     """
     if fn is None:
-        return functools.partial(tensor_io, torch_op=torch_op)
+        return functools.partial(tensor_io, torch_op=torch_op, sequences=sequences)
+    names = fn.__code__.co_varnames
+    positions = [names.index(n) for n in sequences]
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -172,15 +195,18 @@ def tensor_io(fn=None, *, torch_op=None):
                 if _kind(x) != _PLAIN_KIND:
                     template = x
                     break
-            if template is None:  # the NumPy path: nothing to convert
-                return fn(*args, **kwargs)
+        if sequences:
+            kwargs = dict(kwargs)
+            args, kwargs, inner = _open_sequences(args, kwargs, sequences, positions)
+            template = template if template is not None else inner
+        if template is None:  # the NumPy path: nothing to convert
+            return fn(*args, **kwargs)
         if _kind(template) == _TORCH_KIND:
             torch = _torch()
             if torch_op is not None and torch.compiler.is_compiling():
                 from . import torch_ops
 
                 return getattr(torch_ops, torch_op)(*args, **kwargs)
-        names = fn.__code__.co_varnames
         args = [to_numpy(x, names[i] if i < len(names) else "arg") for i, x in enumerate(args)]
         out = kwargs.get("out")
         kwargs = {k: to_numpy(x, k) for k, x in kwargs.items()}

@@ -14,7 +14,8 @@ from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "choice", "flag", "storage_dtype", "positive_int", "as_int", "int_in", "index",
+__all__ = ["LAYOUTS", "choice", "flag", "FLOAT_DTYPES", "QUANTISED_DTYPES", "DTYPE_ALIASES",
+           "SHORT_NAMES", "dtype_name", "storage_dtype", "positive_int", "as_int", "int_in", "index",
            "counts", "as_array", "native_order", "kernel_array", "real", "window_sides"]
 
 
@@ -45,16 +46,46 @@ def flag(x: object, name: str) -> bool:
         raise TypeError(f"{name}: expected a bool, got {x!r}") from None
 
 
-def storage_dtype(dtype: Any, name: str = "dtype") -> np.dtype[Any]:
-    """The NumPy dtype for a storage dtype given by name or type: float32, float16 or bfloat16."""
-    label = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    if label == "bfloat16":
-        import ml_dtypes
+# ---- dtypes by name ----------------------------------------------------------------------------
+# One table: the storage dtypes attnx names (NumPy's and ml_dtypes' names, as the cache takes them)
+# and the short names the bench prints, accepted as aliases wherever a dtype is named.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+QUANTISED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+SHORT_NAMES = {full: short for short, full in DTYPE_ALIASES.items()}
 
-        return np.dtype(ml_dtypes.bfloat16)
-    if label in ("float32", "float16"):
+
+def dtype_name(dtype: Any, name: str = "dtype", allowed: Tuple[str, ...] = FLOAT_DTYPES) -> str:
+    """The name in ``allowed`` of a dtype given by name (an alias of ``DTYPE_ALIASES`` too), NumPy
+    dtype or type, or torch dtype; anything else is a TypeError naming the argument and the
+    names it takes."""
+    if isinstance(dtype, str):
+        label: Optional[str] = DTYPE_ALIASES.get(dtype, dtype)
+    elif type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        label = str(dtype).rpartition(".")[2]  # torch.float16 -> "float16"
+    else:
+        try:
+            label = np.dtype(dtype).name
+        except TypeError:
+            label = None
+    if label in allowed:
+        return label
+    listed = ", ".join(f"{n!r}" for n in allowed[:-1]) + f" or {allowed[-1]!r}"
+    aliases = ", ".join(f"{a!r}" for a, n in DTYPE_ALIASES.items() if n in allowed)
+    raise TypeError(f"{name}: expected {listed}" + (f" (or {aliases})" if aliases else "")
+                    + f", got {dtype!r}")
+
+
+def storage_dtype(dtype: Any, name: str = "dtype",
+                  allowed: Tuple[str, ...] = FLOAT_DTYPES) -> np.dtype[Any]:
+    """The NumPy dtype of a storage dtype named as :func:`dtype_name` takes it: float32, float16
+    or bfloat16 by default; ``allowed`` adds the quantised ones where pages hold them."""
+    label = dtype_name(dtype, name, allowed)
+    if label in ("float32", "float16", "int8"):
         return np.dtype(label)
-    raise TypeError(f"{name}: expected 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, label))
 
 
 def positive_int(x: object, name: str, minimum: int = 1) -> int:

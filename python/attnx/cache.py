@@ -69,6 +69,7 @@ from . import _api, _core, _session, _tensors
 from . import reference as _ref
 from ._blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
 from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
+from ._validate import FLOAT_DTYPES as _FLOAT_DTYPES, QUANTISED_DTYPES as _QUANTISED_DTYPES
 from ._validate import flag as _flag, positive_int as _positive_int, storage_dtype as _dtype
 
 __all__ = ["PagedKVCache", "Step", "CacheFullError", "StaleStepError"]
@@ -1030,13 +1031,6 @@ def _packed(x: Any) -> Any:
 
 
 def _kv_dtype(dtype: Any) -> np.dtype[Any]:
-    """The cache's storage dtype: a float one (:func:`attnx._validate.storage_dtype`) or a
-    quantised one (:data:`attnx.reference.QUANTISED_DTYPES`)."""
-    quantised = _ref.quantised_dtype(dtype)
-    if quantised is not None:
-        return quantised
-    try:
-        return _dtype(dtype)
-    except TypeError:
-        raise TypeError("dtype: expected 'float32', 'float16', 'bfloat16', 'int8', 'float8_e4m3fn' "
-                        f"or 'float8_e5m2', got {dtype!r}") from None
+    """The cache's storage dtype: a float or a quantised one, by any name
+    :func:`attnx._validate.dtype_name` takes."""
+    return _dtype(dtype, "dtype", _FLOAT_DTYPES + _QUANTISED_DTYPES)

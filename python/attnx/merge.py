@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _api
+from . import _api, _tensors
 from ._validate import LAYOUTS, choice
 
 __all__ = ["merge_attention"]
@@ -80,6 +80,7 @@ def _check(outs, lses, layout):
     return outs, lses, acc
 
 
+@_tensors.tensor_io(sequences=("outs", "lses"))
 def merge_attention(outs, lses, *, layout="bhsd"):
     """Merge partial attention results over disjoint key sets into the result over their union.
 
@@ -103,7 +104,8 @@ def merge_attention(outs, lses, *, layout="bhsd"):
     Returns
     -------
     out : ndarray of the outputs' shape and dtype, and
-    lse : ndarray, float32 (float64 for float64 outputs).
+    lse : ndarray, float32 (float64 for float64 outputs); torch tensors (or the kind of the
+        first ``__dlpack__`` part) where the parts are tensors, as every entry point returns.
 
     A part whose lse is ``-inf`` (it saw no key) contributes nothing, whatever its output holds;
     where every part is ``-inf`` the row is zeros with lse ``-inf``, as a row that sees no key.

@@ -68,10 +68,11 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = out or sys.stdout
     tiny = tiny or os.environ.get("ATTNX_BENCH_TINY", "") not in ("", "0")
-    threads = int(threads) if threads else attnx.get_num_threads()
-    if threads < 1:
-        raise SystemExit("--threads: expected a positive number")
-    repeat = int(repeat) if repeat else (3 if quick or tiny else 7)
+    for name, n in (("threads", threads), ("repeat", repeat)):
+        if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise ValueError(f"{name}: expected a positive int or None, got {n!r}")
+    threads = threads if threads is not None else attnx.get_num_threads()
+    repeat = repeat if repeat is not None else (3 if quick or tiny else 7)
     if plot_path:  # fail before the minutes of measuring, not after
         _report.require_matplotlib()
     bench = Bench(threads, repeat, quick, tiny, Progress(0), _peers.load_torch(), _peers.load_onnxruntime())

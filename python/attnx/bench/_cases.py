@@ -725,38 +725,26 @@ def custom(case, *, batch, heads, seqs, contexts, head_dim, kv_dtype, block, win
     return rows
 
 
-def read_config(path):
-    """The attention shape of a Hugging Face ``config.json``: heads, KV heads, head dim, sliding
-    window and a name. Multimodal configs keep the language model under ``text_config``."""
+def load_config(path):
+    """The settings of a Hugging Face ``config.json`` that hold the language model (multimodal
+    configs keep it under ``text_config``), as a dict; its fields are checked by the CLI
+    (``attnx.__main__._model``)."""
     try:
         with open(path) as f:
             cfg = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"--config: cannot read {path}: {e}") from None
     cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
-    if not isinstance(cfg, dict) or "num_attention_heads" not in cfg:
-        raise ValueError(f"--config: {path} has no num_attention_heads (not a model config?)")
-    Hq = int(cfg["num_attention_heads"])
-    Hkv = int(cfg.get("num_key_value_heads") or Hq)
-    D = cfg.get("head_dim")
-    if not D:
-        if "hidden_size" not in cfg:
-            raise ValueError(f"--config: {path} has neither head_dim nor hidden_size")
-        D = int(cfg["hidden_size"]) // Hq
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    name = cfg.get("_name_or_path") or cfg.get("model_type") or "model"
-    if Hq % Hkv:
-        raise ValueError(f"--config: num_attention_heads {Hq} is not a multiple of "
-                         f"num_key_value_heads {Hkv}")
-    return {"name": str(name).rstrip("/").split("/")[-1], "heads": (Hq, Hkv), "head_dim": int(D),
-            "window": int(window) if window else None}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--config: {path} holds no JSON object (not a model config?)")
+    return cfg
 
 
-def from_config(path, *, batch, seqs, contexts, kv_dtype, block, quick):
-    """A model's causal prefill at every --seq and paged decode at every --context."""
-    m = read_config(path)
+def from_config(m, *, batch, seqs, contexts, kv_dtype, block, quick):
+    """A model's causal prefill at every --seq and paged decode at every --context; ``m``: its
+    name, heads (Hq, Hkv), head_dim and window, checked (``attnx.__main__._model``)."""
     common = dict(batch=batch, heads=m["heads"], seqs=seqs, contexts=contexts, head_dim=m["head_dim"],
                   block=block, window=m["window"], causal=True, quick=quick, label=m["name"])
     prefill_dtype = "fp32" if kv_dtype in QUANTISED else kv_dtype  # quantised KV: pages only
-    return m, (custom("prefill", kv_dtype=prefill_dtype, **common)
-               + custom("paged-decode", kv_dtype=kv_dtype, **common))
+    return (custom("prefill", kv_dtype=prefill_dtype, **common)
+            + custom("paged-decode", kv_dtype=kv_dtype, **common))

@@ -279,6 +279,8 @@ def ort_skip_reason(shape):
         return "onnxruntime GQA: no chunk of queries over a paged cache"
     if shape.dtype not in ORT_DTYPES:
         return f"onnxruntime GQA: no {shape.dtype} on CPU"
+    if shape.D % 8:  # (its kernel refuses the call with an error otherwise)
+        return "onnxruntime GQA: head dim not a multiple of 8"
     if isinstance(shape, Dense) and shape.Sq > 1 and not (shape.causal and shape.Sq == shape.Sk
                                                          and shape.kv_lens is None):
         return "onnxruntime GQA: causal self-attention or decode only"
