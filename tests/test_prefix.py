@@ -202,6 +202,128 @@ def test_token_arguments_are_checked_before_anything_changes():
     assert snapshot(c) == before
 
 
+# ---- a step that ends early registers nothing (issue 31) --------------------------------------
+def _early_cache(layers=2):
+    return attnx.PagedKVCache(layers, 1, 8, num_blocks=6, block_size=4, prefix_caching=True)
+
+
+def test_issue31_reproducer_a_refused_attend_registers_nothing(rng):
+    kv = rng.standard_normal((9, 1, 8)).astype(np.float32)
+    c = attnx.PagedKVCache(1, 1, 8, num_blocks=3, block_size=4, prefix_caching=True)
+    a = c.new_sequence(tokens=[7] * 8)
+    c.begin_step([a], [8]).attend(0, -kv[:8], -kv[:8], -kv[:8])
+    c.free(a)
+    b = c.new_sequence(tokens=range(9))
+    step = c.begin_step([b], [9])
+    with pytest.raises(ValueError, match="k: expected shape"):
+        step.attend(0, kv, kv[:, :, :4], kv)  # refused: nothing written
+    assert c.stats()["cached_blocks"] == 0  # (b took a's two cached blocks: evicted)
+    c.free(b)
+    s = c.new_sequence(tokens=range(9))
+    assert c.length(s) == 0  # no hit on blocks never written
+    # computed in full, the same prompt registers, and a hit reads what a recomputation writes
+    step = c.begin_step([s], [9])
+    step.attend(0, kv, kv, kv)
+    h = c.new_sequence(tokens=range(9))
+    assert c.length(h) == 8
+    np.testing.assert_array_equal(seq_kv(c, h)["k"][0], kv[:8].swapaxes(0, 1))
+
+
+def _prefill_layers(c, seq, n, rng, layers, tokens=None):
+    """A step of ``n`` tokens of ``seq`` attended in ``layers`` only; returns it and its keys."""
+    step = c.begin_step([seq], [n], tokens=None if tokens is None else [tokens])
+    k = rng.standard_normal((n, c.num_kv_heads, c.head_dim)).astype(np.float32)
+    for layer in layers:
+        step.attend(layer, k, k, k)
+    return step, k
+
+
+@pytest.mark.parametrize("ending", ["abandoned", "refused", "freed", "truncated", "stepped again",
+                                    "same layer twice"])
+def test_a_step_that_ends_early_registers_nothing(rng, ending):
+    """Layer 0 of 2 attends; the step then ends every other way a step can: its blocks never
+    become findable, and the sequence's later steps register nothing past the gap."""
+    c = _early_cache()
+    a = c.new_sequence(tokens=range(13))
+    step, k = _prefill_layers(c, a, 12, rng, [0])
+    assert c.stats()["cached_blocks"] == 0  # one layer of two: not yet
+    if ending == "refused":
+        with pytest.raises(ValueError):
+            step.attend(1, k, k[:, :, :4], k)
+    elif ending == "freed":
+        c.free(a)
+        with pytest.raises(attnx.StaleStepError):
+            step.attend(1, k, k, k)
+    elif ending == "truncated":
+        c.truncate(a, 4)
+        with pytest.raises(attnx.StaleStepError):
+            step.attend(1, k, k, k)
+    elif ending == "stepped again":
+        later, _ = _prefill_layers(c, a, 1, rng, [0, 1])  # every layer of the next step: still a gap
+        with pytest.raises(attnx.StaleStepError):
+            step.attend(1, k, k, k)
+    elif ending == "same layer twice":
+        step.attend(np.int64(0), k, k, k)  # layer 0 again (as a NumPy int): still one layer of two
+    assert c.stats()["cached_blocks"] == 0
+    assert c.length(c.new_sequence(tokens=range(13))) == 0
+    if ending != "freed":
+        with pytest.raises(ValueError, match="not written in every layer"):
+            c.save(a, os.devnull)
+        # rolled back to before the gap and stepped again in every layer, it registers again
+        c.truncate(a, 0)
+        _, k = _prefill_layers(c, a, 12, rng, [0, 1], tokens=list(range(12)))
+        assert c.stats()["cached_blocks"] == 3
+        h = c.new_sequence(tokens=range(13))
+        assert c.length(h) == 12
+        np.testing.assert_array_equal(seq_kv(c, h)["k"][1], k.swapaxes(0, 1))
+
+
+def test_an_exception_in_the_model_between_layers_registers_nothing(rng):
+    c = _early_cache(layers=3)
+    a = c.new_sequence(tokens=range(9))
+
+    def model(step, k):
+        step.attend(0, k, k, k)
+        step.attend(1, k, k, k)
+        raise RuntimeError("the model failed between layers")
+
+    with pytest.raises(RuntimeError, match="between layers"):
+        model(*_prefill_layers(c, a, 9, rng, []))
+    c.free(a)
+    assert c.stats()["cached_blocks"] == 0 and c.length(c.new_sequence(tokens=range(9))) == 0
+
+
+def test_blocks_register_when_the_last_layer_returns_in_any_order(rng):
+    c = _early_cache(layers=3)
+    a = c.new_sequence(tokens=range(9))
+    step, k = _prefill_layers(c, a, 9, rng, [2, 0])
+    assert c.stats()["cached_blocks"] == 0
+    step.attend(1, k, k, k)
+    assert c.stats()["cached_blocks"] == 2
+    assert c.length(c.new_sequence(tokens=range(9))) == 8
+
+
+def test_a_fork_made_mid_step_does_not_count_the_step_written(rng, tmp_path):
+    """A fork made between a step's layers (which the docs say not to do) copies the sequence
+    as it stands: the step's tokens are not written in every layer for the fork, which therefore
+    neither saves them nor registers past them; the step itself still ends and registers."""
+    c = _early_cache()
+    a = c.new_sequence(tokens=range(9))
+    step, k = _prefill_layers(c, a, 9, rng, [0])
+    f = c.fork(a)
+    step.attend(1, k, k, k)
+    assert c.stats()["cached_blocks"] == 2
+    with pytest.raises(ValueError, match="not written in every layer"):
+        c.save(f, tmp_path / "f")
+    assert not (tmp_path / "f").exists()
+
+
+def test_prefix_caching_refuses_linear_layers():
+    with pytest.raises(ValueError, match="prefix_caching.*linear_layers"):
+        attnx.PagedKVCache(1, 1, 8, num_blocks=4, prefix_caching=True, linear_layers=1,
+                           state_shape=(1, 8, 8))
+
+
 # ---- shared-prefix attention -----------------------------------------------------------------
 def shared_tables(rng, groups, singles, block_size, num_blocks_spare=3):
     """Block tables in which each group of sequences shares a leading run of scrambled blocks,
