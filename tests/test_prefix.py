@@ -11,6 +11,7 @@ with the cache unchanged.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import numpy as np
@@ -614,3 +615,231 @@ def test_step_attend_shared_with_latent_values_and_bf16(rng, split_always, kw):
     assert outs[0].dtype == outs[1].dtype
     tol = 1e-2 if "dtype" in kw else 2e-5  # (bf16 queries: bf16 outputs, rounded apart)
     np.testing.assert_allclose(outs[0].astype(np.float32), outs[1].astype(np.float32), rtol=tol, atol=tol)
+
+
+# ---- hostile session files (issue 31) -----------------------------------------------------------
+def _raw_safetensors(tensors, metadata, header_text=None):
+    """safetensors bytes written by hand, so that the metadata may be anything (the library
+    writes strings only): ``tensors`` by name, ``metadata`` any JSON value (or the header's
+    whole text given as ``header_text``)."""
+    header, blobs, at = {}, [], 0
+    names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint16): "U16",
+             np.dtype(np.uint8): "U8", np.dtype(np.uint32): "U32", np.dtype(np.float64): "F64"}
+    for name, t in tensors.items():
+        b = np.ascontiguousarray(t).tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + len(b)]}
+        blobs.append(b)
+        at += len(b)
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    text = (header_text if header_text is not None else json.dumps(header)).encode("utf-8", "surrogatepass")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(blobs)
+
+
+def _forge(path, header, tensors, checksum=True):
+    """A session file with the attnx ``header`` (a dict, or the JSON text itself) and a
+    checksum a forger computes as attnx does (or ``checksum=False``: a wrong one)."""
+    import attnx._session as sess
+    text = header if isinstance(header, str) else json.dumps(header)
+    stored = {n: sess._stored(t) for n, t in tensors.items()}
+    digest = sess._checksum(text, stored) if checksum else "0" * 64
+    path.write_bytes(_raw_safetensors(stored, {"attnx": text, "attnx.checksum": digest}))
+    return path
+
+
+@pytest.fixture
+def parts(saved):
+    """A saved session's attnx header (dict) and tensors, to forge variants of."""
+    import safetensors.numpy
+    c, path = saved
+    data = path.read_bytes()
+    meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+    return c, path, json.loads(meta["attnx"]), safetensors.numpy.load(data)
+
+
+def _refused_everywhere(cache, path, match=None):
+    """load and session_info both raise SessionError (matching ``match``); the cache is unchanged."""
+    _refused(cache, path, match)
+    with pytest.raises(attnx.SessionError, match=match):
+        attnx.session_info(path)
+
+
+@needs_safetensors
+def test_a_forged_file_with_a_valid_checksum_loads(parts, tmp_path):
+    """The forging helpers make loadable files: the refusals below are the fields' doing."""
+    c, _, header, tensors = parts
+    path = _forge(tmp_path / "f", header, tensors)
+    assert c.length(c.load(path)) == 10 and attnx.session_info(path)["length"] == 10
+
+
+@needs_safetensors
+@pytest.mark.parametrize("metadata", [
+    "attnx-not-a-dict", ["attnx"], {"attnx": {"format": "attnx-kv-session/1"}, "attnx.checksum": "0" * 64},
+    {"attnx": ["x"], "attnx.checksum": "0" * 64}, {"attnx": 1, "attnx.checksum": "0" * 64},
+    {"attnx": None, "attnx.checksum": "0" * 64}, {"attnx": "{}", "attnx.checksum": 7},
+    {"attnx": "{}", "attnx.checksum": None}, {"attnx": "{}"}, {"attnx.checksum": "0" * 64}])
+def test_metadata_that_is_not_strings_is_refused(parts, tmp_path, metadata):
+    c, _, _, tensors = parts
+    path = tmp_path / "f"
+    path.write_bytes(_raw_safetensors(tensors, metadata))
+    _refused_everywhere(c, path)
+
+
+@needs_safetensors
+@pytest.mark.parametrize("where", ["outer", "attnx", "meta", "meta-expected"])
+@pytest.mark.parametrize("depth", [900, 100_000])
+def test_deeply_nested_headers_are_refused(parts, tmp_path, where, depth):
+    """Nesting past the JSON parser's recursion limit (and just under it, where later steps
+    could recurse further) in the safetensors header, in the attnx header and in ``meta``."""
+    c, _, header, tensors = parts
+    deep = "[" * depth + "]" * depth
+    path = tmp_path / "f"
+    if where == "outer":
+        stored = {n: t for n, t in tensors.items()}
+        text = json.dumps({"__metadata__": {"attnx": "{}", "attnx.checksum": "0"}})[:-1] + ', "x": ' + deep + "}"
+        path.write_bytes(_raw_safetensors(stored, None, header_text=text))
+    elif where == "attnx":
+        _forge(path, deep, tensors)
+    else:
+        text = json.dumps(dict(header, meta="@"))
+        _forge(path, text.replace('"@"', '{"model": ' + deep + "}"), tensors)
+    if where == "meta" and depth == 900:  # parses: as meta, it only has to load (or be refused)
+        try:
+            c.free(c.load(path))
+        except attnx.SessionError:
+            pass
+        return
+    if where == "meta-expected" and depth == 900:
+        _refused(c, path, None, expect={"model": "smol"})
+        return
+    _refused_everywhere(c, path, "nested too deeply" if depth > 10_000 else None)
+
+
+def _wrong_values(field, value):
+    """Values of the wrong type (or range) for a header field whose right value is ``value``."""
+    others = [None, True, False, 0, 1, -1, 1.0, 2.5, "", "1", [], [1], {}, {"a": 1}]
+    if field == "tokens":
+        return [1, "0 1 2", {}, [[0]] * 10, [float(t) for t in value], [str(t) for t in value],
+                [bool(t % 2) for t in value], value[:-1], value + [0], [2**63] + value[1:],
+                [-2**63 - 1] + value[1:], [None] * 10]
+    if field == "root":
+        return [v for v in others if v != ""] + ["00" * 31, "00" * 33, value.upper(), "zz" * 32,
+                                                  " " + value[1:], value[:-2] + "\u00e9\u00e9"]
+    if field == "length":
+        return [v for v in others if type(v) is not int] + [-1, 10.0]
+    if field == "value_from_key":
+        return [v for v in others if type(v) is not bool]
+    if isinstance(value, int):
+        return [v for v in others if type(v) is not int] + [float(value), bool(value), str(value)]
+    return [v for v in others if type(v) is not str]
+
+
+@needs_safetensors
+@pytest.mark.parametrize("field", ["format", "num_layers", "num_kv_heads", "head_dim", "value_dim",
+                                   "dtype", "value_from_key", "length", "root", "tokens"])
+def test_every_header_field_of_a_wrong_type_is_refused(parts, tmp_path, field):
+    """A forger's file (valid checksum): every field of a wrong type, out of range or missing is
+    refused by load and session_info alike, the cache unchanged; token ids that are floats,
+    strings or bools never reach the prefix cache."""
+    c, _, header, tensors = parts
+    for i, bad in enumerate(_wrong_values(field, header[field]) + ["<missing>"]):
+        forged = {k: v for k, v in header.items() if k != field}
+        if bad != "<missing>":
+            forged[field] = bad
+        if field == "tokens" and bad == "<missing>":
+            continue  # (no token ids is a valid file: nothing to register)
+        path = _forge(tmp_path / f"{field}{i}", forged, tensors)
+        _refused_everywhere(c, path)
+
+
+@needs_safetensors
+def test_nan_surrogates_and_wrong_tensor_dtypes_are_refused(parts, tmp_path):
+    c, _, header, tensors = parts
+    text = json.dumps(dict(header, meta="@")).replace('"@"', '{"model": NaN}')
+    _refused_everywhere(c, _forge(tmp_path / "nan", text, tensors), "corrupted")
+    text = json.dumps(dict(header, meta="\ud800"))  # a lone surrogate (an escape in JSON)
+    path = tmp_path / "surrogate"
+    path.write_bytes(_raw_safetensors(tensors, {"attnx": text, "attnx.checksum": "0" * 64}))
+    _refused(c, path, "checksum")
+    for name, t in [("k", tensors["k"].view(np.int32)), ("k", tensors["k"].astype(np.float64)),
+                    ("v", tensors["v"].astype(np.float16)), ("v", tensors["v"][..., :4])]:
+        _refused(c, _forge(tmp_path / "t", header, dict(tensors, **{name: t})), f"tensor '{name}'")
+
+
+@needs_safetensors
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_fuzzed_session_headers_raise_only_session_error(tmp_path_factory, data):
+    """Any JSON in any field (a forger's checksum), or a flipped byte anywhere in the header:
+    load gives a correct sequence or SessionError with the cache unchanged; session_info a dict
+    or SessionError. Nothing else escapes."""
+    rng = np.random.default_rng(0)
+    c = make_cache()
+    a = c.new_sequence(tokens=range(6))
+    prefill(c, a, rng)
+    tmp = tmp_path_factory.mktemp("fuzz")
+    c.save(a, tmp / "s", meta={"model": "smol"})
+    want = seq_kv(c, a)
+    raw = (tmp / "s").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(json.loads(raw[8:8 + n])["__metadata__"]["attnx"])
+    tensors = {k: v for k, v in __import__("safetensors.numpy").numpy.load(raw).items()}
+    values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                          | st.text(max_size=8), lambda x: st.lists(x, max_size=3)
+                          | st.dictionaries(st.text(max_size=3), x, max_size=3), max_leaves=8)
+    how = data.draw(st.sampled_from(["field", "flip"]))
+    path = tmp / "f"
+    if how == "field":
+        field = data.draw(st.sampled_from(sorted(header) + ["unknown"]))
+        near = _wrong_values(field, header[field]) if field in header and field != "meta" else [None]
+        forged = dict(header, **{field: data.draw(values | st.sampled_from(near))})
+        _forge(path, forged, tensors)
+    else:
+        at = data.draw(st.integers(0, 8 + n - 1))
+        path.write_bytes(raw[:at] + bytes([raw[at] ^ data.draw(st.integers(1, 255))]) + raw[at + 1:])
+    before = snapshot(c)
+    try:
+        b = c.load(path, expect={"model": "smol"})
+    except attnx.SessionError:
+        assert snapshot(c) == before
+    else:  # a forged field loads only where it is harmless: meta, an unknown field, the same value
+        if how == "field":
+            assert field in ("meta", "unknown") or json.dumps(forged[field]) == json.dumps(header[field])
+        got = seq_kv(c, b)
+        assert all(np.array_equal(bits(want[k]), bits(got[k])) for k in want)
+        assert c._seqs[b].tokens is None or c._seqs[b].tokens.dtype == np.int64
+        c.free(b)
+    try:
+        assert isinstance(attnx.session_info(path), dict)
+    except attnx.SessionError:
+        pass
+
+
+@needs_safetensors
+def test_save_follows_a_symlink_and_paths_may_be_bytes(saved, tmp_path):
+    c, path = saved
+    a = c.sequences[0]
+    target = tmp_path / "real.safetensors"
+    link = tmp_path / "link.safetensors"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    c.save(a, link, meta={"model": "via link"})
+    assert link.is_symlink() and os.readlink(link) == str(target)  # the link stays
+    assert attnx.session_info(target)["meta"] == {"model": "via link"}  # its target was written
+    assert sorted(os.listdir(tmp_path)) == ["link.safetensors", "real.safetensors", "s.safetensors"]
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "new.safetensors")
+    c.save(a, dangling)  # as open() does: the target is created
+    assert dangling.is_symlink() and (tmp_path / "new.safetensors").is_file()
+    raw = os.fsencode(tmp_path / "b.safetensors")
+    c.save(a, raw, meta={"model": "bytes"})
+    assert attnx.session_info(raw)["meta"] == {"model": "bytes"}
+    assert c.length(c.load(raw, expect={"model": "bytes"})) == 10
+    for bad in (3, 1.5, None, ["x"]):
+        with pytest.raises(TypeError, match="path"):
+            c.save(a, bad)
+        with pytest.raises(TypeError, match="path"):
+            c.load(bad)
+        with pytest.raises(TypeError, match="path"):
+            attnx.session_info(bad)

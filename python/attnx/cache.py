@@ -572,6 +572,7 @@ class PagedKVCache:
         TypeError
             ``meta`` is not JSON-serialisable, or ``path`` is no str, bytes or os.PathLike.
         """
+        path = _session.path_str(path)
         with self._lock:
             s = self._seq(seq)
             n = s.length
@@ -609,9 +610,11 @@ class PagedKVCache:
             ``expect``.
         CacheFullError
             The pool cannot hold the sequence. In every case the cache is unchanged.
+        TypeError
+            ``path`` is no str, bytes or os.PathLike (or ``expect`` no dict).
         """
-        data = _session.read(path)
-        tensors, n, tokens, root = _session.decode(data, str(path), self, expect)
+        path = _session.path_str(path)
+        tensors, n, tokens, root = _session.decode(_session.read(path), path, self, expect)
         with self._lock:
             blocks = self._alloc.allocate(self._blocks_for(n))
             self._scatter(blocks, tensors, n)
