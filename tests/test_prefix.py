@@ -723,6 +723,10 @@ def _wrong_values(field, value):
         return [1, "0 1 2", {}, [[0]] * 10, [float(t) for t in value], [str(t) for t in value],
                 [bool(t % 2) for t in value], value[:-1], value + [0], [2**63] + value[1:],
                 [-2**63 - 1] + value[1:], [None] * 10]
+    if field == "linear_layers":  # (written by hybrid caches only)
+        return [True, 1.0, "0", -1, None, [], 2]
+    if field == "state_shape":
+        return [1, "x", [], [1, 2], [1, 2, 3.0], [True, 1, 1], [0, 1, 1], [1, 1, 1, 1], {}, [2, 4, 4]]
     if field == "root":
         return [v for v in others if v != ""] + ["00" * 31, "00" * 33, value.upper(), "zz" * 32,
                                                   " " + value[1:], value[:-2] + "\u00e9\u00e9"]
@@ -737,20 +741,24 @@ def _wrong_values(field, value):
 
 @needs_safetensors
 @pytest.mark.parametrize("field", ["format", "num_layers", "num_kv_heads", "head_dim", "value_dim",
-                                   "dtype", "value_from_key", "length", "root", "tokens"])
+                                   "dtype", "value_from_key", "length", "root", "tokens",
+                                   "linear_layers", "state_shape"])
 def test_every_header_field_of_a_wrong_type_is_refused(parts, tmp_path, field):
     """A forger's file (valid checksum): every field of a wrong type, out of range or missing is
     refused by load and session_info alike, the cache unchanged; token ids that are floats,
     strings or bools never reach the prefix cache."""
     c, _, header, tensors = parts
-    for i, bad in enumerate(_wrong_values(field, header[field]) + ["<missing>"]):
+    for i, bad in enumerate(_wrong_values(field, header.get(field)) + ["<missing>"]):
         forged = {k: v for k, v in header.items() if k != field}
         if bad != "<missing>":
             forged[field] = bad
-        if field == "tokens" and bad == "<missing>":
-            continue  # (no token ids is a valid file: nothing to register)
+        elif field in ("tokens", "linear_layers", "state_shape"):
+            continue  # (valid without: no token ids to register, no linear layers)
         path = _forge(tmp_path / f"{field}{i}", forged, tensors)
-        _refused_everywhere(c, path)
+        if field in ("linear_layers", "state_shape") and bad in (2, [2, 4, 4]):
+            _refused(c, path, "another cache geometry")  # (well-formed: only a load compares)
+        else:
+            _refused_everywhere(c, path)
 
 
 @needs_safetensors
@@ -805,7 +813,8 @@ def test_fuzzed_session_headers_raise_only_session_error(tmp_path_factory, data)
         assert snapshot(c) == before
     else:  # a forged field loads only where it is harmless: meta, an unknown field, the same value
         if how == "field":
-            assert field in ("meta", "unknown") or json.dumps(forged[field]) == json.dumps(header[field])
+            assert (field in ("meta", "unknown") or json.dumps(forged[field]) == json.dumps(header[field])
+                    or field == "tokens" and forged[field] is None)  # (a file may hold no token ids)
         got = seq_kv(c, b)
         assert all(np.array_equal(bits(want[k]), bits(got[k])) for k in want)
         assert c._seqs[b].tokens is None or c._seqs[b].tokens.dtype == np.int64
@@ -843,3 +852,49 @@ def test_save_follows_a_symlink_and_paths_may_be_bytes(saved, tmp_path):
             c.load(bad)
         with pytest.raises(TypeError, match="path"):
             attnx.session_info(bad)
+
+
+@needs_safetensors
+def test_a_hybrid_session_keeps_its_recurrent_states(tmp_path, rng):
+    """A hybrid cache's session holds each linear layer's state beside the K/V: the loaded
+    sequence continues exactly as the saved one. A step not run in every layer (attention and
+    linear) is not saved, and a file loads only into a cache with the same linear layers."""
+    def hybrid(block_size=4):
+        return attnx.PagedKVCache(2, 1, 8, num_blocks=16, block_size=block_size, linear_layers=2,
+                                  state_shape=(2, 4, 4))
+
+    def step(c, seqs, n, seed, linear=(0, 1)):
+        r = np.random.default_rng(seed)
+        st_ = c.begin_step(seqs, [n] * len(seqs))
+        T = n * len(seqs)
+        x = r.standard_normal((T, 1, 8)).astype(np.float32)
+        outs = [st_.attend(layer, r.standard_normal((T, 2, 8)).astype(np.float32), x, x) for layer in (0, 1)]
+        q = r.standard_normal((T, 1, 4)).astype(np.float32)
+        g = -r.random((T, 2)).astype(np.float32)
+        beta = r.random((T, 2)).astype(np.float32)
+        v = r.standard_normal((T, 2, 4)).astype(np.float32)
+        outs += [st_.linear(layer, q, q, v, g, beta) for layer in linear]
+        return outs
+
+    c = hybrid()
+    a = c.new_sequence()
+    step(c, [a], 7, 1)
+    c.save(a, tmp_path / "h")
+    d = hybrid(block_size=8)
+    b = d.load(tmp_path / "h")
+    np.testing.assert_array_equal(d._seqs[b].state, c._seqs[a].state)
+    for got, want in zip(step(d, [b], 3, 2), step(c, [a], 3, 2)):
+        np.testing.assert_array_equal(got, want)
+    step(c, [a], 2, 3, linear=(0,))  # linear layer 1 never ran: the step did not end
+    with pytest.raises(ValueError, match="not written in every layer"):
+        c.save(a, tmp_path / "h")
+    _refused(make_cache(), tmp_path / "h", "linear_layers: file 2, cache 0")
+    plain = attnx.PagedKVCache(2, 1, 8, num_blocks=16, block_size=4)
+    p = plain.new_sequence()
+    st_ = plain.begin_step([p], [3])
+    x = np.ones((3, 1, 8), np.float32)
+    for layer in (0, 1):
+        st_.attend(layer, x, x, x)
+    plain.save(p, tmp_path / "plain")
+    assert "linear_layers" not in attnx.session_info(tmp_path / "plain")  # (files as before)
+    _refused(hybrid(), tmp_path / "plain", "linear_layers: file 0, cache 2")

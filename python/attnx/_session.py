@@ -3,7 +3,8 @@ cache, possibly in another process (:meth:`attnx.PagedKVCache.save` / ``load``).
 
 The file holds the valid slots only, in token order, independent of the block size: ``k``
 ``(num_layers, num_kv_heads, length, head_dim)`` and ``v`` likewise with ``value_dim`` (absent
-when values are read from the keys). Storage dtypes that safetensors' NumPy API lacks (bfloat16)
+when values are read from the keys), and, from a hybrid cache, ``state``: the sequence's
+recurrent states, float32 ``(linear_layers, Hv, K, V)``. Storage dtypes that safetensors' NumPy API lacks (bfloat16)
 are stored as unsigned integers of the same width, the real dtype in the header. The header is
 the file's ``__metadata__``: ``"attnx"`` (JSON: format version, geometry, length, token ids, the
 user's ``meta``) and ``"attnx.checksum"`` (blake2b-256 over that JSON and every tensor's name,
@@ -39,6 +40,9 @@ _GEOMETRY = ("num_layers", "num_kv_heads", "head_dim", "value_dim", "dtype", "va
 # with its type (exactly: a bool is no int here, as 1.0 is none)
 _FIELDS = {"format": str, "num_layers": int, "num_kv_heads": int, "head_dim": int, "value_dim": int,
            "dtype": str, "value_from_key": bool, "length": int, "root": str}
+# geometry only a hybrid cache writes (its files also hold a tensor "state", the sequence's
+# recurrent states), and what a file without it means
+_HYBRID = {"linear_layers": 0, "state_shape": None}
 
 
 class SessionError(ValueError):
@@ -56,10 +60,14 @@ def _safetensors_numpy() -> Any:
 
 
 def geometry(cache: Any) -> dict[str, Any]:
-    """The figures a session must share with the cache that loads it."""
-    return {"num_layers": cache.num_layers, "num_kv_heads": cache.num_kv_heads,
+    """The figures a session must share with the cache that loads it (those of linear layers
+    only where the cache has some, so that other files stay as they were)."""
+    geom = {"num_layers": cache.num_layers, "num_kv_heads": cache.num_kv_heads,
             "head_dim": cache.head_dim, "value_dim": cache.value_dim, "dtype": cache.dtype.name,
             "value_from_key": cache.value_from_key}
+    if cache.linear_layers:
+        geom.update(linear_layers=cache.linear_layers, state_shape=list(cache.state_shape))
+    return geom
 
 
 def _stored(a: np.ndarray) -> np.ndarray:
@@ -179,6 +187,12 @@ def _header(meta: Mapping[str, str], path: str) -> dict[str, Any]:
         raise SessionError(f"{path}: format {reprlib.repr(header.get('format'))}, this attnx reads {FORMAT!r}")
     wrong = [f"{k} is {type(header.get(k)).__name__}, expected {kind.__name__}"
              for k, kind in _FIELDS.items() if type(header.get(k)) is not kind]
+    if type(header.get("linear_layers", 0)) is not int or header.get("linear_layers", 0) < 0:
+        wrong.append("linear_layers: expected an int >= 0")
+    shape = header.get("state_shape")
+    if shape is not None and not (isinstance(shape, list) and len(shape) == 3
+                                  and all(type(d) is int and d > 0 for d in shape)):
+        wrong.append("state_shape: expected null or 3 ints > 0")
     if wrong:
         raise SessionError(f"{path}: corrupted attnx header ({'; '.join(wrong)})")
     if header["length"] < 0 or not re.fullmatch("[0-9a-f]{64}", header["root"]):
@@ -215,8 +229,9 @@ def decode(data: bytes, path: str, cache: Any, expect: Mapping[str, Any] | None
 
 def _check_model(header: dict[str, Any], geom: dict[str, Any], expect: Mapping[str, Any] | None,
                  path: str) -> None:
-    wrong = [f"{k}: file {reprlib.repr(header.get(k))}, cache {geom[k]!r}" for k in _GEOMETRY
-             if header.get(k) != geom[k]]
+    fields = {k: None for k in _GEOMETRY} | _HYBRID
+    wrong = [f"{k}: file {reprlib.repr(header.get(k, d))}, cache {geom.get(k, d)!r}"
+             for k, d in fields.items() if header.get(k, d) != geom.get(k, d)]
     if wrong:
         raise SessionError(f"{path}: made for another cache geometry ({'; '.join(wrong)})")
     if expect is None:
@@ -244,12 +259,15 @@ def _tensors(header: dict[str, Any], stored: dict[str, np.ndarray], cache: Any, 
     names = ["k"] + ([] if cache.value_from_key else ["v"])
     if cache.quantised:  # one float32 scale per (layer, head, token) of each stored tensor
         names += [f"{name}_scales" for name in names]
+    if cache.linear_layers:  # the recurrent states, float32 (linear_layers, Hv, K, V)
+        names.append("state")
     widths = {"k": (cache.head_dim,), "v": (cache.value_dim,), "k_scales": (), "v_scales": ()}
     out = {}
     for name in names:
         t = stored.get(name)
-        dtype = np.dtype(np.float32) if name.endswith("_scales") else cache.dtype
-        shape = (cache.num_layers, cache.num_kv_heads, n) + widths[name]
+        dtype = np.dtype(np.float32) if name in ("k_scales", "v_scales", "state") else cache.dtype
+        shape = ((cache.linear_layers,) + tuple(cache.state_shape) if name == "state"
+                 else (cache.num_layers, cache.num_kv_heads, n) + widths[name])
         if t is None or t.shape != shape or t.dtype != _stored(np.empty(0, dtype)).dtype:
             raise SessionError(f"{path}: tensor {name!r} is not {shape} of {dtype.name}")
         out[name] = t.view(dtype)

@@ -545,7 +545,7 @@ class PagedKVCache:
         """Writes ``seq``'s keys and values, all layers, to the safetensors file ``path``.
 
         Only the sequence's ``length`` valid slots are written, in token order, so the file does
-        not depend on the block size. The write is atomic (a temporary file in the same
+        not depend on the block size; a hybrid cache's file holds the recurrent states too. The write is atomic (a temporary file in the same
         directory, fsync, rename): a reader sees the old file or the whole new one. A symbolic
         link is followed: its target is replaced so (in the target's directory), the link stays.
         Save between steps: a sequence with tokens not every layer has written is refused.
@@ -587,6 +587,9 @@ class PagedKVCache:
                                  "written in every layer (a step that has not ended, or never did: "
                                  f"truncate it to {s.written} and step again)")
             tensors = self._gather(s.row.ids[:self._blocks_for(n)], n)
+            if self.linear_layers:  # (its recurrent states: zeros until a linear layer ran)
+                tensors["state"] = (np.zeros((self.linear_layers,) + self.state_shape, np.float32)
+                                    if s.state is None else s.state.copy())
         data = _session.encode(_session.geometry(self), tensors, n, ids, s.root, meta)
         _session.save(path, data)
 
@@ -618,7 +621,7 @@ class PagedKVCache:
         with self._lock:
             blocks = self._alloc.allocate(self._blocks_for(n))
             self._scatter(blocks, tensors, n)
-            s = _Seq(BlockRow(len(blocks)), n)
+            s = _Seq(BlockRow(len(blocks)), n, tensors["state"].copy() if n and "state" in tensors else None)
             s.row.append(blocks)
             s.tokens, s.root = tokens, root
             if tokens is not None and self.prefix_caching:
