@@ -4,8 +4,9 @@ cache, possibly in another process (:meth:`attnx.PagedKVCache.save` / ``load``).
 The file holds the valid slots only, in token order, independent of the block size: ``k``
 ``(num_layers, num_kv_heads, length, head_dim)`` and ``v`` likewise with ``value_dim`` (absent
 when values are read from the keys), and, from a hybrid cache, ``state``: the sequence's
-recurrent states, float32 ``(linear_layers, Hv, K, V)``. Storage dtypes that safetensors' NumPy API lacks (bfloat16)
-are stored as unsigned integers of the same width, the real dtype in the header. The header is
+recurrent states, float32 ``(linear_layers, Hv, K, V)``. Storage dtypes that safetensors' NumPy
+API lacks (bfloat16) are stored as unsigned integers of the same width, the real dtype in the
+header. The header is
 the file's ``__metadata__``: ``"attnx"`` (JSON: format version, geometry, length, token ids, the
 user's ``meta``) and ``"attnx.checksum"`` (blake2b-256 over that JSON and every tensor's name,
 dtype, shape and bytes), so a truncated or altered file is refused before anything is written.
