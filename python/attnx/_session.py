@@ -185,7 +185,8 @@ def _header(meta: Mapping[str, str], path: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise SessionError(f"{path}: corrupted attnx header (not a JSON object)")
     if header.get("format") != FORMAT:
-        raise SessionError(f"{path}: format {reprlib.repr(header.get('format'))}, this attnx reads {FORMAT!r}")
+        got = reprlib.repr(header.get("format"))
+        raise SessionError(f"{path}: format {got}, this attnx reads {FORMAT!r}")
     wrong = [f"{k} is {type(header.get(k)).__name__}, expected {kind.__name__}"
              for k, kind in _FIELDS.items() if type(header.get(k)) is not kind]
     if type(header.get("linear_layers", 0)) is not int or header.get("linear_layers", 0) < 0:

@@ -129,7 +129,8 @@ class _Seq:
         """A fork: the same blocks (the caller takes the references), token bookkeeping, and a copy
         of the recurrent states."""
         s = _Seq(self.row.copy(), self.length, None if self.state is None else self.state.copy())
-        s.tokens, s.digests, s.root, s.written = self.tokens, list(self.digests), self.root, self.written
+        s.tokens, s.digests, s.root = self.tokens, list(self.digests), self.root
+        s.written = self.written
         return s
 
 
@@ -545,11 +546,11 @@ class PagedKVCache:
         """Writes ``seq``'s keys and values, all layers, to the safetensors file ``path``.
 
         Only the sequence's ``length`` valid slots are written, in token order, so the file does
-        not depend on the block size; a hybrid cache's file holds the recurrent states too. The write is atomic (a temporary file in the same
-        directory, fsync, rename): a reader sees the old file or the whole new one. A symbolic
-        link is followed: its target is replaced so (in the target's directory), the link stays.
-        Save between steps: a sequence with tokens not every layer has written is refused.
-        Needs ``safetensors``.
+        not depend on the block size; a hybrid cache's file holds the recurrent states too. The
+        write is atomic (a temporary file in the same directory, fsync, rename): a reader sees
+        the old file or the whole new one. A symbolic link is followed: its target is replaced
+        so (in the target's directory), and the link stays. Save between steps: a sequence with
+        tokens that not every layer has written is refused. Needs ``safetensors``.
 
         Parameters
         ----------
@@ -588,8 +589,8 @@ class PagedKVCache:
                                  f"truncate it to {s.written} and step again)")
             tensors = self._gather(s.row.ids[:self._blocks_for(n)], n)
             if self.linear_layers:  # (its recurrent states: zeros until a linear layer ran)
-                tensors["state"] = (np.zeros((self.linear_layers,) + self.state_shape, np.float32)
-                                    if s.state is None else s.state.copy())
+                shape = (self.linear_layers,) + (self.state_shape or ())
+                tensors["state"] = np.zeros(shape, np.float32) if s.state is None else s.state.copy()
         data = _session.encode(_session.geometry(self), tensors, n, ids, s.root, meta)
         _session.save(path, data)
 
@@ -621,7 +622,8 @@ class PagedKVCache:
         with self._lock:
             blocks = self._alloc.allocate(self._blocks_for(n))
             self._scatter(blocks, tensors, n)
-            s = _Seq(BlockRow(len(blocks)), n, tensors["state"].copy() if n and "state" in tensors else None)
+            state = tensors["state"].copy() if n and "state" in tensors else None
+            s = _Seq(BlockRow(len(blocks)), n, state)
             s.row.append(blocks)
             s.tokens, s.root = tokens, root
             if tokens is not None and self.prefix_caching:
@@ -676,12 +678,13 @@ class PagedKVCache:
         tokens : sequence of (1-d integer array-like or None), optional
             The new tokens' ids, one entry per sequence (``num_new_tokens[i]`` ids, or None).
             With ``prefix_caching`` the blocks a step fills are registered under their digests
-            once every layer has written them: when the step's last ``attend`` (or, in a hybrid
-            cache, ``linear``) of a layer not yet run returns. A step that ends any other way (a
-            refused ``attend``, an exception in the model, its sequence truncated, freed or
-            stepped again) registers nothing, and its sequence registers no later block until
-            it is truncated to before that step. Where an entry is None, the ids given to ``new_sequence`` beyond the sequence's
-            length are used if there are enough; otherwise its later blocks go unregistered.
+            once every layer has written them: when the ``attend`` of the step's last layer not
+            yet attended returns. A step that ends any other way (a refused ``attend``, an
+            exception in the model, its sequence truncated, freed or stepped again) registers
+            nothing, and its sequence registers no later block until it is truncated to before
+            that step. Where an entry is None, the ids given to ``new_sequence`` beyond the
+            sequence's length are used if there are enough; otherwise its later blocks go
+            unregistered.
 
         Returns
         -------
@@ -874,17 +877,19 @@ class Step:
         self._plan: Any = None  # the _core.StepPlan, made at the first attend
         self._linear_done: set[int] = set()  # linear layers already advanced by this step
         # layers (attention 0 .. num_layers - 1, then linear ones) whose rows or states this step
-        # has written, and how many are left: at none, the step has ended (_step_written)
+        # has written: with all of them, the step has ended (_step_written)
         self._written: set[int] = set()
-        self._layers_left = cache.num_layers + cache.linear_layers
+        self._layers = cache.num_layers + cache.linear_layers
 
     def _wrote(self, layer: int) -> None:
         """Layer ``layer`` (linear ones numbered after the attention layers) has written this
-        step's rows; after the last one, the cache counts the step's tokens written."""
-        if layer not in self._written:
-            self._written.add(layer)
-            self._layers_left -= 1
-            if not self._layers_left:
+        step's rows; after the last one, the cache counts the step's tokens written. (Layers
+        attended from several threads at once: set.add is atomic, and _step_written, if two
+        threads both see the set full, does its work once.)"""
+        written = self._written
+        if layer not in written:
+            written.add(layer)
+            if len(written) == self._layers:
                 self._cache._step_written(self)
 
     @property
@@ -962,7 +967,7 @@ class Step:
                                     return_lse=return_lse, window=window, softcap=softcap,
                                     sinks=sinks, alibi_slopes=alibi_slopes,
                                     shared_prefix=shared_prefix)
-        if self._layers_left:  # it returned: the layer's rows are written (a refusal writes none)
+        if len(self._written) < self._layers:  # returned: its rows are written (a refusal writes none)
             self._wrote(layer if type(layer) is int else _index(layer, "layer", self._cache.num_layers))
         return result
 
