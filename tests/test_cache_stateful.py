@@ -32,6 +32,7 @@ import os
 import tempfile
 
 import numpy as np
+import pytest
 from conftest import BF16
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -526,6 +527,10 @@ def test_cache_state_machine():
 # that prompt writes. Prompts come from a few shared stems, so hits, duplicates and evictions are
 # frequent in a pool of 16 blocks of 4 slots. The test keeps, for every digest it has seen, the
 # tokens from the start of the sequence, and checks every registered block against them.
+# Steps also end early (issue 31): some layers attend, then the step is abandoned (the model
+# raised, or the next step supersedes it), refused, or its sequence is freed or truncated. The
+# model keeps each sequence's written prefix (tokens every layer has written); only that is read
+# back, saved, or may be registered, and a hit must read what a recomputation writes.
 P_BLOCKS, P_SEQS = 12, 5
 HAVE_SAFETENSORS = importlib.util.find_spec("safetensors") is not None  # (the sessions extra)
 STEMS = [tuple(range(1, 14)), (1, 2, 3, 4, 50, 60, 70, 80, 90, 100), (7,) * 12]
@@ -544,6 +549,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.cache = None
         self.tokens = {}  # seq -> its token ids (computed ones: len == cache.length)
         self.extra = {}
+        self.written = {}  # seq -> its first tokens that every layer has written
         self.prefix_of = {}  # digest -> (extra, tokens from the start) of every block registered
         self.tmp = tempfile.TemporaryDirectory()
 
@@ -583,41 +589,89 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         s = self.cache.new_sequence(tokens=np.array(prompt, np.uint16), extra_key=extra)
         hit = self.cache.length(s)
         assert hit % BLOCK_SIZE == 0 and hit <= len(prompt) - 1
-        self.tokens[s], self.extra[s] = prompt[:hit], extra
+        self.tokens[s], self.extra[s], self.written[s] = prompt[:hit], extra, hit
         if hit:  # a hit reads what a fresh prefill of the prompt writes
             event("prefix hit")
             self._check_seq(s)
         if compute:
             self._step([s], [len(prompt) - hit], [None], seed=len(prompt), pending=prompt)
 
-    def _step(self, ids, counts, new_tokens, seed, pending=None):
+    def _begin(self, ids, counts, new_tokens, pending=None):
+        """begin_step, in the cache and the model: (step, its K/V rows, starts), or None when the
+        pool is full (nothing changed)."""
         snap = self._snapshot()
         try:
             step = self.cache.begin_step(ids, counts, tokens=new_tokens)
         except attnx.CacheFullError:
             self._assert_unchanged(snap)
-            return
+            return None
+        starts = [len(self.tokens[s]) for s in ids]
         for s, n, t in zip(ids, counts, new_tokens):
             self.tokens[s] = self.tokens[s] + list(pending[len(self.tokens[s]):] if t is None else t)
             assert len(self.tokens[s]) == self.cache.length(s)
-        rng = np.random.default_rng(seed)
-        T = sum(counts)
         if step._shared_groups():
             event("shared-prefix split")
         if self.cache.stats()["evictions"] > snap[4]["evictions"]:
             event("eviction")
         rows = [self._rows(s, self.cache.length(s) - n, self.cache.length(s)) for s, n in zip(ids, counts)]
-        kv = np.concatenate(rows, axis=2) if T else np.zeros((LAYERS, 2, 0, HKV, DK), self.cache.dtype)
+        kv = np.concatenate(rows, axis=2) if sum(counts) else np.zeros((LAYERS, 2, 0, HKV, DK), self.cache.dtype)
+        return step, kv, starts
+
+    def _step(self, ids, counts, new_tokens, seed, pending=None):
+        begun = self._begin(ids, counts, new_tokens, pending)
+        if begun is None:
+            return
+        step, kv, starts = begun
+        rng = np.random.default_rng(seed)
+        T = sum(counts)
+        gap = {s for s, start in zip(ids, starts) if self.written[s] != start}
         for layer in range(LAYERS):
             q = rng.standard_normal((T, HQ, DK)).astype(np.float32)
             o = step.attend(layer, q, kv[layer, 0], kv[layer, 1])
             at = 0
             for s, n in zip(ids, counts):
-                if n:
+                if n and s not in gap:  # (behind a gap the model's rows are not the cache's)
                     full = self._rows(s, 0, self.cache.length(s))[layer].astype(np.float32)
                     want = reference.attention(q[at:at + n], full[0], full[1], causal=True, layout="bshd")
                     np.testing.assert_allclose(o[at:at + n], want, rtol=3e-5, atol=3e-5)
                 at += n
+        for s, start, n in zip(ids, starts, counts):  # every layer wrote: written, unless a gap
+            if s not in gap:
+                self.written[s] = start + n
+        if gap:
+            event("step behind a gap")
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), seed=st.integers(0, 2**16),
+          ending=st.sampled_from(["abandoned", "refused", "freed", "truncated"]))
+    def step_ends_early(self, data, seed, ending):
+        """A step attended in some layers only (any order, maybe none), then: abandoned (the
+        model raised between layers; the next step of a sequence supersedes it), a refused
+        attend, or one of its sequences freed or truncated (its next attend is stale)."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), unique=True, min_size=1, max_size=3))
+        counts = [data.draw(st.integers(1, 6)) for _ in ids]
+        new = [data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)) for n in counts]
+        layers = data.draw(st.lists(st.sampled_from(range(LAYERS)), unique=True, max_size=LAYERS - 1))
+        begun = self._begin(ids, counts, new)
+        if begun is None:
+            return
+        step, kv, _ = begun
+        q = np.random.default_rng(seed).standard_normal((sum(counts), HQ, DK)).astype(np.float32)
+        for layer in layers:
+            step.attend(layer, q, kv[layer, 0], kv[layer, 1])
+        left = next(layer for layer in range(LAYERS) if layer not in layers)
+        if ending == "refused":
+            with pytest.raises(ValueError):
+                step.attend(left, q, kv[left, 0][..., :DK // 2], kv[left, 1])
+        elif ending in ("freed", "truncated"):
+            victim = data.draw(st.sampled_from(ids))
+            if ending == "freed":
+                self._free(victim)
+            else:
+                self._truncate(victim, data.draw(st.integers(0, len(self.tokens[victim]))))
+            with pytest.raises(attnx.StaleStepError):
+                step.attend(left, q, kv[left, 0], kv[left, 1])
+        event(f"step ended early: {ending}")
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), seed=st.integers(0, 2**16))
@@ -640,14 +694,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child = self.cache.fork(parent)
         self.tokens[child], self.extra[child] = list(self.tokens[parent]), self.extra[parent]
+        self.written[child] = self.written[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def truncate(self, data):
         s = data.draw(st.sampled_from(sorted(self.tokens)))
-        n = data.draw(st.integers(0, len(self.tokens[s])))
+        self._truncate(s, data.draw(st.integers(0, len(self.tokens[s]))))
+
+    def _truncate(self, s, n):
         self.cache.truncate(s, n)
         del self.tokens[s][n:]
+        self.written[s] = min(self.written[s], n)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -656,13 +714,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def _free(self, s):
         self.cache.free(s)
-        del self.tokens[s], self.extra[s]
+        del self.tokens[s], self.extra[s], self.written[s]
 
     @precondition(lambda self: HAVE_SAFETENSORS and self.tokens and len(self.tokens) < P_SEQS)
     @rule(data=st.data(), also_free=st.booleans())
     def save_and_load(self, data, also_free):
         s = data.draw(st.sampled_from(sorted(self.tokens)))
         path = os.path.join(self.tmp.name, "session.safetensors")
+        if self.written[s] < len(self.tokens[s]):  # a step of it ended early: refused, no file
+            with pytest.raises(ValueError, match="not written in every layer"):
+                self.cache.save(s, path + ".refused", meta={"model": "test"})
+            assert not os.path.exists(path + ".refused")
+            return
         self.cache.save(s, path, meta={"model": "test"})
         tokens, extra = self.tokens[s], self.extra[s]
         if also_free:
@@ -675,10 +738,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         event("session loaded")
         self.tokens[t], self.extra[t] = list(tokens), extra  # (the file keeps the extra key's chain)
+        self.written[t] = len(tokens)
         self._check_seq(t)
 
     def _check_seq(self, s):
-        c, n = self.cache, self.cache.length(s)
+        """``s``'s written tokens read back the model's rows (past them: unwritten, unchecked)."""
+        c, n = self.cache, self.written[s]
+        assert c._seqs[s].written == n
         if not n:
             return
         bt = c.block_table(s)

@@ -11,6 +11,7 @@ with the cache unchanged.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import numpy as np
@@ -200,6 +201,128 @@ def test_token_arguments_are_checked_before_anything_changes():
     with pytest.raises(ValueError, match="tokens"):
         c.begin_step([a], [2], tokens=[[1, 2], [3]])
     assert snapshot(c) == before
+
+
+# ---- a step that ends early registers nothing (issue 31) --------------------------------------
+def _early_cache(layers=2):
+    return attnx.PagedKVCache(layers, 1, 8, num_blocks=6, block_size=4, prefix_caching=True)
+
+
+def test_issue31_reproducer_a_refused_attend_registers_nothing(rng):
+    kv = rng.standard_normal((9, 1, 8)).astype(np.float32)
+    c = attnx.PagedKVCache(1, 1, 8, num_blocks=3, block_size=4, prefix_caching=True)
+    a = c.new_sequence(tokens=[7] * 8)
+    c.begin_step([a], [8]).attend(0, -kv[:8], -kv[:8], -kv[:8])
+    c.free(a)
+    b = c.new_sequence(tokens=range(9))
+    step = c.begin_step([b], [9])
+    with pytest.raises(ValueError, match="k: expected shape"):
+        step.attend(0, kv, kv[:, :, :4], kv)  # refused: nothing written
+    assert c.stats()["cached_blocks"] == 0  # (b took a's two cached blocks: evicted)
+    c.free(b)
+    s = c.new_sequence(tokens=range(9))
+    assert c.length(s) == 0  # no hit on blocks never written
+    # computed in full, the same prompt registers, and a hit reads what a recomputation writes
+    step = c.begin_step([s], [9])
+    step.attend(0, kv, kv, kv)
+    h = c.new_sequence(tokens=range(9))
+    assert c.length(h) == 8
+    np.testing.assert_array_equal(seq_kv(c, h)["k"][0], kv[:8].swapaxes(0, 1))
+
+
+def _prefill_layers(c, seq, n, rng, layers, tokens=None):
+    """A step of ``n`` tokens of ``seq`` attended in ``layers`` only; returns it and its keys."""
+    step = c.begin_step([seq], [n], tokens=None if tokens is None else [tokens])
+    k = rng.standard_normal((n, c.num_kv_heads, c.head_dim)).astype(np.float32)
+    for layer in layers:
+        step.attend(layer, k, k, k)
+    return step, k
+
+
+@pytest.mark.parametrize("ending", ["abandoned", "refused", "freed", "truncated", "stepped again",
+                                    "same layer twice"])
+def test_a_step_that_ends_early_registers_nothing(rng, ending):
+    """Layer 0 of 2 attends; the step then ends every other way a step can: its blocks never
+    become findable, and the sequence's later steps register nothing past the gap."""
+    c = _early_cache()
+    a = c.new_sequence(tokens=range(13))
+    step, k = _prefill_layers(c, a, 12, rng, [0])
+    assert c.stats()["cached_blocks"] == 0  # one layer of two: not yet
+    if ending == "refused":
+        with pytest.raises(ValueError):
+            step.attend(1, k, k[:, :, :4], k)
+    elif ending == "freed":
+        c.free(a)
+        with pytest.raises(attnx.StaleStepError):
+            step.attend(1, k, k, k)
+    elif ending == "truncated":
+        c.truncate(a, 4)
+        with pytest.raises(attnx.StaleStepError):
+            step.attend(1, k, k, k)
+    elif ending == "stepped again":
+        later, _ = _prefill_layers(c, a, 1, rng, [0, 1])  # every layer of the next step: still a gap
+        with pytest.raises(attnx.StaleStepError):
+            step.attend(1, k, k, k)
+    elif ending == "same layer twice":
+        step.attend(np.int64(0), k, k, k)  # layer 0 again (as a NumPy int): still one layer of two
+    assert c.stats()["cached_blocks"] == 0
+    assert c.length(c.new_sequence(tokens=range(13))) == 0
+    if ending != "freed":
+        with pytest.raises(ValueError, match="not written in every layer"):
+            c.save(a, os.devnull)
+        # rolled back to before the gap and stepped again in every layer, it registers again
+        c.truncate(a, 0)
+        _, k = _prefill_layers(c, a, 12, rng, [0, 1], tokens=list(range(12)))
+        assert c.stats()["cached_blocks"] == 3
+        h = c.new_sequence(tokens=range(13))
+        assert c.length(h) == 12
+        np.testing.assert_array_equal(seq_kv(c, h)["k"][1], k.swapaxes(0, 1))
+
+
+def test_an_exception_in_the_model_between_layers_registers_nothing(rng):
+    c = _early_cache(layers=3)
+    a = c.new_sequence(tokens=range(9))
+
+    def model(step, k):
+        step.attend(0, k, k, k)
+        step.attend(1, k, k, k)
+        raise RuntimeError("the model failed between layers")
+
+    with pytest.raises(RuntimeError, match="between layers"):
+        model(*_prefill_layers(c, a, 9, rng, []))
+    c.free(a)
+    assert c.stats()["cached_blocks"] == 0 and c.length(c.new_sequence(tokens=range(9))) == 0
+
+
+def test_blocks_register_when_the_last_layer_returns_in_any_order(rng):
+    c = _early_cache(layers=3)
+    a = c.new_sequence(tokens=range(9))
+    step, k = _prefill_layers(c, a, 9, rng, [2, 0])
+    assert c.stats()["cached_blocks"] == 0
+    step.attend(1, k, k, k)
+    assert c.stats()["cached_blocks"] == 2
+    assert c.length(c.new_sequence(tokens=range(9))) == 8
+
+
+def test_a_fork_made_mid_step_does_not_count_the_step_written(rng, tmp_path):
+    """A fork made between a step's layers (which the docs say not to do) copies the sequence
+    as it stands: the step's tokens are not written in every layer for the fork, which therefore
+    neither saves them nor registers past them; the step itself still ends and registers."""
+    c = _early_cache()
+    a = c.new_sequence(tokens=range(9))
+    step, k = _prefill_layers(c, a, 9, rng, [0])
+    f = c.fork(a)
+    step.attend(1, k, k, k)
+    assert c.stats()["cached_blocks"] == 2
+    with pytest.raises(ValueError, match="not written in every layer"):
+        c.save(f, tmp_path / "f")
+    assert not (tmp_path / "f").exists()
+
+
+def test_prefix_caching_refuses_linear_layers():
+    with pytest.raises(ValueError, match="prefix_caching.*linear_layers"):
+        attnx.PagedKVCache(1, 1, 8, num_blocks=4, prefix_caching=True, linear_layers=1,
+                           state_shape=(1, 8, 8))
 
 
 # ---- shared-prefix attention -----------------------------------------------------------------
@@ -492,3 +615,286 @@ def test_step_attend_shared_with_latent_values_and_bf16(rng, split_always, kw):
     assert outs[0].dtype == outs[1].dtype
     tol = 1e-2 if "dtype" in kw else 2e-5  # (bf16 queries: bf16 outputs, rounded apart)
     np.testing.assert_allclose(outs[0].astype(np.float32), outs[1].astype(np.float32), rtol=tol, atol=tol)
+
+
+# ---- hostile session files (issue 31) -----------------------------------------------------------
+def _raw_safetensors(tensors, metadata, header_text=None):
+    """safetensors bytes written by hand, so that the metadata may be anything (the library
+    writes strings only): ``tensors`` by name, ``metadata`` any JSON value (or the header's
+    whole text given as ``header_text``)."""
+    header, blobs, at = {}, [], 0
+    names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint16): "U16",
+             np.dtype(np.uint8): "U8", np.dtype(np.uint32): "U32", np.dtype(np.float64): "F64"}
+    for name, t in tensors.items():
+        b = np.ascontiguousarray(t).tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + len(b)]}
+        blobs.append(b)
+        at += len(b)
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    text = (header_text if header_text is not None else json.dumps(header)).encode("utf-8", "surrogatepass")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(blobs)
+
+
+def _forge(path, header, tensors, checksum=True):
+    """A session file with the attnx ``header`` (a dict, or the JSON text itself) and a
+    checksum a forger computes as attnx does (or ``checksum=False``: a wrong one)."""
+    import attnx._session as sess
+    text = header if isinstance(header, str) else json.dumps(header)
+    stored = {n: sess._stored(t) for n, t in tensors.items()}
+    digest = sess._checksum(text, stored) if checksum else "0" * 64
+    path.write_bytes(_raw_safetensors(stored, {"attnx": text, "attnx.checksum": digest}))
+    return path
+
+
+@pytest.fixture
+def parts(saved):
+    """A saved session's attnx header (dict) and tensors, to forge variants of."""
+    import safetensors.numpy
+    c, path = saved
+    data = path.read_bytes()
+    meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+    return c, path, json.loads(meta["attnx"]), safetensors.numpy.load(data)
+
+
+def _refused_everywhere(cache, path, match=None):
+    """load and session_info both raise SessionError (matching ``match``); the cache is unchanged."""
+    _refused(cache, path, match)
+    with pytest.raises(attnx.SessionError, match=match):
+        attnx.session_info(path)
+
+
+@needs_safetensors
+def test_a_forged_file_with_a_valid_checksum_loads(parts, tmp_path):
+    """The forging helpers make loadable files: the refusals below are the fields' doing."""
+    c, _, header, tensors = parts
+    path = _forge(tmp_path / "f", header, tensors)
+    assert c.length(c.load(path)) == 10 and attnx.session_info(path)["length"] == 10
+
+
+@needs_safetensors
+@pytest.mark.parametrize("metadata", [
+    "attnx-not-a-dict", ["attnx"], {"attnx": {"format": "attnx-kv-session/1"}, "attnx.checksum": "0" * 64},
+    {"attnx": ["x"], "attnx.checksum": "0" * 64}, {"attnx": 1, "attnx.checksum": "0" * 64},
+    {"attnx": None, "attnx.checksum": "0" * 64}, {"attnx": "{}", "attnx.checksum": 7},
+    {"attnx": "{}", "attnx.checksum": None}, {"attnx": "{}"}, {"attnx.checksum": "0" * 64}])
+def test_metadata_that_is_not_strings_is_refused(parts, tmp_path, metadata):
+    c, _, _, tensors = parts
+    path = tmp_path / "f"
+    path.write_bytes(_raw_safetensors(tensors, metadata))
+    _refused_everywhere(c, path)
+
+
+@needs_safetensors
+@pytest.mark.parametrize("where", ["outer", "attnx", "meta", "meta-expected"])
+@pytest.mark.parametrize("depth", [900, 100_000])
+def test_deeply_nested_headers_are_refused(parts, tmp_path, where, depth):
+    """Nesting past the JSON parser's recursion limit (and just under it, where later steps
+    could recurse further) in the safetensors header, in the attnx header and in ``meta``."""
+    c, _, header, tensors = parts
+    deep = "[" * depth + "]" * depth
+    path = tmp_path / "f"
+    if where == "outer":
+        stored = {n: t for n, t in tensors.items()}
+        text = json.dumps({"__metadata__": {"attnx": "{}", "attnx.checksum": "0"}})[:-1] + ', "x": ' + deep + "}"
+        path.write_bytes(_raw_safetensors(stored, None, header_text=text))
+    elif where == "attnx":
+        _forge(path, deep, tensors)
+    else:
+        text = json.dumps(dict(header, meta="@"))
+        _forge(path, text.replace('"@"', '{"model": ' + deep + "}"), tensors)
+    if where == "meta" and depth == 900:  # parses: as meta, it only has to load (or be refused)
+        try:
+            c.free(c.load(path))
+        except attnx.SessionError:
+            pass
+        return
+    if where == "meta-expected" and depth == 900:
+        _refused(c, path, None, expect={"model": "smol"})
+        return
+    _refused_everywhere(c, path, "nested too deeply" if depth > 10_000 else None)
+
+
+def _wrong_values(field, value):
+    """Values of the wrong type (or range) for a header field whose right value is ``value``."""
+    others = [None, True, False, 0, 1, -1, 1.0, 2.5, "", "1", [], [1], {}, {"a": 1}]
+    if field == "tokens":
+        return [1, "0 1 2", {}, [[0]] * 10, [float(t) for t in value], [str(t) for t in value],
+                [bool(t % 2) for t in value], value[:-1], value + [0], [2**63] + value[1:],
+                [-2**63 - 1] + value[1:], [None] * 10]
+    if field == "linear_layers":  # (written by hybrid caches only)
+        return [True, 1.0, "0", -1, None, [], 2]
+    if field == "state_shape":
+        return [1, "x", [], [1, 2], [1, 2, 3.0], [True, 1, 1], [0, 1, 1], [1, 1, 1, 1], {}, [2, 4, 4]]
+    if field == "root":
+        return [v for v in others if v != ""] + ["00" * 31, "00" * 33, value.upper(), "zz" * 32,
+                                                  " " + value[1:], value[:-2] + "\u00e9\u00e9"]
+    if field == "length":
+        return [v for v in others if type(v) is not int] + [-1, 10.0]
+    if field == "value_from_key":
+        return [v for v in others if type(v) is not bool]
+    if isinstance(value, int):
+        return [v for v in others if type(v) is not int] + [float(value), bool(value), str(value)]
+    return [v for v in others if type(v) is not str]
+
+
+@needs_safetensors
+@pytest.mark.parametrize("field", ["format", "num_layers", "num_kv_heads", "head_dim", "value_dim",
+                                   "dtype", "value_from_key", "length", "root", "tokens",
+                                   "linear_layers", "state_shape"])
+def test_every_header_field_of_a_wrong_type_is_refused(parts, tmp_path, field):
+    """A forger's file (valid checksum): every field of a wrong type, out of range or missing is
+    refused by load and session_info alike, the cache unchanged; token ids that are floats,
+    strings or bools never reach the prefix cache."""
+    c, _, header, tensors = parts
+    for i, bad in enumerate(_wrong_values(field, header.get(field)) + ["<missing>"]):
+        forged = {k: v for k, v in header.items() if k != field}
+        if bad != "<missing>":
+            forged[field] = bad
+        elif field in ("tokens", "linear_layers", "state_shape"):
+            continue  # (valid without: no token ids to register, no linear layers)
+        path = _forge(tmp_path / f"{field}{i}", forged, tensors)
+        if field in ("linear_layers", "state_shape") and bad in (2, [2, 4, 4]):
+            _refused(c, path, "another cache geometry")  # (well-formed: only a load compares)
+        else:
+            _refused_everywhere(c, path)
+
+
+@needs_safetensors
+def test_nan_surrogates_and_wrong_tensor_dtypes_are_refused(parts, tmp_path):
+    c, _, header, tensors = parts
+    text = json.dumps(dict(header, meta="@")).replace('"@"', '{"model": NaN}')
+    _refused_everywhere(c, _forge(tmp_path / "nan", text, tensors), "corrupted")
+    text = json.dumps(dict(header, meta="\ud800"))  # a lone surrogate (an escape in JSON)
+    path = tmp_path / "surrogate"
+    path.write_bytes(_raw_safetensors(tensors, {"attnx": text, "attnx.checksum": "0" * 64}))
+    _refused(c, path, "checksum")
+    for name, t in [("k", tensors["k"].view(np.int32)), ("k", tensors["k"].astype(np.float64)),
+                    ("v", tensors["v"].astype(np.float16)), ("v", tensors["v"][..., :4])]:
+        _refused(c, _forge(tmp_path / "t", header, dict(tensors, **{name: t})), f"tensor '{name}'")
+
+
+@needs_safetensors
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_fuzzed_session_headers_raise_only_session_error(tmp_path_factory, data):
+    """Any JSON in any field (a forger's checksum), or a flipped byte anywhere in the header:
+    load gives a correct sequence or SessionError with the cache unchanged; session_info a dict
+    or SessionError. Nothing else escapes."""
+    rng = np.random.default_rng(0)
+    c = make_cache()
+    a = c.new_sequence(tokens=range(6))
+    prefill(c, a, rng)
+    tmp = tmp_path_factory.mktemp("fuzz")
+    c.save(a, tmp / "s", meta={"model": "smol"})
+    want = seq_kv(c, a)
+    raw = (tmp / "s").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(json.loads(raw[8:8 + n])["__metadata__"]["attnx"])
+    tensors = {k: v for k, v in __import__("safetensors.numpy").numpy.load(raw).items()}
+    values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                          | st.text(max_size=8), lambda x: st.lists(x, max_size=3)
+                          | st.dictionaries(st.text(max_size=3), x, max_size=3), max_leaves=8)
+    how = data.draw(st.sampled_from(["field", "flip"]))
+    path = tmp / "f"
+    if how == "field":
+        field = data.draw(st.sampled_from(sorted(header) + ["unknown"]))
+        near = _wrong_values(field, header[field]) if field in header and field != "meta" else [None]
+        forged = dict(header, **{field: data.draw(values | st.sampled_from(near))})
+        _forge(path, forged, tensors)
+    else:
+        at = data.draw(st.integers(0, 8 + n - 1))
+        path.write_bytes(raw[:at] + bytes([raw[at] ^ data.draw(st.integers(1, 255))]) + raw[at + 1:])
+    before = snapshot(c)
+    try:
+        b = c.load(path, expect={"model": "smol"})
+    except attnx.SessionError:
+        assert snapshot(c) == before
+    else:  # a forged field loads only where it is harmless: meta, an unknown field, the same value
+        if how == "field":
+            assert (field in ("meta", "unknown") or json.dumps(forged[field]) == json.dumps(header[field])
+                    or field == "tokens" and forged[field] is None)  # (a file may hold no token ids)
+        got = seq_kv(c, b)
+        assert all(np.array_equal(bits(want[k]), bits(got[k])) for k in want)
+        assert c._seqs[b].tokens is None or c._seqs[b].tokens.dtype == np.int64
+        c.free(b)
+    try:
+        assert isinstance(attnx.session_info(path), dict)
+    except attnx.SessionError:
+        pass
+
+
+@needs_safetensors
+def test_save_follows_a_symlink_and_paths_may_be_bytes(saved, tmp_path):
+    c, path = saved
+    a = c.sequences[0]
+    target = tmp_path / "real.safetensors"
+    link = tmp_path / "link.safetensors"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    c.save(a, link, meta={"model": "via link"})
+    assert link.is_symlink() and os.readlink(link) == str(target)  # the link stays
+    assert attnx.session_info(target)["meta"] == {"model": "via link"}  # its target was written
+    assert sorted(os.listdir(tmp_path)) == ["link.safetensors", "real.safetensors", "s.safetensors"]
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "new.safetensors")
+    c.save(a, dangling)  # as open() does: the target is created
+    assert dangling.is_symlink() and (tmp_path / "new.safetensors").is_file()
+    raw = os.fsencode(tmp_path / "b.safetensors")
+    c.save(a, raw, meta={"model": "bytes"})
+    assert attnx.session_info(raw)["meta"] == {"model": "bytes"}
+    assert c.length(c.load(raw, expect={"model": "bytes"})) == 10
+    for bad in (3, 1.5, None, ["x"]):
+        with pytest.raises(TypeError, match="path"):
+            c.save(a, bad)
+        with pytest.raises(TypeError, match="path"):
+            c.load(bad)
+        with pytest.raises(TypeError, match="path"):
+            attnx.session_info(bad)
+
+
+@needs_safetensors
+def test_a_hybrid_session_keeps_its_recurrent_states(tmp_path, rng):
+    """A hybrid cache's session holds each linear layer's state beside the K/V: the loaded
+    sequence continues exactly as the saved one. A step not run in every layer (attention and
+    linear) is not saved, and a file loads only into a cache with the same linear layers."""
+    def hybrid(block_size=4):
+        return attnx.PagedKVCache(2, 1, 8, num_blocks=16, block_size=block_size, linear_layers=2,
+                                  state_shape=(2, 4, 4))
+
+    def step(c, seqs, n, seed, linear=(0, 1)):
+        r = np.random.default_rng(seed)
+        st_ = c.begin_step(seqs, [n] * len(seqs))
+        T = n * len(seqs)
+        x = r.standard_normal((T, 1, 8)).astype(np.float32)
+        outs = [st_.attend(layer, r.standard_normal((T, 2, 8)).astype(np.float32), x, x) for layer in (0, 1)]
+        q = r.standard_normal((T, 1, 4)).astype(np.float32)
+        g = -r.random((T, 2)).astype(np.float32)
+        beta = r.random((T, 2)).astype(np.float32)
+        v = r.standard_normal((T, 2, 4)).astype(np.float32)
+        outs += [st_.linear(layer, q, q, v, g, beta) for layer in linear]
+        return outs
+
+    c = hybrid()
+    a = c.new_sequence()
+    step(c, [a], 7, 1)
+    c.save(a, tmp_path / "h")
+    d = hybrid(block_size=8)
+    b = d.load(tmp_path / "h")
+    np.testing.assert_array_equal(d._seqs[b].state, c._seqs[a].state)
+    for got, want in zip(step(d, [b], 3, 2), step(c, [a], 3, 2)):
+        np.testing.assert_array_equal(got, want)
+    step(c, [a], 2, 3, linear=(0,))  # linear layer 1 never ran: the step did not end
+    with pytest.raises(ValueError, match="not written in every layer"):
+        c.save(a, tmp_path / "h")
+    _refused(make_cache(), tmp_path / "h", "linear_layers: file 2, cache 0")
+    plain = attnx.PagedKVCache(2, 1, 8, num_blocks=16, block_size=4)
+    p = plain.new_sequence()
+    st_ = plain.begin_step([p], [3])
+    x = np.ones((3, 1, 8), np.float32)
+    for layer in (0, 1):
+        st_.attend(layer, x, x, x)
+    plain.save(p, tmp_path / "plain")
+    assert "linear_layers" not in attnx.session_info(tmp_path / "plain")  # (files as before)
+    _refused(hybrid(), tmp_path / "plain", "linear_layers: file 0, cache 2")

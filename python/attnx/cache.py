@@ -29,8 +29,10 @@ a long conversation holds about ``W / block_size`` blocks. Their entries in ``bl
 ``value_dim`` features of each key (the compressed latent serves as both), stored once.
 
 Prefix caching (``prefix_caching=True``): every full block is registered under a digest chained
-over its parent's digest and its token ids (and the sequence's ``extra_key``), so that
-``new_sequence(tokens=...)`` attaches the cached blocks a prompt starts with; blocks no sequence
+over its parent's digest and its token ids (and the sequence's ``extra_key``) once every layer
+has written it (when its step's last layer returns: a step that ends early registers nothing),
+so that ``new_sequence(tokens=...)`` attaches the cached blocks a prompt starts with (not in a
+hybrid cache: a block does not hold the recurrent state a hit would need); blocks no sequence
 holds stay cached until an allocation needs them, least recently released first. A step whose
 sequences share leading blocks (forks, hits) reads those blocks once for all of them and merges
 by log-sum-exp (``attnx._shared``). ``save`` / ``load`` write one sequence to a safetensors file
@@ -107,10 +109,12 @@ class _Seq:
     Token bookkeeping (prefix caching, sessions): ``tokens`` are its token ids where known (None
     once a step came without them), possibly running past ``length`` (a prompt given to
     ``new_sequence`` whose uncached part is still to be computed); ``digests[i]`` is the prefix
-    digest of its block ``i``, for its leading full blocks; ``root`` starts the chain (it carries
-    the extra key)."""
+    digest of its block ``i``, for its leading full blocks that are written; ``root`` starts the
+    chain (it carries the extra key). ``written``: its first tokens whose keys and values every
+    layer has written (by steps that ended with every layer attended, a prefix hit or a load);
+    only blocks within them are registered or saved."""
 
-    __slots__ = ("row", "length", "version", "tokens", "digests", "root", "state")
+    __slots__ = ("row", "length", "version", "tokens", "digests", "root", "state", "written")
 
     def __init__(self, row: BlockRow, length: int, state: np.ndarray | None = None) -> None:
         self.row = row
@@ -120,12 +124,14 @@ class _Seq:
         self.digests: list[bytes] = []
         self.root = root_digest(b"")
         self.state = state
+        self.written = length
 
     def copy(self) -> _Seq:
         """A fork: the same blocks (the caller takes the references), token bookkeeping, and a copy
         of the recurrent states."""
         s = _Seq(self.row.copy(), self.length, None if self.state is None else self.state.copy())
         s.tokens, s.digests, s.root = self.tokens, list(self.digests), self.root
+        s.written = self.written
         return s
 
 
@@ -225,6 +231,9 @@ class PagedKVCache:
         self.linear_layers, self.state_shape = _linear_config(linear_layers, state_shape)
         self._k, self._v = self._pool_arrays()
         self.prefix_caching = _flag(prefix_caching, "prefix_caching")
+        if self.prefix_caching and self.linear_layers:
+            raise ValueError("prefix_caching: not with linear_layers: a cached block holds keys and "
+                             "values, not the recurrent state a hit would need at its end")
         self._k_scales, self._v_scales = self._scale_arrays()
         self._views: list[Any] | None = None  # per-layer page views (_all_layer_pages)
         self._alloc = BlockAllocator(self.num_blocks, caching=self.prefix_caching)
@@ -343,10 +352,12 @@ class PagedKVCache:
 
         Examples
         --------
-        >>> import attnx
+        >>> import numpy as np, attnx
         >>> cache = attnx.PagedKVCache(1, 1, 8, num_blocks=8, block_size=4, prefix_caching=True)
         >>> a = cache.new_sequence(tokens=range(10))
-        >>> step = cache.begin_step([a], [10])   # computes and registers blocks 0 and 1
+        >>> step = cache.begin_step([a], [10])
+        >>> x = np.ones((10, 1, 8), np.float32)
+        >>> _ = step.attend(0, x, x, x)   # its last layer: blocks 0 and 1 are registered
         >>> cache.free(a)
         >>> b = cache.new_sequence(tokens=list(range(9)) + [42])
         >>> cache.length(b), cache.stats()["prefix_hit_tokens"]
@@ -362,7 +373,7 @@ class PagedKVCache:
                 hit = np.array(blocks, np.int32)
                 self._alloc.incref(hit)
                 s.row.append(hit)
-                s.length = len(blocks) * self.block_size
+                s.length = s.written = len(blocks) * self.block_size
                 self._hit_tokens += s.length
                 self._query_tokens += len(ids)
             return self._add(s)
@@ -411,6 +422,7 @@ class PagedKVCache:
             if n % self.block_size:  # the next write lands in this block: its digest goes
                 self._alloc.forget(s.row.last)
             del s.digests[n // self.block_size:]
+            s.written = min(s.written, n)
             if s.tokens is not None:
                 s.tokens = s.tokens[:n]
             s.length = n
@@ -535,14 +547,16 @@ class PagedKVCache:
         """Writes ``seq``'s keys and values, all layers, to the safetensors file ``path``.
 
         Only the sequence's ``length`` valid slots are written, in token order, so the file does
-        not depend on the block size. The write is atomic (a temporary file in the same
-        directory, fsync, rename): a reader sees the old file or the whole new one. Save
-        between steps (a step's slots are written by its ``attend``). Needs ``safetensors``.
+        not depend on the block size; a hybrid cache's file holds the recurrent states too. The
+        write is atomic (a temporary file in the same directory, fsync, rename): a reader sees
+        the old file or the whole new one. A symbolic link is followed: its target is replaced
+        so (in the target's directory), and the link stays. Save between steps: a sequence with
+        tokens that not every layer has written is refused. Needs ``safetensors``.
 
         Parameters
         ----------
         seq : int
-        path : str or os.PathLike
+        path : str, bytes or os.PathLike
         tokens : 1-d integer array-like, optional
             The sequence's token ids (default: those the cache knows, if any).
         meta : JSON-serialisable, optional
@@ -554,10 +568,13 @@ class PagedKVCache:
         KeyError
             ``seq`` is not live.
         ValueError
-            The sliding window released some of its blocks, or ``tokens`` has not ``length`` ids.
+            The sliding window released some of its blocks, some of its tokens were not written
+            by every layer (a step that has not ended, or never did: truncate to before it), or
+            ``tokens`` has not ``length`` ids.
         TypeError
-            ``meta`` is not JSON-serialisable.
+            ``meta`` is not JSON-serialisable, or ``path`` is no str, bytes or os.PathLike.
         """
+        path = _session.path_str(path)
         with self._lock:
             s = self._seq(seq)
             n = s.length
@@ -567,7 +584,14 @@ class PagedKVCache:
             if s.row.released:
                 raise ValueError("seq: the sliding window released its first blocks: only a "
                                  "whole sequence can be saved")
+            if s.written < n:
+                raise ValueError(f"seq: tokens {s.written} .. {n - 1} of sequence {seq} are not "
+                                 "written in every layer (a step that has not ended, or never did: "
+                                 f"truncate it to {s.written} and step again)")
             tensors = self._gather(s.row.ids[:self._blocks_for(n)], n)
+            if self.linear_layers:  # (its recurrent states: zeros until a linear layer ran)
+                shape = (self.linear_layers,) + (self.state_shape or ())
+                tensors["state"] = np.zeros(shape, np.float32) if s.state is None else s.state.copy()
         data = _session.encode(_session.geometry(self), tensors, n, ids, s.root, meta)
         _session.save(path, data)
 
@@ -579,7 +603,7 @@ class PagedKVCache:
 
         Parameters
         ----------
-        path : str or os.PathLike
+        path : str, bytes or os.PathLike
         expect : dict, optional
             Entries that the file's ``meta`` must hold with equal values (e.g. a model id).
 
@@ -591,13 +615,16 @@ class PagedKVCache:
             ``expect``.
         CacheFullError
             The pool cannot hold the sequence. In every case the cache is unchanged.
+        TypeError
+            ``path`` is no str, bytes or os.PathLike (or ``expect`` no dict).
         """
-        data = _session.read(path)
-        tensors, n, tokens, root = _session.decode(data, str(path), self, expect)
+        path = _session.path_str(path)
+        tensors, n, tokens, root = _session.decode(_session.read(path), path, self, expect)
         with self._lock:
             blocks = self._alloc.allocate(self._blocks_for(n))
             self._scatter(blocks, tensors, n)
-            s = _Seq(BlockRow(len(blocks)), n)
+            state = tensors["state"].copy() if n and "state" in tensors else None
+            s = _Seq(BlockRow(len(blocks)), n, state)
             s.row.append(blocks)
             s.tokens, s.root = tokens, root
             if tokens is not None and self.prefix_caching:
@@ -652,9 +679,13 @@ class PagedKVCache:
         tokens : sequence of (1-d integer array-like or None), optional
             The new tokens' ids, one entry per sequence (``num_new_tokens[i]`` ids, or None).
             With ``prefix_caching`` the blocks a step fills are registered under their digests
-            (when the step begins: step a sequence that hits them after this step's attends).
-            Where an entry is None, the ids given to ``new_sequence`` beyond the sequence's
-            length are used if there are enough; otherwise its later blocks go unregistered.
+            once every layer has written them: when the ``attend`` of the step's last layer not
+            yet attended returns. A step that ends any other way (a refused ``attend``, an
+            exception in the model, its sequence truncated, freed or stepped again) registers
+            nothing, and its sequence registers no later block until it is truncated to before
+            that step. Where an entry is None, the ids given to ``new_sequence`` beyond the
+            sequence's length are used if there are enough; otherwise its later blocks go
+            unregistered.
 
         Returns
         -------
@@ -703,8 +734,8 @@ class PagedKVCache:
                 for i, (t, n) in enumerate(zip(entries, counts))]
 
     def _note_tokens(self, s: _Seq, n: int, ids: np.ndarray | None) -> None:
-        """Records the ids of ``s``'s last ``n`` tokens (just reserved) and registers the blocks
-        they fill (prefix caching)."""
+        """Records the ids of ``s``'s last ``n`` tokens (just reserved); the blocks they fill are
+        registered when the step ends with every layer written (:meth:`_step_written`)."""
         start = s.length - n
         if not n:
             return
@@ -714,14 +745,25 @@ class PagedKVCache:
                         else np.concatenate([cast(np.ndarray, s.tokens)[:start], ids]))
         elif s.tokens is not None and len(s.tokens) < s.length:
             s.tokens = None  # these tokens' ids are unknown: the chain ends here
-        if s.tokens is not None and self.prefix_caching:
-            self._register(s)
+
+    def _step_written(self, step: Step) -> None:
+        """Every layer of ``step`` has written its rows: each of its sequences unchanged since,
+        and with no unwritten tokens before the step's, counts them written and registers the
+        blocks they fill (prefix caching). The one place where a step's blocks become findable."""
+        with self._lock:
+            for s, version, start, n in zip(step._seqs, step._versions, step._starts,
+                                            step.q_lens.tolist()):
+                if s.version != version or s.written != start:
+                    continue  # changed since, or an earlier step of it never ended: a gap
+                s.written = start + n
+                if s.tokens is not None and self.prefix_caching:
+                    self._register(s)
 
     def _register(self, s: _Seq) -> None:
-        """Registers ``s``'s full blocks past those whose digests it knows."""
+        """Registers ``s``'s full, written blocks past those whose digests it knows."""
         assert s.tokens is not None
         bs, ids = self.block_size, s.row.ids
-        for i in range(len(s.digests), s.length // bs):
+        for i in range(len(s.digests), min(s.written, len(s.tokens)) // bs):
             parent = s.digests[-1] if s.digests else s.root
             chunk = s.tokens[i * bs:(i + 1) * bs]
             s.digests.append(block_digest(parent, chunk))
@@ -831,9 +873,25 @@ class Step:
             starts, dtype=np.int64)[seq_index]
         self.positions = pos.astype(np.int32)
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
+        self._starts = starts
         self._shared: Any = None  # the shared-prefix groups, planned at the first attend
         self._plan: Any = None  # the _core.StepPlan, made at the first attend
         self._linear_done: set[int] = set()  # linear layers already advanced by this step
+        # layers (attention 0 .. num_layers - 1, then linear ones) whose rows or states this step
+        # has written: with all of them, the step has ended (_step_written)
+        self._written: set[int] = set()
+        self._layers = cache.num_layers + cache.linear_layers
+
+    def _wrote(self, layer: int) -> None:
+        """Layer ``layer`` (linear ones numbered after the attention layers) has written this
+        step's rows; after the last one, the cache counts the step's tokens written. (Layers
+        attended from several threads at once: set.add is atomic, and _step_written, if two
+        threads both see the set full, does its work once.)"""
+        written = self._written
+        if layer not in written:
+            written.add(layer)
+            if len(written) == self._layers:
+                self._cache._step_written(self)
 
     @property
     def shared_prefix(self) -> list[tuple[list[int], int, int]]:
@@ -906,6 +964,18 @@ class Step:
                 shared_prefix: bool = True) -> Any:
         """:meth:`attend` on NumPy arrays (no tensor conversion): what ``attnx.hf`` calls once
         per model layer, with NumPy views of the model's tensors."""
+        result = self._attend_layer(layer, q, k, v, scale=scale, num_threads=num_threads,
+                                    return_lse=return_lse, window=window, softcap=softcap,
+                                    sinks=sinks, alibi_slopes=alibi_slopes,
+                                    shared_prefix=shared_prefix)
+        if len(self._written) < self._layers:  # returned: its rows are written (a refusal writes none)
+            self._wrote(layer if type(layer) is int else _index(layer, "layer", self._cache.num_layers))
+        return result
+
+    def _attend_layer(self, layer: int, q: Any, k: Any, v: Any, *, scale: float | None = None,
+                      num_threads: int | None = None, return_lse: bool = False, window: Any = None,
+                      softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
+                      shared_prefix: bool = True) -> Any:
         cache = self._cache
         # is_current's first test inline (this runs once per model layer)
         if cache._epoch != self._epoch and not cache.is_current(self):
@@ -1019,6 +1089,7 @@ class Step:
                 s.state = np.zeros((cache.linear_layers, hv, kw, vw), np.float32)
             s.state[li] = final[i]
         self._linear_done.add(li)
+        self._wrote(cache.num_layers + li)
         return o[0]
 
 
