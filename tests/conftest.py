@@ -422,29 +422,45 @@ def delta_tolerance(ref64, low32):
     return DELTA_ERR_FACTOR * own + DELTA_ULPS * F32_EPS * scale
 
 
-def check_delta_rule(q, k, v, g, beta, **kw):
-    """attnx.gated_delta_rule against the float64 recurrence (output and final state), within
-    ``delta_tolerance``; returns the kernel's (o, state)."""
-    from attnx._delta_args import delta_args
+def delta_expected(q, k, v, g, beta, **kw):
+    """What a gated_delta_rule call with these arguments (``_mode`` and ``num_threads`` aside)
+    is held to: the float64 recurrence's output and final state, and the float32 recurrence's
+    (the output rounded to q's dtype), which sets the tolerance. Four float64 arrays."""
+    from attnx._delta_args import delta_args, from_bshd
 
-    o, state = attnx.gated_delta_rule(q, k, v, g, beta, output_final_state=True, **kw)
-    kw.pop("_mode", None)
-    kw.pop("num_threads", None)
+    kw = {key: x for key, x in kw.items() if key not in ("_mode", "num_threads")}
     ro, rs = ref.gated_delta_rule(q, k, v, g, beta, output_final_state=True, out_dtype=np.float64, **kw)
     args = delta_args(q, k, v, g, beta, scale=kw.get("scale"), initial_state=kw.get("initial_state"),
                       layout=kw.get("layout", "bshd"), cu_seqlens=kw.get("cu_seqlens"),
                       lengths=kw.get("lengths"))
     lo, ls = ref._delta_recurrence(args, qk_l2norm=kw.get("qk_l2norm", False), dtype=np.float32)
-    from attnx._delta_args import from_bshd
-
     lo = from_bshd(ref._round_to(lo.astype(np.float64), q.dtype).astype(np.float64), kw.get("layout", "bshd"))
-    assert o.dtype == q.dtype and o.shape == ro.shape, (o.dtype, o.shape, ro.shape)
-    assert state.dtype == np.float32 and state.shape == rs.shape
-    for name, x, r, low in (("out", o.astype(np.float64), ro, lo), ("state", state, rs, ls)):
-        np.testing.assert_array_equal(np.isfinite(x), np.isfinite(r), err_msg=f"{name}: inf/NaN pattern")
-        err = float(np.max(np.abs(x - r), initial=0.0))
-        tol = delta_tolerance(r, low)
+    return ro, rs.astype(np.float64), lo, ls.astype(np.float64)
+
+
+def assert_delta_matches(o, state, expected):
+    """o and state against ``delta_expected``: inf/NaN exactly where the float64 recurrence has
+    them (a non-finite gate or beta reaches its own position and the later ones, nothing
+    before), the finite entries within ``delta_tolerance``."""
+    ro, rs, lo, ls = expected
+    for name, x, r, low in (("out", o, ro, lo), ("state", state, rs, ls)):
+        x = np.asarray(x, dtype=np.float64)
+        fin = np.isfinite(r)
+        np.testing.assert_array_equal(np.isfinite(x), fin, err_msg=f"{name}: inf/NaN pattern")
+        err = float(np.max(np.abs(x[fin] - r[fin]), initial=0.0))
+        both = fin & np.isfinite(low)
+        tol = delta_tolerance(r[both], low[both])
         assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
+
+
+def check_delta_rule(q, k, v, g, beta, **kw):
+    """attnx.gated_delta_rule against the float64 recurrence (output and final state; see
+    ``assert_delta_matches``); returns the kernel's (o, state)."""
+    o, state = attnx.gated_delta_rule(q, k, v, g, beta, output_final_state=True, **kw)
+    expected = delta_expected(q, k, v, g, beta, **kw)
+    assert o.dtype == q.dtype and o.shape == expected[0].shape, (o.dtype, o.shape, expected[0].shape)
+    assert state.dtype == np.float32 and state.shape == expected[1].shape
+    assert_delta_matches(o, state, expected)
     return o, state
 
 

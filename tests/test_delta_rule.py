@@ -29,6 +29,46 @@ def state0(rng, N, Hv, K, V):
     return (0.1 * rng.standard_normal((N, Hv, K, V))).astype(np.float32)
 
 
+# ---- non-finite gates and betas --------------------------------------------------------------
+# NaN and ±inf in g or beta make the recurrence's state non-finite from that position on (its
+# output there and after); g = -inf (exp(g) = 0) resets the state, as does any gate whose exp
+# is 0 in float32 (-1e30, -200), and everything after it stays finite. Either way the positions
+# before a planted value must come out finite and as they were.
+GATE_VALUES = [np.nan, np.inf, -np.inf, -1e30, -200.0]
+BETA_VALUES = [np.nan, np.inf, -np.inf]
+BAD_CASES = [("g", x) for x in GATE_VALUES] + [("beta", x) for x in BETA_VALUES]
+
+
+def plant(g, beta, planted):
+    """Copies of g and beta with each spot (t, "g" or "beta", value, head, channel) written at
+    position t of every batch row (head and channel taken modulo their counts); a per-channel
+    gate gets the value in one channel, or in all of them where channel is None."""
+    g, beta = g.copy(), beta.copy()
+    for t, what, value, head, ch in planted:
+        head = head % g.shape[2]
+        if what == "beta":
+            beta[:, t, head] = value
+        elif g.ndim == 4 and ch is not None:
+            g[:, t, head, ch % g.shape[3]] = value
+        else:
+            g[:, t, head] = value
+    return g, beta
+
+
+def spots(T, min_size=1):
+    """Strategy: min_size to 3 spots for `plant` at positions of a length-T sequence."""
+    where = st.integers(0, T - 1)
+    spot = st.one_of(
+        st.tuples(where, st.just("g"), st.sampled_from(GATE_VALUES), st.integers(0, 7),
+                  st.none() | st.integers(0, 1 << 16)),
+        st.tuples(where, st.just("beta"), st.sampled_from(BETA_VALUES), st.integers(0, 7), st.none()))
+    return st.lists(spot, min_size=min_size, max_size=3)
+
+
+def first_spot(planted):
+    return min(t for t, *_ in planted)
+
+
 @pytest.mark.parametrize("mode", ["chunked", "recurrent"])
 @pytest.mark.parametrize("gate", ["head", "channel"])
 @pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 200])
@@ -229,15 +269,20 @@ def test_cu_seqlens_must_increase(rng):
 
 @given(B=st.integers(1, 2), T=st.integers(1, 140), Hk=st.integers(1, 2), group=st.integers(1, 3),
        K=st.integers(1, 70), V=st.integers(1, 70), per_channel=st.booleans(), l2=st.booleans(),
-       with_state=st.booleans(), seed=st.integers(0, 2**31))
-def test_hypothesis_shapes(isa, B, T, Hk, group, K, V, per_channel, l2, with_state, seed):
+       with_state=st.booleans(), data=st.data(), seed=st.integers(0, 2**31))
+def test_hypothesis_shapes(isa, B, T, Hk, group, K, V, per_channel, l2, with_state, data, seed):
+    """Shapes, and non-finite gates and betas (NaN, ±inf, resets) planted at random positions."""
+    bad = data.draw(spots(T, min_size=0), label="spots")
     rng = np.random.default_rng(seed)
     q, k, v, g, beta = inputs(rng, B, T, Hk, Hk * group, K, V, per_channel=per_channel)
     if not l2:
         k /= np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1.0)
         q /= np.sqrt(K)
+    g, beta = plant(g, beta, bad)
     s0 = state0(rng, B, Hk * group, K, V) if with_state else None
-    check_delta_rule(q, k, v, g, beta, initial_state=s0, qk_l2norm=l2)
+    o, _ = check_delta_rule(q, k, v, g, beta, initial_state=s0, qk_l2norm=l2)
+    if bad:
+        assert np.isfinite(o[:, :first_spot(bad)]).all()
 
 
 def test_bench_delta_rows_declared_with_their_work():
@@ -277,3 +322,104 @@ def test_state_read_in_place_of_a_copy(isa, rng, mode):
                                 _mode=mode)
     np.testing.assert_array_equal(s0, before)
     np.testing.assert_array_equal(state[1], s0[1])
+
+
+@pytest.mark.parametrize("gate", ["head", "channel"])
+@pytest.mark.parametrize("what, value", BAD_CASES, ids=[f"{w}={x}" for w, x in BAD_CASES])
+def test_nonfinite_gate_or_beta_at_every_position(isa, rng, gate, what, value):
+    """One value at each position of three chunks (16 tokens each, the last one partial), in one
+    channel of value head 0: both kernel forms hold to the recurrence wherever it is finite
+    (everything after a reset), head 0's positions before the value are bit for bit those of the
+    clean run and head 1 is untouched."""
+    from conftest import assert_delta_matches, delta_expected
+
+    T = 37
+    q, k, v, g, beta = inputs(rng, 1, T, 1, 2, 24, 16, per_channel=gate == "channel")
+    s0 = state0(rng, 1, 2, 24, 16)
+    kw = dict(initial_state=s0, qk_l2norm=True, output_final_state=True)
+    clean = {m: attnx.gated_delta_rule(q, k, v, g, beta, _mode=m, **kw)[0] for m in ("chunked", "recurrent")}
+    for t in range(T):
+        gb, bb = plant(g, beta, [(t, what, value, 0, 5)])
+        expected = delta_expected(q, k, v, gb, bb, initial_state=s0, qk_l2norm=True)
+        assert np.isfinite(expected[0][:, :t]).all()  # the recurrence itself: nothing before t
+        if what == "g" and value < 0:
+            assert np.isfinite(expected[0]).all()  # a reset: finite throughout
+        for mode in ("chunked", "recurrent"):
+            o, state = attnx.gated_delta_rule(q, k, v, gb, bb, _mode=mode, **kw)
+            assert_delta_matches(o, state, expected)
+            np.testing.assert_array_equal(o[:, :t], clean[mode][:, :t], err_msg=f"{mode}, t={t}")
+            np.testing.assert_array_equal(o[:, :, 1], clean[mode][:, :, 1], err_msg=f"{mode}, t={t}")
+
+
+def test_reset_gate_is_a_fresh_start(isa, rng):
+    """g = -inf at position t (every head, every channel): the output from t on is that of the
+    sequence from t alone, from a zero state, whatever came before."""
+    T, t = 50, 21
+    for gate in ("head", "channel"):
+        q, k, v, g, beta = inputs(rng, 1, T, 1, 2, 16, 16, per_channel=gate == "channel")
+        g[:, t] = -np.inf
+        g_tail = g[:, t:].copy()
+        g_tail[:, 0] = 0.0
+        tail = attnx.gated_delta_rule(q[:, t:], k[:, t:], v[:, t:], g_tail, beta[:, t:],
+                                      qk_l2norm=True, _mode="chunked")
+        o = attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True, _mode="chunked")
+        np.testing.assert_allclose(o[:, t:], tail, rtol=1e-5, atol=1e-6)
+        check_delta_rule(q, k, v, g, beta, qk_l2norm=True, initial_state=state0(rng, 1, 2, 16, 16))
+
+
+@given(T=st.integers(1, 90), per_channel=st.booleans(), mode=st.sampled_from(["chunked", "recurrent"]),
+       data=st.data(), seed=st.integers(0, 2**31))
+def test_hypothesis_nonfinite_packed_sequences(isa, T, per_channel, mode, data, seed):
+    """Sequences packed with cu_seqlens, values planted anywhere: each sequence holds to the
+    recurrence wherever it is finite, and a sequence with nothing planted in it is bit for bit
+    what it is in the clean run."""
+    bad = data.draw(spots(T), label="spots")
+    rng = np.random.default_rng(seed)
+    cu = np.unique(np.concatenate([[0, T], rng.integers(0, T + 1, 3)]))
+    q, k, v, g, beta = inputs(rng, 1, T, 1, 2, 16, 8, per_channel=per_channel)
+    gb, bb = plant(g, beta, bad)
+    s0 = state0(rng, len(cu) - 1, 2, 16, 8)
+    o, state = check_delta_rule(q, k, v, gb, bb, cu_seqlens=cu, initial_state=s0, qk_l2norm=True, _mode=mode)
+    clean, clean_state = attnx.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0,
+                                                qk_l2norm=True, output_final_state=True, _mode=mode)
+    hit = {t for t, *_ in bad}
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        first = min([t for t in hit if a <= t < b], default=b)
+        np.testing.assert_array_equal(o[:, a:first], clean[:, a:first])
+        if first == b:
+            np.testing.assert_array_equal(state[n], clean_state[n])
+
+
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=3), per_channel=st.booleans(),
+       data=st.data(), seed=st.integers(0, 2**31))
+def test_hypothesis_nonfinite_through_step_linear(isa, lens, per_channel, data, seed):
+    """The cache's linear layers: a prefill step with values planted, then two decode steps, per
+    sequence against one recurrence over all of its tokens (finite wherever it is)."""
+    from conftest import assert_delta_matches, delta_expected
+
+    rng = np.random.default_rng(seed)
+    Hv, K, V = 2, 16, 8
+    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=64, block_size=16,
+                               linear_layers=1, state_shape=(Hv, K, V))
+    seqs = [cache.new_sequence() for _ in lens]
+    steps = [lens, [1] * len(lens), [1] * len(lens)]
+    T = sum(map(sum, steps))
+    q, k, v, g, beta = inputs(rng, 1, T, 1, Hv, K, V, per_channel=per_channel)
+    g, beta = plant(g, beta, data.draw(spots(T), label="spots"))
+    outs, at = [], 0
+    for counts in steps:
+        n = sum(counts)
+        sl = slice(at, at + n)
+        outs.append(cache.begin_step(seqs, counts).linear(0, q[0, sl], k[0, sl], v[0, sl], g[0, sl],
+                                                          beta[0, sl], qk_l2norm=True))
+        at += n
+    # the same tokens regrouped by sequence, as one packed call to the reference
+    order = np.concatenate([np.arange(sum(lens[:i]), sum(lens[:i + 1])).tolist()
+                            + [sum(lens) + i, sum(lens) + len(lens) + i] for i in range(len(lens))])
+    o = np.concatenate(outs)[order][None]
+    cu = np.concatenate([[0], np.cumsum([n + 2 for n in lens])])
+    expected = delta_expected(q[:, order], k[:, order], v[:, order], g[:, order], beta[:, order],
+                              cu_seqlens=cu, qk_l2norm=True)
+    states = np.stack([cache._seq(s).state[0] for s in seqs])
+    assert_delta_matches(o, states, expected)

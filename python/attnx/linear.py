@@ -54,7 +54,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
         Values; ``Hv % Hk == 0`` (key heads shared by groups of value heads, as Qwen3-Next).
     g : array_like of float, (B, T, Hv) or (B, T, Hv, K)
         Log-decay gates (<= 0 for a decay): one per head (Gated DeltaNet) or one per key
-        channel (Kimi Delta Attention). Read as float32.
+        channel (Kimi Delta Attention). Read as float32. ``-inf`` (exp(g) = 0) resets the
+        state (or its row); NaN or inf here or in ``beta`` makes the output non-finite from
+        that position on, as in the recurrence, and never before it.
     beta : array_like of float, (B, T, Hv)
         Write strengths (usually in (0, 1)). Read as float32.
     scale : float, optional

@@ -828,20 +828,23 @@ def _delta_recurrence(args, *, qk_l2norm, dtype):
     heads = np.arange(Hv) // (Hv // Hk)  # value head h reads key head h // (Hv // Hk)
     out = np.zeros((B, T, Hv, V), dtype)
     states = np.zeros((len(args.sequences), Hv, K, V), dtype)
-    for n, (b, t0, length) in enumerate(args.sequences):
-        S = (np.zeros((Hv, K, V), dtype) if args.initial_state is None
-             else np.asarray(args.initial_state[n], dtype=np.float64).astype(dtype))
-        for t in range(t0, t0 + length):
-            qt, kt = q[b, t, heads], k[b, t, heads]  # (Hv, K)
-            if qk_l2norm:
-                qt = qt / np.sqrt((qt * qt).sum(-1, keepdims=True) + dtype(_L2_EPS))
-                kt = kt / np.sqrt((kt * kt).sum(-1, keepdims=True) + dtype(_L2_EPS))
-            decay = np.exp(g[b, t])  # (Hv,) or (Hv, K): scales all of S, or its rows
-            S = S * (decay[:, :, None] if decay.ndim == 2 else decay[:, None, None])
-            u = beta[b, t][:, None] * (v[b, t] - np.einsum("hkv,hk->hv", S, kt))
-            S = S + kt[:, :, None] * u[:, None, :]
-            out[b, t] = np.einsum("hkv,hk->hv", S, dtype(args.scale) * qt)
-        states[n] = S
+    # g = -inf is a reset (exp(g) = 0); NaN or inf in g or beta makes the state non-finite from
+    # that position on (0 * inf, inf - inf): quietly, as float arithmetic does
+    with np.errstate(invalid="ignore", over="ignore"):
+        for n, (b, t0, length) in enumerate(args.sequences):
+            S = (np.zeros((Hv, K, V), dtype) if args.initial_state is None
+                 else np.asarray(args.initial_state[n], dtype=np.float64).astype(dtype))
+            for t in range(t0, t0 + length):
+                qt, kt = q[b, t, heads], k[b, t, heads]  # (Hv, K)
+                if qk_l2norm:
+                    qt = qt / np.sqrt((qt * qt).sum(-1, keepdims=True) + dtype(_L2_EPS))
+                    kt = kt / np.sqrt((kt * kt).sum(-1, keepdims=True) + dtype(_L2_EPS))
+                decay = np.exp(g[b, t])  # (Hv,) or (Hv, K): scales all of S, or its rows
+                S = S * (decay[:, :, None] if decay.ndim == 2 else decay[:, None, None])
+                u = beta[b, t][:, None] * (v[b, t] - np.einsum("hkv,hk->hv", S, kt))
+                S = S + kt[:, :, None] * u[:, None, :]
+                out[b, t] = np.einsum("hkv,hk->hv", S, dtype(args.scale) * qt)
+            states[n] = S
     return out, states
 
 
@@ -857,8 +860,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
         S   = S + k_t u_tᵀ
         o_t = Sᵀ (scale * q_t)
 
-    starting from ``initial_state`` (zeros if None). With ``qk_l2norm`` q_t and k_t are first
-    divided by ``sqrt(sum(x**2) + 1e-6)``. Positions outside every sequence have o = 0.
+    starting from ``initial_state`` (zeros if None); g_t = -inf resets S (or its rows). With
+    ``qk_l2norm`` q_t and k_t are first divided by ``sqrt(sum(x**2) + 1e-6)``. Positions outside
+    every sequence have o = 0.
     Returns o rounded once to ``out_dtype`` (default: q's dtype), and, if
     ``output_final_state``, the final states (N, Hv, K, V) as float32 (float64 when
     ``out_dtype`` is float64).

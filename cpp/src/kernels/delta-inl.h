@@ -21,6 +21,10 @@
 // exp(G_t - G_e) exp(G_e - G_s), both factors <= 1, so those pairs become plain dot products.
 // With one gate per head, exp(G_t - G_s) is one number per pair: A and P are the raw dot products
 // times it, and exp(G) scales rows of K S0 and Q S0 instead of K and Q.
+// Non-finite values reach only the positions from their own on, as in the recurrence: a gate
+// that resets the state (exp(g) = 0, -inf included) starts a new segment of the chunk instead of
+// entering a gate difference (see kResetGate), and no product multiplies a later position's
+// values by a zero (the triangle of P U; see gemm_block).
 
 // The including file provides <cmath>, <cstring>, kernels.h and delta_kernels.h before opening
 // the namespace: no header may be included from inside it.
@@ -180,7 +184,11 @@ static inline CStart shifted(CStart s, int64_t rows, int64_t cols, int64_t ld) {
 
 // C[0:MR, 0:NR*W] = start + A(0:MR, 0:depth) B(0:depth, 0:NR*W), with A(i, p) = a[i*ai + p*ap]:
 // the register block of `gemm` (MR x NR vectors of accumulators; B rows streamed, A broadcast).
-template <int MR, int NR>
+// Tri: A also has an MR x MR lower triangle at depth [depth, depth + MR) (the diagonal block of
+// a lower triangular A): row r takes columns depth..depth + r only. The zeros above the diagonal
+// are skipped, not multiplied: 0 times a NaN or inf row of B is NaN, which would carry a
+// non-finite value of a later position back to earlier rows.
+template <int MR, int NR, bool Tri>
 static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int64_t depth,
                                     const float* b, int64_t ldb, float* c, int64_t ldc, CStart st) {
   V x[MR][NR];
@@ -200,35 +208,44 @@ static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int6
       for (int v = 0; v < NR; ++v) x[r][v] = fmadd(av, bv[v], x[r][v]);
     }
   }
+  if constexpr (Tri)
+    for (int d = 0; d < MR; ++d) {
+      const int64_t p = depth + d;
+      V bv[NR];
+      for (int v = 0; v < NR; ++v) bv[v] = load(b + p * ldb + v * W);
+      for (int r = d; r < MR; ++r) {
+        const V av = set1(a[r * ai + p * ap]);
+        for (int v = 0; v < NR; ++v) x[r][v] = fmadd(av, bv[v], x[r][v]);
+      }
+    }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NR; ++v) store(c + r * ldc + v * W, x[r][v]);
 }
 
 // One panel of NR vectors of columns: full blocks of kGemmMR rows, then the remaining rows as one
-// smaller block. `lower`: A is lower triangular, so a block starting at row i stops at depth
-// i + rows.
-template <int NR>
+// smaller block. Lower: A is m x m (depth == m) and lower triangular, so a block starting at row
+// i takes depth i in full and its own diagonal block as a triangle.
+template <int NR, bool Lower>
 static void gemm_panel(int64_t m, int64_t depth, const float* a, int64_t ai, int64_t ap,
-                       const float* b, int64_t ldb, float* c, int64_t ldc, CStart st, bool lower,
-                       NextRows* pf) {
+                       const float* b, int64_t ldb, float* c, int64_t ldc, CStart st, NextRows* pf) {
   int64_t i = 0;
   for (; i + kGemmMR <= m; i += kGemmMR) {
-    gemm_block<kGemmMR, NR>(a + i * ai, ai, ap, lower ? dmin(depth, i + kGemmMR) : depth, b, ldb,
-                            c + i * ldc, ldc, shifted(st, i, 0, ldc));
+    gemm_block<kGemmMR, NR, Lower>(a + i * ai, ai, ap, Lower ? i : depth, b, ldb, c + i * ldc,
+                                   ldc, shifted(st, i, 0, ldc));
     if (pf) pf->issue(kPrefetchLines);
   }
-  const int64_t d = lower ? dmin(depth, m) : depth;
+  const int64_t d = Lower ? i : depth;
   a += i * ai;
   c += i * ldc;
   st = shifted(st, i, 0, ldc);
   switch (m - i) {  // fewer than kGemmMR rows left (kGemmMR <= 8)
-    case 7: gemm_block<7, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
-    case 6: gemm_block<6, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
-    case 5: gemm_block<5, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
-    case 4: gemm_block<4, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
-    case 3: gemm_block<3, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
-    case 2: gemm_block<2, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
-    case 1: gemm_block<1, NR>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 7: gemm_block<7, NR, Lower>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 6: gemm_block<6, NR, Lower>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 5: gemm_block<5, NR, Lower>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 4: gemm_block<4, NR, Lower>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 3: gemm_block<3, NR, Lower>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 2: gemm_block<2, NR, Lower>(a, ai, ap, d, b, ldb, c, ldc, st); break;
+    case 1: gemm_block<1, NR, Lower>(a, ai, ap, d, b, ldb, c, ldc, st); break;
     default: break;
   }
 }
@@ -237,15 +254,22 @@ static void gemm_panel(int64_t m, int64_t depth, const float* a, int64_t ai, int
 // one panel of B (depth x NR vectors) stays in L1 across the row blocks. Wide panels where the
 // registers allow (32 on AVX-512): one broadcast of A then feeds 4 FMAs instead of 2, and on
 // CPUs that split 512-bit operations in two (Zen 4) the broadcasts are what limits the block.
+// `lower`: A is square and lower triangular (only entries on and below the diagonal are read).
 // `pf`, if given, is asked for a few lines of the next chunk after each register block.
 static void gemm(int64_t m, int64_t nc, int64_t depth, const float* a, int64_t ai, int64_t ap,
                  const float* b, int64_t ldb, float* c, int64_t ldc, CStart st, bool lower,
                  NextRows* pf = nullptr) {
   int64_t j = 0;
-  for (; j + kGemmNR * W <= nc; j += kGemmNR * W)
-    gemm_panel<kGemmNR>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, shifted(st, 0, j, ldc), lower, pf);
-  for (; j < nc; j += 2 * W)
-    gemm_panel<2>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, shifted(st, 0, j, ldc), lower, pf);
+  for (; j + kGemmNR * W <= nc; j += kGemmNR * W) {
+    const CStart sj = shifted(st, 0, j, ldc);
+    if (lower) gemm_panel<kGemmNR, true>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
+    else gemm_panel<kGemmNR, false>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
+  }
+  for (; j < nc; j += 2 * W) {
+    const CStart sj = shifted(st, 0, j, ldc);
+    if (lower) gemm_panel<2, true>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
+    else gemm_panel<2, false>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
+  }
 }
 
 // y += a * x over np floats
@@ -295,25 +319,64 @@ static void load_qk(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk
   }
 }
 
-// The same positions of one value head: v, beta, and the gates summed from t0 through each
-// position: G (a row per position) for per-channel gates, gs for per-head ones.
-static void load_head(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
+// A gate whose decay exp(g) is 0 in float32 (g below about -103.97; -inf included) multiplies
+// the state, or its row, by 0: a reset. The chunked form cannot take it as a gate difference
+// (-inf - -inf is NaN, and a huge finite g swallows the gates summed after it), so a chunk is
+// split there (run_segments). NaN is no reset: it is a gate like any other and reaches the
+// positions from its own on, as in the recurrence.
+constexpr float kResetGate = -104.f;
+static inline bool resets(float g) { return g < kResetGate; }
+
+// The gates of position t reset the state (any channel's, for per-channel gates).
+static inline bool any_reset(const kern::DeltaHead& h, int64_t t) {
+  const float* g = h.g + t * h.g_st;
+  bool r = false;
+  for (int64_t ch = 0; ch < (h.g_per_channel ? h.K : 1); ++ch) r = r || resets(g[ch]);
+  return r;
+}
+
+// The same positions of one value head, as far as the segment goes: v, beta, and the gates summed
+// from t0 through each position: G (a row per position) for per-channel gates, gs for per-head
+// ones. The segment stops before the first position after t0 whose gates reset the state; a
+// reset at t0 itself the caller has applied (reset_rows), so its gate counts as 0 here (the
+// rows it zeroed stay zero whatever they are scaled by). Returns the segment's length.
+static int64_t load_head(const kern::DeltaHead& h, int64_t t0, int64_t n, const Chunk& c) {
   const int64_t Kp = h.Kp;
-  for (int64_t i = n; i < kC; ++i) c.gs[i] = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  for (; i < n; ++i) {
     const int64_t t = t0 + i;
+    const float* g = h.g + t * h.g_st;
+    if (i > 0 && any_reset(h, t)) break;
     row_to_f32(h.v + t * h.v_st, h.dtype, h.V, h.Vp, c.v + i * h.Vp);
     c.beta[i] = h.beta[t * h.beta_st];
-    const float* g = h.g + t * h.g_st;
     if (!h.g_per_channel) {
-      c.gs[i] = (i ? c.gs[i - 1] : 0.f) + g[0];
+      c.gs[i] = (i ? c.gs[i - 1] : 0.f) + (resets(g[0]) ? 0.f : g[0]);
       continue;
     }
     float* G = c.G + i * Kp;
     const float* prev = i ? G - Kp : nullptr;
-    for (int64_t ch = 0; ch < h.K; ++ch) G[ch] = (prev ? prev[ch] : 0.f) + g[ch];
+    for (int64_t ch = 0; ch < h.K; ++ch) G[ch] = (prev ? prev[ch] : 0.f) + (resets(g[ch]) ? 0.f : g[ch]);
     for (int64_t ch = h.K; ch < Kp; ++ch) G[ch] = 0.f;
   }
+  for (int64_t j = i; j < kC; ++j) c.gs[j] = 0.f;
+  return i;
+}
+
+// The state before position t (at src) with the rows whose gate at t resets multiplied by 0, as
+// exp(g) S does (a NaN or inf there becomes NaN, as in the recurrence), into h.S. Returns where
+// the state now is: h.S, or src untouched if nothing at t resets.
+static const float* reset_rows(const kern::DeltaHead& h, const float* src, int64_t t) {
+  if (!any_reset(h, t)) return src;
+  const float* g = h.g + t * h.g_st;
+  for (int64_t ch = 0; ch < h.K; ++ch) {
+    const float f = resets(g[h.g_per_channel ? ch : 0]) ? 0.f : 1.f;
+    const float* s = src + ch * h.lds;
+    float* d = h.S + ch * h.lds;
+    if (f == 1.f && s == d) continue;
+    const V fv = set1(f);
+    for (int64_t j = 0; j < h.Vp; j += W) store(d + j, mul(fv, load(s + j)));
+  }
+  return h.S;
 }
 
 // x0 . y[r] and x1 . y[r] for r < kPairCols (rows of np floats) at once: each row of y loaded
@@ -442,13 +505,14 @@ static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
     for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
 }
 
-// One chunk of n tokens from position t0: outputs written, state advanced from src into h.S.
-// q and k are loaded (and, for a per-head gate, their pair products taken) by the caller;
-// `next` asks for the group's next rows.
-static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
-                      const Chunk& c, NextRows& next) {
+// One segment of up to n tokens from position t0 (it ends before the next reset; see
+// load_head): outputs written, state advanced from src into h.S. q and k are loaded (and, for a
+// per-head gate, their pair products taken) by the caller; `next` asks for the group's next rows.
+// Returns the segment's length.
+static int64_t run_segment(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
+                           const Chunk& c, NextRows& next) {
   const int64_t Kp = h.Kp, Vp = h.Vp, K = h.K;
-  load_head(h, t0, n, c);
+  n = load_head(h, t0, n, c);
   gate_rows(h, n, c);
   // X = [K; Q] S0 (gated per channel: see gate_rows): rows 0..n-1 the keys', kC.. the queries'
   const float* kx = h.g_per_channel ? c.kqg : c.k;
@@ -471,6 +535,24 @@ static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, in
   for (int64_t i = 0; i < n; ++i) row_from_f32(o + i * Vp, h.V, h.dtype, h.out + (t0 + i) * h.o_st);
   // S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U
   gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, {src, c.dec}, false, &next);
+  return n;
+}
+
+// One chunk of n tokens from position t0, as segments split where a gate resets the state (at
+// most one segment without resets, the usual case): each reset applied to the state (reset_rows),
+// then the segment from it run with q, k and their pair products from its first position.
+static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
+                      const Chunk& c, NextRows& next) {
+  for (int64_t a = 0; a < n;) {
+    src = reset_rows(h, src, t0 + a);
+    Chunk seg = c;
+    seg.q += a * h.Kp;
+    seg.k += a * h.Kp;
+    seg.kk += a * kC + a;
+    seg.qk += a * kC + a;
+    a += run_segment(h, src, t0 + a, n - a, seg, next);
+    src = h.S;
+  }
 }
 
 // ---- the recurrence, one token at a time (decode) ----------------------------------------------
