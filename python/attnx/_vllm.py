@@ -42,7 +42,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from . import _core, _tensors
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.attnx")  # under "vllm": shown with vLLM's own log lines
 
 # Per-process counts of the batches the builder mapped (tests read them): "batches", "mixed"
 # (prefill and decode rows together), "context" (a multi-token query after tokens already in the
@@ -166,6 +166,10 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
         self.on_attnx = reason is None
         if reason is not None:
             _log_once(reason)
+        elif "attnx" not in _logged:
+            _logged.add("attnx")
+            logger.info("attnx: decoder attention runs on attnx's paged kernels (ISA %s)",
+                        _core.active_isa())
         self._np_sinks: np.ndarray | None = None
         self._np_alibi = (None if self.alibi_slopes is None
                           else np.asarray(self.alibi_slopes, dtype=np.float32))

@@ -38,4 +38,4 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
-    init_logger(__name__).info("attnx: vLLM's CPU_ATTN attention backend is %s (%s=1)", BACKEND, ENV)
+    init_logger("vllm.attnx").info("attnx: vLLM's CPU_ATTN attention backend is %s (%s=1)", BACKEND, ENV)
