@@ -181,6 +181,17 @@ def test_batch_mapping_matches_reference_and_vllm(variant, dtype):
     np.testing.assert_allclose(theirs.float().numpy(), want, atol=2 * tol, rtol=2 * tol)
 
 
+def test_decoder_layers_run_on_attnx_and_the_rest_on_vllm():
+    from vllm.v1.attention.backend import AttentionType as T
+
+    for dt in ("auto", "float16", "bfloat16"):
+        assert _vllm.fallback_reason(T.DECODER, dt) is None
+    for dt in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert "KV cache" in _vllm.fallback_reason(T.DECODER, dt)
+    for t in (T.ENCODER, T.ENCODER_ONLY, T.ENCODER_DECODER):
+        assert "attention" in _vllm.fallback_reason(t, "auto")
+
+
 def test_plugin_is_opt_in(monkeypatch):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 

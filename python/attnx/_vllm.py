@@ -32,6 +32,7 @@ import torch
 from vllm.config import get_layers_from_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -111,6 +112,15 @@ def attend(query: Any, key: Any, value: Any, k_pages: np.ndarray, v_pages: np.nd
         slots=batch.slots if write else None)
 
 
+def fallback_reason(attn_type: str, kv_cache_dtype: str) -> str | None:
+    """Why a layer runs on vLLM's own kernels (None: it runs on attnx's)."""
+    if attn_type != AttentionType.DECODER:
+        return f"{attn_type} attention"
+    if is_quantized_kv_cache(kv_cache_dtype):
+        return f"an {kv_cache_dtype} KV cache (one scale per layer)"
+    return None
+
+
 @dataclass
 class AttnxMetadata(CPUAttentionMetadata):
     # None: this batch runs on vLLM's kernels (the CPU fields above are then all filled in)
@@ -158,11 +168,7 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        reason = None
-        if self.attn_type != AttentionType.DECODER:
-            reason = f"{self.attn_type} attention"
-        elif self.is_fp8_kv_cache:
-            reason = f"an {self.kv_cache_dtype} KV cache (one scale per layer)"
+        reason = fallback_reason(self.attn_type, self.kv_cache_dtype)
         self.on_attnx = reason is None
         if reason is not None:
             _log_once(reason)
