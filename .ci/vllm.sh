@@ -31,7 +31,8 @@ fi
 if [[ -n "$WHEEL" ]]; then
   "$VENV/bin/pip" install -q --force-reinstall --no-deps "$WHEEL"
 else
-  "$VENV/bin/pip" install -q --force-reinstall --no-deps .
+  # a build directory of its own: pyproject's default is the one a developer's editable install uses
+  "$VENV/bin/pip" install -q --force-reinstall --no-deps -Cbuild-dir=build/ci-vllm .
 fi
 # the installed attnx, not python/ (the tests run from the repository root, as .ci/run's do)
 ATTNX_VLLM_MODEL_DIR=$CACHE/smollm2-135m-hf "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
