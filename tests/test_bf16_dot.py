@@ -364,13 +364,16 @@ def test_nonfinite_value_past_an_items_keys_in_a_shared_tile(bf16_isa, rng):
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 1, 80, 900, 64, 64), (1, 2, 2, 70, 1100, 128, 96),
-                                   (2, 8, 2, 33, 700, 40, 72), (1, 1, 1, 64, 1400, 576, 512)],
+                                   (2, 8, 2, 33, 700, 40, 72), (1, 1, 1, 64, 1400, 576, 512),
+                                   (1, 8, 1, 50, 1030, 64, 64)],
                          ids=str)
 @pytest.mark.parametrize("lse", [False, True])
 def test_flash_rule_long_keys(bf16_isa, rng, shape, lse):
     """Long key ranges: the amx path takes 256 keys at once where every row sees them (one
-    softmax pass, row pairs pipelined against each other's tile products), with partial row
-    pairs (M not a multiple of 32), GQA, Dk != Dv and odd widths; with and without the lse."""
+    softmax pass, row pairs pipelined against each other's tile products across consecutive
+    blocks), with partial row pairs (M not a multiple of 32), items of one row pair (M <= 32:
+    a block's P V must land before the next block's softmax rescales the same rows), GQA,
+    Dk != Dv and odd widths; with and without the lse."""
     B, hq, hkv, sq, sk, dk, dv = shape
     q = rand(rng, (B, hq, sq, dk), BF16)
     k = rand(rng, (B, hkv, sk, dk), BF16)

@@ -61,14 +61,18 @@ struct AmxScratch {
   float* s = nullptr;       // (kRowsPad, kTileK)
   float* ostage = nullptr;  // (2 * kTileRows, Dvp)
   float* sw = nullptr;      // 2 x (2 * kTileRows, kWideKeys): two row pairs' scores
-  float* kv[kWideTiles] = {};  // each (Dkp * kTileK): a tile's K pairs, then its V pairs
-  float* vf[kWideTiles] = {};  // each (kTileK * Dvp): V pairs where they do not fit beside K
+  // three wide blocks' private packs (the current block, the next, and the one whose last row
+  // pair's P V is still running): each tile's K pairs (Dkp * kTileK, then its V pairs), and V
+  // pairs where they do not fit beside K (kTileK * Dvp)
+  static constexpr int kSets = 3;
+  float* kv[kSets][kWideTiles] = {};
+  float* vf[kSets][kWideTiles] = {};
   int64_t dkp = -1, dvp = -1;
   void size(int64_t Dkp, int64_t Dvp) {
     if (Dkp == dkp && Dvp == dvp) return;
     const int64_t nq = kRowsPad * Dkp / 2, ns = kRowsPad * kTileK, no = 2 * kTileRows * Dvp;
     const int64_t nw = 2 * 2 * kTileRows * kWideKeys, nk = Dkp * kTileK, nv = kTileK * Dvp;
-    raw.assign(std::size_t(nq + ns + no + nw + kWideTiles * (nk + nv) + 16), 0.f);
+    raw.assign(std::size_t(nq + ns + no + nw + kSets * kWideTiles * (nk + nv) + 16), 0.f);
     float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
     auto take = [&](int64_t count) {
       float* p = at;
@@ -79,10 +83,11 @@ struct AmxScratch {
     s = take(ns);
     ostage = take(no);
     sw = take(nw);
-    for (int t = 0; t < kWideTiles; ++t) {
-      kv[t] = take(nk);
-      vf[t] = take(nv);
-    }
+    for (int b = 0; b < kSets; ++b)
+      for (int t = 0; t < kWideTiles; ++t) {
+        kv[b][t] = take(nk);
+        vf[b][t] = take(nv);
+      }
     dkp = Dkp;
     dvp = Dvp;
   }
@@ -248,6 +253,16 @@ static bool wide_block(const kern::RowSet& rs, int64_t j0, int64_t j_end, float 
          fusable(rs, j0, kWideKeys, softcap, st);
 }
 
+// How many wide blocks follow one another from j0 (0 where j0 starts none): the running maxima
+// stay finite once they are, so the later blocks need only every row to see them whole.
+static int64_t wide_run(const kern::RowSet& rs, int64_t j0, int64_t j_end, float softcap,
+                        float qscale, const kern::FlashState& st) {
+  if (!wide_block(rs, j0, j_end, softcap, qscale, st)) return 0;
+  int64_t n = 1;
+  while (j0 + (n + 1) * kWideKeys <= j_end && sees_whole(rs, 0, rs.M, j0 + n * kWideKeys, kWideKeys)) ++n;
+  return n;
+}
+
 // The tile products of a wide block's row pair, cut into steps so that they can run between the
 // rows of another row pair's softmax: the tile unit works through a step's few instructions
 // (tens of cycles each) while the vector units run the exps that follow them in program order.
@@ -393,64 +408,95 @@ static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
   tiles.finish();
 }
 
-// Accumulates the wide block of keys [j0, j0 + kWideKeys) into the state (wide_block holds).
-// Row pair i's softmax runs beside row pair i-1's P V and row pair i+1's Q K^T (TileSteps).
-static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
-                           const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
-                           int64_t Dk, int64_t Dv, const kern::Scratch& sc,
-                           const kern::FlashState& st, AmxScratch& ax) {
-  const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
+// The packed K and V pairs of one wide block (shared tiles, or its own buffers of set `set`).
+struct WideKV {
   const Pair* kp[kWideTiles];
   const Pair* vp[kWideTiles];
+};
+static WideKV pack_wide(const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0, int64_t Dk,
+                        int64_t Dv, const kern::Scratch& sc, AmxScratch& ax, int set) {
+  WideKV w;
   for (int t = 0; t < kWideTiles; ++t) {
     // each tile's pairs in its own buffer where it is not shared (packed_kv packs into sc.kt)
     kern::Scratch own = sc;
-    own.kt = ax.kv[t];
-    own.vf = ax.vf[t];
+    own.kt = ax.kv[set][t];
+    own.vf = ax.vf[set][t];
     const PackedKV kv = packed_kv(ks, vs, j0 + t * kTileK, kTileK, Dk, Dv, own);
-    kp[t] = kv.kp;
-    vp[t] = kv.vp;
+    w.kp[t] = kv.kp;
+    w.vp[t] = kv.vp;
   }
+  return w;
+}
+
+// Accumulates `blocks` consecutive wide blocks from key j0 into the state (wide_run holds). The
+// row pairs of all the blocks form one sequence, and row pair i's softmax runs beside row pair
+// i-1's P V and row pair i+1's Q K^T (TileSteps), across the blocks' boundaries: the tile unit
+// waits for the vector units only before the first Q K^T and after the last P V.
+static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
+                           const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
+                           int64_t blocks, int64_t Dk, int64_t Dv, const kern::Scratch& sc,
+                           const kern::FlashState& st, AmxScratch& ax) {
+  const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
   const int64_t nkb = ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs;
   const int pairs = int((rs.M + 2 * kTileRows - 1) / (2 * kTileRows));
-  auto sbuf = [&](int i) { return ax.sw + i % 2 * (2 * kTileRows * kWideKeys); };
-  auto qk_steps = [&](int i) {
-    return QkSteps{qb + i * 2 * kTileRows * (Dkp / 2), Dkp / 2, nkb, kp, sbuf(i)};
+  const int64_t items = blocks * pairs;
+  WideKV kv[AmxScratch::kSets];
+  auto set_of = [](int64_t blk) { return int(blk % AmxScratch::kSets); };
+  kv[0] = pack_wide(ks, vs, j0, Dk, Dv, sc, ax, 0);
+  auto sbuf = [&](int64_t i) { return ax.sw + i % 2 * (2 * kTileRows * kWideKeys); };
+  auto pair_of = [&](int64_t i) { return int(i % pairs); };
+  auto qk_steps = [&](int64_t i) {
+    return QkSteps{qb + pair_of(i) * 2 * kTileRows * (Dkp / 2), Dkp / 2, nkb,
+                   kv[set_of(i / pairs)].kp, sbuf(i)};
   };
-  // the output rows of row pair i (its rows past M in the staging copy: copied in, then back)
-  auto rows_of = [&](int i) { return int(imin(rs.M, (i + 1) * 2 * kTileRows)) - i * 2 * kTileRows; };
-  auto out_of = [&](int i) -> std::pair<float*, int64_t> {
-    float* o = st.o + int64_t(i) * 2 * kTileRows * st.ldo;
-    const int rows = rows_of(i);
+  // the output rows of row pair p (its rows past M in the staging copy: copied in, then back)
+  auto rows_of = [&](int p) { return int(imin(rs.M, (p + 1) * 2 * kTileRows)) - p * 2 * kTileRows; };
+  auto out_of = [&](int p) -> std::pair<float*, int64_t> {
+    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
+    const int rows = rows_of(p);
     if (rows == 2 * kTileRows) return {o, st.ldo};
     for (int r = 0; r < rows; ++r) std::memcpy(ax.ostage + r * Dvp, o + r * st.ldo, sizeof(float) * std::size_t(Dvp));
     std::memset(ax.ostage + rows * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - rows) * Dvp));
     return {ax.ostage, Dvp};
   };
-  auto out_back = [&](int i) {
-    const int rows = rows_of(i);
+  auto out_back = [&](int p) {
+    const int rows = rows_of(p);
     if (rows == 2 * kTileRows) return;
-    float* o = st.o + int64_t(i) * 2 * kTileRows * st.ldo;
+    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
     for (int r = 0; r < rows; ++r) std::memcpy(o + r * st.ldo, ax.ostage + r * Dvp, sizeof(float) * std::size_t(Dvp));
   };
   QkSteps first = qk_steps(0);
   TileSteps(nullptr, &first, 1).finish();
   PvSteps pv_prev{};
-  for (int i = 0; i < pairs; ++i) {
+  bool pv_due = false;  // pv_prev has yet to run
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t blk = i / pairs;
+    const int p = pair_of(i);
+    // the next block's pairs before its first Q K^T (set blk + 1: neither this block's nor the
+    // previous one's, whose last P V may still be ahead)
+    if (i + 1 < items && (i + 1) % pairs == 0)
+      kv[set_of(blk + 1)] = pack_wide(ks, vs, j0 + (blk + 1) * kWideKeys, Dk, Dv, sc, ax, set_of(blk + 1));
+    if (pv_due && pairs == 1) {
+      // one row pair: the previous block's P V adds to the rows this softmax rescales, so it
+      // runs first (only Q K^T runs beside the softmax)
+      TileSteps(&pv_prev, nullptr, 1).finish();
+      out_back(0);
+      pv_due = false;
+    }
     QkSteps next = qk_steps(i + 1);
-    TileSteps tiles(i > 0 ? &pv_prev : nullptr, i + 1 < pairs ? &next : nullptr,
-                    rows_of(i));
-    const int r0 = i * 2 * kTileRows;
+    TileSteps tiles(pv_due ? &pv_prev : nullptr, i + 1 < items ? &next : nullptr, rows_of(p));
+    const int r0 = p * 2 * kTileRows;
     if (rs.exact_l)
-      wide_softmax<Bf16P<false>>(r0, r0 + rows_of(i), sbuf(i), qscale, Dvp, st, tiles);
+      wide_softmax<Bf16P<false>>(r0, r0 + rows_of(p), sbuf(i), qscale, Dvp, st, tiles);
     else
-      wide_softmax<Bf16P<true>>(r0, r0 + rows_of(i), sbuf(i), qscale, Dvp, st, tiles);
-    if (i > 0) out_back(i - 1);
-    const auto [o, ldo] = out_of(i);
-    pv_prev = PvSteps{reinterpret_cast<const Pair*>(sbuf(i)), vp, Dvp, o, ldo};
+      wide_softmax<Bf16P<true>>(r0, r0 + rows_of(p), sbuf(i), qscale, Dvp, st, tiles);
+    if (pv_due) out_back(pair_of(i - 1));
+    const auto [o, ldo] = out_of(p);
+    pv_prev = PvSteps{reinterpret_cast<const Pair*>(sbuf(i)), kv[set_of(blk)].vp, Dvp, o, ldo};
+    pv_due = true;
   }
   TileSteps(&pv_prev, nullptr, 1).finish();
-  out_back(pairs - 1);
+  out_back(pair_of(items - 1));
 }
 
 // The table's `flash`: bf16 prefill items on AMX tiles, the rest on kernel-inl.h's flash (the
@@ -475,9 +521,9 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
   const float qscale = back ? rs.scale : 1.f;
   TileScope tiles;
   for (int64_t j0 = j_begin; j0 < j_end;) {
-    if (wide_block(rs, j0, j_end, softcap, qscale, st)) {
-      flash_wide_amx(rs, ax.qb, qscale, ks, vs, j0, Dk, Dv, sc, st, ax);
-      j0 += kWideKeys;
+    if (const int64_t blocks = wide_run(rs, j0, j_end, softcap, qscale, st)) {
+      flash_wide_amx(rs, ax.qb, qscale, ks, vs, j0, blocks, Dk, Dv, sc, st, ax);
+      j0 += blocks * kWideKeys;
     } else {
       flash_tile_amx(rs, ax.qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv, softcap,
                      sc, st, ax);
