@@ -1160,6 +1160,8 @@ PYBIND11_MODULE(_core, m) {
     py::dict d;
     d["sse2"] = f.sse2; d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["avx512f"] = f.avx512f;
     d["avx512bw"] = f.avx512bw; d["avx512vl"] = f.avx512vl; d["avx512bf16"] = f.avx512bf16;
+    // aarch64
+    d["neon"] = f.neon; d["dotprod"] = f.dotprod; d["bf16"] = f.bf16; d["i8mm"] = f.i8mm; d["sve"] = f.sve;
     return d;
   });
   m.def("active_isa", []() { return std::string(active_isa()); });

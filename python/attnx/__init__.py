@@ -64,11 +64,13 @@ def cpu_features() -> dict[str, bool | str]:
     """What this CPU offers and which kernel path is active.
 
     Returns a dict: ``{"sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-    "avx512bf16": bool, "isa": "scalar" | "avx2" | "avx512" | "avx512bf16"}``. The path is the
-    best the CPU supports unless ``ATTNX_ISA`` (``scalar``, ``avx2``, ``avx512`` or
-    ``avx512bf16``) forced one at import. ``avx512bf16`` is ``avx512`` with bf16 dot products
-    (AVX512_BF16) for prefill over bfloat16 q, k and v; ``ATTNX_ISA=avx512`` keeps bfloat16 on
-    the float32-widening kernels.
+    "avx512bf16", "neon", "dotprod", "bf16", "i8mm", "sve": bool, "isa": "scalar" | "avx2" |
+    "avx512" | "avx512bf16" | "neon"}`` (the x86 flags are false on ARM, the ARM ones on x86).
+    The path is the best the CPU supports unless ``ATTNX_ISA`` (``scalar``, ``avx2``,
+    ``avx512``, ``avx512bf16`` or ``neon``) forced one at import. ``avx512bf16`` is ``avx512``
+    with bf16 dot products (AVX512_BF16) for prefill over bfloat16 q, k and v;
+    ``ATTNX_ISA=avx512`` keeps bfloat16 on the float32-widening kernels. ``neon`` is the path of
+    every aarch64 CPU (Advanced SIMD).
     """
     f: dict[str, bool | str] = dict(_core.cpu_features())
     f["isa"] = _core.active_isa()

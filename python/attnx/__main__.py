@@ -17,8 +17,9 @@ def _fmt(xs):
 
 def info():
     f = attnx.cpu_features()
-    names = ("sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16")
-    flags = ", ".join(k for k in names if f.get(k)) or "none of the x86 extensions attnx has kernels for"
+    names = ("sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16",
+             "neon", "dotprod", "bf16", "i8mm", "sve")
+    flags = ", ".join(k for k in names if f.get(k)) or "none of the extensions attnx has kernels for"
     print(f"attnx {attnx.__version__}")
     print(f"instruction set: {f['isa']} (CPU offers: {flags})")
     print(f"threads: {attnx.get_num_threads()} (attnx's own pool, fork-safe)")

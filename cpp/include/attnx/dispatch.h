@@ -7,11 +7,14 @@ namespace attnx {
 struct CpuFeatures {
   bool sse2 = false, avx2 = false, fma = false, f16c = false, avx512f = false;  // all false off x86
   bool avx512bw = false, avx512vl = false, avx512bf16 = false;  // the avx512bf16 path needs all 3
+  // aarch64 (all false elsewhere): Advanced SIMD (baseline there: the neon path), the int8 dot
+  // products (SDOT), BFloat16 (BFDOT/BFMMLA), int8 matrix multiply (SMMLA) and SVE
+  bool neon = false, dotprod = false, bf16 = false, i8mm = false, sve = false;
 };
 
 CpuFeatures cpu_features();
 // The active instruction set: "scalar", "avx2", "avx512" or "avx512bf16" (avx512, with bf16 dot
-// products for bf16 prefill).
+// products for bf16 prefill); on aarch64 "scalar" or "neon".
 const char* active_isa();
 // Forces an instruction set (as ATTNX_ISA does); throws InvalidArgument if the CPU lacks it.
 void set_isa(const std::string& name);

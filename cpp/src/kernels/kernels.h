@@ -141,6 +141,7 @@ struct KernelTable : FlashKernels<float> {
 void delta_head_scalar(const DeltaHead* heads, int G);
 void delta_head_avx2(const DeltaHead* heads, int G);
 void delta_head_avx512(const DeltaHead* heads, int G);
+void delta_head_neon(const DeltaHead* heads, int G);  // aarch64 builds only
 
 const KernelTable* table_scalar();
 // The float64 flash kernels: scalar code (float64 is for precision, not speed), one for every CPU.
@@ -148,6 +149,7 @@ const FlashKernels<double>* table_f64();
 const KernelTable* table_avx2();
 const KernelTable* table_avx512();
 const KernelTable* table_avx512bf16();  // avx512, with bf16 dot products for bf16 prefill
+const KernelTable* table_neon();        // aarch64 builds only (ATTNX_NEON_KERNELS)
 
 }  // namespace kern
 }  // namespace attnx
