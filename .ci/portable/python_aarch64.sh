@@ -7,7 +7,9 @@
 # Usage: bash .ci/portable/python_aarch64.sh [pytest args...]   (default: a broad kernel subset)
 # QEMU_CPU picks the emulated CPU (qemu-user reads it, the tests' subprocesses too): max (BF16,
 # I8MM, SVE: every ARM extension) or a plain NEON core such as cortex-a72. The tests run each
-# kernel path the CPU has (scalar and neon); ATTNX_ISA=neon runs that one only.
+# kernel path the CPU has (scalar and neon); ATTNX_ISA=neon runs that one only. Emulated, the
+# large grid cases take minutes each: -k "not 1025 and not 2048 and not slow" keeps a run of the
+# variant, delta-rule, merge and paged files to minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${ATTNX_A64_DIR:-/tmp/attnx-aarch64}
