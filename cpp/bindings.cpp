@@ -1208,6 +1208,8 @@ PYBIND11_MODULE(_core, m) {
     d["avx512_vnni"] = f.avx512_vnni; d["avx_vnni"] = f.avx_vnni; d["avx512_fp16"] = f.avx512_fp16;
     d["amx_tile"] = f.amx_tile; d["amx_bf16"] = f.amx_bf16; d["amx_int8"] = f.amx_int8;
     d["amx_fp16"] = f.amx_fp16; d["amx_permitted"] = f.amx_permitted;
+    // aarch64
+    d["neon"] = f.neon; d["dotprod"] = f.dotprod; d["bf16"] = f.bf16; d["i8mm"] = f.i8mm; d["sve"] = f.sve;
     return d;
   });
   m.def("bf16_dot_gain", &bf16_dot_gain);

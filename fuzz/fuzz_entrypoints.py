@@ -128,8 +128,12 @@ if _f["avx2"] and _f["fma"] and _f["f16c"]:
     ISAS.append("avx2")
     if _f["avx512f"]:
         ISAS.append("avx512")
-        if _f["avx512bw"] and _f["avx512vl"] and _f["avx512bf16"]:
+        if _f["avx512bw"] and _f["avx512vl"] and _f["avx512bf16"] and _f.get("avx512_vnni"):
             ISAS.append("avx512bf16")
+            if _f.get("amx_bf16") and _f.get("amx_permitted"):
+                ISAS.append("amx")
+if _f.get("neon"):
+    ISAS.append("neon")
 
 
 class Opaque:

@@ -4,8 +4,8 @@ reference with a tolerance that follows the dtype (see ``attention_tolerance``).
 
 Environment:
   ATTNX_TEST_SEED           seed of every random test (default 0); printed in the header
-  ATTNX_ISA                 scalar | avx2 | avx512 | avx512bf16 | amx | auto: run the kernel tests on that
-                            path only
+  ATTNX_ISA                 scalar | avx2 | avx512 | avx512bf16 | amx | neon | auto: run the kernel
+                            tests on that path only
   ATTNX_HYPOTHESIS_PROFILE  "ci" (default) or "soak" (many more examples)
 """
 
@@ -56,6 +56,8 @@ def supported_isas():
         return [attnx.cpu_features()["isa"] if forced == "auto" else forced]
     f = attnx.cpu_features()
     isas = ["scalar"]
+    if f.get("neon"):  # aarch64: Advanced SIMD, the baseline there
+        isas.append("neon")
     if f["avx2"] and f["fma"] and f["f16c"]:
         isas.append("avx2")
         if f["avx512f"]:
@@ -93,6 +95,8 @@ def best_isa():
     """The fastest path this CPU has, whatever ATTNX_ISA says: AMX where granted, else the bf16
     dot products where they measure faster than float32 FMAs, else the widest vectors."""
     f = attnx.cpu_features()
+    if f.get("neon"):
+        return "neon"
     if f["avx2"] and f["fma"] and f["f16c"]:
         if has_amx(f):
             return "amx"

@@ -59,7 +59,7 @@ def test_bench_quick_writes_valid_json(tmp_path):
     assert {"date", "config", "machine", "limits", "rows", "others_cpu_share"} <= set(result)
     m = result["machine"]
     assert m["cpu_model"] and m["threads"] == 2 and m["isa"] in ("scalar", "avx2", "avx512", "avx512bf16",
-                                                                 "amx")
+                                                                 "amx", "neon")
     assert m["versions"]["numpy"] and "torch" in m["versions"]
     lim = result["limits"]
     assert lim["fma_gflops_all"] > 0 and lim["fma_gflops_1"] > 0 and lim["read_gbps_all"] > 0

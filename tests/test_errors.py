@@ -3,6 +3,8 @@ before anything is written (``out`` and the inputs keep their contents)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import BF16
@@ -197,6 +199,30 @@ def test_set_isa_rejects_missing_avx512():
     before = attnx.cpu_features()["isa"]
     with pytest.raises(ValueError, match="avx512"):
         attnx._core.set_isa("avx512")
+    assert attnx.cpu_features()["isa"] == before
+
+
+ARM_FLAGS = ("neon", "dotprod", "bf16", "i8mm", "sve")
+X86_FLAGS = ("sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16")
+
+
+def test_cpu_features_reports_one_architecture():
+    """Every flag of both architectures is reported; those of the other one read false, and the
+    default path is the architecture's own (neon on aarch64)."""
+    f = attnx.cpu_features()
+    assert all(isinstance(f[k], bool) for k in ARM_FLAGS + X86_FLAGS)
+    if f["neon"]:
+        assert not any(f[k] for k in X86_FLAGS)
+    else:
+        assert not any(f[k] for k in ARM_FLAGS)
+    assert (f["isa"] == "neon") == f["neon"] or os.environ.get("ATTNX_ISA", "") not in ("", "auto")
+
+
+@pytest.mark.skipif(attnx.cpu_features()["neon"], reason="an aarch64 build: neon is its path")
+def test_set_isa_rejects_neon_off_arm():
+    before = attnx.cpu_features()["isa"]
+    with pytest.raises(ValueError, match="neon.*no NEON kernels"):
+        attnx._core.set_isa("neon")
     assert attnx.cpu_features()["isa"] == before
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The C++ core on a CPU without attnx's x86 kernels: cross-compiled for aarch64 (the portable
-# scalar path only, as CMake builds it there) and run under qemu-user, with .ci/portable/smoke.cpp
+# The C++ core on a CPU without attnx's x86 kernels: cross-compiled for aarch64 (the NEON and
+# portable scalar paths, as CMake builds it there) and run under qemu-user, with .ci/portable/smoke.cpp
 # as the client. Debian/Ubuntu: apt-get install g++-aarch64-linux-gnu qemu-user.
 # Usage: bash .ci/portable/cross_aarch64.sh [build dir]   (by hand; not part of .ci/run)
 set -euo pipefail

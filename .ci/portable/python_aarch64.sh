@@ -5,6 +5,11 @@
 # a Debian/Ubuntu x86-64 host; it registers qemu-aarch64 with binfmt_misc so that the tests'
 # subprocesses (sys.executable) run too.
 # Usage: bash .ci/portable/python_aarch64.sh [pytest args...]   (default: a broad kernel subset)
+# QEMU_CPU picks the emulated CPU (qemu-user reads it, the tests' subprocesses too): max (BF16,
+# I8MM, SVE: every ARM extension) or a plain NEON core such as cortex-a72. The tests run each
+# kernel path the CPU has (scalar and neon); ATTNX_ISA=neon runs that one only. Emulated, the
+# large grid cases take minutes each: -k "not 1025 and not 2048 and not slow" keeps a run of the
+# variant, delta-rule, merge and paged files to minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${ATTNX_A64_DIR:-/tmp/attnx-aarch64}
@@ -33,7 +38,7 @@ A64PY=$WORK/root/usr/bin/python3.11
   numpy ml_dtypes pytest hypothesis safetensors
 for w in "$WORK"/wheels/*.whl; do "$PY" -m zipfile -e "$w" "$WORK/site/"; done
 
-# 3. the core (scalar path) and the extension, cross-compiled
+# 3. the core (neon and scalar paths) and the extension, cross-compiled
 bash .ci/portable/cross_aarch64.sh build/cross-aarch64 > "$WORK/cross.log" 2>&1 || { cat "$WORK/cross.log"; exit 1; }
 PB=$("$PY" -c "import pybind11; print(pybind11.get_include())")
 rm -rf "$WORK/pkg/attnx" && cp -r python/attnx "$WORK/pkg/attnx"
@@ -51,7 +56,7 @@ rm -rf "$WORK/run" && mkdir -p "$WORK/run" && cp -r tests pyproject.toml "$WORK/
 ln -sfn "$WORK/pkg" "$WORK/run/python"
 cd "$WORK/run"
 export PYTHONPATH=$WORK/pkg:$WORK/site
-"$A64PY" -c "import platform, attnx; print(platform.machine(), attnx.cpu_features()['isa'])"
+"$A64PY" -c "import platform, attnx; f = attnx.cpu_features(); print(platform.machine(), 'QEMU_CPU=${QEMU_CPU:-default}', f['isa'], [k for k in ('neon', 'dotprod', 'bf16', 'i8mm', 'sve') if f[k]])"
 if [ $# -eq 0 ]; then
   set -- tests/test_attention.py tests/test_paged.py tests/test_float64.py tests/test_cache.py \
     tests/test_fork.py tests/test_hardening.py tests/test_errors.py tests/test_delta_rule.py \

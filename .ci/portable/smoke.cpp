@@ -1,8 +1,9 @@
-// smoke.cpp: the C++ core on a CPU without attnx's x86 kernels (built and run by
-// .ci/portable/cross_aarch64.sh under qemu). Dense attention in float32 and float64 over GQA,
+// smoke.cpp: the C++ core on the platforms CI cross-compiles for, as a C++ client sees it (run by
+// .ci/portable/cross_aarch64.sh under qemu, cross_zig.sh's Windows build under Wine). Dense attention in float32 and float64 over GQA,
 // causal, Dk != Dv, padding and several threads, and a paged int8 decode (rows quantised by
-// paged_write, pages in shuffled blocks), against a naive float64 softmax written here; the ISA
-// choice (scalar, and a clear error for the x86 paths) and the probes.
+// paged_write, pages in shuffled blocks), against a naive float64 softmax written here, on each
+// path the build and CPU accept (aarch64: neon and scalar); the ISA choice (the best accepted,
+// neon on aarch64, a clear error for the others) and the probes.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -163,21 +164,30 @@ double paged_int8_error(std::mt19937& rng) {
 
 }  // namespace
 
-int main() {
-  const std::string isa = attnx::active_isa();
-  check(isa == "scalar", "active ISA is scalar (" + isa + ")");
-  for (const char* wide : {"avx2", "avx512", "avx512bf16"}) {
-    bool threw = false;
+// The paths this build and CPU accept (set_isa refuses the others), the best first: the order
+// in which dispatch.cpp prefers them.
+std::vector<std::string> own_isas() {
+  std::vector<std::string> found;
+  for (const char* name : {"avx512bf16", "avx512", "avx2", "neon", "scalar"}) {
     try {
-      attnx::set_isa(wide);
+      attnx::set_isa(name);
+      found.push_back(name);
     } catch (const attnx::InvalidArgument& e) {
-      threw = true;
       std::printf("     %s\n", e.what());
     }
-    check(threw, std::string("set_isa(\"") + wide + "\") is refused");
   }
+  return found;
+}
+
+int main() {
+  const std::string isa = attnx::active_isa();
+  const std::vector<std::string> isas = own_isas();
+  check(isa == isas[0], "the default ISA is the best one accepted, " + isas[0] + " (" + isa + ")");
+#if defined(__aarch64__)
+  check(isas.size() == 2 && isas[0] == "neon", "aarch64: neon and scalar, no x86 path");
+#endif
   attnx::set_isa("auto");
-  check(std::string(attnx::active_isa()) == "scalar", "set_isa(\"auto\") picks scalar");
+  check(std::string(attnx::active_isa()) == isas[0], "set_isa(\"auto\") picks " + isas[0]);
 
   std::mt19937 rng(20261202);
   const Case cases[] = {
@@ -186,23 +196,27 @@ int main() {
       {2, 6, 3, 1, 200, 64, 64, false, 150, 2},  // decode with padding
       {1, 2, 1, 129, 129, 128, 128, true, 0, 3},
   };
-  for (const Case& c : cases) {
-    char name[160];
-    std::snprintf(name, sizeof name, "B%lld Hq%lld Hkv%lld Sq%lld Sk%lld Dk%lld Dv%lld%s%s, %d threads",
-                  (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Sq, (long long)c.Sk,
-                  (long long)c.Dk, (long long)c.Dv, c.causal ? " causal" : "", c.kv_len ? " kv_lens" : "",
-                  c.threads);
-    const double e32 = max_error<float>(c, rng), e64 = max_error<double>(c, rng);
-    char msg[320];
-    std::snprintf(msg, sizeof msg, "%s: float32 max error %.2e, float64 %.2e", name, e32, e64);
-    check(e32 < 2e-5 && e64 < 1e-12, msg);
+  for (const std::string& name_isa : isas) {
+    attnx::set_isa(name_isa);
+    for (const Case& c : cases) {
+      char name[160];
+      std::snprintf(name, sizeof name, "%s: B%lld Hq%lld Hkv%lld Sq%lld Sk%lld Dk%lld Dv%lld%s%s, %d threads",
+                    name_isa.c_str(), (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Sq,
+                    (long long)c.Sk, (long long)c.Dk, (long long)c.Dv, c.causal ? " causal" : "",
+                    c.kv_len ? " kv_lens" : "", c.threads);
+      const double e32 = max_error<float>(c, rng), e64 = max_error<double>(c, rng);
+      char msg[320];
+      std::snprintf(msg, sizeof msg, "%s: float32 max error %.2e, float64 %.2e", name, e32, e64);
+      check(e32 < 2e-5 && e64 < 1e-12, msg);
+    }
+    const double pe = paged_int8_error(rng);
+    char pmsg[200];
+    std::snprintf(pmsg, sizeof pmsg, "%s: paged decode over int8 pages, B3 Hq8 Hkv2 L77 D64 block 16: max error %.2e",
+                  name_isa.c_str(), pe);
+    check(pe < 2e-5, pmsg);
+    const double fma = attnx::probe_fma_gflops(1, 0.05);
+    check(fma > 0 && std::isfinite(fma), name_isa + ": FMA probe runs (" + std::to_string(fma) + " GFLOP/s under emulation)");
   }
-  const double pe = paged_int8_error(rng);
-  char pmsg[160];
-  std::snprintf(pmsg, sizeof pmsg, "paged decode over int8 pages, B3 Hq8 Hkv2 L77 D64 block 16: max error %.2e", pe);
-  check(pe < 2e-5, pmsg);
-  const double fma = attnx::probe_fma_gflops(1, 0.05);
-  check(fma > 0 && std::isfinite(fma), "FMA probe runs (" + std::to_string(fma) + " GFLOP/s under emulation)");
   std::printf("%s\n", failures ? "portable smoke: FAILED" : "portable smoke: all passed");
   return failures ? 1 : 0;
 }

@@ -13,6 +13,7 @@
 #include "kernels/delta_kernels.h"
 #include "kernels/kernels.h"
 #include "parallel.h"
+#include "scratch.h"  // aligned_malloc
 
 namespace attnx {
 
@@ -26,7 +27,7 @@ constexpr double kWorkPerThread = 1 << 18;  // state multiply-adds (tokens x K x
                                             // make another thread worth waking (~0.1 ms)
 
 struct FreeDeleter {
-  void operator()(float* p) const { std::free(p); }
+  void operator()(float* p) const { detail::aligned_free(p); }
 };
 
 // Sizes shared by every work item of one call.
@@ -147,7 +148,7 @@ void gated_delta_rule(const DeltaRuleParams& p) {
   const DeltaPlan pl = plan(p, group_size(p, threads));
   // All scratch up front: a failed allocation throws here, before any thread starts.
   const std::size_t bytes = sizeof(float) * std::size_t(pl.work) * std::size_t(threads);
-  std::unique_ptr<float, FreeDeleter> scratch(static_cast<float*>(std::aligned_alloc(64, bytes)));
+  std::unique_ptr<float, FreeDeleter> scratch(static_cast<float*>(detail::aligned_malloc(64, bytes)));
   if (!scratch) throw std::bad_alloc();
   float* base = scratch.get();
   parallel(threads, [&](Team& team) {

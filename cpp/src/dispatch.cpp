@@ -22,6 +22,12 @@
 #include "kernels/kernels.h"
 #include "parallel.h"
 
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#elif defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+
 namespace attnx {
 
 namespace {
@@ -50,6 +56,43 @@ bool request_amx() {
   return false;
 #endif
 }
+
+// ---- aarch64 --------------------------------------------------------------------------------
+// The ARM features: Linux reports them in the auxiliary vector (the kernel's HWCAP bits, which
+// also say the kernel enables them: SVE's state is saved only if HWCAP_SVE is set), macOS in
+// sysctl's hw.optional.* names. Advanced SIMD is part of the AArch64 baseline.
+#if defined(__aarch64__)
+#if defined(__linux__)
+// <asm/hwcap.h>'s bit numbers, for C libraries whose headers predate them
+constexpr unsigned long kHwcapAsimd = 1ul << 1, kHwcapAsimddp = 1ul << 20, kHwcapSve = 1ul << 22;
+constexpr unsigned long kHwcap2I8mm = 1ul << 13, kHwcap2Bf16 = 1ul << 14;
+void arm_features(CpuFeatures& f) {
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  f.neon = (hw & kHwcapAsimd) != 0;
+  f.dotprod = (hw & kHwcapAsimddp) != 0;
+  f.sve = (hw & kHwcapSve) != 0;
+  f.i8mm = (hw2 & kHwcap2I8mm) != 0;
+  f.bf16 = (hw2 & kHwcap2Bf16) != 0;
+}
+#elif defined(__APPLE__)
+bool sysctl_flag(const char* name) {
+  int v = 0;
+  size_t n = sizeof v;
+  return sysctlbyname(name, &v, &n, nullptr, 0) == 0 && v != 0;
+}
+void arm_features(CpuFeatures& f) {
+  f.neon = true;
+  f.dotprod = sysctl_flag("hw.optional.arm.FEAT_DotProd");
+  f.bf16 = sysctl_flag("hw.optional.arm.FEAT_BF16");
+  f.i8mm = sysctl_flag("hw.optional.arm.FEAT_I8MM");
+  f.sve = false;  // no Apple core has SVE
+}
+#else
+void arm_features(CpuFeatures& f) { f.neon = true; }
+#endif
+#else
+void arm_features(CpuFeatures&) {}
+#endif
 
 }  // namespace
 
@@ -82,6 +125,7 @@ CpuFeatures cpu_features() {
     f.amx_permitted = f.amx_tile && request_amx();
   }
 #endif
+  arm_features(f);
   return f;
 }
 
@@ -146,8 +190,24 @@ double measure_bf16_dot_gain() { return 0; }
 // 2x) the bf16 path is. The two are far apart on every CPU measured, so the line sits between.
 constexpr double kBf16DotGain = 1.25;
 
+// The NEON table exists only in aarch64 builds (ATTNX_NEON_KERNELS), and every aarch64 CPU has
+// Advanced SIMD, so there it is the default.
+#if defined(ATTNX_NEON_KERNELS) && ATTNX_NEON_KERNELS
+constexpr bool kNeonKernels = true;
+const kern::KernelTable* neon_table() { return kern::table_neon(); }
+#else
+constexpr bool kNeonKernels = false;
+const kern::KernelTable* neon_table() {
+  throw InvalidArgument("ATTNX_ISA=neon: this build of attnx has no NEON kernels (not an aarch64 build)");
+}
+#endif
+
 const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f) {
   if (name == "scalar") return kern::table_scalar();
+  if (name == "neon") {
+    if (kNeonKernels && !f.neon) throw InvalidArgument("ATTNX_ISA=neon: this CPU lacks Advanced SIMD");
+    return neon_table();
+  }
   if (name == "avx2") {
     if (!has_avx2(f)) throw InvalidArgument("ATTNX_ISA=avx2: this CPU lacks AVX2, FMA or F16C");
     return wide_table(Wide::avx2);
@@ -169,7 +229,7 @@ const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f
     return wide_table(Wide::amx);
   }
   throw InvalidArgument("unknown instruction set '" + name +
-                        "' (expected scalar, avx2, avx512, avx512bf16 or amx)");
+                        "' (expected scalar, avx2, avx512, avx512bf16, amx or neon)");
 }
 
 // The fastest path for every kind of call: AMX tiles for bf16 prefill where the OS allows them
@@ -177,6 +237,7 @@ const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f
 // than float32 FMAs (bf16_dot_gain), else the widest vectors.
 const kern::KernelTable* best_table() {
   const CpuFeatures f = cpu_features();
+  if (kNeonKernels && f.neon) return neon_table();
   if (!kWideKernels) return kern::table_scalar();
   if (has_amx(f)) return wide_table(Wide::amx);
   if (has_avx512bf16(f) && bf16_dot_gain() > kBf16DotGain) return wide_table(Wide::avx512bf16);

@@ -15,11 +15,10 @@
 // running at the same time, in this call or in a concurrent one from another Python thread, must
 // have different slots, each below the library's MAX_THREADS, and none that OpenBLAS's own
 // threads use (take_slots and blas_callback).
-#include <dlfcn.h>
-#include <link.h>
-#include <pthread.h>
-#include <sched.h>
-
+//
+// Both sharings find the libraries already loaded in the process (loaded_libraries): through the
+// ELF loader's list (dl_iterate_phdr, <link.h>) on Linux and the BSDs, dyld's image list on
+// macOS. Windows builds have neither sharing (both calls report none).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -28,12 +27,77 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <vector>
+
+#if !defined(_WIN32)
+#include <dlfcn.h>
+#endif
+#if defined(__APPLE__)
+#include <mach-o/dyld.h>
+#elif !defined(_WIN32)
+#include <link.h>
+#endif
 
 #include "parallel.h"
 
 namespace attnx {
 namespace {
+
+// ---- the loaded libraries ---------------------------------------------------------------------
+
+// The paths of the loaded shared objects whose path `match` accepts.
+std::vector<std::string> loaded_libraries(bool (*match)(const char* path)) {
+  std::vector<std::string> found;
+#if defined(__APPLE__)
+  for (uint32_t i = 0, n = _dyld_image_count(); i < n; ++i) {
+    const char* name = _dyld_get_image_name(i);
+    if (name != nullptr && match(name)) found.emplace_back(name);
+  }
+#elif !defined(_WIN32)
+  struct Search {
+    bool (*match)(const char*);
+    std::vector<std::string>* found;
+  } search{match, &found};
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, std::size_t, void* arg) {
+        const Search& s = *static_cast<Search*>(arg);
+        if (info->dlpi_name != nullptr && s.match(info->dlpi_name)) s.found->emplace_back(info->dlpi_name);
+        return 0;
+      },
+      &search);
+#else
+  (void)match;
+#endif
+  return found;
+}
+
+// A handle on a library that is already loaded (never loads one: RTLD_NOLOAD), its symbols, and
+// the handle's release (the library stays loaded).
+void* open_loaded(const std::string& path) {
+#if defined(_WIN32)
+  (void)path;
+  return nullptr;
+#else
+  return dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+#endif
+}
+void* find_symbol(void* lib, const char* name) {
+#if defined(_WIN32)
+  (void)lib, (void)name;
+  return nullptr;
+#else
+  return dlsym(lib, name);
+#endif
+}
+void close_loaded(void* lib) {
+#if defined(_WIN32)
+  (void)lib;
+#else
+  dlclose(lib);
+#endif
+}
 
 using DoJob = void (*)(int thread_num, void* jobdata, int tag);
 using Callback = void (*)(int sync, DoJob dojob, int numjobs, std::size_t elsize, void* jobdata, int tag);
@@ -56,7 +120,7 @@ uint64_t take_slots(int n, int limit) {
     if (__builtin_popcountll(mine) == n &&
         g_slots.compare_exchange_weak(used, used | mine, std::memory_order_acquire))
       return mine;
-    sched_yield();  // another call holds the slots (or the CAS raced): its jobs are short
+    std::this_thread::yield();  // another call holds the slots (or the CAS raced): its jobs are short
   }
 }
 
@@ -71,18 +135,6 @@ struct Jobs {
   void run(int i) const { dojob(slot[i], data + std::size_t(i) * elsize, tag); }
 };
 
-struct Extra {  // a job that attnx's pool had no member for
-  const Jobs* jobs;
-  int index;
-  pthread_t thread;
-};
-
-void* run_extra(void* arg) {
-  const Extra& e = *static_cast<Extra*>(arg);
-  e.jobs->run(e.index);
-  return nullptr;
-}
-
 // Member i of the team runs job i. A team smaller than numjobs (no more threads could be made, or
 // the call comes from inside an attnx region) gets the rest on threads of their own: running
 // them one after another could wait forever.
@@ -91,16 +143,18 @@ void run_jobs(const Jobs& jobs, int numjobs, Team& team) {
     jobs.run(team.id());
     return;
   }
-  std::vector<Extra> extra;
-  for (int i = team.size(); i < numjobs; ++i) extra.push_back(Extra{&jobs, i, {}});
-  for (Extra& e : extra) {
-    if (pthread_create(&e.thread, nullptr, &run_extra, &e) != 0) {
+  std::vector<std::thread> extra;  // the jobs that attnx's pool had no member for
+  extra.reserve(std::size_t(numjobs));
+  for (int i = team.size(); i < numjobs; ++i) {
+    try {
+      extra.emplace_back([&jobs, i] { jobs.run(i); });
+    } catch (const std::system_error&) {
       std::fputs("attnx: cannot start a thread for an OpenBLAS job (ATTNX_SHARE_BLAS=0 avoids this)\n", stderr);
       std::abort();  // as OpenBLAS itself does when its own pool cannot start
     }
   }
   jobs.run(0);
-  for (Extra& e : extra) pthread_join(e.thread, nullptr);
+  for (std::thread& t : extra) t.join();
 }
 
 void blas_callback(int /*sync: always 1 (OpenBLAS waits for the call's return)*/, DoJob dojob,
@@ -125,16 +179,7 @@ void blas_callback(int /*sync: always 1 (OpenBLAS waits for the call's return)*/
 // The loaded shared objects whose file name contains "openblas" (NumPy's and SciPy's wheels
 // carry renamed copies such as libscipy_openblas64_-<hash>.so).
 std::vector<std::string> loaded_openblas() {
-  std::vector<std::string> found;
-  dl_iterate_phdr(
-      [](dl_phdr_info* info, std::size_t, void* out) {
-        const char* name = info->dlpi_name;
-        if (name != nullptr && std::strstr(name, "openblas") != nullptr)
-          static_cast<std::vector<std::string>*>(out)->emplace_back(name);
-        return 0;
-      },
-      &found);
-  return found;
+  return loaded_libraries([](const char* name) { return std::strstr(name, "openblas") != nullptr; });
 }
 
 // The setter's names in the builds people have: upstream, 64-bit-integer builds, and the
@@ -150,7 +195,7 @@ constexpr const char* kSetters[] = {
 int max_threads_of(void* lib) {
   for (const char* name : {"openblas_get_config", "openblas_get_config64_", "scipy_openblas_get_config",
                            "scipy_openblas_get_config64_"}) {
-    if (auto config = reinterpret_cast<const char* (*)()>(dlsym(lib, name))) {
+    if (auto config = reinterpret_cast<const char* (*)()>(find_symbol(lib, name))) {
       const char* at = std::strstr(config(), "MAX_THREADS=");
       return at != nullptr ? std::atoi(at + 12) : 0;
     }
@@ -183,27 +228,20 @@ std::atomic<uint32_t> g_omp_generation{0};  // fork generation it was switched o
 // torch/lib/libgomp-<hash>.so.1) with the whole entry set; its symbols stay valid while it is
 // loaded (never unloaded once torch imported it).
 bool find_omp(HostOmp& out) {
-  std::vector<std::string> libs;
-  dl_iterate_phdr(
-      [](dl_phdr_info* info, std::size_t, void* v) {
-        const char* name = info->dlpi_name;
-        if (name != nullptr && (std::strstr(name, "libgomp") || std::strstr(name, "libiomp") ||
-                                std::strstr(name, "libomp")))
-          static_cast<std::vector<std::string>*>(v)->emplace_back(name);
-        return 0;
-      },
-      &libs);
+  std::vector<std::string> libs = loaded_libraries([](const char* name) {
+    return std::strstr(name, "libgomp") || std::strstr(name, "libiomp") || std::strstr(name, "libomp");
+  });
   // torch's own runtime first, where another library loaded a second one
   std::stable_partition(libs.begin(), libs.end(),
                         [](const std::string& p) { return p.find("torch") != std::string::npos; });
   for (const std::string& path : libs) {
-    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    void* lib = open_loaded(path);
     if (lib == nullptr) continue;
     HostOmp h;
-    h.parallel = reinterpret_cast<GompParallel>(dlsym(lib, "GOMP_parallel"));
-    h.thread_num = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_thread_num"));
-    h.num_threads = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_num_threads"));
-    dlclose(lib);  // still loaded: it was before the dlopen
+    h.parallel = reinterpret_cast<GompParallel>(find_symbol(lib, "GOMP_parallel"));
+    h.thread_num = reinterpret_cast<int (*)()>(find_symbol(lib, "omp_get_thread_num"));
+    h.num_threads = reinterpret_cast<int (*)()>(find_symbol(lib, "omp_get_num_threads"));
+    close_loaded(lib);  // still loaded: it was before the dlopen
     if (h.parallel && h.thread_num && h.num_threads) {
       out = h;
       return true;
@@ -263,23 +301,23 @@ bool share_omp_threads(bool on) {
 int share_blas_threads(bool on) {
   int shared = 0;
   for (const std::string& path : loaded_openblas()) {
-    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);  // only what is already loaded
+    void* lib = open_loaded(path);  // only what is already loaded
     if (lib == nullptr) continue;
     bool hooked = false;
     const int limit = std::min(max_threads_of(lib), 64);
     if (on && limit <= 0) {  // no way to know how many buffer slots it has: leave it alone
-      dlclose(lib);
+      close_loaded(lib);
       continue;
     }
     if (on && limit < g_slot_limit.load()) g_slot_limit.store(limit);
     for (const char* name : kSetters) {
-      if (auto set = reinterpret_cast<SetCallback>(dlsym(lib, name))) {
+      if (auto set = reinterpret_cast<SetCallback>(find_symbol(lib, name))) {
         set(on ? &blas_callback : nullptr);
         hooked = true;
       }
     }
     shared += hooked ? 1 : 0;
-    dlclose(lib);  // balances the dlopen above; the library stays loaded
+    close_loaded(lib);  // balances open_loaded above; the library stays loaded
   }
   return on ? shared : 0;
 }

@@ -13,17 +13,13 @@
 // * A region: the owner writes the region (fn, ctx, size), bumps the `go` word of each worker it
 //   needs, runs member 0 itself, then waits until `pending` (workers still running) is 0.
 // * Waits (a worker for its next region, the owner for its workers, a team at a barrier) spin
-//   briefly, then sleep on a futex. See kDefaultSpinMicros.
-// * fork: a pthread_atfork child handler bumps g_generation. A pool made in an older generation
+//   briefly, then sleep on the word (atomic_wait.h: a futex on Linux). See kDefaultSpinMicros.
+// * fork (POSIX): a pthread_atfork child handler bumps g_generation. A pool made in an older generation
 //   is abandoned (its workers do not exist in the child: never joined, never woken, its memory
 //   deliberately leaked) and the next call makes fresh workers, so a child runs multi-threaded.
 //   Nothing a region touches is a process-wide lock, so a fork while another thread is inside a
 //   region leaves the child nothing held.
 #include "parallel.h"
-
-#include <pthread.h>
-#include <sched.h>
-#include <signal.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,11 +29,18 @@
 #include <memory>
 #include <new>
 #include <mutex>
+#include <system_error>
+#include <thread>
 #include <vector>
 
+#include "atomic_wait.h"
+
+#ifndef _WIN32
+#include <pthread.h>
+#include <signal.h>
+#endif
 #ifdef __linux__
-#include <linux/futex.h>
-#include <sys/syscall.h>
+#include <sched.h>
 #include <unistd.h>
 #endif
 #if defined(__x86_64__) || defined(__i386__)
@@ -50,7 +53,7 @@ namespace {
 
 // ---- waiting: spin briefly, then sleep ----------------------------------------------------------
 
-// How long a waiting thread spins before it sleeps on a futex. Back-to-back regions (a decode
+// How long a waiting thread spins before it sleeps (atomic_wait). Back-to-back regions (a decode
 // loop calls attention once per layer, a few microseconds of Python apart) find their workers
 // still spinning and start without a wake-up system call and a wait for the scheduler to run the
 // worker again. Spinning much longer would keep idle attnx threads on the cores the model's
@@ -75,33 +78,16 @@ const int g_spin_micros = read_spin_micros();
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
 #endif
 }
-
-using Word = std::atomic<uint32_t>;
-static_assert(sizeof(Word) == sizeof(uint32_t), "a futex word is 32 bits");
-
-#ifdef __linux__
-void futex_wait(Word& w, uint32_t expected) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAIT_PRIVATE, expected, nullptr,
-          nullptr, 0);
-}
-void futex_wake_all(Word& w) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr,
-          nullptr, 0);
-}
-#else
-void futex_wait(Word& w, uint32_t expected) {  // portable stand-in: a polite poll
-  while (w.load() == expected) sched_yield();
-}
-void futex_wake_all(Word&) {}
-#endif
 
 // A word that threads wait on until it changes, with a count of sleepers so that a change wakes
 // (a system call) only when someone sleeps. Both sides use seq_cst: either the changer sees the
-// sleeper, or the sleeper's re-check (and the futex's own compare) sees the change.
+// sleeper, or the sleeper's re-check (and atomic_wait's own compare) sees the change.
 struct alignas(64) Signal {
-  Word word{0};
+  WaitWord word{0};
   std::atomic<int> sleepers{0};
 
   uint32_t load() const { return word.load(std::memory_order_acquire); }
@@ -118,14 +104,14 @@ struct alignas(64) Signal {
     }
     while (true) {
       sleepers.fetch_add(1);
-      if (word.load() == value) futex_wait(word, value);
+      if (word.load() == value) atomic_wait(word, value);
       sleepers.fetch_sub(1);
       if (word.load(std::memory_order_acquire) != value) return;
     }
   }
 
   void wake() {
-    if (sleepers.load() > 0) futex_wake_all(word);
+    if (sleepers.load() > 0) atomic_wake_all(word);
   }
   void add(uint32_t d) {
     word.fetch_add(d);
@@ -138,10 +124,13 @@ struct alignas(64) Signal {
 std::atomic<uint32_t> g_generation{0};
 
 // Registered when the library loads (no thread can be inside attnx yet, so no lock is needed).
+// (Windows has no fork: the generation never changes there.)
+#ifndef _WIN32
 const bool g_atfork_registered = [] {
   pthread_atfork(nullptr, nullptr, [] { g_generation.fetch_add(1); });
   return true;
 }();
+#endif
 
 }  // namespace
 
@@ -228,7 +217,7 @@ class Pool {
   ~Pool() {
     stop_ = true;
     for (auto& w : workers_) w->go.add(1);
-    for (auto& w : workers_) pthread_join(w->thread, nullptr);
+    for (auto& w : workers_) w->thread.join();
   }
 
  private:
@@ -237,7 +226,7 @@ class Pool {
     Pool* pool = nullptr;
     int index = 0;
     std::atomic<bool> used{false};
-    pthread_t thread{};
+    std::thread thread;
   };
 
   // Runs member `id`'s body; returns what it threw, if anything.
@@ -252,18 +241,27 @@ class Pool {
   }
 
   bool start_thread(Worker& w) {
+#ifndef _WIN32
     // Workers block every asynchronous signal, so that SIGINT and friends go to the Python
     // threads (the new thread inherits the creating thread's mask, restored right after).
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    const int rc = pthread_create(&w.thread, nullptr, &Pool::worker_main, &w);
+#endif
+    bool ok = true;
+    try {
+      w.thread = std::thread(&Pool::worker_main, &w);
+    } catch (const std::system_error&) {  // out of threads
+      ok = false;
+    }
+#ifndef _WIN32
     pthread_sigmask(SIG_SETMASK, &old, nullptr);
-    return rc == 0;
+#endif
+    return ok;
   }
 
-  static void* worker_main(void* arg) {
-    Worker& w = *static_cast<Worker*>(arg);
+  static void worker_main(Worker* wp) {
+    Worker& w = *wp;
 #ifdef __linux__
     char name[32];  // "attnx-<member>", cut to the 15 characters a thread name may have
     std::snprintf(name, sizeof name, "attnx-%d", w.index + 1);
@@ -275,7 +273,7 @@ class Pool {
     for (uint32_t seen = 0;;) {
       w.go.wait_while(seen);
       seen = w.go.load();
-      if (p.stop_) return nullptr;
+      if (p.stop_) return;
       w.used.store(true, std::memory_order_relaxed);
       if (std::exception_ptr e = p.call(w.index + 1)) {
         std::lock_guard<std::mutex> lock(p.error_mutex_);
@@ -370,7 +368,8 @@ int available_cpus() {
   const long online = sysconf(_SC_NPROCESSORS_ONLN);
   return online > 0 ? int(online) : 1;
 #else
-  return 1;
+  const unsigned n = std::thread::hardware_concurrency();  // 0 if unknown
+  return n > 0 ? int(n) : 1;
 #endif
 }
 

@@ -55,7 +55,7 @@ double probe_read_gbps(int num_threads, int64_t bytes, double seconds) {
   // Zen 4 thread against 28.8 on huge pages, and would understate what the memory can deliver.
   constexpr std::size_t kHuge = std::size_t(2) << 20;
   const std::size_t size = (std::size_t(n) * 4 + kHuge - 1) / kHuge * kHuge;
-  float* buf = static_cast<float*>(std::aligned_alloc(kHuge, size));
+  float* buf = static_cast<float*>(detail::aligned_malloc(kHuge, size));
   if (buf == nullptr) throw std::bad_alloc();
 #ifdef MADV_HUGEPAGE
   madvise(buf, size, MADV_HUGEPAGE);  // a hint: without THP the probe runs on small pages
@@ -83,7 +83,7 @@ double probe_read_gbps(int num_threads, int64_t bytes, double seconds) {
     });
     best = std::max(best, double(n) * 4 / (now() - t0) / 1e9);
   }
-  std::free(buf);
+  detail::aligned_free(buf);
   return best;
 }
 

@@ -11,8 +11,30 @@
 
 #include "kernels/kernels.h"
 
+#ifdef _WIN32
+#include <malloc.h>
+#endif
+
 namespace attnx {
 namespace detail {
+
+// `bytes` (a multiple of `align`, a power of two) aligned to `align`, released by aligned_free:
+// std::aligned_alloc, except on Windows, whose C runtime has only _aligned_malloc (and its
+// blocks must not reach free()). nullptr when there is no memory.
+inline void* aligned_malloc(std::size_t align, std::size_t bytes) {
+#ifdef _WIN32
+  return _aligned_malloc(bytes, align);
+#else
+  return std::aligned_alloc(align, bytes);
+#endif
+}
+inline void aligned_free(void* p) {
+#ifdef _WIN32
+  _aligned_free(p);
+#else
+  std::free(p);
+#endif
+}
 
 // 64-byte aligned storage of T that only grows: one per thread, reused across calls.
 template <class T>
@@ -20,8 +42,8 @@ class AlignedBuf {
  public:
   T* get(std::size_t n) {
     if (n > cap_) {
-      std::free(ptr_);
-      ptr_ = static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64));
+      aligned_free(ptr_);
+      ptr_ = static_cast<T*>(aligned_malloc(64, (n * sizeof(T) + 63) / 64 * 64));
       if (ptr_ == nullptr) {
         cap_ = 0;
         throw std::bad_alloc();
@@ -33,11 +55,11 @@ class AlignedBuf {
   // Frees the storage if it holds more than max_elems.
   void trim(std::size_t max_elems) {
     if (cap_ <= max_elems) return;
-    std::free(ptr_);
+    aligned_free(ptr_);
     ptr_ = nullptr;
     cap_ = 0;
   }
-  ~AlignedBuf() { std::free(ptr_); }
+  ~AlignedBuf() { aligned_free(ptr_); }
 
  private:
   T* ptr_ = nullptr;

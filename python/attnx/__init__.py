@@ -66,12 +66,14 @@ def cpu_features() -> dict[str, bool | str]:
 
     Returns a dict: ``{"sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
     "avx512bf16", "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
-    "amx_fp16", "amx_permitted": bool, "isa": "scalar" | "avx2" | "avx512" | "avx512bf16" |
-    "amx"}``. ``amx_permitted``: the OS granted this process the AMX tile state. The path is
-    the fastest the CPU supports, measured (README "Platforms"), unless ``ATTNX_ISA`` forced one
-    at import. ``avx512bf16`` is ``avx512`` with bf16 dot products (AVX512_BF16) for prefill over
-    bfloat16 q, k and v, ``amx`` the same with AMX tile products; ``ATTNX_ISA=avx512`` keeps
-    bfloat16 on the float32-widening kernels.
+    "amx_fp16", "amx_permitted", "neon", "dotprod", "bf16", "i8mm", "sve": bool, "isa": "scalar"
+    | "avx2" | "avx512" | "avx512bf16" | "amx" | "neon"}`` (the x86 flags are false on ARM, the
+    ARM ones on x86). ``amx_permitted``: the OS granted this process the AMX tile state. The
+    path is the fastest the CPU supports, measured (README "Platforms"), unless ``ATTNX_ISA``
+    forced one at import. ``avx512bf16`` is ``avx512`` with bf16 dot products (AVX512_BF16) for
+    prefill over bfloat16 q, k and v, ``amx`` the same with AMX tile products;
+    ``ATTNX_ISA=avx512`` keeps bfloat16 on the float32-widening kernels. ``neon`` is the path of
+    every aarch64 CPU (Advanced SIMD).
     """
     f: dict[str, bool | str] = dict(_core.cpu_features())
     f["isa"] = _core.active_isa()

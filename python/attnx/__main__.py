@@ -20,8 +20,9 @@ def _fmt(xs):
 def info():
     f = attnx.cpu_features()
     names = ("sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16",
-             "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_fp16")
-    flags = ", ".join(k for k in names if f.get(k)) or "none of the x86 extensions attnx has kernels for"
+             "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_fp16",
+             "neon", "dotprod", "bf16", "i8mm", "sve")
+    flags = ", ".join(k for k in names if f.get(k)) or "none of the extensions attnx has kernels for"
     try:
         threads = attnx.get_num_threads()
     except ValueError as e:  # a bad ATTNX_NUM_THREADS: every call refuses it

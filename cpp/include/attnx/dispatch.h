@@ -13,11 +13,15 @@ struct CpuFeatures {
   bool avx512_vnni = false, avx_vnni = false, avx512_fp16 = false;
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false, amx_fp16 = false;
   bool amx_permitted = false;
+  // aarch64 (all false elsewhere): Advanced SIMD (baseline there: the neon path), the int8 dot
+  // products (SDOT), BFloat16 (BFDOT/BFMMLA), int8 matrix multiply (SMMLA) and SVE
+  bool neon = false, dotprod = false, bf16 = false, i8mm = false, sve = false;
 };
 
 CpuFeatures cpu_features();
 // The active instruction set: "scalar", "avx2", "avx512", "avx512bf16" (avx512, with bf16 dot
-// products for bf16 prefill) or "amx" (avx512, with AMX-BF16 tiles for bf16 prefill).
+// products for bf16 prefill) or "amx" (avx512, with AMX-BF16 tiles for bf16 prefill); on
+// aarch64 "scalar" or "neon".
 const char* active_isa();
 // How many more multiply-adds per second this CPU's vdpbf16ps gives than its 512-bit FMAs
 // (measured once, at first use; 0 where the CPU lacks AVX512_BF16): the avx512bf16 path is the

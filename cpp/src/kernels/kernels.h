@@ -147,6 +147,7 @@ struct KernelTable : FlashKernels<float> {
 void delta_head_scalar(const DeltaHead* heads, int G);
 void delta_head_avx2(const DeltaHead* heads, int G);
 void delta_head_avx512(const DeltaHead* heads, int G);
+void delta_head_neon(const DeltaHead* heads, int G);  // aarch64 builds only
 
 const KernelTable* table_scalar();
 // The float64 flash kernels: scalar code (float64 is for precision, not speed), one for every CPU.
@@ -159,6 +160,7 @@ const KernelTable* table_amx();         // avx512, with AMX-BF16 tile products f
 // vdpbf16ps (32 multiply-adds each) and of 12 independent 512-bit FMAs (16 each).
 float bf16_dot_probe(int64_t iters);
 float fma512_probe(int64_t iters);
+const KernelTable* table_neon();        // aarch64 builds only (ATTNX_NEON_KERNELS)
 
 }  // namespace kern
 }  // namespace attnx
