@@ -28,8 +28,7 @@ std::atomic<float> g_sink;  // results the compiler must keep (members store at 
 
 double probe_fma_gflops(int num_threads, double seconds) {
   const kern::KernelTable* t = active_table();
-  const std::string isa = t->name;  // avx512bf16's fma_probe is avx512's
-  const int width = isa.rfind("avx512", 0) == 0 ? 16 : isa == "avx2" ? 8 : 1;
+  const int width = t->lanes;
   const int64_t iters = 1 << 20;
   double best = 0;
   const double t_end = now() + seconds;

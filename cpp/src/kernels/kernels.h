@@ -142,6 +142,8 @@ struct KernelTable : FlashKernels<float> {
   // Gated delta rule over G <= kDeltaGroupMax value heads of one sequence that read the same q
   // and k (delta_kernels.h, delta-inl.h).
   void (*delta_head)(const DeltaHead* heads, int G);
+  // float lanes of fma_probe's vectors (its FLOPs per iteration: 10 chains x lanes x 2)
+  int lanes;
 };
 
 void delta_head_scalar(const DeltaHead* heads, int G);

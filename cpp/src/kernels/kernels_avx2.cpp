@@ -22,7 +22,7 @@ const KernelTable* table_avx2() {
                                    &avx2::load_row, &avx2::store_row},
                                  "avx2",
                                  &avx2::fma_probe, &avx2::read_probe,
-                                 &delta_head_avx2};
+                                 &delta_head_avx2, avx2::simd::W};
   return &table;
 }
 }  // namespace kern

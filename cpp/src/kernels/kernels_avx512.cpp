@@ -22,7 +22,7 @@ const KernelTable* table_avx512() {
                                    &avx512::load_row, &avx512::store_row},
                                  "avx512",
                                  &avx512::fma_probe, &avx512::read_probe,
-                                 &delta_head_avx512};
+                                 &delta_head_avx512, avx512::simd::W};
   return &table;
 }
 }  // namespace kern

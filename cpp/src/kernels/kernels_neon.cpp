@@ -22,7 +22,7 @@ const KernelTable* table_neon() {
                                    &neon::load_row, &neon::store_row},
                                  "neon",
                                  &neon::fma_probe, &neon::read_probe,
-                                 &delta_head_neon};
+                                 &delta_head_neon, neon::simd::W};
   return &table;
 }
 }  // namespace kern

@@ -22,7 +22,7 @@ const KernelTable* table_scalar() {
                                    &scalar::load_row, &scalar::store_row},
                                  "scalar",
                                  &scalar::fma_probe, &scalar::read_probe,
-                                 &delta_head_scalar};
+                                 &delta_head_scalar, scalar::simd::W};
   return &table;
 }
 }  // namespace kern
