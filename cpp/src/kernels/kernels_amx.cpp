@@ -12,7 +12,6 @@
 #include <immintrin.h>
 #include <limits>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #define ATTNX_VNNI 1
