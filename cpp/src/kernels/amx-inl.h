@@ -68,11 +68,14 @@ struct AmxScratch {
   float* kv[kSets][kWideTiles] = {};
   float* vf[kSets][kWideTiles] = {};
   int64_t dkp = -1, dvp = -1;
+  // Carves the buffers for widths Dkp and Dvp, growing the storage only (nothing in it is read
+  // before the tile loop writes it, so a call of other widths neither frees nor clears it).
   void size(int64_t Dkp, int64_t Dvp) {
     if (Dkp == dkp && Dvp == dvp) return;
     const int64_t nq = kRowsPad * Dkp / 2, ns = kRowsPad * kTileK, no = 2 * kTileRows * Dvp;
     const int64_t nw = 2 * 2 * kTileRows * kWideKeys, nk = Dkp * kTileK, nv = kTileK * Dvp;
-    raw.assign(std::size_t(nq + ns + no + nw + kSets * kWideTiles * (nk + nv) + 16), 0.f);
+    const std::size_t need = std::size_t(nq + ns + no + nw + kSets * kWideTiles * (nk + nv) + 16);
+    if (raw.size() < need) raw.resize(need);
     float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
     auto take = [&](int64_t count) {
       float* p = at;
