@@ -412,6 +412,7 @@ def assert_matches(o, r, lse, rlse, visible, tol_out, tol_lse):
 # ---------------------------------------------------------------------------
 
 DELTA_ERR_FACTOR = 4.0  # x the float32 recurrence's own error
+DELTA_ULPS_STATE = 16.0  # float32 ulps of the largest state value: the floor of an output's error
 DELTA_ULPS = 64.0  # float32 ulps of the largest reference value, one per token of a chunk: the
 #                    chunked form reassociates sums over up to 64 tokens (a triangular solve)
 
@@ -447,6 +448,11 @@ def assert_delta_matches(o, state, expected):
     them (a non-finite gate or beta reaches its own position and the later ones, nothing
     before), the finite entries within ``delta_tolerance``."""
     ro, rs, lo, ls = expected
+    # An output is a dot product of a state row with q: where its terms cancel (a tiny output
+    # from a state of ordinary size), float32 rounding is relative to the terms, not to the
+    # output, and another summation order than the float32 twin's may land DELTA_ULPS_STATE ulps
+    # of the state away (hypothesis found 1e-9 on an output of 2.8e-5 from a state of 0.12).
+    state_scale = float(np.max(np.abs(rs[np.isfinite(rs)]), initial=0.0))
     for name, x, r, low in (("out", o, ro, lo), ("state", state, rs, ls)):
         x = np.asarray(x, dtype=np.float64)
         fin = np.isfinite(r)
@@ -454,6 +460,8 @@ def assert_delta_matches(o, state, expected):
         err = float(np.max(np.abs(x[fin] - r[fin]), initial=0.0))
         both = fin & np.isfinite(low)
         tol = delta_tolerance(r[both], low[both])
+        if name == "out":
+            tol = max(tol, DELTA_ULPS_STATE * F32_EPS * state_scale)
         assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
 
 

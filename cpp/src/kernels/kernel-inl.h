@@ -513,6 +513,7 @@ static void qk_dot(int M, const Real* q, int64_t ldq, const Real* const* krow, i
 // flipped) and the queries as they are, so each sum is q . k + 128 sum(q), corrected per row.
 // Every partial sum is an integer below 2^24 (Dk < 1040): the float scores are exactly what the
 // FMA path computes over the same codes.
+
 // 128 * the sum of each row's codes (M <= kDotRows rows of ldq bytes): the correction.
 static void code_sums(const RowSet& rs, int64_t Dk, float* sum) {
   const __m512i ones = _mm512_set1_epi8(1);
