@@ -68,14 +68,11 @@ struct AmxScratch {
   float* kv[kSets][kWideTiles] = {};
   float* vf[kSets][kWideTiles] = {};
   int64_t dkp = -1, dvp = -1;
-  // Carves the buffers for widths Dkp and Dvp, growing the storage only (nothing in it is read
-  // before the tile loop writes it, so a call of other widths neither frees nor clears it).
   void size(int64_t Dkp, int64_t Dvp) {
     if (Dkp == dkp && Dvp == dvp) return;
     const int64_t nq = kRowsPad * Dkp / 2, ns = kRowsPad * kTileK, no = 2 * kTileRows * Dvp;
     const int64_t nw = 2 * 2 * kTileRows * kWideKeys, nk = Dkp * kTileK, nv = kTileK * Dvp;
-    const std::size_t need = std::size_t(nq + ns + no + nw + kSets * kWideTiles * (nk + nv) + 16);
-    if (raw.size() < need) raw.resize(need);
+    raw.assign(std::size_t(nq + ns + no + nw + kSets * kWideTiles * (nk + nv) + 16), 0.f);
     float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
     auto take = [&](int64_t count) {
       float* p = at;
@@ -100,119 +97,82 @@ static AmxScratch& amx_scratch() {
   return sc;
 }
 
-// C (tiles 0-3: rows [0, 32) x columns [0, 32) of c, ldc floats a row) += A (tiles 4-5: 32 rows
-// of 16 pairs at a, lda pairs a row) B (tiles 6-7: 16 rows of 32 pairs at b, ldb pairs a row).
-static ATTNX_INLINE void dp_2x2(const Pair* a, int64_t lda, const Pair* b, int64_t ldb) {
-  _tile_loadd(4, a, lda * 4);
-  _tile_loadd(5, a + kTileRows * lda, lda * 4);
-  _tile_loadd(6, b, ldb * 4);
-  _tile_loadd(7, b + kTilePairs, ldb * 4);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_dpbf16ps(2, 5, 6);
-  _tile_dpbf16ps(3, 5, 7);
-}
-static ATTNX_INLINE void load_c(float* c, int64_t ldc) {
-  _tile_loadd(0, c, ldc * 4);
-  _tile_loadd(1, c + kTilePairs, ldc * 4);
-  _tile_loadd(2, c + kTileRows * ldc, ldc * 4);
-  _tile_loadd(3, c + kTileRows * ldc + kTilePairs, ldc * 4);
-}
-static ATTNX_INLINE void store_c(float* c, int64_t ldc) {
-  _tile_stored(0, c, ldc * 4);
-  _tile_stored(1, c + kTilePairs, ldc * 4);
-  _tile_stored(2, c + kTileRows * ldc, ldc * 4);
-  _tile_stored(3, c + kTileRows * ldc + kTilePairs, ldc * 4);
+// ---- S = Q K^T (unscaled) for rows [0, M) rounded up to 32, all kTileK keys of one tile -------
+// qb: ldq pairs a row; kp: pack_k_bf16's layout (kTileK pairs a row, one row per feature pair);
+// nkb: the 16-pair blocks of features that hold data. s: kTileK floats a row.
+static void qk_amx(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t nkb, float* s) {
+  const int64_t lda = ldq * 4, ldb = kTileK * 4, lds = kTileK * 4;
+  for (int r = 0; r < M; r += 2 * kTileRows) {
+    const Pair* a = qb + r * ldq;
+    for (int c = 0; c < kTileK; c += 2 * kTilePairs) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const Pair* b = kp + kb * kTilePairs * kTileK + c;
+        _tile_loadd(4, a + kb * kTilePairs, lda);
+        _tile_loadd(5, a + kTileRows * ldq + kb * kTilePairs, lda);
+        _tile_loadd(6, b, ldb);
+        _tile_loadd(7, b + kTilePairs, ldb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* out = s + int64_t(r) * kTileK + c;
+      _tile_stored(0, out, lds);
+      _tile_stored(1, out + kTilePairs, lds);
+      _tile_stored(2, out + kTileRows * kTileK, lds);
+      _tile_stored(3, out + kTileRows * kTileK + kTilePairs, lds);
+    }
+  }
 }
 
-// ---- the tile products, cut into steps ------------------------------------------------------
-// A row pair's products in small steps, so that they can run between the rows of another row
-// pair's softmax (TileSteps, the wide blocks below): the tile unit works through a step's few
-// instructions (tens of cycles each) while the vector units run the exps that follow them in
-// program order. Run back to back instead, each waits for the other. Tiles 0-3 accumulate a
-// 32 x 32 block (C), 4-5 hold A's two row blocks (Q or P), 6-7 B's two column blocks (K or V).
-//   QkSteps: S = Q K^T (unscaled) of 32 rows x the kTileK keys of each of `tiles` KV tiles, one
-//   32 x 32 block of scores a step. kp[t]: pack_k_bf16's layout (kTileK pairs a row, one row per
-//   feature pair); nkb: the 16-pair blocks of features that hold data; s: lds floats a row, tile
-//   t's keys at column t * kTileK.
-struct QkSteps {
-  const Pair* a;  // the row pair's first query row (ldq pairs a row)
-  int64_t ldq, nkb;
-  const Pair* const* kp;
-  int tiles;
-  float* s;
-  int64_t lds;
-  int step_ = 0;
-  int steps() const { return tiles * 2; }
-  void step() {
-    const int t = step_ / 2, c = step_ % 2 * 2 * kTilePairs;
-    ++step_;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < nkb; ++kb)
-      dp_2x2(a + kb * kTilePairs, ldq, kp[t] + kb * kTilePairs * kTileK + c, kTileK);
-    store_c(s + t * kTileK + c, lds);
+// ---- O += P V: p holds each row's key pairs at its start (kTileK floats a row), zero from pair
+// n2 to a whole block; vp: pack_v_bf16's layout (Dvp pairs a row, one row per key pair), zero
+// rows from n2 to a whole block. Rows past M (to a multiple of 32) go through `stage`. -----------
+static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp, float* o,
+                   int64_t ldo, float* stage) {
+  const int64_t nkb = (n2 + kTilePairs - 1) / kTilePairs;
+  const int64_t lda = kTileK * 4, ldb = Dvp * 4;
+  for (int r = 0; r < M; r += 2 * kTileRows) {
+    const int rows = M - r < 2 * kTileRows ? M - r : 2 * kTileRows;
+    float* orow = o + r * ldo;
+    int64_t ld = ldo;
+    if (rows < 2 * kTileRows) {  // a partial pair of row blocks: its rows, then zeros
+      for (int i = 0; i < rows; ++i) std::memcpy(stage + i * Dvp, orow + i * ldo, sizeof(float) * std::size_t(Dvp));
+      std::memset(stage + rows * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - rows) * Dvp));
+      orow = stage;
+      ld = Dvp;
+    }
+    const Pair* a = p + int64_t(r) * kTileK;
+    for (int64_t c = 0; c < Dvp; c += 2 * kTilePairs) {
+      float* oc = orow + c;
+      _tile_loadd(0, oc, ld * 4);
+      _tile_loadd(1, oc + kTilePairs, ld * 4);
+      _tile_loadd(2, oc + kTileRows * ld, ld * 4);
+      _tile_loadd(3, oc + kTileRows * ld + kTilePairs, ld * 4);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const Pair* b = vp + kb * kTilePairs * Dvp + c;
+        _tile_loadd(4, a + kb * kTilePairs, lda);
+        _tile_loadd(5, a + kTileRows * kTileK + kb * kTilePairs, lda);
+        _tile_loadd(6, b, ldb);
+        _tile_loadd(7, b + kTilePairs, ldb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, oc, ld * 4);
+      _tile_stored(1, oc + kTilePairs, ld * 4);
+      _tile_stored(2, oc + kTileRows * ld, ld * 4);
+      _tile_stored(3, oc + kTileRows * ld + kTilePairs, ld * 4);
+    }
+    if (orow == stage)
+      for (int i = 0; i < rows; ++i) std::memcpy(o + (r + i) * ldo, stage + i * Dvp, sizeof(float) * std::size_t(Dvp));
   }
-  void run() {
-    while (step_ < steps()) step();
-  }
-};
-
-//   PvSteps: O += P V of 32 rows over nkb 16-pair blocks of keys (kTileK / 32 of them a KV tile:
-//   block kb is in vp[kb / 2]), two blocks a step, the output tiles loaded at a column pair's
-//   first step and stored at its last. p: each row's key pairs at its start (ldp floats a row),
-//   zero past the last key to a whole block; vp[t]: pack_v_bf16's layout (Dvp pairs a row, one
-//   row per key pair, zero rows past its keys); o: ldo floats a row (a staging copy for a
-//   partial row pair).
-struct PvSteps {
-  static constexpr int64_t kKbStep = 2, kTileBlocks = kTileK / 2 / kTilePairs;
-  const Pair* p;
-  int64_t ldp;
-  const Pair* const* vp;
-  int64_t nkb, Dvp;
-  float* o;
-  int64_t ldo;
-  int step_ = 0;
-  int64_t per_column() const { return (nkb + kKbStep - 1) / kKbStep; }
-  int steps() const { return int(Dvp / (2 * kTilePairs) * per_column()); }
-  void step() {
-    const int64_t c = step_ / per_column() * 2 * kTilePairs, kb0 = step_ % per_column() * kKbStep;
-    ++step_;
-    if (kb0 == 0) load_c(o + c, ldo);
-    for (int64_t kb = kb0; kb < imin(kb0 + kKbStep, nkb); ++kb)
-      dp_2x2(p + kb * kTilePairs, ldp, vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c, Dvp);
-    if (kb0 + kKbStep >= nkb) store_c(o + c, ldo);
-  }
-  void run() {
-    while (step_ < steps()) step();
-  }
-};
-
-// The output rows [r, r + 32) of a row pair as a PvSteps target: the rows themselves, or, where
-// fewer than 32 of them are the state's (the last pair of M rows), a zero-padded staging copy
-// that back() copies home.
-struct PairOut {
-  float* o = nullptr;
-  int64_t ldo = 0;
-  int rows = 2 * kTileRows;
-  float* stage = nullptr;
-  int64_t Dvp = 0;
-  float* target() const { return rows == 2 * kTileRows ? o : stage; }
-  int64_t ld() const { return rows == 2 * kTileRows ? ldo : Dvp; }
-  PairOut() = default;  // (no rows: back() does nothing)
-  PairOut(float* o_, int64_t ldo_, int rows_, float* stage_, int64_t Dvp_)
-      : o(o_), ldo(ldo_), rows(rows_), stage(stage_), Dvp(Dvp_) {
-    if (rows == 2 * kTileRows) return;
-    for (int r = 0; r < rows; ++r) std::memcpy(stage + r * Dvp, o + r * ldo, sizeof(float) * std::size_t(Dvp));
-    std::memset(stage + rows * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - rows) * Dvp));
-  }
-  void back() const {
-    if (rows == 2 * kTileRows) return;
-    for (int r = 0; r < rows; ++r) std::memcpy(o + r * ldo, stage + r * Dvp, sizeof(float) * std::size_t(Dvp));
-  }
-};
+}
 
 // The fused tiles' online-softmax update (kernel-inl.h online_block) of the M rows of raw
 // products in s (each times `scale` is a score): p as bf16 pairs at the start of each row.
@@ -230,7 +190,14 @@ static void online_rows(int M, float* s, float scale, const Online& on) {
     online_block<MR, NC, false, true, PExp>(acc, 0, s + int64_t(r) * kTileK, rows, sum, scale);
     for (int i = 0; i < MR; ++i) rows.l[i] += reduce_add(sum[i]);
   };
-  row_blocks(M, block);  // (bf16_dot-inl.h: blocks of 6 rows, then the rest)
+  int r = 0;
+  for (; r + 4 <= M; r += 4) block(std::integral_constant<int, 4>{}, r);
+  switch (M - r) {
+    case 3: block(std::integral_constant<int, 3>{}, r); break;
+    case 2: block(std::integral_constant<int, 2>{}, r); break;
+    case 1: block(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
 }
 
 // Accumulates keys [j0, j_end) of one tile (at most kTileK keys) into the state; qb: the rows'
@@ -246,9 +213,7 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   const PackedKV kv = packed_kv(ks, vs, j0, n, Dk, Dv, sc);
   const int M = rs.M;
   float* s = ax.s;
-  const int64_t nkb = ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs;
-  for (int r = 0; r < M; r += 2 * kTileRows)  // (rows past M: the zero rows of the padded Q)
-    QkSteps{qb + r * (Dkp / 2), Dkp / 2, nkb, &kv.kp, 1, s + int64_t(r) * kTileK, kTileK}.run();
+  qk_amx(M, qb, Dkp / 2, kv.kp, ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs, s);
   // (the block is the whole tile: keys past n would score 0, so only whole tiles fuse)
   const bool fused = bias == nullptr && n == kTileK && fusable(rs, j0, n, softcap, st);
   bool partial = false;
@@ -275,12 +240,7 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   const int64_t n2r = round_up(n2, kTilePairs);  // pairs past n2 must be zeros, not stale floats
   if (n2r > n2)
     for (int r = 0; r < M; ++r) std::memset(s + r * kTileK + n2, 0, sizeof(float) * std::size_t(n2r - n2));
-  for (int r = 0; r < M; r += 2 * kTileRows) {
-    const PairOut out(st.o + r * st.ldo, st.ldo, int(imin(M - r, 2 * kTileRows)), ax.ostage, Dvp);
-    PvSteps{reinterpret_cast<const Pair*>(s + int64_t(r) * kTileK), kTileK, &kv.vp, n2r / kTilePairs,
-            Dvp, out.target(), out.ld()}.run();
-    out.back();
-  }
+  pv_amx(M, reinterpret_cast<const Pair*>(s), kv.vp, n2, Dvp, st.o, st.ldo, ax.ostage);
 }
 
 // ---- wide blocks: kWideTiles whole tiles that every row sees whole --------------------------
@@ -302,6 +262,88 @@ static int64_t wide_run(const kern::RowSet& rs, int64_t j0, int64_t j_end, float
   while (j0 + (n + 1) * kWideKeys <= j_end && sees_whole(rs, 0, rs.M, j0 + n * kWideKeys, kWideKeys)) ++n;
   return n;
 }
+
+// The tile products of a wide block's row pair, cut into steps so that they can run between the
+// rows of another row pair's softmax: the tile unit works through a step's few instructions
+// (tens of cycles each) while the vector units run the exps that follow them in program order.
+// Run back to back instead, each waits for the other (products then softmax, per row pair).
+//   QkSteps: S = Q K^T of 32 rows x the block's keys, one 32 x 32 block of scores a step.
+//   PvSteps: O += P V of 32 rows, two 16-pair blocks of keys a step (the output tiles loaded at
+//   a column pair's first step and stored at its last).
+struct QkSteps {
+  const Pair* a;  // the row pair's first query row (ldq pairs a row)
+  int64_t ldq, nkb;
+  const Pair* const* kp;
+  float* s;  // kWideKeys floats a row
+  int step_ = 0;
+  int steps() const { return kWideTiles * 2; }
+  void step() {
+    const int t = step_ / 2, c = step_ % 2 * 2 * kTilePairs;
+    ++step_;
+    const int64_t lda = ldq * 4, ldb = kTileK * 4, ldc = kWideKeys * 4;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      const Pair* b = kp[t] + kb * kTilePairs * kTileK + c;
+      _tile_loadd(4, a + kb * kTilePairs, lda);
+      _tile_loadd(5, a + kTileRows * ldq + kb * kTilePairs, lda);
+      _tile_loadd(6, b, ldb);
+      _tile_loadd(7, b + kTilePairs, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* out = s + t * kTileK + c;
+    _tile_stored(0, out, ldc);
+    _tile_stored(1, out + kTilePairs, ldc);
+    _tile_stored(2, out + kTileRows * kWideKeys, ldc);
+    _tile_stored(3, out + kTileRows * kWideKeys + kTilePairs, ldc);
+  }
+};
+
+struct PvSteps {
+  static constexpr int64_t kKbs = kWideKeys / 2 / kTilePairs, kKbStep = 2;
+  const Pair* p;  // the row pair's P: pairs at the start of each row, kWideKeys floats a row
+  const Pair* const* vp;
+  int64_t Dvp;
+  float* o;  // the row pair's output rows (ldo floats a row; a staging copy for a partial pair)
+  int64_t ldo;
+  int step_ = 0;
+  int steps() const { return int(Dvp / (2 * kTilePairs) * (kKbs / kKbStep)); }
+  void step() {
+    const int64_t c = step_ / (kKbs / kKbStep) * 2 * kTilePairs, kb0 = step_ % (kKbs / kKbStep) * kKbStep;
+    ++step_;
+    float* oc = o + c;
+    const int64_t ld = ldo * 4, lda = kWideKeys * 4, ldb = Dvp * 4;
+    constexpr int64_t kTileBlocks = kTileK / 2 / kTilePairs;
+    if (kb0 == 0) {
+      _tile_loadd(0, oc, ld);
+      _tile_loadd(1, oc + kTilePairs, ld);
+      _tile_loadd(2, oc + kTileRows * ldo, ld);
+      _tile_loadd(3, oc + kTileRows * ldo + kTilePairs, ld);
+    }
+    for (int64_t kb = kb0; kb < kb0 + kKbStep; ++kb) {
+      const Pair* b = vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c;
+      _tile_loadd(4, p + kb * kTilePairs, lda);
+      _tile_loadd(5, p + kTileRows * kWideKeys + kb * kTilePairs, lda);
+      _tile_loadd(6, b, ldb);
+      _tile_loadd(7, b + kTilePairs, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if (kb0 + kKbStep == kKbs) {
+      _tile_stored(0, oc, ld);
+      _tile_stored(1, oc + kTilePairs, ld);
+      _tile_stored(2, oc + kTileRows * ldo, ld);
+      _tile_stored(3, oc + kTileRows * ldo + kTilePairs, ld);
+    }
+  }
+};
 
 // Up to two step sequences run one after the other (a row pair's P V, then the next one's Q K^T),
 // spread evenly over `rows` calls of at(i).
@@ -405,15 +447,27 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   auto pair_of = [&](int64_t i) { return int(i % pairs); };
   auto qk_steps = [&](int64_t i) {
     return QkSteps{qb + pair_of(i) * 2 * kTileRows * (Dkp / 2), Dkp / 2, nkb,
-                   kv[set_of(i / pairs)].kp, kWideTiles, sbuf(i), kWideKeys};
+                   kv[set_of(i / pairs)].kp, sbuf(i)};
   };
+  // the output rows of row pair p (its rows past M in the staging copy: copied in, then back)
   auto rows_of = [&](int p) { return int(imin(rs.M, (p + 1) * 2 * kTileRows)) - p * 2 * kTileRows; };
-  auto out_of = [&](int p) {
-    return PairOut(st.o + int64_t(p) * 2 * kTileRows * st.ldo, st.ldo, rows_of(p), ax.ostage, Dvp);
+  auto out_of = [&](int p) -> std::pair<float*, int64_t> {
+    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
+    const int rows = rows_of(p);
+    if (rows == 2 * kTileRows) return {o, st.ldo};
+    for (int r = 0; r < rows; ++r) std::memcpy(ax.ostage + r * Dvp, o + r * st.ldo, sizeof(float) * std::size_t(Dvp));
+    std::memset(ax.ostage + rows * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - rows) * Dvp));
+    return {ax.ostage, Dvp};
   };
-  qk_steps(0).run();
+  auto out_back = [&](int p) {
+    const int rows = rows_of(p);
+    if (rows == 2 * kTileRows) return;
+    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
+    for (int r = 0; r < rows; ++r) std::memcpy(o + r * st.ldo, ax.ostage + r * Dvp, sizeof(float) * std::size_t(Dvp));
+  };
+  QkSteps first = qk_steps(0);
+  TileSteps(nullptr, &first, 1).finish();
   PvSteps pv_prev{};
-  PairOut out_prev;
   bool pv_due = false;  // pv_prev has yet to run
   for (int64_t i = 0; i < items; ++i) {
     const int64_t blk = i / pairs;
@@ -425,8 +479,8 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
     if (pv_due && pairs == 1) {
       // one row pair: the previous block's P V adds to the rows this softmax rescales, so it
       // runs first (only Q K^T runs beside the softmax)
-      pv_prev.run();
-      out_prev.back();
+      TileSteps(&pv_prev, nullptr, 1).finish();
+      out_back(0);
       pv_due = false;
     }
     QkSteps next = qk_steps(i + 1);
@@ -436,14 +490,13 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
       wide_softmax<Bf16P<false>>(r0, r0 + rows_of(p), sbuf(i), qscale, Dvp, st, tiles);
     else
       wide_softmax<Bf16P<true>>(r0, r0 + rows_of(p), sbuf(i), qscale, Dvp, st, tiles);
-    if (pv_due) out_prev.back();
-    out_prev = out_of(p);
-    pv_prev = PvSteps{reinterpret_cast<const Pair*>(sbuf(i)), kWideKeys, kv[set_of(blk)].vp,
-                      kWideKeys / 2 / kTilePairs, Dvp, out_prev.target(), out_prev.ld()};
+    if (pv_due) out_back(pair_of(i - 1));
+    const auto [o, ldo] = out_of(p);
+    pv_prev = PvSteps{reinterpret_cast<const Pair*>(sbuf(i)), kv[set_of(blk)].vp, Dvp, o, ldo};
     pv_due = true;
   }
-  pv_prev.run();
-  out_prev.back();
+  TileSteps(&pv_prev, nullptr, 1).finish();
+  out_back(pair_of(items - 1));
 }
 
 // The table's `flash`: bf16 prefill items on AMX tiles, the rest on kernel-inl.h's flash (the
@@ -459,9 +512,13 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
   AmxScratch& ax = amx_scratch();
   ax.size(Dkp, Dvp);
-  const float qscale = pack_query(rs, Dkp, ax.qb);
+  // q / scale is the bf16 query (bf16_dot-inl.h's flash_bf16 says when it is not)
+  const float inv = 1.f / rs.scale;
+  const bool back = rs.scale != 0.f && std::isfinite(rs.scale) && std::isfinite(inv);
+  pack_q_bf16(rs, Dkp, back ? inv : 1.f, ax.qb);
   const int Mr = int(round_up(rs.M, 2 * kTileRows));
   std::memset(ax.qb + rs.M * (Dkp / 2), 0, sizeof(Pair) * std::size_t((Mr - rs.M) * (Dkp / 2)));
+  const float qscale = back ? rs.scale : 1.f;
   TileScope tiles;
   for (int64_t j0 = j_begin; j0 < j_end;) {
     if (const int64_t blocks = wide_run(rs, j0, j_end, softcap, qscale, st)) {

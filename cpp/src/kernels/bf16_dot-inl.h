@@ -292,16 +292,6 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
   pv_bf16(rs.M, reinterpret_cast<const Pair*>(sc.s), kv.vp, n2, Dvp, st.o, st.ldo);
 }
 
-// The rows' bf16 queries as pairs in qb (pack_q_bf16); returns the factor their products take.
-// q / scale is the bf16 query (see the head of this file) unless the scale is 0 or its inverse
-// overflows: then the scaled query itself is rounded to bf16, and the factor is 1.
-static float pack_query(const kern::RowSet& rs, int64_t Dkp, Pair* qb) {
-  const float inv = 1.f / rs.scale;
-  const bool back = rs.scale != 0.f && std::isfinite(rs.scale) && std::isfinite(inv);
-  pack_q_bf16(rs, Dkp, back ? inv : 1.f, qb);
-  return back ? rs.scale : 1.f;
-}
-
 // Whether an item takes the bf16 dot-product path: many rows (the packed, prefill-shaped QK^T;
 // every item of a kv head with a shared packed K decides alike, so they agree on its layout) and
 // q, k and v all bf16.
@@ -318,10 +308,15 @@ static void flash_bf16(const kern::RowSet& rs, const kern::KVSource& ks, const k
     flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (kernel-inl.h's, this unit's)
     return;
   }
+  // q / scale is the bf16 query (see the head of this file) unless the scale is 0 or its inverse
+  // overflows: then the scaled query itself is rounded to bf16.
+  const float inv = 1.f / rs.scale;
+  const bool back = rs.scale != 0.f && std::isfinite(rs.scale) && std::isfinite(inv);
   Pair* qb = reinterpret_cast<Pair*>(sc.qb);
-  const float qscale = pack_query(rs, round_up(Dk, kPad), qb);
+  pack_q_bf16(rs, round_up(Dk, kPad), back ? inv : 1.f, qb);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK)
-    flash_tile_bf16(rs, qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv, softcap, sc, st);
+    flash_tile_bf16(rs, qb, back ? rs.scale : 1.f, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv,
+                    softcap, sc, st);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #define ATTNX_VNNI 1
