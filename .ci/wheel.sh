@@ -41,7 +41,7 @@ echo "wheel: built $(basename "$SDIST") and $(basename "$WHEEL")"
 "$TOOLS/bin/python" - "$SDIST" <<'PYEOF'
 import sys, tarfile
 names = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n}
-need = ["pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE", "cpp/bindings.cpp",
+need = ["pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE", "cpp/bind/module.cpp",
         "cpp/include/attnx/attention.h", "cpp/src/attention.cpp", "python/attnx/__init__.py",
         "python/attnx/_core.pyi", "python/attnx/py.typed", "tests/conftest.py"]
 missing = [n for n in need if n not in names]

@@ -1,7 +1,7 @@
 """The installed package as a user gets it: one version, and types that match the binary.
 
 ``attnx.__version__`` is read back from the installed metadata (pyproject.toml's ``version`` is
-the one place it is written). ``_core.pyi`` is written by hand from ``cpp/bindings.cpp``: these
+the one place it is written). ``_core.pyi`` is written by hand from ``cpp/bind/``: these
 tests hold it to the compiled module's own signatures, so a binding that gains, loses or renames
 an argument fails here until the stub follows.
 """
@@ -84,7 +84,7 @@ def test_stub_lists_every_binding_with_its_keyword_names():
     stub = _stub_functions()
     compiled = {name for name, obj in vars(_core).items()
                 if callable(obj) and not name.startswith("__") and not inspect.isclass(obj)}
-    assert set(stub) == compiled, "attnx/_core.pyi and cpp/bindings.cpp list different functions"
+    assert set(stub) == compiled, "attnx/_core.pyi and cpp/bind/ list different functions"
     for name in sorted(compiled):
         assert stub[name] == _binding_parameters(getattr(_core, name)), name
 

@@ -1,7 +1,7 @@
 """The kernel entry points: normalise ranks, layouts and dtypes, then one call into C++.
 
 Only normalisation lives here (views, never copies of data that is already usable); the C++
-binding (``cpp/bindings.cpp``) checks every array and scalar, names the argument in its errors,
+binding (``cpp/bind/``) checks every array and scalar, names the argument in its errors,
 and takes its arguments by keyword.
 """
 

@@ -2,7 +2,7 @@
 
 Every check names the argument and says what it expected; none of them changes its argument
 (a conversion returns a new object). Ranges that depend on the kernels (float32 scalars, lengths,
-shapes) are checked once, in the binding (``cpp/bindings.cpp``); these helpers only bring Python
+shapes) are checked once, in the binding (``cpp/bind/``); these helpers only bring Python
 values to the types it reads.
 """
 
@@ -33,7 +33,7 @@ def choice(x: object, choices: Tuple[str, ...], name: str) -> str:
 
 def flag(x: object, name: str) -> bool:
     """``x``'s truth value, the binding's rule for bool arguments (``Args::flag`` in
-    cpp/bindings.cpp). An object without one, such as an empty or a many-element array (whose
+    cpp/bind/args.cpp). An object without one, such as an empty or a many-element array (whose
     truth value NumPy calls ambiguous: an error in NumPy 2, a deprecation warning and False in
     NumPy 1), is a TypeError naming the argument."""
     if x is True or x is False:
