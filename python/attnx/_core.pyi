@@ -1,4 +1,4 @@
-"""Types of attnx._core, the pybind11 module built from cpp/bindings.cpp.
+"""Types of attnx._core, the pybind11 module built from cpp/bind/.
 
 Written by hand from the module's definitions: keep the two in step (the names are the keyword
 names the binding accepts; the two entry points take every argument by keyword, or positionally
@@ -6,7 +6,7 @@ in this order). ``py::array`` parameters take NumPy arrays only; the
 ``py::object`` ones (masks, lengths, per-head vectors, new K/V) take anything NumPy converts.
 """
 
-from typing import Any, Literal, Optional, Sequence, Tuple, overload
+from typing import Any, Literal, Sequence, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -15,78 +15,63 @@ _Array = npt.NDArray[Any]
 _Lse = npt.NDArray[np.float32]
 _DenseLse = npt.NDArray[np.float32] | npt.NDArray[np.float64]  # float64 for float64 q, k, v
 _Window = tuple[int | None, int | None]
+_In = npt.ArrayLike  # what NumPy converts (masks, lengths, per-head vectors, pages, new K/V)
+_Opt = npt.ArrayLike | None
 
 class InvalidArgument(ValueError): ...
 
+# Each entry point has three signatures that differ only in return_lse: omitted or False returns
+# out, True returns (out, lse), a bool not known until run time returns either.
 @overload
-def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, mask: npt.ArrayLike | None = None,
-              kv_lens: npt.ArrayLike | None = None, q_lens: npt.ArrayLike | None = None,
+def attention(q: _In, k: _In, v: _In, mask: _Opt = None, kv_lens: _Opt = None, q_lens: _Opt = None,
               causal: bool = False, scale: float | None = None, out: _Array | None = None,
               return_lse: Literal[False] = ..., num_threads: int = 0, window: _Window | None = None,
-              softcap: float | None = None, sinks: npt.ArrayLike | None = None,
-              alibi_slopes: npt.ArrayLike | None = None) -> _Array: ...
+              softcap: float | None = None, sinks: _Opt = None, alibi_slopes: _Opt = None) -> _Array: ...
 @overload
-def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, mask: npt.ArrayLike | None = None,
-              kv_lens: npt.ArrayLike | None = None, q_lens: npt.ArrayLike | None = None,
+def attention(q: _In, k: _In, v: _In, mask: _Opt = None, kv_lens: _Opt = None, q_lens: _Opt = None,
               causal: bool = False, scale: float | None = None, out: _Array | None = None,
               *, return_lse: Literal[True], num_threads: int = 0, window: _Window | None = None,
-              softcap: float | None = None, sinks: npt.ArrayLike | None = None,
-              alibi_slopes: npt.ArrayLike | None = None) -> tuple[_Array, _DenseLse]: ...
+              softcap: float | None = None, sinks: _Opt = None,
+              alibi_slopes: _Opt = None) -> tuple[_Array, _DenseLse]: ...
 @overload
-def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, mask: npt.ArrayLike | None = None,
-              kv_lens: npt.ArrayLike | None = None, q_lens: npt.ArrayLike | None = None,
+def attention(q: _In, k: _In, v: _In, mask: _Opt = None, kv_lens: _Opt = None, q_lens: _Opt = None,
               causal: bool = False, scale: float | None = None, out: _Array | None = None,
               return_lse: bool = ..., num_threads: int = 0, window: _Window | None = None,
-              softcap: float | None = None, sinks: npt.ArrayLike | None = None,
-              alibi_slopes: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _DenseLse]: ...
+              softcap: float | None = None, sinks: _Opt = None,
+              alibi_slopes: _Opt = None) -> _Array | tuple[_Array, _DenseLse]: ...
 
 @overload
-def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
-                    seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
-                    scale: float | None = None, out: _Array | None = None,
-                    return_lse: Literal[False] = ..., num_threads: int = 0,
-                    window: _Window | None = None, softcap: float | None = None,
-                    sinks: npt.ArrayLike | None = None,
-                    alibi_slopes: npt.ArrayLike | None = None, k_new: npt.ArrayLike | None = None,
-                    v_new: npt.ArrayLike | None = None,
-                    slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
-                    v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
-                    prior_lse: npt.ArrayLike | None = None) -> _Array: ...
+def paged_attention(q: _In, k_pages: _In, v_pages: _In, block_tables: _In, seq_lens: _In, q_lens: _Opt = None,
+                    causal: bool = True, scale: float | None = None, out: _Array | None = None,
+                    return_lse: Literal[False] = ..., num_threads: int = 0, window: _Window | None = None,
+                    softcap: float | None = None, sinks: _Opt = None, alibi_slopes: _Opt = None,
+                    k_new: _Opt = None, v_new: _Opt = None, slots: _Opt = None, k_scales: _Opt = None,
+                    v_scales: _Opt = None, prior_out: _Opt = None, prior_lse: _Opt = None) -> _Array: ...
 @overload
-def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
-                    seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
-                    scale: float | None = None, out: _Array | None = None,
-                    *, return_lse: Literal[True], num_threads: int = 0,
-                    window: _Window | None = None, softcap: float | None = None,
-                    sinks: npt.ArrayLike | None = None,
-                    alibi_slopes: npt.ArrayLike | None = None, k_new: npt.ArrayLike | None = None,
-                    v_new: npt.ArrayLike | None = None,
-                    slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
-                    v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
-                    prior_lse: npt.ArrayLike | None = None) -> tuple[_Array, _Lse]: ...
+def paged_attention(q: _In, k_pages: _In, v_pages: _In, block_tables: _In, seq_lens: _In, q_lens: _Opt = None,
+                    causal: bool = True, scale: float | None = None, out: _Array | None = None,
+                    *, return_lse: Literal[True], num_threads: int = 0, window: _Window | None = None,
+                    softcap: float | None = None, sinks: _Opt = None, alibi_slopes: _Opt = None,
+                    k_new: _Opt = None, v_new: _Opt = None, slots: _Opt = None, k_scales: _Opt = None,
+                    v_scales: _Opt = None, prior_out: _Opt = None,
+                    prior_lse: _Opt = None) -> tuple[_Array, _Lse]: ...
 @overload
-def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
-                    seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
-                    scale: float | None = None, out: _Array | None = None,
-                    return_lse: bool = ..., num_threads: int = 0,
-                    window: _Window | None = None, softcap: float | None = None,
-                    sinks: npt.ArrayLike | None = None,
-                    alibi_slopes: npt.ArrayLike | None = None, k_new: npt.ArrayLike | None = None,
-                    v_new: npt.ArrayLike | None = None,
-                    slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
-                    v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
-                    prior_lse: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _Lse]: ...
+def paged_attention(q: _In, k_pages: _In, v_pages: _In, block_tables: _In, seq_lens: _In, q_lens: _Opt = None,
+                    causal: bool = True, scale: float | None = None, out: _Array | None = None,
+                    return_lse: bool = ..., num_threads: int = 0, window: _Window | None = None,
+                    softcap: float | None = None, sinks: _Opt = None, alibi_slopes: _Opt = None,
+                    k_new: _Opt = None, v_new: _Opt = None, slots: _Opt = None, k_scales: _Opt = None,
+                    v_scales: _Opt = None, prior_out: _Opt = None,
+                    prior_lse: _Opt = None) -> _Array | tuple[_Array, _Lse]: ...
 
 class StepPlan:
-    """A cache step's tables and slots, checked once; ``attend`` runs one layer (bindings.cpp)."""
+    """A cache step's tables and slots, checked once; ``attend`` runs one layer (cpp/bind/step.cpp)."""
     def __init__(self, layers: Sequence[tuple[_Array, _Array, _Array | None, _Array | None]],
-                 block_tables: npt.ArrayLike, seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike,
-                 slots: npt.ArrayLike, values_from_keys: bool, max_left: int | None) -> None: ...
-    def attend(self, layer: int, q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike | None,
-               scale: float | None, softcap: float | None, window: _Window | None,
-               sinks: npt.ArrayLike | None, alibi: npt.ArrayLike | None, threads: int | None,
-               return_lse: bool, prior_out: npt.ArrayLike | None,
-               prior_lse: npt.ArrayLike | None) -> _Array | tuple[_Array, _Lse]: ...
+                 block_tables: _In, seq_lens: _In, q_lens: _In, slots: _In, values_from_keys: bool,
+                 max_left: int | None) -> None: ...
+    def attend(self, layer: int, q: _In, k: _In, v: _Opt, scale: float | None, softcap: float | None,
+               window: _Window | None, sinks: _Opt, alibi: _Opt, threads: int | None, return_lse: bool,
+               prior_out: _Opt, prior_lse: _Opt) -> _Array | tuple[_Array, _Lse]: ...
 
 def cpu_features() -> dict[str, bool]: ...
 def active_isa() -> str: ...
@@ -102,7 +87,6 @@ def _max_threads() -> int: ...
 def _pool_threads() -> int: ...
 def probe_fma_gflops(num_threads: int, seconds: float = 0.3) -> float: ...
 def probe_read_gbps(num_threads: int, bytes: int = 1 << 30, seconds: float = 0.5) -> float: ...
-def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                     sequences: np.ndarray, initial_state: Optional[np.ndarray],
-                     output_final_state: bool, scale: float, qk_l2norm: bool, mode: int,
-                     num_threads: int) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
+def gated_delta_rule(q: _Array, k: _Array, v: _Array, g: _Array, beta: _Array, sequences: _In,
+                     initial_state: _Array | None, output_final_state: bool, scale: float, qk_l2norm: bool,
+                     mode: int, num_threads: int) -> tuple[_Array, npt.NDArray[np.float32] | None]: ...
