@@ -63,8 +63,8 @@ constexpr char kNativeOrder = '>';
 constexpr char kNativeOrder = '<';
 #endif
 
-// Kind, size and byte order decide (dtype.name is computed in Python by NumPy: too slow for a
-// 5 us call). A byte-swapped array would be read as garbage, so every dtype check asks for the
+// Kind, size and byte order decide (dtype.name is computed in Python by NumPy, which would cost
+// more than a small call's kernel). A byte-swapped array would be read as garbage, so every dtype check asks for the
 // native order: inputs are converted to it first (native_input), what is written in place (pages,
 // `out`) is refused.
 bool native_order(const py::dtype& dt) {
