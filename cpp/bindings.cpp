@@ -17,6 +17,8 @@
 #include "attnx/dispatch.h"
 #include "attnx/paged.h"
 #include "attnx/probes.h"
+#include "bind/cascade.h"
+#include "src/cascade.h"
 
 namespace py = pybind11;
 using namespace attnx;
@@ -637,11 +639,11 @@ py::object py_attention(const Args& a) {
 // ---- paged attention -----------------------------------------------------------------------
 enum PagedArg { pQ, pKPages, pVPages, pBlockTables, pSeqLens, pQLens, pCausal, pScale, pOut,
                 pReturnLse, pThreads, pWindow, pSoftcap, pSinks, pAlibi, pKNew, pVNew, pSlots,
-                pKScales, pVScales, pPriorOut, pPriorLse };
+                pKScales, pVScales, pPriorOut, pPriorLse, pMinShared };
 Signature paged_signature{"paged_attention", {"q", "k_pages", "v_pages", "block_tables", "seq_lens", "q_lens",
                           "causal", "scale", "out", "return_lse", "num_threads", "window", "softcap",
                           "sinks", "alibi_slopes", "k_new", "v_new", "slots", "k_scales", "v_scales",
-                          "prior_out", "prior_lse"},
+                          "prior_out", "prior_lse", "min_shared_keys"},
                           5, {}};
 
 struct PagedArrays {
@@ -828,6 +830,7 @@ struct PagedInputs {
   py::handle threads = Py_None;
   int64_t max_left = -1;  // >= 0: the pages keep only the last max_left + 1 keys (a sliding window)
   const Native<int64_t>* slots = nullptr;  // checked; required with k_new
+  const CascadePlan* cascade = nullptr;  // the step's shared-prefix groups (cascade.h), or none
 };
 
 // The variants of a call, with a sliding-window cache's rule: the window defaults to
@@ -881,7 +884,7 @@ py::object run_paged(PagedParams& p, py::array& kp, py::array& vp, py::array& ks
     p.lse = lse.mutable_data(); p.l_sn = p.Hq; p.l_sh = 1;
   }
   p.num_threads = threads_arg(int_arg(in.threads, "num_threads", 0));
-  const PagedStep step{p, nkv.wk, nkv.wv};  // no new keys: both writes are empty
+  const PagedStep step{p, nkv.wk, nkv.wv, in.cascade};  // no new keys: both writes are empty
   double work = 0;
   for (int64_t b = 0; b < p.B; ++b)
     work += double(keep.q_start[std::size_t(b + 1)] - keep.q_start[std::size_t(b)]) * double(keep.sl.data()[b]);
@@ -908,6 +911,11 @@ py::object py_paged_attention(const Args& a) {
   in.q = a[pQ]; in.k_new = a[pKNew]; in.v_new = a[pVNew]; in.out = a[pOut]; in.scale = a[pScale];
   in.window = a[pWindow]; in.softcap = a[pSoftcap]; in.sinks = a[pSinks]; in.alibi = a[pAlibi];
   in.prior_out = a[pPriorOut]; in.prior_lse = a[pPriorLse]; in.threads = a[pThreads];
+  CascadePlan cascade;  // min_shared_keys: sequences sharing leading blocks read them once (cascade.h)
+  if (!a[pMinShared].is_none()) {
+    cascade = plan_cascade(p, int_arg(a[pMinShared], "min_shared_keys", 0));
+    in.cascade = &cascade;
+  }
   in.causal = a.flag(pCausal, true);
   in.return_lse = a.flag(pReturnLse, false);
   Native<int64_t> slots;
@@ -927,7 +935,7 @@ py::object py_paged_attention(const Args& a) {
 class StepPlan {
  public:
   StepPlan(py::sequence layers, py::handle block_tables, py::handle seq_lens, py::handle q_lens,
-           py::handle slots, bool values_from_keys, py::handle max_left)
+           py::handle slots, bool values_from_keys, py::handle max_left, py::handle min_shared_keys)
       : layers_(layers), values_from_keys_(values_from_keys) {
     if (py::len(layers_) == 0) value_error("layers: expected at least one layer's pages");
     PagedParams p;
@@ -938,6 +946,9 @@ class StepPlan {
     slots_ = check_slots(slots, keep_.tokens(), num_blocks_, block_size_);
     max_left_ = max_left.is_none() ? -1 : int_arg(max_left, "max_left", -1);
     if (!max_left.is_none() && max_left_ < 0) value_error("max_left: expected an int >= 0 or None");
+    // the shared-prefix groups, for every layer (none with a sliding window: cascade.h)
+    if (!min_shared_keys.is_none() && max_left_ < 0)
+      cascade_ = plan_cascade(p, int_arg(min_shared_keys, "min_shared_keys", 0));
   }
 
   // One layer: writes the new k and v rows into `layer`'s pages and attends. q (T, Hq, Dk) with k,
@@ -945,7 +956,7 @@ class StepPlan {
   // sequence with S new tokens) returns (B, S, Hq, Dv), the layout a model's o_proj reads.
   py::object attend(py::handle layer, py::handle q, py::handle k, py::handle v, py::handle scale,
                     py::handle softcap, py::handle window, py::handle sinks, py::handle alibi,
-                    py::handle threads, bool return_lse, py::handle prior_out, py::handle prior_lse) {
+                    py::handle threads, bool return_lse, bool shared_prefix) {
     if (values_from_keys_ && !v.is_none())
       value_error("v: this cache reads values from the keys (value_from_key=True): pass v=None");
     if (!values_from_keys_ && v.is_none()) value_error("v: expected the new values (T, num_kv_heads, value_dim)");
@@ -967,7 +978,8 @@ class StepPlan {
     const py::object qt = model_layout ? tokens(q, "q") : kernel_input(q, "q");
     const py::object kt = model_layout ? tokens(k, "k") : kernel_input(k, "k");
     const py::object vt = v.is_none() ? py::object(py::none()) : model_layout ? tokens(v, "v") : kernel_input(v, "v");
-    in.q = qt; in.k_new = kt; in.v_new = vt; in.prior_out = prior_out; in.prior_lse = prior_lse;
+    in.q = qt; in.k_new = kt; in.v_new = vt;
+    if (shared_prefix) in.cascade = &cascade_;
     in.scale = scale; in.softcap = softcap; in.window = window; in.sinks = sinks; in.alibi = alibi;
     in.threads = threads; in.return_lse = return_lse; in.max_left = max_left_; in.slots = &slots_;
     py::object r = run_paged(p, kp, vp, ksc, vsc, keep_, in);
@@ -1037,6 +1049,7 @@ class StepPlan {
   int64_t num_blocks_ = -1, block_size_ = -1, max_left_ = -1;
   PagedArrays keep_;
   Native<int64_t> slots_;
+  CascadePlan cascade_;  // empty: no groups
 };
 
 }  // namespace
@@ -1189,17 +1202,19 @@ PYBIND11_MODULE(_core, m) {
        "paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens=None, causal=True, scale=None, "
        "out=None, return_lse=False, num_threads=0, window=None, softcap=None, sinks=None, "
        "alibi_slopes=None, k_new=None, v_new=None, slots=None, k_scales=None, v_scales=None, "
-       "prior_out=None, prior_lse=None)"},
+       "prior_out=None, prior_lse=None, min_shared_keys=None)"},
   };
   for (PyMethodDef& def : entry_points)
     m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, m.ptr(), m.attr("__name__").ptr())));
 
   py::class_<StepPlan>(m, "StepPlan")
-      .def(py::init<py::sequence, py::handle, py::handle, py::handle, py::handle, bool, py::handle>(),
+      .def(py::init<py::sequence, py::handle, py::handle, py::handle, py::handle, bool, py::handle, py::handle>(),
            py::arg("layers"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q_lens"),
-           py::arg("slots"), py::arg("values_from_keys"), py::arg("max_left"))
+           py::arg("slots"), py::arg("values_from_keys"), py::arg("max_left"),
+           py::arg("min_shared_keys") = py::none())
       .def("attend", &StepPlan::attend);
 
+  bind_cascade(m);
   m.def("cpu_features", []() {
     const CpuFeatures f = cpu_features();
     py::dict d;
