@@ -51,7 +51,8 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
                     v_new: npt.ArrayLike | None = None,
                     slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
                     v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
-                    prior_lse: npt.ArrayLike | None = None) -> _Array: ...
+                    prior_lse: npt.ArrayLike | None = None,
+                    min_shared_keys: int | None = None) -> _Array: ...
 @overload
 def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
                     seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
@@ -63,7 +64,8 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
                     v_new: npt.ArrayLike | None = None,
                     slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
                     v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
-                    prior_lse: npt.ArrayLike | None = None) -> tuple[_Array, _Lse]: ...
+                    prior_lse: npt.ArrayLike | None = None,
+                    min_shared_keys: int | None = None) -> tuple[_Array, _Lse]: ...
 @overload
 def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike, block_tables: npt.ArrayLike,
                     seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike | None = None, causal: bool = True,
@@ -75,18 +77,24 @@ def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.Array
                     v_new: npt.ArrayLike | None = None,
                     slots: npt.ArrayLike | None = None, k_scales: npt.ArrayLike | None = None,
                     v_scales: npt.ArrayLike | None = None, prior_out: npt.ArrayLike | None = None,
-                    prior_lse: npt.ArrayLike | None = None) -> _Array | tuple[_Array, _Lse]: ...
+                    prior_lse: npt.ArrayLike | None = None,
+                    min_shared_keys: int | None = None) -> _Array | tuple[_Array, _Lse]: ...
 
 class StepPlan:
-    """A cache step's tables and slots, checked once; ``attend`` runs one layer (bindings.cpp)."""
+    """A cache step's tables and slots, checked once, and its shared-prefix groups, planned once
+    (with ``min_shared_keys``); ``attend`` runs one layer (bindings.cpp)."""
     def __init__(self, layers: Sequence[tuple[_Array, _Array, _Array | None, _Array | None]],
                  block_tables: npt.ArrayLike, seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike,
-                 slots: npt.ArrayLike, values_from_keys: bool, max_left: int | None) -> None: ...
+                 slots: npt.ArrayLike, values_from_keys: bool, max_left: int | None,
+                 min_shared_keys: int | None = None) -> None: ...
     def attend(self, layer: int, q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike | None,
                scale: float | None, softcap: float | None, window: _Window | None,
                sinks: npt.ArrayLike | None, alibi: npt.ArrayLike | None, threads: int | None,
-               return_lse: bool, prior_out: npt.ArrayLike | None,
-               prior_lse: npt.ArrayLike | None) -> _Array | tuple[_Array, _Lse]: ...
+               return_lse: bool, shared_prefix: bool) -> _Array | tuple[_Array, _Lse]: ...
+
+def plan_cascade(block_tables: npt.ArrayLike, seq_lens: npt.ArrayLike, q_lens: npt.ArrayLike,
+                 block_size: int, min_saved_keys: int) -> list[tuple[list[int], int, int]]:
+    """The shared-prefix groups of a step's tables, ``(rows, first, end)`` each (cpp/bind/cascade.cpp)."""
 
 def cpu_features() -> dict[str, bool]: ...
 def active_isa() -> str: ...
