@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "out.h"
+#include "src/cascade.h"
 
 namespace attnx::bind {
 
@@ -272,7 +273,7 @@ py::object run_paged(PagedParams& p, Pool& pool, const PagedArrays& keep, const 
     p.lse = lse.mutable_data(); p.l_sn = p.Hq; p.l_sh = 1;
   }
   p.num_threads = threads_arg(int_arg(in.threads, "num_threads", 0));
-  const PagedStep step{p, nkv.wk, nkv.wv};  // no new keys: both writes are empty
+  const PagedStep step{p, nkv.wk, nkv.wv, in.cascade};  // no new keys: both writes are empty
   run_kernel(paged_work(p, keep), [&]() { paged_step(step); });
   if (in.return_lse) return py::make_tuple(o.result(), lse);
   return o.result();
@@ -282,11 +283,11 @@ namespace {
 
 enum PagedArg { pQ, pKPages, pVPages, pBlockTables, pSeqLens, pQLens, pCausal, pScale, pOut,
                 pReturnLse, pThreads, pWindow, pSoftcap, pSinks, pAlibi, pKNew, pVNew, pSlots,
-                pKScales, pVScales, pPriorOut, pPriorLse };
+                pKScales, pVScales, pPriorOut, pPriorLse, pMinShared };
 Signature paged_signature{"paged_attention", {"q", "k_pages", "v_pages", "block_tables", "seq_lens", "q_lens",
                           "causal", "scale", "out", "return_lse", "num_threads", "window", "softcap",
                           "sinks", "alibi_slopes", "k_new", "v_new", "slots", "k_scales", "v_scales",
-                          "prior_out", "prior_lse"},
+                          "prior_out", "prior_lse", "min_shared_keys"},
                           5, {}};
 
 PagedInputs paged_inputs(const Args& a) {
@@ -309,6 +310,11 @@ py::object py_paged_attention(const Args& a) {
   PagedArrays keep;
   check_tables(a[pBlockTables], a[pSeqLens], a[pQLens], p, keep);
   PagedInputs in = paged_inputs(a);
+  CascadePlan cascade;  // min_shared_keys: sequences sharing leading blocks read them once (cascade.h)
+  if (!a[pMinShared].is_none()) {
+    cascade = plan_cascade(p, int_arg(a[pMinShared], "min_shared_keys", 0));
+    in.cascade = &cascade;
+  }
   Native<int64_t> slots;
   if (!in.k_new.is_none()) {
     slots = check_slots(a[pSlots], keep.tokens(), p.num_blocks, p.block_size);
@@ -325,7 +331,7 @@ void bind_paged(py::module_& m) {
       "paged_attention(q, k_pages, v_pages, block_tables, seq_lens, q_lens=None, causal=True, scale=None, "
       "out=None, return_lse=False, num_threads=0, window=None, softcap=None, sinks=None, "
       "alibi_slopes=None, k_new=None, v_new=None, slots=None, k_scales=None, v_scales=None, "
-      "prior_out=None, prior_lse=None)");
+      "prior_out=None, prior_lse=None, min_shared_keys=None)");
 }
 
 }  // namespace attnx::bind

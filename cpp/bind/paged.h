@@ -39,6 +39,7 @@ struct PagedInputs {
   py::handle threads = Py_None;
   int64_t max_left = -1;  // >= 0: the pages keep only the last max_left + 1 keys (a sliding window)
   const Native<int64_t>* slots = nullptr;  // checked; required with k_new
+  const CascadePlan* cascade = nullptr;  // the step's shared-prefix groups (cascade.h), or none
 };
 
 // The pages and their scales, as the caller checked them.

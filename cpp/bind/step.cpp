@@ -5,6 +5,7 @@
 
 #include "args.h"
 #include "paged.h"
+#include "src/cascade.h"
 
 namespace attnx::bind {
 namespace {
@@ -38,7 +39,7 @@ class ModelLayout {
 class StepPlan {
  public:
   StepPlan(py::sequence layers, py::handle block_tables, py::handle seq_lens, py::handle q_lens,
-           py::handle slots, bool values_from_keys, py::handle max_left)
+           py::handle slots, bool values_from_keys, py::handle max_left, py::handle min_shared_keys)
       : layers_(layers), values_from_keys_(values_from_keys) {
     if (py::len(layers_) == 0) value_error("layers: expected at least one layer's pages");
     PagedParams p;
@@ -49,6 +50,9 @@ class StepPlan {
     slots_ = check_slots(slots, keep_.tokens(), num_blocks_, block_size_);
     max_left_ = max_left.is_none() ? -1 : int_arg(max_left, "max_left", -1);
     if (!max_left.is_none() && max_left_ < 0) value_error("max_left: expected an int >= 0 or None");
+    // the shared-prefix groups, for every layer (none with a sliding window: cascade.h)
+    if (!min_shared_keys.is_none() && max_left_ < 0)
+      cascade_ = plan_cascade(p, int_arg(min_shared_keys, "min_shared_keys", 0));
   }
 
   // One layer: writes the new k and v rows into `layer`'s pages and attends. q (T, Hq, Dk) with k,
@@ -56,7 +60,7 @@ class StepPlan {
   // sequence with S new tokens) returns (B, S, Hq, Dv), the layout a model's o_proj reads.
   py::object attend(py::handle layer, py::handle q, py::handle k, py::handle v, py::handle scale,
                     py::handle softcap, py::handle window, py::handle sinks, py::handle alibi,
-                    py::handle threads, bool return_lse, py::handle prior_out, py::handle prior_lse) {
+                    py::handle threads, bool return_lse, bool shared_prefix) {
     check_values(v);
     PagedParams p;
     Pool pool;
@@ -70,7 +74,8 @@ class StepPlan {
     // (T, H, D) arrays the kernels can address: a model's (B, H, S, D) ones as token views
     const py::object qt = as_tokens(q, "q", model_layout), kt = as_tokens(k, "k", model_layout);
     const py::object vt = v.is_none() ? py::object(py::none()) : as_tokens(v, "v", model_layout);
-    in.q = qt; in.k_new = kt; in.v_new = vt; in.prior_out = prior_out; in.prior_lse = prior_lse;
+    in.q = qt; in.k_new = kt; in.v_new = vt;
+    if (shared_prefix) in.cascade = &cascade_;
     in.scale = scale; in.softcap = softcap; in.window = window; in.sinks = sinks; in.alibi = alibi;
     in.threads = threads; in.return_lse = return_lse; in.max_left = max_left_; in.slots = &slots_;
     py::object r = run_paged(p, pool, keep_, in);
@@ -145,15 +150,17 @@ class StepPlan {
   int64_t num_blocks_ = -1, block_size_ = -1, max_left_ = -1;
   PagedArrays keep_;
   Native<int64_t> slots_;
+  CascadePlan cascade_;  // empty: no groups
 };
 
 }  // namespace
 
 void bind_step(py::module_& m) {
   py::class_<StepPlan>(m, "StepPlan")
-      .def(py::init<py::sequence, py::handle, py::handle, py::handle, py::handle, bool, py::handle>(),
+      .def(py::init<py::sequence, py::handle, py::handle, py::handle, py::handle, bool, py::handle, py::handle>(),
            py::arg("layers"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q_lens"),
-           py::arg("slots"), py::arg("values_from_keys"), py::arg("max_left"))
+           py::arg("slots"), py::arg("values_from_keys"), py::arg("max_left"),
+           py::arg("min_shared_keys") = py::none())
       .def("attend", &StepPlan::attend);
 }
 

@@ -286,84 +286,21 @@ def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
     k_pages = _unit_last(_as_array(k_pages, "k_pages"))
     v_pages = _unit_last(_as_array(v_pages, "v_pages"))
     block_tables = _as_array(block_tables, "block_tables")
+    min_shared = None
     if shared_prefix and window is None and sinks is None and alibi_slopes is None:
-        split = _split_shared(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, scale,
-                              return_lse, out, num_threads, softcap, k_scales, v_scales)
-        if split is not None:
-            return split
+        from . import _shared
+        min_shared = _shared.MIN_SAVED_KEYS  # (the core plans the groups: attnx._shared)
     return _core.paged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, q_lens=q_lens, causal=causal,
         scale=_scale(scale), out=out, return_lse=return_lse, num_threads=_threads(num_threads),
         window=_window(window), softcap=_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
-        k_scales=_scales(k_scales, "k_scales"), v_scales=_scales(v_scales, "v_scales"))
+        k_scales=_scales(k_scales, "k_scales"), v_scales=_scales(v_scales, "v_scales"),
+        min_shared_keys=min_shared)
 
 
 def _scales(x: object, name: str) -> Optional[np.ndarray]:
     """A scale-pages argument as an array (the binding checks it), or None."""
     return None if x is None else _as_array(x, name)
-
-
-def _shared_plan(q, k_pages, block_tables, seq_lens, q_lens):
-    """The shared-prefix groups of a paged call, or None where there are none (or the arguments
-    are malformed: the plain path then says how)."""
-    from . import _shared  # (imports merge, which imports this module)
-    bt = np.asarray(block_tables)
-    if bt.ndim != 2 or bt.shape[0] < 2 or bt.shape[1] == 0 or not _first_blocks_repeat(bt):
-        return None  # no two sequences start on one block: nothing to share (the usual decode)
-    try:
-        lens = np.asarray(seq_lens)
-        ql = np.ones(len(lens), np.int64) if q_lens is None else np.asarray(q_lens)
-        if (lens.shape != (bt.shape[0],) or ql.shape != lens.shape
-                or bt.dtype.kind not in "iu" or lens.dtype.kind not in "iu" or ql.dtype.kind not in "iu"
-                or np.ndim(k_pages) != 4 or int(ql.sum()) != q.shape[0] or (ql < 0).any()
-                or (ql > lens).any() or (lens > bt.shape[1] * k_pages.shape[2]).any()):
-            return None
-    except (TypeError, ValueError):
-        return None
-    groups = _shared.plan_groups(bt, lens, ql, k_pages.shape[2])
-    return (groups, bt, lens, ql) if groups else None
-
-
-def _first_blocks_repeat(bt: np.ndarray) -> bool:
-    """Whether two rows of a block table start with the same block id: sharing needs that, and
-    this costs ~1 us where validating the arguments and planning cost ~15 (per decode call)."""
-    first = bt[:, 0].tolist()
-    return len(set(first)) < len(first)
-
-
-def _split_shared(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, scale, return_lse,
-                  out, num_threads, softcap, k_scales=None, v_scales=None):
-    """paged_attention through the shared-prefix path, or None where no group shares blocks."""
-    from . import _shared
-    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != q.dtype
-                            or out.shape != q.shape[:2] + v_pages.shape[3:]):
-        return None  # (the plain path says what is wrong with it)
-    plan = _shared_plan(q, k_pages, block_tables, seq_lens, q_lens)
-    if plan is None:
-        return None
-    groups, bt, lens, ql = plan
-    sc, th, cap = _scale(scale), _threads(num_threads), _softcap(softcap)
-    ks, vs = _scales(k_scales, "k_scales"), _scales(v_scales, "v_scales")
-
-    def run(qx, table, lens_, ql_, causal_, prior=(None, None), out_=None):
-        return _core.paged_attention(qx, k_pages, v_pages, table, lens_, q_lens=ql_, causal=causal_,
-                                     scale=sc, out=out_, return_lse=True, num_threads=th,
-                                     softcap=cap, k_scales=ks, v_scales=vs, prior_out=prior[0],
-                                     prior_lse=prior[1])
-
-    # the shared parts in float32 (exact for half-precision queries), merged into the tails'
-    # call, which writes q's dtype (and `out`) with one rounding, as the plain path does
-    o, lse = _shared.attend(_wide(q), bt, lens, groups, k_pages.shape[2],
-                            lambda table, lens_, prior: run(q, table, lens_, ql, bool(causal),
-                                                            prior, out),
-                            lambda qg, table, lens_, ql_: run(qg, table, lens_, ql_, False))
-    return (o, lse) if return_lse else o
-
-
-def _wide(q):
-    """``q`` in float32 where it is half precision (float32 and float64 as they are), so that
-    partial results merge at full precision."""
-    return q if q.dtype in (np.float32, np.float64) else q.astype(np.float32)
 
 
 def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np.ndarray,
@@ -372,7 +309,7 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
                scale: float | None = None, num_threads: int | None = None, return_lse: bool = False,
                window: Any = None, softcap: float | None = None, sinks: Any = None,
                alibi_slopes: Any = None, k_scales: np.ndarray | None = None,
-               v_scales: np.ndarray | None = None, prior: Any = None) -> Result:
+               v_scales: np.ndarray | None = None) -> Result:
     """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
     into their slots, then attends causally from the new queries to their whole sequences.
 
@@ -395,10 +332,6 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
         As in :func:`attention`.
     k_scales, v_scales : float32 ``(num_blocks, Hkv, block_size)``, optional
         The scale pages of quantised pages: each new row is quantised and its scale stored.
-    prior : ``(out, lse)``, float32 ``(T, Hq, Dv)`` and ``(T, Hq)``, optional
-        Each query's finished attention over keys outside these tables (lse ``-inf`` where it
-        saw none), merged in by log-sum-exp before the row is written: the shared-prefix path's
-        part (``attnx._shared``).
 
     Returns
     -------
@@ -408,18 +341,19 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
     plan = _core.StepPlan([(k_pages, v_pages, k_scales, v_scales)], block_tables, seq_lens, q_lens,
                           slots, values_from_keys, max_left)
     return step_call(plan, 0, q, k, v, scale, num_threads, return_lse, window, softcap, sinks,
-                     alibi_slopes, prior)
+                     alibi_slopes, False)
 
 
 def step_call(plan, layer, q, k, v, scale=None, num_threads=None, return_lse=False, window=None,
-              softcap=None, sinks=None, alibi_slopes=None, prior=None):
+              softcap=None, sinks=None, alibi_slopes=None, shared_prefix=True):
     """One layer of a cache step through its ``_core.StepPlan``: the Python-side conversions
     (window sides, thread counts) where given, then one binding call that checks the rest.
-    ``attnx.Step`` calls it once per model layer, so the common case takes no Python step."""
+    ``attnx.Step`` calls it once per model layer, so the common case takes no Python step. With
+    ``shared_prefix``, the plan's shared-prefix groups (if any) are read once for all their
+    sequences (``attnx._shared``; the binding falls back where the variants do not allow it)."""
     if window is not None:
         window = _window(window)
     if num_threads is not None:
         num_threads = _threads(num_threads)
-    po, pl = (None, None) if prior is None else prior
     return plan.attend(layer, q, k, v, scale, softcap, window, sinks, alibi_slopes, num_threads,
-                       return_lse, po, pl)
+                       return_lse, shared_prefix)

@@ -46,7 +46,8 @@ def paged_attention(q: _In, k_pages: _In, v_pages: _In, block_tables: _In, seq_l
                     return_lse: Literal[False] = ..., num_threads: int = 0, window: _Window | None = None,
                     softcap: float | None = None, sinks: _Opt = None, alibi_slopes: _Opt = None,
                     k_new: _Opt = None, v_new: _Opt = None, slots: _Opt = None, k_scales: _Opt = None,
-                    v_scales: _Opt = None, prior_out: _Opt = None, prior_lse: _Opt = None) -> _Array: ...
+                    v_scales: _Opt = None, prior_out: _Opt = None, prior_lse: _Opt = None,
+                    min_shared_keys: int | None = None) -> _Array: ...
 @overload
 def paged_attention(q: _In, k_pages: _In, v_pages: _In, block_tables: _In, seq_lens: _In, q_lens: _Opt = None,
                     causal: bool = True, scale: float | None = None, out: _Array | None = None,
@@ -54,7 +55,7 @@ def paged_attention(q: _In, k_pages: _In, v_pages: _In, block_tables: _In, seq_l
                     softcap: float | None = None, sinks: _Opt = None, alibi_slopes: _Opt = None,
                     k_new: _Opt = None, v_new: _Opt = None, slots: _Opt = None, k_scales: _Opt = None,
                     v_scales: _Opt = None, prior_out: _Opt = None,
-                    prior_lse: _Opt = None) -> tuple[_Array, _Lse]: ...
+                    prior_lse: _Opt = None, min_shared_keys: int | None = None) -> tuple[_Array, _Lse]: ...
 @overload
 def paged_attention(q: _In, k_pages: _In, v_pages: _In, block_tables: _In, seq_lens: _In, q_lens: _Opt = None,
                     causal: bool = True, scale: float | None = None, out: _Array | None = None,
@@ -62,16 +63,22 @@ def paged_attention(q: _In, k_pages: _In, v_pages: _In, block_tables: _In, seq_l
                     softcap: float | None = None, sinks: _Opt = None, alibi_slopes: _Opt = None,
                     k_new: _Opt = None, v_new: _Opt = None, slots: _Opt = None, k_scales: _Opt = None,
                     v_scales: _Opt = None, prior_out: _Opt = None,
-                    prior_lse: _Opt = None) -> _Array | tuple[_Array, _Lse]: ...
+                    prior_lse: _Opt = None,
+                    min_shared_keys: int | None = None) -> _Array | tuple[_Array, _Lse]: ...
 
 class StepPlan:
-    """A cache step's tables and slots, checked once; ``attend`` runs one layer (cpp/bind/step.cpp)."""
+    """A cache step's tables and slots, checked once, and its shared-prefix groups, planned once
+    (with ``min_shared_keys``); ``attend`` runs one layer (cpp/bind/step.cpp)."""
     def __init__(self, layers: Sequence[tuple[_Array, _Array, _Array | None, _Array | None]],
                  block_tables: _In, seq_lens: _In, q_lens: _In, slots: _In, values_from_keys: bool,
-                 max_left: int | None) -> None: ...
+                 max_left: int | None, min_shared_keys: int | None = None) -> None: ...
     def attend(self, layer: int, q: _In, k: _In, v: _Opt, scale: float | None, softcap: float | None,
                window: _Window | None, sinks: _Opt, alibi: _Opt, threads: int | None, return_lse: bool,
-               prior_out: _Opt, prior_lse: _Opt) -> _Array | tuple[_Array, _Lse]: ...
+               shared_prefix: bool) -> _Array | tuple[_Array, _Lse]: ...
+
+def plan_cascade(block_tables: _In, seq_lens: _In, q_lens: _In, block_size: int,
+                 min_saved_keys: int) -> list[tuple[list[int], int, int]]:
+    """The shared-prefix groups of a step's tables, ``(rows, first, end)`` each (cpp/bind/cascade.cpp)."""
 
 def cpu_features() -> dict[str, bool]: ...
 def active_isa() -> str: ...

@@ -981,56 +981,15 @@ class Step:
         if cache._epoch != self._epoch and not cache.is_current(self):
             raise StaleStepError("attend: a sequence of this step was truncated, freed or "
                                  "stepped again since begin_step")
-        if (shared_prefix and cache.sliding_window is None and window is None and sinks is None
-                and alibi_slopes is None and self._shared_groups()):
-            k_pages, v_pages, _, _ = cache._layer_pages(layer)
-            if getattr(q, "ndim", 3) != 4:
-                return self._attend_shared(layer, q, k, v, k_pages, v_pages, scale, num_threads,
-                                           return_lse, softcap)
-            # a model's (B, H, S, D) arrays (attnx.hf): packed (T, H, D), the result (B, S, H, Dv)
-            b, s = q.shape[0], q.shape[2]
-            res = self._attend_shared(layer, _packed(q), _packed(k), _packed(v), k_pages, v_pages,
-                                      scale, num_threads, return_lse, softcap)
-            if return_lse:
-                return tuple(r.reshape((b, s) + r.shape[1:]) for r in res)
-            return res.reshape((b, s) + res.shape[1:])
         plan = self._plan
-        if plan is None:  # the tables and slots, checked once for every layer of the step
+        if plan is None:  # the tables, slots and shared-prefix groups, once for every layer
+            from . import _shared
             plan = self._plan = _core.StepPlan(
                 cache._all_layer_pages(), self.block_tables, self.seq_lens, self.q_lens, self.slots,
-                cache.value_from_key, None if cache.sliding_window is None else cache.sliding_window - 1)
+                cache.value_from_key, None if cache.sliding_window is None else cache.sliding_window - 1,
+                _shared.MIN_SAVED_KEYS)
         return _api.step_call(plan, layer, q, k, v, scale, num_threads, return_lse, window, softcap,
-                              sinks, alibi_slopes)
-
-    def _attend_shared(self, layer: int, q: Any, k: Any, v: Any, k_pages: np.ndarray,
-                       v_pages: np.ndarray, scale: float | None, num_threads: int | None,
-                       return_lse: bool, softcap: float | None) -> Any:
-        """attend through the shared-prefix path: each group's shared blocks first (no step
-        writes into them), then the tails' call writes the new keys and values (into blocks no
-        group shares) and attends, merging the shared parts in."""
-        from . import _shared
-        qa = _api._as_array(q, "q")
-        qf = _api._wide(qa) if qa.ndim == 3 and qa.dtype.kind == "f" else qa
-        cache = self._cache
-
-        ks, vs = cache.k_scales(layer), cache.v_scales(layer)
-
-        def tail(table: np.ndarray, lens: np.ndarray, prior: Any) -> Any:
-            return _api.paged_step(qf, k, v, k_pages, v_pages, table, lens, self.q_lens, self.slots,
-                                   values_from_keys=cache.value_from_key, scale=scale,
-                                   num_threads=num_threads, return_lse=True, softcap=softcap,
-                                   k_scales=ks, v_scales=vs, prior=prior)
-
-        def shared(qg: np.ndarray, table: np.ndarray, lens: np.ndarray, ql: np.ndarray) -> Any:
-            return _api.paged_attention(qg, k_pages, v_pages, table, lens, q_lens=ql, causal=False,
-                                        scale=scale, num_threads=num_threads, return_lse=True,
-                                        softcap=softcap, shared_prefix=False, k_scales=ks,
-                                        v_scales=vs)
-
-        out, lse = _shared.attend(qf, self.block_tables, self.seq_lens, self._shared_groups(),
-                                  cache.block_size, tail, shared)
-        out = out.astype(qa.dtype, copy=False)
-        return (out, lse) if return_lse else out
+                              sinks, alibi_slopes, shared_prefix)
 
     def linear(self, layer: int, q: Any, k: Any, v: Any, g: Any, beta: Any, *,
                scale: float | None = None, qk_l2norm: bool = False,

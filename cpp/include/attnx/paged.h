@@ -78,9 +78,13 @@ void paged_write(const PagedWrite& w);
 // over the pages (which then hold them). Everything is checked before the first write. A write
 // of n = 0 rows writes nothing: v is empty when the values are a view of the keys (latent
 // attention), and both are for a step that only attends.
+// With `cascade` (a plan of this step's tables, cascade.h), sequences that share leading blocks
+// read them once for all their queries, where the call's variants allow it.
+struct CascadePlan;
 struct PagedStep {
   PagedParams attend;
   PagedWrite k, v;
+  const CascadePlan* cascade = nullptr;
 };
 void paged_step(const PagedStep& step);
 

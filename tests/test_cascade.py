@@ -1,0 +1,119 @@
+"""The cascade (shared-prefix) step against the unshared one: random fork trees (a prompt, forks of
+it, forks of forks, each grown by its own tokens), every kv dtype, GQA ratios, one or several
+queries per sequence and several threads. The shared step (groups planned once per step by the
+core, every layer reusing them) must equal the plain step within float32 rounding, layer by layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnx
+import attnx._shared
+from attnx import _core
+
+KV_DTYPES = ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"]
+
+
+@pytest.fixture(autouse=True)
+def split_always(monkeypatch):
+    monkeypatch.setattr(attnx._shared, "MIN_SAVED_KEYS", 0)
+
+
+def grow(cache, seqs, counts, rng, hkv, d, layers):
+    """One step appending counts[i] random tokens to seqs[i] in every layer."""
+    step = cache.begin_step(seqs, counts)
+    kv = rng.standard_normal((step.num_tokens, hkv, d)).astype(np.float32)
+    for layer in range(layers):
+        step.attend(layer, np.zeros((step.num_tokens, hkv, d), np.float32), kv, kv,
+                    shared_prefix=False)
+
+
+def fork_tree(cache, rng, shape, hkv, d, layers):
+    """A prompt, then for each (forks, extra) of `shape` in turn: every current leaf forked
+    `forks` times, each child grown by 1..extra tokens. Returns the leaves."""
+    root = cache.new_sequence()
+    grow(cache, [root], [int(rng.integers(1, 40))], rng, hkv, d, layers)
+    leaves = [root]
+    for forks, extra in shape:
+        leaves = [s if i == 0 else cache.fork(s) for s in leaves for i in range(forks)]
+        grow(cache, leaves, [int(rng.integers(1, extra + 1)) for _ in leaves], rng, hkv, d, layers)
+    return leaves
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(KV_DTYPES),
+       heads=st.sampled_from([(2, 2), (4, 2), (8, 1), (6, 3)]), block_size=st.sampled_from([1, 4, 16]),
+       shape=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 20)), min_size=1, max_size=3),
+       max_new=st.integers(1, 3), threads=st.sampled_from([1, 3]),
+       q_dtype=st.sampled_from(["float32", "float16"]))
+def test_shared_step_matches_the_unshared_step(seed, dtype, heads, block_size, shape, max_new,
+                                               threads, q_dtype):
+    rng = np.random.default_rng(seed)
+    hq, hkv = heads
+    d, layers = 16, 2
+    cache = attnx.PagedKVCache(layers, hkv, d, num_blocks=512, block_size=block_size, dtype=dtype)
+    leaves = fork_tree(cache, rng, shape, hkv, d, layers)
+    counts = [int(rng.integers(1, max_new + 1)) for _ in leaves]
+    step = cache.begin_step(leaves, counts)
+    groups = step.shared_prefix
+    # the core plans the groups the step reads: the Python view is the same plan
+    assert groups == [([step.seq_ids[i] for i in rows], a, b) for rows, a, b in
+                      _core.plan_cascade(step.block_tables, step.seq_lens, step.q_lens,
+                                         block_size, 0)]
+    for layer in range(layers):
+        q = rng.standard_normal((step.num_tokens, hq, d)).astype(q_dtype)
+        kv = rng.standard_normal((step.num_tokens, hkv, d)).astype(np.float32)
+        got, lse = step.attend(layer, q, kv, kv, return_lse=True, num_threads=threads)
+        want, want_lse = step.attend(layer, q, kv, kv, return_lse=True, num_threads=threads,
+                                     shared_prefix=False)
+        assert got.dtype == want.dtype == np.dtype(q_dtype)
+        tol = 2e-5 if q_dtype == "float32" else 2e-3  # float16 outputs: one rounding each
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol)
+        np.testing.assert_allclose(lse, want_lse, rtol=2e-5, atol=2e-5)
+
+
+def test_a_deep_fork_tree_is_planned_level_by_level():
+    """A prompt forked into 2 conversations, each forked 3 times: the groups nest, and the
+    step reads them (its result equals the plain step's)."""
+    rng = np.random.default_rng(7)
+    cache = attnx.PagedKVCache(1, 2, 16, num_blocks=256, block_size=4, dtype="float16")
+    leaves = fork_tree(cache, rng, [(2, 12), (3, 12)], 2, 16, 1)
+    step = cache.begin_step(leaves, [1] * len(leaves))
+    groups = step.shared_prefix
+    assert len(groups[0][0]) == 6 and groups[0][1] == 0
+    assert sorted(len(g[0]) for g in groups[1:]) == [3, 3] and all(g[1] == groups[0][2] for g in groups[1:])
+    q = rng.standard_normal((6, 4, 16)).astype(np.float32)
+    kv = rng.standard_normal((6, 2, 16)).astype(np.float32)
+    got = step.attend(0, q, kv, kv)
+    want = step.attend(0, q, kv, kv, shared_prefix=False)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_step_plans_its_groups_once(monkeypatch):
+    """The groups are planned when the step first attends and reused by every layer: a later
+    change of the policy does not change this step's plan (but does the next step's)."""
+    rng = np.random.default_rng(3)
+    cache = attnx.PagedKVCache(2, 1, 16, num_blocks=64, block_size=4)
+    leaves = fork_tree(cache, rng, [(4, 3)], 1, 16, 2)
+    step = cache.begin_step(leaves, [1] * 4)
+    q = rng.standard_normal((4, 1, 16)).astype(np.float32)
+    step.attend(0, q, q, q)
+    plan = step._plan
+    monkeypatch.setattr(attnx._shared, "MIN_SAVED_KEYS", 10**9)
+    step.attend(1, q, q, q)
+    assert step._plan is plan
+
+
+def test_plan_cascade_checks_its_arguments():
+    with pytest.raises(ValueError, match="block_tables"):
+        _core.plan_cascade(np.zeros(4, np.int32), np.ones(4, np.int32), np.ones(4, np.int32), 4, 0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        _core.plan_cascade(np.zeros((4, 2), np.int32), np.ones(3, np.int32), np.ones(4, np.int32), 4, 0)
+    with pytest.raises(ValueError, match="block_size"):
+        _core.plan_cascade(np.zeros((4, 2), np.int32), np.ones(4, np.int32), np.ones(4, np.int32), 0, 0)
+    with pytest.raises(ValueError, match="q_lens"):
+        _core.plan_cascade(np.zeros((2, 2), np.int32), np.ones(2, np.int32), -np.ones(2, np.int32), 4, 0)
