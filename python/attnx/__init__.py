@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import os as _os
 
-from . import _api, _core
+from . import _core
 from . import reference
-from ._api import attention, paged_attention
+from .ops import attention as _api
+from .ops.attention import attention, paged_attention
 from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
-from .layers import MultiHeadAttention
-from .merge import merge_attention
-from ._session import SessionError
-from ._session import info as session_info
-from .linear import gated_delta_rule
-from .torch_compat import scaled_dot_product_attention
+from .integrations.layers import MultiHeadAttention
+from .ops.merge import merge_attention
+from .cache.session import SessionError
+from .cache.session import info as session_info
+from .ops.delta_rule import gated_delta_rule
+from .integrations.sdpa import scaled_dot_product_attention
+from . import layers, torch_compat  # (the module names existing code reads after `import attnx`)
 
 # The version lives in pyproject.toml only; read back from the installed metadata on first use
 # (importlib.metadata costs tens of ms to import, so `import attnx` does not pay for it).

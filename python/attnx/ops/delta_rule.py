@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
-from ._api import _threads  # the one rule for num_threads (checked, capped)
-from ._delta_args import delta_args, from_bshd
-from ._tensors import tensor_io
-from ._validate import choice, flag
+from .. import _core
+from .attention import _threads  # the one rule for num_threads (checked, capped)
+from .._delta_args import delta_args, from_bshd
+from ..integrations.tensors import tensor_io
+from .._validate import choice, flag
 
 __all__ = ["gated_delta_rule"]
 

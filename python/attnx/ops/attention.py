@@ -13,9 +13,10 @@ from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _core, _tensors
-from ._validate import as_array as _as_array, kernel_array as _unit_last, real as _real
-from ._validate import LAYOUTS as _LAYOUTS, choice as _choice, window_sides as _window
+from .. import _core
+from ..integrations import tensors as _tensors
+from .._validate import as_array as _as_array, kernel_array as _unit_last, real as _real
+from .._validate import LAYOUTS as _LAYOUTS, choice as _choice, window_sides as _window
 
 __all__ = ["attention", "paged_attention"]
 
@@ -306,7 +307,7 @@ def _scales(x: object, name: str) -> Optional[np.ndarray]:
 def _shared_plan(q, k_pages, block_tables, seq_lens, q_lens):
     """The shared-prefix groups of a paged call, or None where there are none (or the arguments
     are malformed: the plain path then says how)."""
-    from . import _shared  # (imports merge, which imports this module)
+    from . import cascade as _shared
     bt = np.asarray(block_tables)
     if bt.ndim != 2 or bt.shape[0] < 2 or bt.shape[1] == 0 or not _first_blocks_repeat(bt):
         return None  # no two sequences start on one block: nothing to share (the usual decode)
@@ -334,7 +335,7 @@ def _first_blocks_repeat(bt: np.ndarray) -> bool:
 def _split_shared(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, scale, return_lse,
                   out, num_threads, softcap, k_scales=None, v_scales=None):
     """paged_attention through the shared-prefix path, or None where no group shares blocks."""
-    from . import _shared
+    from . import cascade as _shared
     if out is not None and (not isinstance(out, np.ndarray) or out.dtype != q.dtype
                             or out.shape != q.shape[:2] + v_pages.shape[3:]):
         return None  # (the plain path says what is wrong with it)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _api, _tensors
-from ._validate import LAYOUTS, choice
+from . import attention as _api
+from ..integrations import tensors as _tensors
+from .._validate import LAYOUTS, choice
 
 __all__ = ["merge_attention"]
 

@@ -67,12 +67,15 @@ from typing import Any, Iterable, Sequence, cast
 
 import numpy as np
 
-from . import _api, _core, _session, _tensors
-from . import reference as _ref
-from ._blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
-from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
-from ._validate import FLOAT_DTYPES as _FLOAT_DTYPES, QUANTISED_DTYPES as _QUANTISED_DTYPES
-from ._validate import flag as _flag, positive_int as _positive_int, storage_dtype as _dtype
+from .. import _core
+from .. import reference as _ref
+from ..integrations import tensors as _tensors
+from ..ops import attention as _api
+from . import session as _session
+from .blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
+from .._validate import as_int, counts as _counts, index as _index, int_in as _int_in
+from .._validate import FLOAT_DTYPES as _FLOAT_DTYPES, QUANTISED_DTYPES as _QUANTISED_DTYPES
+from .._validate import flag as _flag, positive_int as _positive_int, storage_dtype as _dtype
 
 __all__ = ["PagedKVCache", "Step", "CacheFullError", "StaleStepError"]
 
@@ -909,7 +912,7 @@ class Step:
         """The groups of this step's sequences that share leading blocks (planned once, for
         every layer)."""
         if self._shared is None:
-            from . import _shared
+            from ..ops import cascade as _shared
             self._shared = _shared.plan_groups(self.block_tables, self.seq_lens, self.q_lens,
                                                self._cache.block_size)
         return self._shared
@@ -1008,7 +1011,7 @@ class Step:
         """attend through the shared-prefix path: each group's shared blocks first (no step
         writes into them), then the tails' call writes the new keys and values (into blocks no
         group shares) and attends, merging the shared parts in."""
-        from . import _shared
+        from ..ops import cascade as _shared
         qa = _api._as_array(q, "q")
         qf = _api._wide(qa) if qa.ndim == 3 and qa.dtype.kind == "f" else qa
         cache = self._cache
@@ -1058,7 +1061,7 @@ class Step:
             A malformed argument, or ``layer`` already run in this step (a state advances once
             per step). Nothing is written.
         """
-        from .linear import gated_delta_rule
+        from ..ops.delta_rule import gated_delta_rule
 
         cache = self._cache
         if cache.linear_layers == 0:

@@ -37,11 +37,11 @@ except ImportError as _exc:  # pragma: no cover - the tests skip without torch
     raise ImportError("attnx.distributed needs PyTorch, whose torch.distributed is its transport: "
                       "pip install torch") from _exc
 
-from . import _api
-from ._segments import segment_attention
-from ._validate import LAYOUTS as _LAYOUTS, choice, flag, positive_int, storage_dtype
-from .cache import CacheFullError, PagedKVCache, StaleStepError
-from .merge import merge_attention
+from ..ops import attention as _api
+from .segments import segment_attention
+from .._validate import LAYOUTS as _LAYOUTS, choice, flag, positive_int, storage_dtype
+from ..cache import CacheFullError, PagedKVCache, StaleStepError
+from ..ops.merge import merge_attention
 
 __all__ = ["attention", "ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions",
            "ShardedPagedKVCache", "ShardedStep", "DistributedError"]
@@ -728,7 +728,7 @@ class ShardedStep:
         """This rank's float32 partial over its own tokens: the queries of the tokens it stores
         through its local step (which writes their k and v first), the others through
         ``paged_attention`` over the prefix of its tokens that precede them."""
-        from ._api import paged_attention
+        from ..ops.attention import paged_attention
 
         cache = self._cache.local
         T, hq = q.shape[:2]
