@@ -431,7 +431,7 @@ def delta_expected(q, k, v, g, beta, **kw):
     """What a gated_delta_rule call with these arguments (``_mode`` and ``num_threads`` aside)
     is held to: the float64 recurrence's output and final state, and the float32 recurrence's
     (the output rounded to q's dtype), which sets the tolerance. Four float64 arrays."""
-    from attnx._delta_args import delta_args, from_bshd
+    from attnx.ops.delta_args import delta_args, from_bshd
 
     kw = {key: x for key, x in kw.items() if key not in ("_mode", "num_threads")}
     ro, rs = ref.gated_delta_rule(q, k, v, g, beta, output_final_state=True, out_dtype=np.float64, **kw)

@@ -8,8 +8,8 @@ shares all of a sequence's blocks, and the first write into a shared, partly fil
 that one block (copy-on-write). ``truncate`` and ``free`` return blocks to the pool.
 
 Three parts, each small: the pool arrays and the sequences live here (:class:`PagedKVCache`); the
-reference counts and the free list are a :class:`attnx._blocks.BlockAllocator`; each sequence's
-table is a persistent int32 row that grows in place (:class:`attnx._blocks.BlockRow`), from which
+reference counts and the free list are a :class:`attnx.cache.blocks.BlockAllocator`; each sequence's
+table is a persistent int32 row that grows in place (:class:`attnx.cache.blocks.BlockRow`), from which
 a step's ``(B, max_blocks)`` table is gathered with one slice copy per sequence.
 
 Integers: sequence ids, layers, lengths and token counts are Python ints, NumPy integer scalars
@@ -35,8 +35,8 @@ so that ``new_sequence(tokens=...)`` attaches the cached blocks a prompt starts 
 hybrid cache: a block does not hold the recurrent state a hit would need); blocks no sequence
 holds stay cached until an allocation needs them, least recently released first. A step whose
 sequences share leading blocks (forks, hits) reads those blocks once for all of them and merges
-by log-sum-exp (``attnx._shared``). ``save`` / ``load`` write one sequence to a safetensors file
-and read it back, in this process or another (``attnx._session``).
+by log-sum-exp (:mod:`attnx.ops.cascade`). ``save`` / ``load`` write one sequence to a safetensors file
+and read it back, in this process or another (:mod:`attnx.cache.session`).
 
 Hybrid models (Qwen3-Next, Kimi Linear: gated delta-rule layers beside full attention): with
 ``linear_layers=n, state_shape=(Hv, K, V)`` each sequence also carries a float32 recurrent state
@@ -70,10 +70,10 @@ import numpy as np
 from .. import _core
 from .. import reference as _ref
 from ..integrations import tensors as _tensors
-from ..ops import attention as _api
+from ..ops import paged as _api
 from . import session as _session
 from .blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
-from .._validate import as_int, counts as _counts, index as _index, int_in as _int_in
+from .._validate import as_array, as_int, counts as _counts, index as _index, int_in as _int_in
 from .._validate import FLOAT_DTYPES as _FLOAT_DTYPES, QUANTISED_DTYPES as _QUANTISED_DTYPES
 from .._validate import flag as _flag, positive_int as _positive_int, storage_dtype as _dtype
 
@@ -1012,8 +1012,8 @@ class Step:
         writes into them), then the tails' call writes the new keys and values (into blocks no
         group shares) and attends, merging the shared parts in."""
         from ..ops import cascade as _shared
-        qa = _api._as_array(q, "q")
-        qf = _api._wide(qa) if qa.ndim == 3 and qa.dtype.kind == "f" else qa
+        qa = as_array(q, "q")
+        qf = _api.wide_query(qa) if qa.ndim == 3 and qa.dtype.kind == "f" else qa
         cache = self._cache
 
         ks, vs = cache.k_scales(layer), cache.v_scales(layer)

@@ -37,9 +37,9 @@ except ImportError as _exc:  # pragma: no cover - the tests skip without torch
     raise ImportError("attnx.distributed needs PyTorch, whose torch.distributed is its transport: "
                       "pip install torch") from _exc
 
-from ..ops import attention as _api
 from .segments import segment_attention
-from .._validate import LAYOUTS as _LAYOUTS, choice, flag, positive_int, storage_dtype
+from .._validate import LAYOUTS as _LAYOUTS, as_array, choice, flag, from4, optional_real, positive_int, rank_lens
+from .._validate import storage_dtype, to4
 from ..cache import CacheFullError, PagedKVCache, StaleStepError
 from ..ops.merge import merge_attention
 
@@ -142,7 +142,7 @@ def _numpy(x, name):
         if x.dtype == torch.bfloat16:
             return x.view(torch.int16).numpy().view(_BF16)
         return x.numpy()
-    return _api._as_array(x, name)
+    return as_array(x, name)
 
 
 def _like(a, as_torch):
@@ -171,7 +171,7 @@ def _inputs4(q, k, v, layout):
     _check_dtype(q, "q")
     _check_dtype(k, "k", q)
     _check_dtype(v, "v", q)
-    q4, k4, v4 = (_api._to4(x, n, rank, layout) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    q4, k4, v4 = (to4(x, n, rank, layout) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     B, Hq, _, Dk = q4.shape
     if k4.shape[0] != B or k4.shape[3] != Dk:
         raise ValueError(f"k: expected batch {B} and Dk {Dk} like q, got shape {k.shape}")
@@ -204,7 +204,7 @@ def _lens_array(kv_lens, batch, rank):
     """kv_lens as int64 ``(B,)`` (None stays None); the range is checked once the total is known."""
     if kv_lens is None:
         return None
-    a = np.asarray(_api._lens(kv_lens, rank))
+    a = np.asarray(rank_lens(kv_lens, rank))
     if a.dtype.kind not in "iu" or a.shape != (batch,):
         raise ValueError(f"kv_lens: expected {batch} ints (one per batch row), got {kv_lens!r}")
     return a.astype(np.int64)
@@ -216,7 +216,7 @@ _SIGNATURE = ["batch", "query heads", "Dk", "kv heads", "Dv", "dtype", "rank", "
 
 def _result(out4, lse4, dtype, rank, layout, as_torch, return_lse):
     """The merged float32 (B, Hq, S, Dv) result in the caller's dtype, layout, rank and kind."""
-    out = _api._from4(out4.astype(dtype, copy=False), rank, layout)
+    out = from4(out4.astype(dtype, copy=False), rank, layout)
     out = np.ascontiguousarray(out) if as_torch else out
     if not return_lse:
         return _like(out, as_torch)
@@ -264,7 +264,7 @@ def attention(q, k_local, v_local, *, causal=False, kv_lens=None, scale=None, gr
     error, values = None, None
     try:
         q4, k4, v4, rank = _inputs4(q, k_local, v_local, layout)
-        scale = _api._scale(scale, q4.shape[3])
+        scale = optional_real(scale, "scale")
         values = [k4.shape[2], q4.shape[2]] + _signature(q4, k4, v4, rank, layout, causal, kv_lens, scale)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         error = exc
@@ -438,7 +438,7 @@ def ring_attention(q_local, k_local, v_local, *, causal=False, kv_lens=None, sca
     try:
         choice(sharding, _SHARDINGS, "sharding")
         q4, k4, v4, rank = _inputs4(q_local, k_local, v_local, layout)
-        scale = _api._scale(scale, q4.shape[3])
+        scale = optional_real(scale, "scale")
         values = [q4.shape[2], k4.shape[2], _SHARDINGS.index(sharding)] + _signature(
             q4, k4, v4, rank, layout, causal, kv_lens, scale)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
@@ -728,7 +728,7 @@ class ShardedStep:
         """This rank's float32 partial over its own tokens: the queries of the tokens it stores
         through its local step (which writes their k and v first), the others through
         ``paged_attention`` over the prefix of its tokens that precede them."""
-        from ..ops.attention import paged_attention
+        from ..ops.paged import paged_attention
 
         cache = self._cache.local
         T, hq = q.shape[:2]

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..ops import attention as _api
 from . import tensors as _tensors
-from .._validate import flag as _flag, positive_int as _positive, storage_dtype as _storage_dtype
+from .._validate import rank_lens, flag as _flag, positive_int as _positive, storage_dtype as _storage_dtype
 from .. import reference as _reference
 
 __all__ = ["MultiHeadAttention"]
@@ -277,8 +277,8 @@ class MultiHeadAttention:
                 raise ValueError(f"context: batch {c.shape[0]} differs from x's batch {x.shape[0]}")
         if unbatched:
             x, c = x[None], c[None]
-            kv_lens = _api._lens(kv_lens, 3)
-            q_lens = _api._lens(q_lens, 3)
+            kv_lens = rank_lens(kv_lens, 3)
+            q_lens = rank_lens(q_lens, 3)
         x32 = x.astype(self._compute, copy=False)  # (float64 for a float64 layer)
         c32 = x32 if c is x else c.astype(self._compute, copy=False)
         B, Sq, _ = x32.shape

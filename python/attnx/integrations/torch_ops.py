@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import _core
-from ..ops import attention as _api
+from ..ops import attention as _attention, paged as _paged
 from . import tensors as _tensors
 
 __all__ = ["attention", "paged_attention"]
@@ -54,7 +54,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                   window_right: int | None, softcap: float | None, sinks: torch.Tensor | None,
                   alibi_slopes: torch.Tensor | None,
                   num_threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    res = _api.attention(
+    res = _attention.attention(
         _np(q, "q"), _np(k, "k"), _np(v, "v"), mask=_np(mask, "mask"), kv_lens=_np(kv_lens, "kv_lens"),
         q_lens=_np(q_lens, "q_lens"), causal=causal, scale=scale, layout=layout,
         return_lse=return_lse, window=_window(window_left, window_right), softcap=softcap,
@@ -106,7 +106,7 @@ def _paged_attention_op(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
                         window_right: int | None, softcap: float | None, sinks: torch.Tensor | None,
                         alibi_slopes: torch.Tensor | None,
                         num_threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    res = _api.paged_attention(
+    res = _paged.paged_attention(
         _np(q, "q"), _np(k_pages, "k_pages"), _np(v_pages, "v_pages"), _np(block_tables, "block_tables"),
         _np(seq_lens, "seq_lens"), q_lens=_np(q_lens, "q_lens"), causal=causal, scale=scale,
         return_lse=return_lse, window=_window(window_left, window_right), softcap=softcap,
@@ -169,3 +169,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None,
         bool(causal), None if scale is None else float(scale), bool(return_lse), wl, wr,
         None if softcap is None else float(softcap), _tensor(sinks), _tensor(alibi_slopes), num_threads)
     return _finish(o, lse, out, return_lse)
+
+
+# what attnx's entry points call while torch.compile traces (integrations.tensors.tensor_io)
+_tensors.TORCH_OPS.update(attention=attention, paged_attention=paged_attention)

@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _core
-from .attention import _threads  # the one rule for num_threads (checked, capped)
-from .._delta_args import delta_args, from_bshd
+from .delta_args import delta_args, from_bshd
 from ..integrations.tensors import tensor_io
-from .._validate import choice, flag
+from .._validate import choice, flag, threads
 
 __all__ = ["gated_delta_rule"]
 
@@ -98,7 +97,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     choice(_mode, tuple(_MODES), "_mode")
     args = delta_args(q, k, v, g, beta, scale=scale, initial_state=initial_state, layout=layout,
                       cu_seqlens=cu_seqlens, lengths=lengths)
-    threads = _threads(num_threads)
+    n_threads = threads(num_threads)
     in_dtype = args.q.dtype
     dtype = np.dtype(np.float32) if in_dtype == np.float64 else in_dtype
     state = None if args.initial_state is None else np.ascontiguousarray(args.initial_state, dtype=np.float32)
@@ -106,7 +105,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
         _storage(args.q, dtype), _storage(args.k, dtype), _storage(args.v, dtype),
         _storage(args.g, np.float32), _storage(args.beta, np.float32), args.sequences, state,
         flag(output_final_state, "output_final_state"), args.scale, flag(qk_l2norm, "qk_l2norm"),
-        _MODES[_mode], threads)
+        _MODES[_mode], n_threads)
     if in_dtype == np.float64:
         o = o.astype(np.float64)
     o = from_bshd(o, layout)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention as _api
 from ..integrations import tensors as _tensors
-from .._validate import LAYOUTS, choice
+from .._validate import LAYOUTS, as_array, choice
 
 __all__ = ["merge_attention"]
 
@@ -51,7 +50,7 @@ def _parts(xs, name):
     except TypeError:
         raise TypeError(f"{name}: expected a sequence of arrays (one per part), got "
                         f"{type(xs).__name__}") from None
-    return [_api._as_array(x, f"{name}[{i}]") for i, x in enumerate(xs)]
+    return [as_array(x, f"{name}[{i}]") for i, x in enumerate(xs)]
 
 
 def _check(outs, lses, layout):

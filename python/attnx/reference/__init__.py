@@ -867,7 +867,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     ``output_final_state``, the final states (N, Hv, K, V) as float32 (float64 when
     ``out_dtype`` is float64).
     """
-    from .._delta_args import delta_args, from_bshd
+    from ..ops.delta_args import delta_args, from_bshd
 
     args = delta_args(q, k, v, g, beta, scale=scale, initial_state=initial_state, layout=layout,
                       cu_seqlens=cu_seqlens, lengths=lengths)
