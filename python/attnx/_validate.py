@@ -14,6 +14,8 @@ from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
+from .quant import QUANTISED_DTYPES
+
 __all__ = ["LAYOUTS", "choice", "flag", "FLOAT_DTYPES", "QUANTISED_DTYPES", "DTYPE_ALIASES",
            "SHORT_NAMES", "dtype_name", "storage_dtype", "positive_int", "as_int", "int_in", "index",
            "counts", "as_array", "native_order", "kernel_array", "real", "window_sides", "to4", "from4",
@@ -53,7 +55,6 @@ def flag(x: object, name: str) -> bool:
 # One table: the storage dtypes attnx names (NumPy's and ml_dtypes' names, as the cache takes them)
 # and the short names the bench prints, accepted as aliases wherever a dtype is named.
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-QUANTISED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 SHORT_NAMES = {full: short for short, full in DTYPE_ALIASES.items()}
 

@@ -68,7 +68,7 @@ from typing import Any, Iterable, Sequence, cast
 import numpy as np
 
 from .. import _core
-from .. import reference as _ref
+from .. import quant
 from ..integrations import tensors as _tensors
 from ..ops import paged as _api
 from . import session as _session
@@ -222,7 +222,7 @@ class PagedKVCache:
         self.block_size = _positive_int(block_size, "block_size")
         self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
         self.dtype = _kv_dtype(dtype)
-        self.quantised = _ref.quantised_dtype(self.dtype) is not None
+        self.quantised = quant.quantised_dtype(self.dtype) is not None
         self.sliding_window = (None if sliding_window is None
                                else _int_in(sliding_window, "sliding_window", 1, _MAX_TOKENS))
         self.value_from_key = _flag(value_from_key, "value_from_key")
