@@ -46,7 +46,8 @@ import numpy as np
 from ..ops import attention as _api
 from . import torch_ops  # noqa: F401  (torch.ops.attnx, and attnx's regions on torch's thread team)
 from .tensors import like, to_numpy
-from ..cache import PagedKVCache, _packed
+from ..cache import PagedKVCache
+from ..cache.step import packed_tokens as _packed
 
 __all__ = ["register", "attention_forward", "mask_hook", "PagedCache", "NAME"]
 
