@@ -18,7 +18,7 @@ q_lens : int array ``(B,)``, optional
     New query tokens per sequence: they are its last ``q_lens[b]`` positions.
 causal : bool
     Bottom-right aligned, as in :func:`attnx.attention` (default True).
-scale, return_lse, out, num_threads, window, softcap, sinks, alibi_slopes
+scale, return_lse, out, num_threads, window, softcap, sinks, alibi_slopes : optional
     As in :func:`attnx.attention`; lse has shape ``(N, Hq)``.
 shared_prefix : bool
     Sequences whose tables start with the same block ids (forks, prefix-cache hits) read
