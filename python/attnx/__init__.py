@@ -23,7 +23,7 @@ from .cache.session import SessionError
 from .cache.session import info as session_info
 from .ops.delta_rule import gated_delta_rule
 from .integrations.sdpa import scaled_dot_product_attention
-from . import layers, torch_compat  # (the module names existing code reads after `import attnx`)
+from . import layers as layers, torch_compat as torch_compat  # (the module names existing code reads after `import attnx`)
 from .integrations import tensors as _tensors
 
 # the torch ops, imported on the first tensor an entry point sees (torch is then loaded already)

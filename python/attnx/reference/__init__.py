@@ -57,7 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 # the quantised KV format is defined in attnx.quant; its functions are part of the reference too
-from ..quant import QUANTISED_DTYPES, dequantize_kv, quantised_dtype, quantised_max, quantize_kv, quantize_query
+from ..quant import QUANTISED_DTYPES, dequantize_kv, quantised_dtype, quantised_max as quantised_max, quantize_kv, quantize_query
 from ..quant import dequantised_pages as _dequantised_pages
 from ..quant import BFLOAT16 as _BFLOAT16, FLOAT_DTYPES as _FLOAT_DTYPES, float_array as _float_array
 
