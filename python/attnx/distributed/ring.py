@@ -1,5 +1,34 @@
 """Attention over keys and values spread over the ranks: :func:`attention` (decode: the partials
-all-gathered and merged) and :func:`ring_attention` (prefill: K/V shards travel round the ring)."""
+all-gathered and merged) and :func:`ring_attention` (prefill: K/V shards travel round the ring).
+
+:func:`ring_attention`: K/V shards travel round the ring, ``world - 1`` hops, each sent with ``isend``/``irecv``
+while the rank computes on the shard it holds; partials merge by log-sum-exp.
+
+Parameters
+----------
+q_local, k_local, v_local : this rank's rows, layouts, ranks and dtypes as in
+    :func:`attnx.attention` (NumPy arrays or CPU tensors).
+sharding : ``"zigzag"`` (default) or ``"contiguous"``
+    ``"zigzag"``: the sequence is cut into ``2W`` near-equal chunks (``np.array_split``) and
+    rank ``r`` holds chunks ``r`` and ``2W - 1 - r``, concatenated, of q, k and v
+    (:func:`zigzag_shard` makes them, :func:`zigzag_positions` gives their positions): each
+    rank then has the same causal work, and a (query chunk, key chunk) pair is either fully
+    visible, the causal diagonal or skipped. ``"contiguous"``: rank ``r`` holds the ``r``-th
+    contiguous run of the queries and of the keys, any sizes (empty too); causal ranks then
+    wait on the triangle's long rows.
+causal : bool
+    Bottom-right aligned over the whole sequences, as :func:`attnx.attention`; with equal
+    query and key lengths the usual lower triangle.
+kv_lens : int array ``(B,)``, optional: valid lengths of the whole key sequence.
+scale, return_lse, group : as in :func:`attention`.
+
+Returns
+-------
+out (and lse): this rank's rows, in its local order.
+
+Cost: each rank receives every other rank's K and V once (``B·Hkv·Sk·(Dk + Dv)`` elements
+in all), overlapped with its compute, plus two all-gathers of a few ints.
+"""
 
 from __future__ import annotations
 
@@ -117,35 +146,7 @@ def ring_attention(q_local, k_local, v_local, *, causal=False, kv_lens=None, sca
                    layout="bhsd", sharding="zigzag", return_lse=False):
     """Attention with queries, keys and values all sharded over the group (prefill): returns
     this rank's query rows of ``attnx.attention(Q, K, V, ...)`` over the whole sequences.
-
-    K/V shards travel round the ring, ``world - 1`` hops, each sent with ``isend``/``irecv``
-    while the rank computes on the shard it holds; partials merge by log-sum-exp.
-
-    Parameters
-    ----------
-    q_local, k_local, v_local : this rank's rows, layouts, ranks and dtypes as in
-        :func:`attnx.attention` (NumPy arrays or CPU tensors).
-    sharding : ``"zigzag"`` (default) or ``"contiguous"``
-        ``"zigzag"``: the sequence is cut into ``2W`` near-equal chunks (``np.array_split``) and
-        rank ``r`` holds chunks ``r`` and ``2W - 1 - r``, concatenated, of q, k and v
-        (:func:`zigzag_shard` makes them, :func:`zigzag_positions` gives their positions): each
-        rank then has the same causal work, and a (query chunk, key chunk) pair is either fully
-        visible, the causal diagonal or skipped. ``"contiguous"``: rank ``r`` holds the ``r``-th
-        contiguous run of the queries and of the keys, any sizes (empty too); causal ranks then
-        wait on the triangle's long rows.
-    causal : bool
-        Bottom-right aligned over the whole sequences, as :func:`attnx.attention`; with equal
-        query and key lengths the usual lower triangle.
-    kv_lens : int array ``(B,)``, optional: valid lengths of the whole key sequence.
-    scale, return_lse, group : as in :func:`attention`.
-
-    Returns
-    -------
-    out (and lse): this rank's rows, in its local order.
-
-    Cost: each rank receives every other rank's K and V once (``B·Hkv·Sk·(Dk + Dv)`` elements
-    in all), overlapped with its compute, plus two all-gathers of a few ints.
-    """
+    (Parameters, results and an example: :mod:`attnx.distributed.ring`.)"""
     me, world = rank_world(group)
     what = "attnx.distributed.ring_attention"
     as_torch = isinstance(q_local, torch.Tensor)

@@ -4,6 +4,69 @@ Code ported from ``torch.nn.functional.scaled_dot_product_attention`` runs uncha
 NumPy arrays in place of tensors) and gets the same numbers from attnx's kernels. The one thing to
 keep in mind when mixing it with :func:`attnx.attention`: the two ``causal`` flags are aligned
 differently when the query and key lengths differ (see the docstring below).
+
+:func:`scaled_dot_product_attention`: Same arguments, shapes and results as PyTorch's function (inference only)::
+
+    out = softmax(query @ key.T * scale + M) @ value
+
+Parameters
+----------
+query : ndarray ``(..., L, E)``
+key : ndarray ``(..., S, E)``
+value : ndarray ``(..., S, Ev)``
+    Leading dimensions broadcast against each other as in torch; with ``enable_gqa`` the
+    third-from-last axis is the head axis. float32, float16 or bfloat16 (computed in float32,
+    returned in the input dtype); float64 is computed and accumulated in float64, as torch
+    does.
+attn_mask : ndarray, optional
+    Broadcastable to ``(..., L, S)``. Boolean: **True = takes part in attention** (torch's
+    convention for this function; note ``torch.nn.MultiheadAttention`` uses the opposite).
+    Floating: added to the scores (``-inf`` blocks).
+dropout_p : float
+    Must be 0.0: anything else raises ``ValueError`` (attnx is inference only).
+is_causal : bool
+    **Top-left aligned, as in torch**: query row ``i`` sees key ``j`` iff ``j <= i``,
+    whatever ``L`` and ``S``. When ``attn_mask`` is given too, the two are combined (AND
+    for a boolean mask, ``-inf`` above the diagonal for a float one): that is what torch
+    2.13's CPU kernel returns for 4-D inputs, while torch's documentation, its fallback
+    path for other ranks and, from torch 2.14, every path raise an error for this
+    combination.
+scale : float, optional
+    Defaults to ``1/sqrt(E)``. Any float, as in torch: 0 gives uniform attention over the
+    visible keys, a negative scale flips the scores, NaN propagates. Held in float32 like
+    torch's CPU kernels (so ``1e39`` is inf and ``1e-46`` is 0; float64 for float64
+    inputs); an infinite scale, whose
+    scores are all ``±inf``, is computed by :func:`attnx.reference.scaled_dot_product_attention`
+    (float64, slow).
+enable_gqa : bool
+    Grouped-query attention: ``key``/``value`` may have fewer heads (axis ``-3``) than
+    ``query``; query head ``h`` reads kv head ``h // (Hq // Hkv)`` (torch's
+    ``repeat_interleave``), without any copy of the keys and values here.
+
+Returns
+-------
+ndarray ``(..., L, Ev)`` of query's dtype.
+
+Notes
+-----
+**Difference from** :func:`attnx.attention`: attnx's ``causal=True`` is aligned
+bottom-right (row ``i`` sees ``j <= i + S - L``, so one new query against a cache sees all
+of it), while torch's ``is_causal`` is aligned top-left (``j <= i``). The two agree when
+``L == S``. Here the top-left mask is mapped onto the kernel without building it: for
+``L <= S`` no query ever sees a key at ``j >= L``, so the keys are sliced to the first ``L``
+(a view) and the square causal kernel runs; for ``L > S`` the kernel's window
+``(None, L - S)`` gives exactly ``j <= i``.
+
+A query row that sees no key (fully masked by ``attn_mask``) returns zeros, which is what
+torch 2.x returns on the CPU for such rows (older versions returned NaN). A ``+inf`` in a
+float mask yields NaN in that row, as in torch.
+
+Examples
+--------
+>>> import numpy as np, attnx
+>>> q = np.ones((1, 2, 3, 4), np.float32); k = v = np.ones((1, 2, 5, 4), np.float32)
+>>> attnx.scaled_dot_product_attention(q, k, v, is_causal=True).shape
+(1, 2, 3, 4)
 """
 
 from __future__ import annotations
@@ -143,71 +206,9 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
                                  dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> np.ndarray:
-    """``torch.nn.functional.scaled_dot_product_attention`` on NumPy arrays, on attnx's kernels.
-
-    Same arguments, shapes and results as PyTorch's function (inference only)::
-
-        out = softmax(query @ key.T * scale + M) @ value
-
-    Parameters
-    ----------
-    query : ndarray ``(..., L, E)``
-    key : ndarray ``(..., S, E)``
-    value : ndarray ``(..., S, Ev)``
-        Leading dimensions broadcast against each other as in torch; with ``enable_gqa`` the
-        third-from-last axis is the head axis. float32, float16 or bfloat16 (computed in float32,
-        returned in the input dtype); float64 is computed and accumulated in float64, as torch
-        does.
-    attn_mask : ndarray, optional
-        Broadcastable to ``(..., L, S)``. Boolean: **True = takes part in attention** (torch's
-        convention for this function; note ``torch.nn.MultiheadAttention`` uses the opposite).
-        Floating: added to the scores (``-inf`` blocks).
-    dropout_p : float
-        Must be 0.0: anything else raises ``ValueError`` (attnx is inference only).
-    is_causal : bool
-        **Top-left aligned, as in torch**: query row ``i`` sees key ``j`` iff ``j <= i``,
-        whatever ``L`` and ``S``. When ``attn_mask`` is given too, the two are combined (AND
-        for a boolean mask, ``-inf`` above the diagonal for a float one): that is what torch
-        2.13's CPU kernel returns for 4-D inputs, while torch's documentation, its fallback
-        path for other ranks and, from torch 2.14, every path raise an error for this
-        combination.
-    scale : float, optional
-        Defaults to ``1/sqrt(E)``. Any float, as in torch: 0 gives uniform attention over the
-        visible keys, a negative scale flips the scores, NaN propagates. Held in float32 like
-        torch's CPU kernels (so ``1e39`` is inf and ``1e-46`` is 0; float64 for float64
-        inputs); an infinite scale, whose
-        scores are all ``±inf``, is computed by :func:`attnx.reference.scaled_dot_product_attention`
-        (float64, slow).
-    enable_gqa : bool
-        Grouped-query attention: ``key``/``value`` may have fewer heads (axis ``-3``) than
-        ``query``; query head ``h`` reads kv head ``h // (Hq // Hkv)`` (torch's
-        ``repeat_interleave``), without any copy of the keys and values here.
-
-    Returns
-    -------
-    ndarray ``(..., L, Ev)`` of query's dtype.
-
-    Notes
-    -----
-    **Difference from** :func:`attnx.attention`: attnx's ``causal=True`` is aligned
-    bottom-right (row ``i`` sees ``j <= i + S - L``, so one new query against a cache sees all
-    of it), while torch's ``is_causal`` is aligned top-left (``j <= i``). The two agree when
-    ``L == S``. Here the top-left mask is mapped onto the kernel without building it: for
-    ``L <= S`` no query ever sees a key at ``j >= L``, so the keys are sliced to the first ``L``
-    (a view) and the square causal kernel runs; for ``L > S`` the kernel's window
-    ``(None, L - S)`` gives exactly ``j <= i``.
-
-    A query row that sees no key (fully masked by ``attn_mask``) returns zeros, which is what
-    torch 2.x returns on the CPU for such rows (older versions returned NaN). A ``+inf`` in a
-    float mask yields NaN in that row, as in torch.
-
-    Examples
-    --------
-    >>> import numpy as np, attnx
-    >>> q = np.ones((1, 2, 3, 4), np.float32); k = v = np.ones((1, 2, 5, 4), np.float32)
-    >>> attnx.scaled_dot_product_attention(q, k, v, is_causal=True).shape
-    (1, 2, 3, 4)
-    """
+    """``torch.nn.functional.scaled_dot_product_attention`` on NumPy arrays, on attnx's kernels:
+    ``is_causal`` is top-left aligned, as torch's, where :func:`attnx.attention`'s ``causal`` is
+    bottom-right. (Parameters, results and an example: :mod:`attnx.integrations.sdpa`.)"""
     _check_dropout(dropout_p)
     is_causal, enable_gqa = _flag(is_causal, "is_causal"), _flag(enable_gqa, "enable_gqa")
     q, k, v = _check_inputs(query, key, value, enable_gqa)
@@ -226,47 +227,57 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
     (q_lead, k_lead, v_lead), out_lead = _lead_shapes(q, k, v, enable_gqa)
     rank = len(out_lead) + 2
 
-    mask: Optional[np.ndarray] = None
-    if attn_mask is not None:
-        m = _as_array(attn_mask, "attn_mask")
-        if m.dtype != np.bool_ and m.dtype.kind != "f" and m.dtype != _BF16:
-            raise TypeError(f"attn_mask: expected a boolean (True = takes part) or float mask, "
-                            f"got dtype {m.dtype}")
-        if m.ndim > rank:
-            raise ValueError(f"attn_mask: shape {m.shape} does not broadcast to "
-                             f"{out_lead + (L, S)}")
-        try:
-            np.broadcast_shapes(m.shape, out_lead + (L, S))
-        except ValueError:
-            raise ValueError(f"attn_mask: shape {m.shape} does not broadcast to "
-                             f"{out_lead + (L, S)}") from None
-        mask = m.reshape((1,) * (rank - m.ndim) + m.shape)
+    mask = None if attn_mask is None else _sdpa_mask(attn_mask, rank, out_lead + (L, S))
 
     if L == 0 or S == 0 or 0 in out_lead:
         # nothing to attend to (torch returns zeros); attnx's binding also rejects freshly
         # allocated empty arrays, whose strides NumPy reports as 0
         return np.zeros(out_lead + (L, v.shape[-1]), dtype=out_dtype)
 
-    causal = False
-    window = None
+    causal, window = False, None
     if is_causal:
-        if L <= S:
-            # no row of a top-left causal mask sees keys at j >= L: drop them (views), then the
-            # square (bottom-right == top-left) causal kernel is exact
-            k = k[..., :L, :]
-            v = v[..., :L, :]
-            if mask is not None and mask.shape[-1] != 1:
-                mask = mask[..., :L]
-            causal = True
-        else:
-            # bottom-right offset is S - L < 0; the window's right side cancels it: j <= i
-            window = (None, int(L - S))
+        k, v, mask, causal, window = _top_left_causal(k, v, mask, L, S)
 
     if rank == 2:
         out = cast(np.ndarray, _api.attention(q, k, v, causal=causal, mask=mask, scale=scale,
                                               window=window))
         return out.astype(out_dtype, copy=False)
+    out = _attend_heads(q, k, v, mask, (q_lead, k_lead, v_lead), out_lead, enable_gqa,
+                        causal=causal, scale=scale, window=window)
+    return out.astype(out_dtype, copy=False)
 
+
+def _sdpa_mask(attn_mask, rank, logical):
+    """``attn_mask`` checked (boolean or float, broadcastable to ``logical``) and given rank
+    ``rank``."""
+    m = _as_array(attn_mask, "attn_mask")
+    if m.dtype != np.bool_ and m.dtype.kind != "f" and m.dtype != _BF16:
+        raise TypeError(f"attn_mask: expected a boolean (True = takes part) or float mask, "
+                        f"got dtype {m.dtype}")
+    if m.ndim > rank:
+        raise ValueError(f"attn_mask: shape {m.shape} does not broadcast to {logical}")
+    try:
+        np.broadcast_shapes(m.shape, logical)
+    except ValueError:
+        raise ValueError(f"attn_mask: shape {m.shape} does not broadcast to {logical}") from None
+    return m.reshape((1,) * (rank - m.ndim) + m.shape)
+
+
+def _top_left_causal(k, v, mask, L, S):
+    """torch's top-left causal mask as attnx's arguments: ``(k, v, mask, causal, window)``."""
+    if L <= S:
+        # no row of a top-left causal mask sees keys at j >= L: drop them (views), then the
+        # square (bottom-right == top-left) causal kernel is exact
+        if mask is not None and mask.shape[-1] != 1:
+            mask = mask[..., :L]
+        return k[..., :L, :], v[..., :L, :], mask, True, None
+    # bottom-right offset is S - L < 0; the window's right side cancels it: j <= i
+    return k, v, mask, False, (None, int(L - S))
+
+
+def _attend_heads(q, k, v, mask, leads, out_lead, enable_gqa, *, causal, scale, window):
+    """Attention over arrays with leading (batch..., heads) axes, viewed as 4-D bhsd."""
+    q_lead, k_lead, v_lead = leads
     hq = out_lead[-1]
     out_batch = out_lead[:-1]
     hk, hv = k_lead[-1], v_lead[-1]
@@ -291,5 +302,4 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
             m4 = _to_bhsd(mask, mask.shape[:-2], out_batch, mask.shape[-3])
     out = cast(np.ndarray, _api.attention(q4, k4, v4, causal=causal, mask=m4, scale=scale,
                                           window=window))
-    out = out.reshape(out_lead + out.shape[-2:])
-    return out.astype(out_dtype, copy=False)
+    return out.reshape(out_lead + out.shape[-2:])
