@@ -255,6 +255,31 @@ class MultiHeadAttention:
         y : ndarray of ``x``'s rank, ``(..., Sq, d_model)``, dtype ``self.dtype``
         weights : ndarray, only if ``return_weights``
         """
+        x, c, unbatched = self._inputs(x, context)
+        if unbatched:
+            x, c = x[None], c[None]
+            kv_lens = rank_lens(kv_lens, 3)
+            q_lens = rank_lens(q_lens, 3)
+        x32 = x.astype(self._compute, copy=False)  # (float64 for a float64 layer)
+        c32 = x32 if c is x else c.astype(self._compute, copy=False)
+        B, Sq, _ = x32.shape
+        Sk = c32.shape[1]
+        if B * Sq == 0:  # no rows: return at once (numpy would still walk a huge empty batch)
+            y = np.zeros((B, Sq, self.d_model), self.dtype)
+            w = np.zeros((B, self.num_heads, Sq, Sk))
+            y, w = (y[0], w[0]) if unbatched else (y, w)
+            return (y, w) if return_weights else y
+        y, q, k = self._attend(x32, c32, causal, mask, kv_lens, q_lens)
+        if unbatched:
+            y = y[0]
+        if not _flag(return_weights, "return_weights"):
+            return y
+        w = _reference.attention_weights(q, k, causal=causal, mask=mask, kv_lens=kv_lens,
+                                         q_lens=q_lens, layout="bshd")
+        return y, (w[0] if unbatched else w)
+
+    def _inputs(self, x: Any, context: Any) -> Tuple[np.ndarray, np.ndarray, bool]:
+        """``(x, context, unbatched)`` as NumPy arrays, checked (context is x for self-attention)."""
         x = _to_numpy(x, "x")
         if x.ndim not in (2, 3):
             raise ValueError(f"x: expected (S, d_model) or (B, S, d_model), got shape {x.shape}")
@@ -265,31 +290,24 @@ class MultiHeadAttention:
             if self.context_dim != self.d_model:
                 raise ValueError(f"context: required, since context_dim={self.context_dim} "
                                  f"differs from d_model={self.d_model}")
-            c = x
-        else:
-            c = _to_numpy(context, "context")
-            if c.ndim != x.ndim:
-                raise ValueError(f"context: expected rank {x.ndim} like x, got shape {c.shape}")
-            if c.shape[-1] != self.context_dim:
-                raise ValueError(f"context: last axis must be context_dim={self.context_dim}, "
-                                 f"got shape {c.shape}")
-            if not unbatched and c.shape[0] != x.shape[0]:
-                raise ValueError(f"context: batch {c.shape[0]} differs from x's batch {x.shape[0]}")
-        if unbatched:
-            x, c = x[None], c[None]
-            kv_lens = rank_lens(kv_lens, 3)
-            q_lens = rank_lens(q_lens, 3)
-        x32 = x.astype(self._compute, copy=False)  # (float64 for a float64 layer)
-        c32 = x32 if c is x else c.astype(self._compute, copy=False)
+            return x, x, unbatched
+        c = _to_numpy(context, "context")
+        if c.ndim != x.ndim:
+            raise ValueError(f"context: expected rank {x.ndim} like x, got shape {c.shape}")
+        if c.shape[-1] != self.context_dim:
+            raise ValueError(f"context: last axis must be context_dim={self.context_dim}, "
+                             f"got shape {c.shape}")
+        if not unbatched and c.shape[0] != x.shape[0]:
+            raise ValueError(f"context: batch {c.shape[0]} differs from x's batch {x.shape[0]}")
+        return x, c, unbatched
+
+    def _attend(self, x32: np.ndarray, c32: np.ndarray, causal: bool, mask: Any, kv_lens: Any,
+                q_lens: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(y, q, k)``: the layer's output over batched inputs in the compute dtype, and the
+        projected queries and keys (``"bshd"``)."""
         B, Sq, _ = x32.shape
         Sk = c32.shape[1]
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if B * Sq == 0:  # no rows: return at once (numpy would still walk a huge empty batch)
-            y = np.zeros((B, Sq, self.d_model), self.dtype)
-            w = np.zeros((B, H, Sq, Sk))
-            y, w = (y[0], w[0]) if unbatched else (y, w)
-            return (y, w) if return_weights else y
-
         # one matmul per projection, all heads at once; heads are a free reshape to "bshd"
         q = self._proj(x32, "W_Q", "b_Q").reshape(B, Sq, H, D)
         k = self._proj(c32, "W_K", "b_K").reshape(B, Sk, G, D)
@@ -301,14 +319,7 @@ class MultiHeadAttention:
         if q_lens is not None:
             pad = np.arange(Sq)[None, :] >= np.asarray(q_lens)[:, None]
             y[pad] = 0.0
-        y = y.astype(self.dtype, copy=False)
-        if unbatched:
-            y = y[0]
-        if not _flag(return_weights, "return_weights"):
-            return y
-        w = _reference.attention_weights(q, k, causal=causal, mask=mask, kv_lens=kv_lens,
-                                         q_lens=q_lens, layout="bshd")
-        return y, (w[0] if unbatched else w)
+        return y.astype(self.dtype, copy=False), q, k
 
     forward = __call__
 
