@@ -354,61 +354,10 @@ class MultiHeadAttention:
         projection's rows imply (GQA checkpoints need no extra argument). Missing biases of a
         biased layer are zero.
         """
-        def get(name):
-            return _to_numpy(d[prefix + name], prefix + name) if prefix + name in d else None
-
-        if get("in_proj_weight") is not None:
-            w = get("in_proj_weight")
-            if w.ndim != 2 or w.shape[0] % 3:
-                raise ValueError(f"{prefix}in_proj_weight: expected (3*E, E), got {w.shape}")
-            wq, wk, wv = np.split(w, 3, axis=0)
-            bias = get("in_proj_bias")
-            bq, bk, bv = (None,) * 3 if bias is None else np.split(bias, 3)
-        elif get("q_proj_weight") is not None:
-            wq, wk, wv = get("q_proj_weight"), get("k_proj_weight"), get("v_proj_weight")
-            bias = get("in_proj_bias")
-            if bias is None:
-                bq = bk = bv = None
-            else:
-                nq, nk = wq.shape[0], wk.shape[0]
-                bq, bk, bv = bias[:nq], bias[nq:nq + nk], bias[nq + nk:]
-        else:
-            wq, wk, wv = get("q_proj.weight"), get("k_proj.weight"), get("v_proj.weight")
-            bq, bk, bv = get("q_proj.bias"), get("k_proj.bias"), get("v_proj.bias")
-        out_name = "out_proj" if get("out_proj.weight") is not None else "o_proj"
-        wo, bo = get(out_name + ".weight"), get(out_name + ".bias")
-        missing = [n for n, a in (("query", wq), ("key", wk), ("value", wv), ("output", wo))
-                   if a is None]
-        if missing:
-            raise KeyError(f"from_state_dict: no {', '.join(missing)} projection weight under "
-                           f"prefix {prefix!r}; expected q_proj.weight/k_proj.weight/"
-                           f"v_proj.weight/out_proj.weight (or o_proj.weight), or "
-                           f"in_proj_weight/out_proj.weight; got keys {sorted(d)[:12]}")
-        for name, a in (("query", wq), ("key", wk), ("value", wv), ("output", wo)):
-            if a.ndim != 2:
-                raise ValueError(f"from_state_dict: {name} weight must be 2-D (out, in), got "
-                                 f"{a.shape}")
+        (wq, wk, wv, wo), (bq, bk, bv, bo) = _state_dict_weights(d, prefix)
         num_heads = _positive(num_heads, "num_heads")
-        if wq.shape[0] % num_heads:
-            raise ValueError(f"num_heads: W_Q has {wq.shape[0]} output rows, not a multiple of "
-                             f"num_heads={num_heads}")
-        head_dim = wq.shape[0] // num_heads
-        if wk.shape != wv.shape:
-            raise ValueError(f"from_state_dict: key weight {wk.shape} and value weight "
-                             f"{wv.shape} differ (the layer reads one context for both)")
-        if wk.shape[0] % head_dim:
-            raise ValueError(f"from_state_dict: key weight has {wk.shape[0]} rows, not a "
-                             f"multiple of head_dim={head_dim}")
-        inferred = wk.shape[0] // head_dim
-        if num_kv_heads is None:
-            num_kv_heads = inferred
-        elif _positive(num_kv_heads, "num_kv_heads") != inferred:
-            raise ValueError(f"num_kv_heads: {num_kv_heads} given, but the key weight has "
-                             f"{wk.shape[0]} rows = {inferred} heads of {head_dim}")
+        head_dim, num_kv_heads = _head_shape(wq, wk, wv, wo, num_heads, num_kv_heads)
         d_model = wq.shape[1]
-        if wo.shape != (d_model, wq.shape[0]):
-            raise ValueError(f"from_state_dict: output weight must be (d_model, "
-                             f"num_heads*head_dim) = {(d_model, wq.shape[0])}, got {wo.shape}")
         has_bias = any(b is not None for b in (bq, bk, bv, bo))
         layer = cls(d_model, num_heads, num_kv_heads, head_dim, bias=has_bias, dtype=dtype,
                     context_dim=wk.shape[1], seed=0)
@@ -417,3 +366,71 @@ class MultiHeadAttention:
             if b is not None:
                 setattr(layer, name, b)
         return layer
+
+
+def _state_dict_weights(d: Dict[str, Any], prefix: str) -> Tuple[tuple, tuple]:
+    """``((W_Q, W_K, W_V, W_O), (b_Q, b_K, b_V, b_O))`` of a state dict in torch's ``(out, in)``
+    convention, under any of the names :meth:`MultiHeadAttention.from_state_dict` accepts
+    (biases None where absent)."""
+    def get(name):
+        return _to_numpy(d[prefix + name], prefix + name) if prefix + name in d else None
+
+    if get("in_proj_weight") is not None:
+        w = get("in_proj_weight")
+        if w.ndim != 2 or w.shape[0] % 3:
+            raise ValueError(f"{prefix}in_proj_weight: expected (3*E, E), got {w.shape}")
+        wq, wk, wv = np.split(w, 3, axis=0)
+        bias = get("in_proj_bias")
+        bq, bk, bv = (None,) * 3 if bias is None else np.split(bias, 3)
+    elif get("q_proj_weight") is not None:
+        wq, wk, wv = get("q_proj_weight"), get("k_proj_weight"), get("v_proj_weight")
+        bias = get("in_proj_bias")
+        if bias is None:
+            bq = bk = bv = None
+        else:
+            nq, nk = wq.shape[0], wk.shape[0]
+            bq, bk, bv = bias[:nq], bias[nq:nq + nk], bias[nq + nk:]
+    else:
+        wq, wk, wv = get("q_proj.weight"), get("k_proj.weight"), get("v_proj.weight")
+        bq, bk, bv = get("q_proj.bias"), get("k_proj.bias"), get("v_proj.bias")
+    out_name = "out_proj" if get("out_proj.weight") is not None else "o_proj"
+    wo, bo = get(out_name + ".weight"), get(out_name + ".bias")
+    missing = [n for n, a in (("query", wq), ("key", wk), ("value", wv), ("output", wo))
+               if a is None]
+    if missing:
+        raise KeyError(f"from_state_dict: no {', '.join(missing)} projection weight under "
+                       f"prefix {prefix!r}; expected q_proj.weight/k_proj.weight/"
+                       f"v_proj.weight/out_proj.weight (or o_proj.weight), or "
+                       f"in_proj_weight/out_proj.weight; got keys {sorted(d)[:12]}")
+    for name, a in (("query", wq), ("key", wk), ("value", wv), ("output", wo)):
+        if a.ndim != 2:
+            raise ValueError(f"from_state_dict: {name} weight must be 2-D (out, in), got "
+                             f"{a.shape}")
+    return (wq, wk, wv, wo), (bq, bk, bv, bo)
+
+
+def _head_shape(wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, wo: np.ndarray, num_heads: int,
+                num_kv_heads: Optional[int]) -> Tuple[int, int]:
+    """``(head_dim, num_kv_heads)`` that the projection weights imply, checked against each
+    other and against ``num_kv_heads`` where given."""
+    if wq.shape[0] % num_heads:
+        raise ValueError(f"num_heads: W_Q has {wq.shape[0]} output rows, not a multiple of "
+                         f"num_heads={num_heads}")
+    head_dim = wq.shape[0] // num_heads
+    if wk.shape != wv.shape:
+        raise ValueError(f"from_state_dict: key weight {wk.shape} and value weight "
+                         f"{wv.shape} differ (the layer reads one context for both)")
+    if wk.shape[0] % head_dim:
+        raise ValueError(f"from_state_dict: key weight has {wk.shape[0]} rows, not a "
+                         f"multiple of head_dim={head_dim}")
+    inferred = wk.shape[0] // head_dim
+    if num_kv_heads is None:
+        num_kv_heads = inferred
+    elif _positive(num_kv_heads, "num_kv_heads") != inferred:
+        raise ValueError(f"num_kv_heads: {num_kv_heads} given, but the key weight has "
+                         f"{wk.shape[0]} rows = {inferred} heads of {head_dim}")
+    d_model = wq.shape[1]
+    if wo.shape != (d_model, wq.shape[0]):
+        raise ValueError(f"from_state_dict: output weight must be (d_model, "
+                         f"num_heads*head_dim) = {(d_model, wq.shape[0])}, got {wo.shape}")
+    return head_dim, num_kv_heads
