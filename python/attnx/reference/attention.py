@@ -48,6 +48,48 @@ propagates to that row.
 
 The float64 result is rounded once to the output dtype (correctly rounded,
 also for bfloat16, where a plain ``astype`` would round twice via float32).
+
+:func:`attention`: Parameters
+----------
+q : array_like, (B, Hq, Sq, Dk) | (Hq, Sq, Dk) | (Sq, Dk)
+    Queries. For ``layout="bshd"``: (B, Sq, Hq, Dk) | (Sq, Hq, Dk) | (Sq, Dk).
+    float16, bfloat16, float32 or float64; q, k and v share one dtype.
+k : array_like, (B, Hkv, Sk, Dk), same rank and layout as q
+    Keys. ``Hq % Hkv == 0``; query head h reads kv head ``h // (Hq // Hkv)``.
+v : array_like, (B, Hkv, Sk, Dv), same rank and layout as q
+    Values. ``Dv`` may differ from ``Dk``.
+causal : bool
+    Bottom-right aligned: row i sees key j iff ``j <= i + (Lk - Lq)``.
+mask : array_like of bool or float, optional
+    True = may attend (bool) or added to the scores (float; -inf blocks).
+    Broadcastable to (B, Hq, Sq, Sk) for 4-D q, (Hq, Sq, Sk) for 3-D,
+    (Sq, Sk) for 2-D, in this logical order whatever the layout.
+kv_lens : array_like of int, (B,), optional
+    Keys ``j >= kv_lens[b]`` are absent. An int is accepted for ranks 2/3.
+q_lens : array_like of int, (B,), optional
+    Rows ``i >= q_lens[b]`` are padding: output 0, lse -inf.
+scale : float, optional
+    Default ``1 / sqrt(Dk)``.
+layout : {"bhsd", "bshd"}
+return_lse : bool
+    Also return the natural-log log-sum-exp of the final scores.
+window : (int or None, int or None), optional
+    ``(left, right)``: row i sees j iff ``i+off-left <= j <= i+off+right``.
+softcap : float > 0, optional
+    Scores become ``softcap * tanh(s / softcap)`` (before alibi and mask).
+sinks : array_like, (Hq,), optional
+    Per-head logit that joins the softmax denominator but has no value.
+alibi_slopes : array_like, (Hq,), optional
+    Adds ``-slope[h] * |i + off - j|`` to the scores (before the mask).
+out_dtype : dtype, optional
+    Output dtype; default q's dtype.
+
+Returns
+-------
+out : ndarray, (B, Hq, Sq, Dv) in q's rank and layout, dtype ``out_dtype``
+lse : ndarray, (B, Hq, Sq) | (Hq, Sq) | (Sq,), only if ``return_lse``
+    float32, or float64 when the output dtype is float64. Always in the
+    logical bhsd order, also for ``layout="bshd"``.
 """
 
 from __future__ import annotations
@@ -270,25 +312,12 @@ def _compute(q, k, v, *, scale, causal, allowed, additive, kv_lens, q_lens, wind
     B, Hq, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-
-    # --- positions and structural visibility, (B, Sq, Sk) -------------------
     i = np.arange(Sq)[None, :, None]
     j = np.arange(Sk)[None, None, :]
     q_row_valid = np.arange(Sq)[None, :] < q_lens[:, None]  # (B, Sq)
     key_valid = np.arange(Sk)[None, :] < kv_lens[:, None]  # (B, Sk)
     diag = i + (kv_lens - q_lens)[:, None, None]  # key position of row i
-    visible = q_row_valid[:, :, None] & key_valid[:, None, :]
-    if causal:
-        visible = visible & (j <= diag)
-    if window is not None:
-        left, right = window
-        if left is not None:
-            visible = visible & (j >= diag - left)
-        if right is not None:
-            visible = visible & (j <= diag + right)
-    visible = np.broadcast_to(visible[:, None], (B, Hq, Sq, Sk))
-    if allowed is not None:
-        visible = visible & allowed
+    visible = _visible(q_row_valid, key_valid, diag, j, causal, window, Hq, allowed)
 
     # --- absent rows/keys are zeroed so that garbage there cannot leak ------
     q = np.where(q_row_valid[:, None, :, None], q, 0.0)
@@ -305,39 +334,64 @@ def _compute(q, k, v, *, scale, causal, allowed, additive, kv_lens, q_lens, wind
             s = s - alibi[None, :, None, None] * distance[:, None]
         if additive is not None:
             s = s + additive
-
-        # --- softmax over visible keys (+ sink), with a safe max -------------
-        s_visible = np.where(visible, s, -np.inf)
-        m = np.max(s_visible, axis=-1, initial=-np.inf)  # (B, Hq, Sq); NaN propagates
-        if sinks is not None:
-            sink = np.broadcast_to(sinks[None, :, None], m.shape)
-            m = np.maximum(m, sink)
-        nonempty = m != -np.inf  # True for NaN rows too
-        m_safe = np.where(nonempty, m, 0.0)
-        e = np.where(visible, np.exp(s_visible - m_safe[..., None]), 0.0)
-        denom = e.sum(axis=-1)
-        if sinks is not None:
-            denom = denom + np.exp(sink - m_safe)
-        denom_safe = np.where(nonempty, denom, 1.0)
-        weights = np.where(visible, e / denom_safe[..., None], 0.0)
-        lse = np.where(nonempty, m_safe + np.log(denom_safe), -np.inf)
+        weights, lse = _softmax(s, visible, sinks)
         lse = np.where(q_row_valid[:, None, :], lse, -np.inf)  # padding rows
-
         if v is None:
             return weights, None, lse
-
-        # --- output: weighted sum of the visible value rows -----------------
         v = np.where(key_valid[:, None, :, None], v, 0.0)
         v = np.repeat(v, group, axis=1)  # (B, Hq, Sk, Dv)
-        finite = np.isfinite(v)
-        out = weights @ np.where(finite, v, 0.0)
-        # Non-finite values (NaN/inf) are added back one key at a time, only
-        # to the rows that see that key, so that 0 * nan never leaks.
-        for jj in np.flatnonzero(~finite.all(axis=(0, 1, 3))):
-            v_bad = np.where(finite[:, :, jj, :], 0.0, v[:, :, jj, :])  # (B, Hq, Dv)
-            contrib = weights[:, :, :, jj, None] * v_bad[:, :, None, :]
-            out = out + np.where(visible[:, :, :, jj, None], contrib, 0.0)
-    return weights, out, lse
+        return weights, _weighted_values(weights, v, visible), lse
+
+
+def _visible(q_row_valid, key_valid, diag, j, causal, window, Hq, allowed):
+    """Which keys each row sees, ``(B, Hq, Sq, Sk)``: padding, causal, window, boolean mask."""
+    visible = q_row_valid[:, :, None] & key_valid[:, None, :]
+    if causal:
+        visible = visible & (j <= diag)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            visible = visible & (j >= diag - left)
+        if right is not None:
+            visible = visible & (j <= diag + right)
+    B, Sq, Sk = visible.shape
+    visible = np.broadcast_to(visible[:, None], (B, Hq, Sq, Sk))
+    if allowed is not None:
+        visible = visible & allowed
+    return visible
+
+
+def _softmax(s, visible, sinks):
+    """``(weights, lse)``: the softmax over visible keys (+ sink), with a safe max; a row that
+    sees nothing has weights 0 and lse -inf."""
+    s_visible = np.where(visible, s, -np.inf)
+    m = np.max(s_visible, axis=-1, initial=-np.inf)  # (B, Hq, Sq); NaN propagates
+    if sinks is not None:
+        sink = np.broadcast_to(sinks[None, :, None], m.shape)
+        m = np.maximum(m, sink)
+    nonempty = m != -np.inf  # True for NaN rows too
+    m_safe = np.where(nonempty, m, 0.0)
+    e = np.where(visible, np.exp(s_visible - m_safe[..., None]), 0.0)
+    denom = e.sum(axis=-1)
+    if sinks is not None:
+        denom = denom + np.exp(sink - m_safe)
+    denom_safe = np.where(nonempty, denom, 1.0)
+    weights = np.where(visible, e / denom_safe[..., None], 0.0)
+    lse = np.where(nonempty, m_safe + np.log(denom_safe), -np.inf)
+    return weights, lse
+
+
+def _weighted_values(weights, v, visible):
+    """``weights @ v`` over the visible value rows, ``v`` ``(B, Hq, Sk, Dv)``."""
+    finite = np.isfinite(v)
+    out = weights @ np.where(finite, v, 0.0)
+    # Non-finite values (NaN/inf) are added back one key at a time, only
+    # to the rows that see that key, so that 0 * nan never leaks.
+    for jj in np.flatnonzero(~finite.all(axis=(0, 1, 3))):
+        v_bad = np.where(finite[:, :, jj, :], 0.0, v[:, :, jj, :])  # (B, Hq, Dv)
+        contrib = weights[:, :, :, jj, None] * v_bad[:, :, None, :]
+        out = out + np.where(visible[:, :, :, jj, None], contrib, 0.0)
+    return out
 
 
 def _prepare(q, k, v, *, causal, mask, kv_lens, q_lens, scale, layout, window, softcap,
@@ -413,49 +467,7 @@ def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *, causal: b
               alibi_slopes: npt.ArrayLike | None = None,
               out_dtype: npt.DTypeLike | None = None) -> Result:
     """Exact scaled dot-product attention, ``softmax(scale * Q Kᵀ + M) V``.
-
-    Parameters
-    ----------
-    q : array_like, (B, Hq, Sq, Dk) | (Hq, Sq, Dk) | (Sq, Dk)
-        Queries. For ``layout="bshd"``: (B, Sq, Hq, Dk) | (Sq, Hq, Dk) | (Sq, Dk).
-        float16, bfloat16, float32 or float64; q, k and v share one dtype.
-    k : array_like, (B, Hkv, Sk, Dk), same rank and layout as q
-        Keys. ``Hq % Hkv == 0``; query head h reads kv head ``h // (Hq // Hkv)``.
-    v : array_like, (B, Hkv, Sk, Dv), same rank and layout as q
-        Values. ``Dv`` may differ from ``Dk``.
-    causal : bool
-        Bottom-right aligned: row i sees key j iff ``j <= i + (Lk - Lq)``.
-    mask : array_like of bool or float, optional
-        True = may attend (bool) or added to the scores (float; -inf blocks).
-        Broadcastable to (B, Hq, Sq, Sk) for 4-D q, (Hq, Sq, Sk) for 3-D,
-        (Sq, Sk) for 2-D, in this logical order whatever the layout.
-    kv_lens : array_like of int, (B,), optional
-        Keys ``j >= kv_lens[b]`` are absent. An int is accepted for ranks 2/3.
-    q_lens : array_like of int, (B,), optional
-        Rows ``i >= q_lens[b]`` are padding: output 0, lse -inf.
-    scale : float, optional
-        Default ``1 / sqrt(Dk)``.
-    layout : {"bhsd", "bshd"}
-    return_lse : bool
-        Also return the natural-log log-sum-exp of the final scores.
-    window : (int or None, int or None), optional
-        ``(left, right)``: row i sees j iff ``i+off-left <= j <= i+off+right``.
-    softcap : float > 0, optional
-        Scores become ``softcap * tanh(s / softcap)`` (before alibi and mask).
-    sinks : array_like, (Hq,), optional
-        Per-head logit that joins the softmax denominator but has no value.
-    alibi_slopes : array_like, (Hq,), optional
-        Adds ``-slope[h] * |i + off - j|`` to the scores (before the mask).
-    out_dtype : dtype, optional
-        Output dtype; default q's dtype.
-
-    Returns
-    -------
-    out : ndarray, (B, Hq, Sq, Dv) in q's rank and layout, dtype ``out_dtype``
-    lse : ndarray, (B, Hq, Sq) | (Hq, Sq) | (Sq,), only if ``return_lse``
-        float32, or float64 when the output dtype is float64. Always in the
-        logical bhsd order, also for ``layout="bshd"``.
-    """
+    (Parameters, results and an example: :mod:`attnx.reference.attention`.)"""
     q, q4, k4, v4, rank, params = _prepare(
         q, k, v, causal=causal, mask=mask, kv_lens=kv_lens, q_lens=q_lens, scale=scale,
         layout=layout, window=window, softcap=softcap, sinks=sinks,
