@@ -69,7 +69,7 @@ def as_kind(x, use_torch):
 
 
 def to_numpy(x):
-    from attnx.distributed import _numpy
+    from attnx.distributed.collective import as_numpy as _numpy
 
     return _numpy(x, "result")
 
@@ -375,12 +375,12 @@ def a_failure_inside_the_ring_reaches_every_rank(rank, world):
     import attnx.distributed as ad
 
     x = data(1, (1, 2, 8, 4), np.float32)
-    real = ad.segment_attention
+    real = ad.ring.segment_attention
 
     def broken(*args, **kw):
         raise RuntimeError("boom")
 
-    ad.segment_attention = broken if rank == 1 else real
+    ad.ring.segment_attention = broken if rank == 1 else real
     try:
         ad.ring_attention(x, x, x, causal=True)
     except ad.DistributedError as exc:
@@ -390,7 +390,7 @@ def a_failure_inside_the_ring_reaches_every_rank(rank, world):
     else:
         raise AssertionError("expected an error on every rank")
     finally:
-        ad.segment_attention = real
+        ad.ring.segment_attention = real
     ad.ring_attention(x, x, x, causal=True)  # the group still works
 
 

@@ -431,15 +431,17 @@ def delta_expected(q, k, v, g, beta, **kw):
     """What a gated_delta_rule call with these arguments (``_mode`` and ``num_threads`` aside)
     is held to: the float64 recurrence's output and final state, and the float32 recurrence's
     (the output rounded to q's dtype), which sets the tolerance. Four float64 arrays."""
-    from attnx._delta_args import delta_args, from_bshd
+    from attnx.ops.delta_args import delta_args, from_bshd
+    from attnx.reference.attention import round_to
+    from attnx.reference.delta_rule import _delta_recurrence
 
     kw = {key: x for key, x in kw.items() if key not in ("_mode", "num_threads")}
     ro, rs = ref.gated_delta_rule(q, k, v, g, beta, output_final_state=True, out_dtype=np.float64, **kw)
     args = delta_args(q, k, v, g, beta, scale=kw.get("scale"), initial_state=kw.get("initial_state"),
                       layout=kw.get("layout", "bshd"), cu_seqlens=kw.get("cu_seqlens"),
                       lengths=kw.get("lengths"))
-    lo, ls = ref._delta_recurrence(args, qk_l2norm=kw.get("qk_l2norm", False), dtype=np.float32)
-    lo = from_bshd(ref._round_to(lo.astype(np.float64), q.dtype).astype(np.float64), kw.get("layout", "bshd"))
+    lo, ls = _delta_recurrence(args, qk_l2norm=kw.get("qk_l2norm", False), dtype=np.float32)
+    lo = from_bshd(round_to(lo.astype(np.float64), q.dtype).astype(np.float64), kw.get("layout", "bshd"))
     return ro, rs.astype(np.float64), lo, ls.astype(np.float64)
 
 

@@ -288,7 +288,7 @@ def test_a_sequence_holds_at_most_2_31_minus_1_tokens():
     long (its blocks are released as it goes); the step past the limit is refused with nothing
     changed. (White-box: 2**31 tokens of real steps would take minutes, so the sequence's record
     is set to what 2047 steps of 2**20 tokens and one of 2**20 - 2 leave behind.)"""
-    from attnx._blocks import BlockRow
+    from attnx.cache.blocks import BlockRow
 
     bs = 2**20
     cache = attnx.PagedKVCache(1, 1, 1, num_blocks=3, block_size=bs, sliding_window=1)

@@ -40,9 +40,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 import attnx
-import attnx._shared
+import attnx.ops.cascade
 from attnx import reference
-from attnx._blocks import block_digest
+from attnx.cache.blocks import block_digest
 
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, HKV, HQ, DK = 24, 4, 2, 2, 4, 8
 MAX_SEQS = 6
@@ -798,5 +798,5 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 def test_prefix_cache_state_machine(monkeypatch):
-    monkeypatch.setattr(attnx._shared, "MIN_SAVED_KEYS", 0)  # every shared run goes through the split path
+    monkeypatch.setattr(attnx.ops.cascade, "MIN_SAVED_KEYS", 0)  # every shared run goes through the split path
     run_state_machine_as_test(PrefixCacheMachine, settings=SETTINGS)

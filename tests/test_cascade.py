@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
-import attnx._shared
+import attnx.ops.cascade
 from attnx import _core
 
 KV_DTYPES = ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"]
@@ -20,7 +20,7 @@ KV_DTYPES = ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_
 
 @pytest.fixture(autouse=True)
 def split_always(monkeypatch):
-    monkeypatch.setattr(attnx._shared, "MIN_SAVED_KEYS", 0)
+    monkeypatch.setattr(attnx.ops.cascade, "MIN_SAVED_KEYS", 0)
 
 
 def grow(cache, seqs, counts, rng, hkv, d, layers):
@@ -102,10 +102,10 @@ def test_a_step_plans_its_groups_once(monkeypatch):
     step = cache.begin_step(leaves, [1] * 4)
     q = rng.standard_normal((4, 1, 16)).astype(np.float32)
     step.attend(0, q, q, q)
-    plan = step._plan
-    monkeypatch.setattr(attnx._shared, "MIN_SAVED_KEYS", 10**9)
+    plan = step._step_plan
+    monkeypatch.setattr(attnx.ops.cascade, "MIN_SAVED_KEYS", 10**9)
     step.attend(1, q, q, q)
-    assert step._plan is plan
+    assert step._step_plan is plan
 
 
 def test_plan_cascade_checks_its_arguments():

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import _dist_worker as worker
 import attnx
-from attnx._segments import segment_attention, segment_visibility
+from attnx.distributed.segments import segment_attention, segment_visibility
 from conftest import SEED, rand
 
 SUITES = {"w2": 2, "w4": 4, "hang": 2}

@@ -360,14 +360,14 @@ def test_sdpa_nan_scale_propagates(qkv):
 def test_errors_come_from_the_one_call(qkv, monkeypatch):
     q, k, v = qkv
     calls = []
-    core = attnx._api._core
+    core = attnx.ops.attention._core
 
     class Counting:
         def __getattr__(self, name):
             f = getattr(core, name)
             return lambda *a, **kw: (calls.append(name), f(*a, **kw))[1]
 
-    monkeypatch.setattr(attnx._api, "_core", Counting())
+    monkeypatch.setattr(attnx.ops.attention, "_core", Counting())
     out = np.full((B, HQ, SQ, 2 * D + 2), 3.0, np.float32)[..., ::2]  # strided and the wrong shape
     with pytest.raises(ValueError, match=r"^out\b.*shape"):
         attnx.attention(q, k, v, out=out)

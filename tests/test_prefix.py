@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
-import attnx._blocks
-import attnx._shared
+import attnx.cache.blocks
+import attnx.ops.cascade
 import attnx.cache
 from attnx import reference
 
@@ -66,7 +66,7 @@ def seq_kv(c, seq):
 
 @pytest.fixture
 def split_always(monkeypatch):
-    monkeypatch.setattr(attnx._shared, "MIN_SAVED_KEYS", 0)
+    monkeypatch.setattr(attnx.ops.cascade, "MIN_SAVED_KEYS", 0)
 
 
 # ---- prefix caching --------------------------------------------------------------------------
@@ -100,7 +100,7 @@ def test_extra_key_and_token_values_separate_chains(rng):
 def test_digest_collision_never_mixes_sequences(rng, monkeypatch):
     """With a digest that collides for everything, a hit still needs the same token ids."""
     collide = lambda parent, tokens: b"\0" * 32  # noqa: E731
-    monkeypatch.setattr(attnx._blocks, "block_digest", collide)
+    monkeypatch.setattr(attnx.cache.blocks, "block_digest", collide)
     monkeypatch.setattr(attnx.cache, "block_digest", collide)
     c = make_cache()
     a = c.new_sequence(tokens=range(5))
@@ -366,8 +366,8 @@ def shared_tables(rng, groups, singles, block_size, num_blocks_spare=3):
        singles=st.lists(st.integers(1, 20), max_size=3), chunked=st.booleans())
 def test_shared_prefix_attention_matches_the_reference(seed, block_size, heads, dtype, groups, singles,
                                                        chunked):
-    old = attnx._shared.MIN_SAVED_KEYS
-    attnx._shared.MIN_SAVED_KEYS = 0
+    old = attnx.ops.cascade.MIN_SAVED_KEYS
+    attnx.ops.cascade.MIN_SAVED_KEYS = 0
     try:
         rng = np.random.default_rng(seed)
         hq, hkv = heads
@@ -379,7 +379,7 @@ def test_shared_prefix_attention_matches_the_reference(seed, block_size, heads, 
         vp = rng.standard_normal((nb, hkv, block_size, 12)).astype(dt)
         q = rng.standard_normal((int(q_lens.sum()), hq, 16)).astype(np.float32)
         args = (q, kp, vp, tables, lens)
-        assert attnx._shared.plan_groups(tables, lens, q_lens, block_size) or chunked
+        assert attnx.ops.cascade.plan_groups(tables, lens, q_lens, block_size) or chunked
         got, lse = attnx.paged_attention(*args, q_lens=q_lens, return_lse=True)
         want, want_lse = reference.paged_attention(*args, q_lens=q_lens, return_lse=True)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
@@ -387,18 +387,18 @@ def test_shared_prefix_attention_matches_the_reference(seed, block_size, heads, 
         plain = attnx.paged_attention(*args, q_lens=q_lens, shared_prefix=False)
         np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
     finally:
-        attnx._shared.MIN_SAVED_KEYS = old
+        attnx.ops.cascade.MIN_SAVED_KEYS = old
 
 
 def test_shared_prefix_groups_only_blocks_before_every_query(split_always):
     table = np.array([[5, 6, 7, 1], [5, 6, 7, 2], [5, 6, 9, 3], [8, 0, 0, 0]], np.int32)
     lens = np.array([16, 16, 16, 3])
-    g = attnx._shared.plan_groups(table, lens, np.array([1, 1, 1, 1]), 4)
+    g = attnx.ops.cascade.plan_groups(table, lens, np.array([1, 1, 1, 1]), 4)
     assert [r.tolist() for r in g.rows] == [[0, 1, 2], [0, 1]]  # nested: 0 and 1 share block 2 too
     assert g.starts == [0, 2] and g.blocks == [2, 3]
-    g = attnx._shared.plan_groups(table[:2], lens[:2], np.array([1, 9]), 4)  # 9 queries: block 1 is not before them all
+    g = attnx.ops.cascade.plan_groups(table[:2], lens[:2], np.array([1, 9]), 4)  # 9 queries: block 1 is not before them all
     assert g.blocks == [1] and g.tokens[0].tolist() == list(range(10))
-    assert not attnx._shared.plan_groups(table[:2], lens[:2], np.array([0, 0]), 4)
+    assert not attnx.ops.cascade.plan_groups(table[:2], lens[:2], np.array([0, 0]), 4)
 
 
 def test_shared_prefix_out_and_half_precision_queries(rng, split_always):
@@ -576,7 +576,7 @@ def test_more_queries_than_shared_keys_and_groups_without_queries(rng, split_alw
     vp = rng.standard_normal((nb, 1, 4, 8)).astype(np.float32)
     members = (tables[:, 0][:, None] == tables[:, 0][None]).sum(axis=1)  # size of each row's group
     q_lens = np.where(members == 2, 0, 1)
-    groups = attnx._shared.plan_groups(tables, lens, q_lens, 4)
+    groups = attnx.ops.cascade.plan_groups(tables, lens, q_lens, 4)
     assert [len(r) for r in groups.rows] == [9] and groups.blocks == [1]
     q = rng.standard_normal((int(q_lens.sum()), 2, 8)).astype(np.float32)
     got = attnx.paged_attention(q, kp, vp, tables, lens, q_lens=q_lens)
@@ -640,7 +640,7 @@ def _raw_safetensors(tensors, metadata, header_text=None):
 def _forge(path, header, tensors, checksum=True):
     """A session file with the attnx ``header`` (a dict, or the JSON text itself) and a
     checksum a forger computes as attnx does (or ``checksum=False``: a wrong one)."""
-    import attnx._session as sess
+    import attnx.cache.session as sess
     text = header if isinstance(header, str) else json.dumps(header)
     stored = {n: sess._stored(t) for n, t in tensors.items()}
     digest = sess._checksum(text, stored) if checksum else "0" * 64

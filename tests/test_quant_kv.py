@@ -278,7 +278,7 @@ def test_step_refuses_read_only_scales_and_writes_nothing():
     ks.flags.writeable = False
     x = np.ones((2, 1, 8), np.float32)
     with pytest.raises(ValueError, match="k_scales: array is not writable"):
-        attnx._api.paged_step(x, x, x, cache.k_pages(0), cache.v_pages(0), step.block_tables,
+        attnx.ops.paged.paged_step(x, x, x, cache.k_pages(0), cache.v_pages(0), step.block_tables,
                               step.seq_lens, step.q_lens, step.slots, k_scales=ks,
                               v_scales=cache.v_scales(0))
     assert (cache.k_pages(0) == 0).all() and (cache.v_scales(0) == 0).all()

@@ -6,9 +6,11 @@ the seed's worked examples.  The module is loaded by file path so these tests
 run without the compiled core (``attnx._core``) being built.
 """
 
-import importlib.util
+import importlib
 import math
 import pathlib
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -17,10 +19,12 @@ from conftest import make_rng as rng  # rng(*salt): this file's name for it
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "python" / "attnx" / "reference.py"
-_spec = importlib.util.spec_from_file_location("attnx_reference_under_test", _PATH)
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+# the reference package under a parent of its own whose __init__ never runs (so the core is not loaded)
+_PKG = pathlib.Path(__file__).resolve().parents[1] / "python" / "attnx"
+_parent = types.ModuleType("attnx_under_test")
+_parent.__path__ = [str(_PKG)]
+sys.modules["attnx_under_test"] = _parent
+ref = importlib.import_module("attnx_under_test.reference")
 
 NEG_INF = float("-inf")
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
-import attnx._shared
+import attnx.ops.cascade
 from attnx import reference
 
 # Keys stored as float16 are exact in float32, so the kernel matches the reference to float32
@@ -65,13 +65,13 @@ def test_forks_over_fp16_pages_match_the_unshared_step(seed, dk, forks, blocks, 
     kp = rng.standard_normal((nb, 2, block_size, dk)).astype(np.float16)
     vp = rng.standard_normal((nb, 2, block_size, 32)).astype(np.float16)
     q = rng.standard_normal((forks, 2, dk)).astype(np.float32)
-    old = attnx._shared.MIN_SAVED_KEYS
-    attnx._shared.MIN_SAVED_KEYS = 0
+    old = attnx.ops.cascade.MIN_SAVED_KEYS
+    attnx.ops.cascade.MIN_SAVED_KEYS = 0
     try:
-        assert attnx._shared.plan_groups(tables, lens, np.ones(forks, np.int64), block_size)
+        assert attnx.ops.cascade.plan_groups(tables, lens, np.ones(forks, np.int64), block_size)
         got, lse = attnx.paged_attention(q, kp, vp, tables, lens, return_lse=True)
     finally:
-        attnx._shared.MIN_SAVED_KEYS = old
+        attnx.ops.cascade.MIN_SAVED_KEYS = old
     plain = attnx.paged_attention(q, kp, vp, tables, lens, shared_prefix=False)
     want, want_lse = reference.paged_attention(q, kp, vp, tables, lens, return_lse=True)
     np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)

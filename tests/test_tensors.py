@@ -26,7 +26,7 @@ def _rand(*shape, dtype=torch.float32, seed=SEED):
 
 
 def _np_view(t):
-    return attnx._tensors.to_numpy(t, "t")
+    return attnx.integrations.tensors.to_numpy(t, "t")
 
 
 def test_import_attnx_imports_no_framework():
@@ -37,11 +37,11 @@ def test_import_attnx_imports_no_framework():
 
 def test_ops_register_on_first_tensor_not_on_import():
     code = ("import sys, attnx, torch\n"
-            "assert 'attnx.torch_ops' not in sys.modules\n"
+            "assert 'attnx.integrations.torch_ops' not in sys.modules\n"
             "assert not hasattr(torch.ops.attnx, 'attention') if hasattr(torch.ops, 'attnx') else True\n"
             "x = torch.ones(2, 4)\n"
             "attnx.attention(x, x, x)\n"
-            "assert 'attnx.torch_ops' in sys.modules\n"
+            "assert 'attnx.integrations.torch_ops' in sys.modules\n"
             "torch.ops.attnx.attention.default, torch.ops.attnx.paged_attention.default\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -53,9 +53,9 @@ def test_a_cache_step_on_tensors_registers_too():
             "cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=4)\n"
             "step = cache.begin_step([cache.new_sequence()], [1])\n"
             "x = torch.ones(1, 1, 1, 4)\n"
-            "q, k = (attnx._tensors.to_numpy(t, n) for t, n in ((x, 'q'), (x, 'k')))\n"
+            "q, k = (attnx.integrations.tensors.to_numpy(t, n) for t, n in ((x, 'q'), (x, 'k')))\n"
             "step._attend(0, q, k, k)\n"
-            "assert 'attnx.torch_ops' in sys.modules\n"
+            "assert 'attnx.integrations.torch_ops' in sys.modules\n"
             "torch.ops.attnx.attention.default\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -68,7 +68,7 @@ def test_views_are_zero_copy(dtype):
     assert a.ctypes.data == view.data_ptr()
     assert a.shape == tuple(view.shape)
     assert a.strides == tuple(s * view.element_size() for s in view.stride())
-    back = attnx._tensors.like(a, view)
+    back = attnx.integrations.tensors.like(a, view)
     assert back.dtype == dtype and back.data_ptr() == view.data_ptr()
 
 
@@ -133,8 +133,8 @@ def test_every_entry_point_returns_tensors():
     step = cache.begin_step([seq], [5])
     o = step.attend(0, _rand(5, 4, 8, dtype=torch.bfloat16), _rand(5, 2, 8), _rand(5, 2, 8))
     assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16
-    k_pages = attnx._tensors.like(cache.k_pages(0), o)
-    v_pages = attnx._tensors.like(cache.v_pages(0), o)
+    k_pages = attnx.integrations.tensors.like(cache.k_pages(0), o)
+    v_pages = attnx.integrations.tensors.like(cache.v_pages(0), o)
     assert k_pages.data_ptr() == cache.k_pages(0).ctypes.data
     o = attnx.paged_attention(_rand(1, 4, 8), k_pages, v_pages, torch.tensor([[0, 1]], dtype=torch.int32),
                               torch.tensor([5], dtype=torch.int32))

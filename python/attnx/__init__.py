@@ -8,18 +8,26 @@ keeps keys and values in a pool of fixed-size blocks and decodes many sequences 
 
 from __future__ import annotations
 
+import importlib as _importlib
 import os as _os
 
-from . import _api, _core
+from . import _core
 from . import reference
-from ._api import attention, paged_attention
+from . import _validate
+from .ops.attention import attention
+from .ops.paged import paged_attention
 from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
-from .layers import MultiHeadAttention
-from .merge import merge_attention
-from ._session import SessionError
-from ._session import info as session_info
-from .linear import gated_delta_rule
-from .torch_compat import scaled_dot_product_attention
+from .integrations.layers import MultiHeadAttention
+from .ops.merge import merge_attention
+from .cache.session import SessionError
+from .cache.session import info as session_info
+from .ops.delta_rule import gated_delta_rule
+from .integrations.sdpa import scaled_dot_product_attention
+from . import layers as layers, torch_compat as torch_compat  # (the module names existing code reads after `import attnx`)
+from .integrations import tensors as _tensors
+
+# the torch ops, imported on the first tensor an entry point sees (torch is then loaded already)
+_tensors.load_torch_ops = lambda: _importlib.import_module(".integrations.torch_ops", __name__)
 
 # The version lives in pyproject.toml only; read back from the installed metadata on first use
 # (importlib.metadata costs tens of ms to import, so `import attnx` does not pay for it).
@@ -86,7 +94,7 @@ def set_num_threads(n):
     integer), else ``OMP_NUM_THREADS`` if set, else the CPUs this process may run on. A count
     above 4 per such CPU (or above 1024) is capped, with a RuntimeWarning. The environment is
     never changed."""
-    _core.set_num_threads(_api._thread_count(n, "n", 0, "an int >= 0", stacklevel=3))
+    _core.set_num_threads(_validate.thread_count(n, "n", 0, "an int >= 0", stacklevel=3))
 
 
 def get_num_threads():

@@ -14,9 +14,14 @@ from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
+from .quant import QUANTISED_DTYPES
+
 __all__ = ["LAYOUTS", "choice", "flag", "FLOAT_DTYPES", "QUANTISED_DTYPES", "DTYPE_ALIASES",
            "SHORT_NAMES", "dtype_name", "storage_dtype", "positive_int", "as_int", "int_in", "index",
-           "counts", "as_array", "native_order", "kernel_array", "real", "window_sides"]
+           "counts", "as_array", "native_order", "kernel_array", "real", "window_sides", "to4", "from4",
+           "rank_lens", "mask4", "optional_real", "optional_array", "out4", "thread_count", "threads"]
+
+_KIND_FLOAT = "f"
 
 
 LAYOUTS = ("bhsd", "bshd")  # the layouts of 4-D (B, H, S, D) / (B, S, H, D) arrays
@@ -50,7 +55,6 @@ def flag(x: object, name: str) -> bool:
 # One table: the storage dtypes attnx names (NumPy's and ml_dtypes' names, as the cache takes them)
 # and the short names the bench prints, accepted as aliases wherever a dtype is named.
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-QUANTISED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 SHORT_NAMES = {full: short for short, full in DTYPE_ALIASES.items()}
 
@@ -208,3 +212,99 @@ def window_sides(window: Any) -> Optional[Tuple[Optional[int], Optional[int]]]:
             raise TypeError(f"window: sides must be ints or None, got {window!r}")
         sides.append(None if side is None else int(side))
     return sides[0], sides[1]
+
+
+# ---- ranks and layouts: every entry point views its arrays as (B, H, S, D) for the core ----
+def to4(a, name, rank, layout):
+    """View a rank-2/3/4 tensor of `layout` as (B, H, S, D)."""
+    if a.ndim != rank:
+        raise ValueError(f"{name}: expected rank {rank} like q, got shape {a.shape}")
+    if rank == 4:
+        return a.transpose(0, 2, 1, 3) if layout == "bshd" else a
+    if rank == 3:
+        return (a.transpose(1, 0, 2) if layout == "bshd" else a)[None]
+    return a[None, None]
+
+
+def from4(x, rank, layout):
+    if rank == 4:
+        return x.transpose(0, 2, 1, 3) if layout == "bshd" else x
+    if rank == 3:
+        return x[0].transpose(1, 0, 2) if layout == "bshd" else x[0]
+    return x[0, 0]
+
+
+def rank_lens(x, rank):
+    if x is None or rank == 4:
+        return x
+    if isinstance(x, numbers.Integral) or (isinstance(x, np.ndarray) and x.ndim == 0):
+        return np.reshape(x, (1,))  # ranks 2/3 have B == 1: one length may be a scalar
+    return x
+
+
+def mask4(mask, rank, logical, additive=np.float32):
+    """``mask`` as a 4-D boolean or native additive array that the kernels can read: float32, or
+    float64 (``additive``) for float64 inputs, whose kernels compute in float64."""
+    m = as_array(mask, "mask")
+    if m.dtype != np.bool_:
+        if m.dtype.kind != _KIND_FLOAT and m.dtype.name != "bfloat16":
+            raise TypeError(f"mask: expected boolean (True = may attend) or additive float, got dtype {m.dtype}")
+        if m.dtype != additive:  # (a byte-swapped one too)
+            m = m.astype(additive)  # additive masks are read in the compute type
+    if m.ndim > rank:
+        raise ValueError(f"mask: shape {m.shape} does not broadcast to {logical}")
+    try:
+        np.broadcast_shapes(m.shape, logical)
+    except ValueError:
+        raise ValueError(f"mask: shape {m.shape} does not broadcast to {logical}") from None
+    if not m.flags.aligned:  # e.g. a field of a structured array: element strides cannot reach it
+        m = np.array(m)
+    return m.reshape((1,) * (4 - m.ndim) + m.shape)
+
+
+def optional_real(x, name):
+    """``x`` as a float (:func:`real`), or None (the binding's default) for None."""
+    return None if x is None else real(x, name)
+
+
+def optional_array(x: object, name: str) -> Optional[np.ndarray]:
+    """An optional array argument as an array (the binding checks it), or None."""
+    return None if x is None else as_array(x, name)
+
+
+def out4(out, rank, layout):
+    """``out`` viewed as (B, Hq, Sq, Dv) like q; the binding checks its shape and dtype, and
+    writes a temporary that it copies in when ``out`` overlaps an input."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
+    if out.ndim != rank:
+        raise ValueError(f"out: expected rank {rank} like q, got shape {out.shape}")
+    return to4(out, "out", rank, layout)
+
+
+def thread_count(n, name, minimum, expected, stacklevel):
+    """``n`` as a thread count for the core: a Python int in [minimum, 2**31), at most
+    ``_core._max_threads()`` (4 per CPU this process may run on, at most 1024); a larger count is
+    capped with a RuntimeWarning. ``stacklevel`` is the user's frame, counted from here."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < minimum:
+        raise ValueError(f"{name}: expected {expected}, got {n!r}")
+    if n >= 2**31:
+        raise ValueError(f"{name}: expected at most 2**31 - 1, got {n!r}")
+    n = int(n)
+    if n > 4:  # the cap is never below 4: the usual counts skip its affinity system call
+        from . import _core  # (here: the reference shares these checks and never loads the core)
+
+        cap = _core._max_threads()
+        if n > cap:
+            warnings.warn(f"{name}={n} capped at {cap} threads (attnx starts at most 4 per CPU this "
+                          f"process may run on, and at most 1024)", RuntimeWarning,
+                          stacklevel=stacklevel)
+            n = cap
+    return n
+
+
+def threads(num_threads):
+    """A call's ``num_threads``: 0 (the default) for None."""
+    if num_threads is None:
+        return 0
+    return thread_count(num_threads, "num_threads", 1, "a positive int or None", stacklevel=4)

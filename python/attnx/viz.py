@@ -6,6 +6,32 @@ No pyplot state is touched when an ``ax`` is given; without one a standalone
 
 A bright cell says that one query gave one key a larger coefficient in this layer and head; it
 is routing, not reasoning (the seed's caveat).
+
+:func:`heatmap`: Parameters
+----------
+weights : array ``(Sq, Sk)``
+    One head's attention weights (e.g. a slice of ``layer(x, return_weights=True)[1]`` or
+    :func:`attnx.reference.attention_weights`); masked entries are 0.
+query_tokens : sequence of str, length ``Sq``
+    Row labels.
+key_tokens : sequence of str, length ``Sk``
+    Column labels.
+ax : matplotlib Axes, optional
+    Where to draw; a new figure is made when omitted.
+title : str, optional
+annotate : bool
+    Write each coefficient in its cell (with 2 decimals).
+
+Returns
+-------
+matplotlib.axes.Axes
+    ``ax.figure.savefig("map.png")`` saves it.
+
+Examples
+--------
+>>> import numpy as np
+>>> from attnx import viz
+>>> ax = viz.heatmap(np.eye(2), ["a", "b"], ["a", "b"])  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -32,33 +58,7 @@ def _matplotlib() -> Any:
 def heatmap(weights: npt.ArrayLike, query_tokens: Sequence[object], key_tokens: Sequence[object],
             ax: Any = None, title: str | None = None, annotate: bool = True) -> Any:
     """Draws one attention map: rows are queries, columns are keys.
-
-    Parameters
-    ----------
-    weights : array ``(Sq, Sk)``
-        One head's attention weights (e.g. a slice of ``layer(x, return_weights=True)[1]`` or
-        :func:`attnx.reference.attention_weights`); masked entries are 0.
-    query_tokens : sequence of str, length ``Sq``
-        Row labels.
-    key_tokens : sequence of str, length ``Sk``
-        Column labels.
-    ax : matplotlib Axes, optional
-        Where to draw; a new figure is made when omitted.
-    title : str, optional
-    annotate : bool
-        Write each coefficient in its cell (with 2 decimals).
-
-    Returns
-    -------
-    matplotlib.axes.Axes
-        ``ax.figure.savefig("map.png")`` saves it.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnx import viz
-    >>> ax = viz.heatmap(np.eye(2), ["a", "b"], ["a", "b"])  # doctest: +SKIP
-    """
+    (Parameters, results and an example: :mod:`attnx.viz`.)"""
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 2:
         raise ValueError(f"weights: expected one map (Sq, Sk), got shape {w.shape}; select a "

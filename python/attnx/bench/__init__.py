@@ -68,11 +68,7 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = out or sys.stdout
     tiny = tiny or os.environ.get("ATTNX_BENCH_TINY", "") not in ("", "0")
-    for name, n in (("threads", threads), ("repeat", repeat)):
-        if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
-            raise ValueError(f"{name}: expected a positive int or None, got {n!r}")
-    threads = threads if threads is not None else attnx.get_num_threads()
-    repeat = repeat if repeat is not None else (3 if quick or tiny else 7)
+    threads, repeat = _counts(threads, repeat, quick or tiny)
     if plot_path:  # fail before the minutes of measuring, not after
         _report.require_matplotlib()
     bench = Bench(threads, repeat, quick, tiny, Progress(0), _peers.load_torch(), _peers.load_onnxruntime())
@@ -104,6 +100,22 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
         "rows": rows,
     }
     _print(result, out)
+    _save(result, json_path, plot_path, log)
+    return result
+
+
+def _counts(threads, repeat, short):
+    """``(threads, repeat)`` checked, with their defaults (fewer rounds for a short run)."""
+    for name, n in (("threads", threads), ("repeat", repeat)):
+        if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise ValueError(f"{name}: expected a positive int or None, got {n!r}")
+    threads = threads if threads is not None else attnx.get_num_threads()
+    repeat = repeat if repeat is not None else (3 if short else 7)
+    return threads, repeat
+
+
+def _save(result, json_path, plot_path, log):
+    """The result as JSON and as a plot, where asked."""
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1, default=float)
@@ -111,7 +123,6 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
     if plot_path:
         _report.plot(result, plot_path)
         log(f"wrote {plot_path}")
-    return result
 
 
 def _print(result, out):

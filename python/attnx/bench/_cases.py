@@ -532,26 +532,10 @@ def suite(*, tiny, quick, threads, repeat):
              Dense(B_enc, H_enc, H_enc, S_enc, S_enc, 64, kv_lens=_padding_lens(B_enc, S_enc, 3)),
              (FasterThan("torch", 1.5, "(boolean mask)"),), {"B": 1 if quick else B_enc},
              ref_samples=1 if quick else 2, seed=3),
-        Case("decode_f32", "paged decode", decode, (PctOfLimit(80), FasterThan("torch", 4.0)),
-             {"B": 2 if q_big else B_dec}, ref_samples=1 if quick else 3, seed=4),
     ]
-    for dt in ("fp16", "bf16"):
-        cases.append(Case(f"decode_{dt}", f"paged decode {dt} KV", replace(decode, dtype=dt),
-                          (TokensOver("decode_f32", 1.7),), {"B": 2 if q_big else B_dec},
-                          ref_samples=1 if quick else 3, seed=4))
-    cases += _quantised_decode("decode", "decode_f32", "decode_fp16", "paged decode", decode,
-                               {"B": 2 if q_big else B_dec}, quick, 4)
+    cases += _decode(decode, {"B": 2 if q_big else B_dec}, quick)
     cases += forks(big=big, quick=quick)
-    long = Paged(1, Hq, Hkv, L_long, 128)
-    long_ref = {"S": L_long // (8 if q_big else 1)}
-    cases += [
-        Case("decode_long", "long-context decode", long, (PctOfLimit(80),),
-             long_ref, ref_samples=1 if quick else 3, seed=5),
-        Case("decode_long_fp16", "long-context decode fp16 KV", replace(long, dtype="fp16"),
-             (TokensOver("decode_long", 1.7),), long_ref, ref_samples=1 if quick else 3, seed=5),
-    ]
-    cases += _quantised_decode("decode_long", "decode_long", "decode_long_fp16",
-                               "long-context decode", long, long_ref, quick, 5)
+    cases += _long_decode(Paged(1, Hq, Hkv, L_long, 128), {"S": L_long // (8 if q_big else 1)}, quick)
     cases += [
         Case("small", "small call", Dense(1, 1, 1, 1, 16, 64), (AtMostLatency(5e-6),),
              ref_samples=repeat, seed=7, kind="latency"),
@@ -561,6 +545,30 @@ def suite(*, tiny, quick, threads, repeat):
              (PeakMemory(),), None, kind="memory"),
     ]
     return cases + delta_cases(tiny=tiny, quick=quick)
+
+
+def _decode(decode, ref, quick):
+    """The paged decode rows: float32, fp16 and bf16 KV, and the quantised ones."""
+    cases = [Case("decode_f32", "paged decode", decode, (PctOfLimit(80), FasterThan("torch", 4.0)),
+                  ref, ref_samples=1 if quick else 3, seed=4)]
+    for dt in ("fp16", "bf16"):
+        cases.append(Case(f"decode_{dt}", f"paged decode {dt} KV", replace(decode, dtype=dt),
+                          (TokensOver("decode_f32", 1.7),), ref,
+                          ref_samples=1 if quick else 3, seed=4))
+    return cases + _quantised_decode("decode", "decode_f32", "decode_fp16", "paged decode", decode,
+                                     ref, quick, 4)
+
+
+def _long_decode(long, long_ref, quick):
+    """The long-context decode rows: float32, fp16 KV and the quantised ones."""
+    cases = [
+        Case("decode_long", "long-context decode", long, (PctOfLimit(80),),
+             long_ref, ref_samples=1 if quick else 3, seed=5),
+        Case("decode_long_fp16", "long-context decode fp16 KV", replace(long, dtype="fp16"),
+             (TokensOver("decode_long", 1.7),), long_ref, ref_samples=1 if quick else 3, seed=5),
+    ]
+    return cases + _quantised_decode("decode_long", "decode_long", "decode_long_fp16",
+                                     "long-context decode", long, long_ref, quick, 5)
 
 
 def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):

@@ -165,7 +165,7 @@ def _child(job_path, out_path):
 
     result["backend"] = AttentionBackendEnum.CPU_ATTN.get_path()
     if job["backend"] == "attnx":
-        from .. import _vllm
+        from ..integrations import _vllm
 
         result["stats"] = dict(_vllm.STATS)
     Path(out_path).write_text(json.dumps(result))

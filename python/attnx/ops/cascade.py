@@ -6,7 +6,7 @@ blocks, the group's queries are stacked and attend to the shared run as one sequ
 queries (a prefill tile: every key is read once per kv head, whatever the number of queries);
 groups nest (a shared system prompt, then each conversation's forks). Every sequence then attends
 to its own tail (its table shifted past its deepest group's run), and each row's parts merge by
-log-sum-exp (``row_state.h``; DESIGN.md, "Merging partial results") before it is written. A
+log-sum-exp (``cpp/src/attention/state.h``; docs/numerics.md, "The online-softmax state") before it is written. A
 cache step plans its groups once (``_core.StepPlan``) and every layer's call reuses them;
 :func:`attnx.paged_attention` plans them per call (``min_shared_keys``).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
+from .. import _core
 
 __all__ = ["plan_groups", "MIN_SAVED_KEYS"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validate import LAYOUTS, choice
+from .._validate import LAYOUTS, choice
 
 __all__ = ["DeltaArgs", "delta_args", "from_bshd"]
 

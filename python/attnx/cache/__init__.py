@@ -8,8 +8,8 @@ shares all of a sequence's blocks, and the first write into a shared, partly fil
 that one block (copy-on-write). ``truncate`` and ``free`` return blocks to the pool.
 
 Three parts, each small: the pool arrays and the sequences live here (:class:`PagedKVCache`); the
-reference counts and the free list are a :class:`attnx._blocks.BlockAllocator`; each sequence's
-table is a persistent int32 row that grows in place (:class:`attnx._blocks.BlockRow`), from which
+reference counts and the free list are a :class:`attnx.cache.blocks.BlockAllocator`; each sequence's
+table is a persistent int32 row that grows in place (:class:`attnx.cache.blocks.BlockRow`), from which
 a step's ``(B, max_blocks)`` table is gathered with one slice copy per sequence.
 
 Integers: sequence ids, layers, lengths and token counts are Python ints, NumPy integer scalars
@@ -35,8 +35,8 @@ so that ``new_sequence(tokens=...)`` attaches the cached blocks a prompt starts 
 hybrid cache: a block does not hold the recurrent state a hit would need); blocks no sequence
 holds stay cached until an allocation needs them, least recently released first. A step whose
 sequences share leading blocks (forks, hits) reads those blocks once for all of them and merges
-by log-sum-exp (``attnx._shared``). ``save`` / ``load`` write one sequence to a safetensors file
-and read it back, in this process or another (``attnx._session``).
+by log-sum-exp (:mod:`attnx.ops.cascade`). ``save`` / ``load`` write one sequence to a safetensors file
+and read it back, in this process or another (:mod:`attnx.cache.session`).
 
 Hybrid models (Qwen3-Next, Kimi Linear: gated delta-rule layers beside full attention): with
 ``linear_layers=n, state_shape=(Hv, K, V)`` each sequence also carries a float32 recurrent state
@@ -67,41 +67,22 @@ from typing import Any, Iterable, Sequence, cast
 
 import numpy as np
 
-from . import _api, _core, _session, _tensors
-from . import reference as _ref
-from ._blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest, stack_rows
-from ._validate import as_int, counts as _counts, index as _index, int_in as _int_in
-from ._validate import FLOAT_DTYPES as _FLOAT_DTYPES, QUANTISED_DTYPES as _QUANTISED_DTYPES
-from ._validate import flag as _flag, positive_int as _positive_int, storage_dtype as _dtype
+from .. import quant
+from . import session as _session
+from .blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest
+from .linear_states import linear_config
+from .prefix import extra_bytes, token_ids
+from .step import StaleStepError, Step
+from .._validate import as_int, counts as _counts, index as _index, int_in as _int_in
+from .._validate import FLOAT_DTYPES as _FLOAT_DTYPES, QUANTISED_DTYPES as _QUANTISED_DTYPES
+from .._validate import flag as _flag, positive_int as _positive_int, storage_dtype as _dtype
 
 __all__ = ["PagedKVCache", "Step", "CacheFullError", "StaleStepError"]
 
 _MAX_TOKENS = 2**31 - 1  # a step's lengths and positions are int32, as the kernels read them
 
 
-def _linear_config(linear_layers: object, state_shape: object) -> tuple[int, tuple[int, int, int] | None]:
-    """``(linear_layers, (Hv, K, V))`` checked: a shape is needed exactly when there are layers."""
-    n = _int_in(linear_layers, "linear_layers", 0, 2**31 - 1)
-    if n == 0:
-        if state_shape is not None:
-            raise ValueError("state_shape: given without linear_layers")
-        return 0, None
-    try:
-        dims = [as_int(d) for d in cast(Iterable[Any], state_shape)]
-    except TypeError:
-        dims = []
-    if len(dims) != 3 or any(d is None or d < 1 for d in dims):
-        raise ValueError(f"state_shape: expected (Hv, K, V), ints >= 1, with linear_layers={n}; "
-                         f"got {state_shape!r}")
-    hv, k, v = (int(d) for d in dims if d is not None)
-    return n, (hv, k, v)
-
-
-class StaleStepError(RuntimeError):
-    """A step's sequence was truncated, freed or stepped again after ``begin_step``."""
-
-
-class _Seq:
+class SeqState:
     """One sequence: its block table row, its length (tokens reserved so far) and a version
     that every change bumps (a step made before a change is stale); in a hybrid cache, the
     recurrent states of its linear layers (None until a linear layer first writes them: zeros).
@@ -126,39 +107,13 @@ class _Seq:
         self.state = state
         self.written = length
 
-    def copy(self) -> _Seq:
+    def copy(self) -> SeqState:
         """A fork: the same blocks (the caller takes the references), token bookkeeping, and a copy
         of the recurrent states."""
-        s = _Seq(self.row.copy(), self.length, None if self.state is None else self.state.copy())
+        s = SeqState(self.row.copy(), self.length, None if self.state is None else self.state.copy())
         s.tokens, s.digests, s.root = self.tokens, list(self.digests), self.root
         s.written = self.written
         return s
-
-
-def _token_ids(tokens: Any, name: str, n: int | None = None) -> np.ndarray:
-    """``tokens`` as an int64 array ``(len,)`` (of length ``n`` when given)."""
-    a = np.asarray(tokens)
-    if a.ndim != 1 or not (a.dtype.kind in "iu" or (a.size == 0 and a.dtype.kind == "f")):
-        raise TypeError(f"{name}: expected a 1-d sequence of integer token ids, got "
-                        f"{'shape ' + str(a.shape) if a.ndim != 1 else 'dtype ' + a.dtype.name}")
-    if n is not None and len(a) != n:
-        raise ValueError(f"{name}: expected {n} token ids, got {len(a)}")
-    if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{name}: token ids must fit in int64")
-    return a.astype(np.int64)
-
-
-def _extra_bytes(extra_key: Any) -> bytes:
-    """The extra key (None, str, bytes or int) as bytes, tagged by type so that 1 != "1"."""
-    if extra_key is None:
-        return b""
-    if isinstance(extra_key, bytes):
-        return b"b" + extra_key
-    if isinstance(extra_key, str):
-        return b"s" + extra_key.encode()
-    if isinstance(extra_key, (int, np.integer)) and not isinstance(extra_key, bool):
-        return b"i" + str(int(extra_key)).encode()
-    raise TypeError(f"extra_key: expected None, str, bytes or int, got {type(extra_key).__name__}")
 
 
 class PagedKVCache:
@@ -219,7 +174,7 @@ class PagedKVCache:
         self.block_size = _positive_int(block_size, "block_size")
         self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
         self.dtype = _kv_dtype(dtype)
-        self.quantised = _ref.quantised_dtype(self.dtype) is not None
+        self.quantised = quant.quantised_dtype(self.dtype) is not None
         self.sliding_window = (None if sliding_window is None
                                else _int_in(sliding_window, "sliding_window", 1, _MAX_TOKENS))
         self.value_from_key = _flag(value_from_key, "value_from_key")
@@ -228,7 +183,7 @@ class PagedKVCache:
                              f"of the keys, so value_dim ({self.value_dim}) must be <= head_dim ({self.head_dim})")
         if self.num_blocks * self.block_size >= 2**31:
             raise ValueError("num_blocks * block_size: the pool must hold fewer than 2**31 slots")
-        self.linear_layers, self.state_shape = _linear_config(linear_layers, state_shape)
+        self.linear_layers, self.state_shape = linear_config(linear_layers, state_shape)
         self._k, self._v = self._pool_arrays()
         self.prefix_caching = _flag(prefix_caching, "prefix_caching")
         if self.prefix_caching and self.linear_layers:
@@ -238,7 +193,7 @@ class PagedKVCache:
         self._views: list[Any] | None = None  # per-layer page views (_all_layer_pages)
         self._alloc = BlockAllocator(self.num_blocks, caching=self.prefix_caching)
         self._hit_tokens = self._query_tokens = 0
-        self._seqs: dict[int, _Seq] = {}
+        self._seqs: dict[int, SeqState] = {}
         self._next_id = 0
         self._epoch = 0  # bumped with every sequence's version: unchanged, every step is current
         self._lock = threading.RLock()
@@ -317,7 +272,7 @@ class PagedKVCache:
         return self._alloc.free_ids()
 
     # ---- sequences -----------------------------------------------------------------------------
-    def _lookup(self, seq: object) -> tuple[int, _Seq]:
+    def _lookup(self, seq: object) -> tuple[int, SeqState]:
         """``seq`` as a Python int and its record; KeyError if it is no live sequence."""
         sid = as_int(seq)
         s = None if sid is None else self._seqs.get(sid)
@@ -326,10 +281,10 @@ class PagedKVCache:
             raise KeyError(f"seq: no live sequence {seq!r} in this cache{why}")
         return sid, s
 
-    def _seq(self, seq: object) -> _Seq:
+    def _seq(self, seq: object) -> SeqState:
         return self._lookup(seq)[1]
 
-    def _add(self, s: _Seq) -> int:
+    def _add(self, s: SeqState) -> int:
         sid = self._next_id
         self._next_id += 1
         self._seqs[sid] = s
@@ -363,10 +318,10 @@ class PagedKVCache:
         >>> cache.length(b), cache.stats()["prefix_hit_tokens"]
         (8, 8)
         """
-        ids = None if tokens is None else _token_ids(tokens, "tokens")
-        root = root_digest(_extra_bytes(extra_key))
+        ids = None if tokens is None else token_ids(tokens, "tokens")
+        root = root_digest(extra_bytes(extra_key))
         with self._lock:
-            s = _Seq(BlockRow(), 0)
+            s = SeqState(BlockRow(), 0)
             s.tokens, s.root = ids, root
             if ids is not None and self.prefix_caching:
                 blocks, s.digests = self._alloc.match(root, ids[:len(ids) - 1], self.block_size)
@@ -578,7 +533,7 @@ class PagedKVCache:
         with self._lock:
             s = self._seq(seq)
             n = s.length
-            ids = None if tokens is None else _token_ids(tokens, "tokens", n)
+            ids = None if tokens is None else token_ids(tokens, "tokens", n)
             if ids is None and s.tokens is not None and len(s.tokens) >= n:
                 ids = s.tokens[:n]
             if s.row.released:
@@ -624,7 +579,7 @@ class PagedKVCache:
             blocks = self._alloc.allocate(self._blocks_for(n))
             self._scatter(blocks, tensors, n)
             state = tensors["state"].copy() if n and "state" in tensors else None
-            s = _Seq(BlockRow(len(blocks)), n, state)
+            s = SeqState(BlockRow(len(blocks)), n, state)
             s.row.append(blocks)
             s.tokens, s.root = tokens, root
             if tokens is not None and self.prefix_caching:
@@ -712,9 +667,9 @@ class PagedKVCache:
             raise ValueError("seq_ids: a sequence may appear only once in a step")
         with self._lock:
             seqs = [self._seq(i) for i in given]
-            plan = self._plan(known, seqs, counts)
+            reservations = self._block_reservations(known, seqs, counts)
             starts = [s.length for s in seqs]
-            for s, n, (copy, grow) in zip(seqs, counts, plan):  # from here on nothing can fail
+            for s, n, (copy, grow) in zip(seqs, counts, reservations):  # from here on nothing can fail
                 self._append_tokens(s, n, copy, grow)
             for s, n, ids_ in zip(seqs, counts, new_ids):
                 self._note_tokens(s, n, ids_)
@@ -730,10 +685,10 @@ class PagedKVCache:
         entries = list(tokens)
         if len(entries) != len(counts):
             raise ValueError(f"tokens: expected {len(counts)} entries (one per sequence), got {len(entries)}")
-        return [None if t is None else _token_ids(t, f"tokens[{i}]", n)
+        return [None if t is None else token_ids(t, f"tokens[{i}]", n)
                 for i, (t, n) in enumerate(zip(entries, counts))]
 
-    def _note_tokens(self, s: _Seq, n: int, ids: np.ndarray | None) -> None:
+    def _note_tokens(self, s: SeqState, n: int, ids: np.ndarray | None) -> None:
         """Records the ids of ``s``'s last ``n`` tokens (just reserved); the blocks they fill are
         registered when the step ends with every layer written (:meth:`_step_written`)."""
         start = s.length - n
@@ -759,7 +714,7 @@ class PagedKVCache:
                 if s.tokens is not None and self.prefix_caching:
                     self._register(s)
 
-    def _register(self, s: _Seq) -> None:
+    def _register(self, s: SeqState) -> None:
         """Registers ``s``'s full, written blocks past those whose digests it knows."""
         assert s.tokens is not None
         bs, ids = self.block_size, s.row.ids
@@ -779,11 +734,11 @@ class PagedKVCache:
         assert self.sliding_window is not None
         return max(0, position - self.sliding_window + 1) // self.block_size
 
-    def _plan(self, ids: list[int], seqs: list[_Seq], counts: list[int]) -> list[tuple[bool, int]]:
+    def _block_reservations(self, ids: list[int], seqs: list[SeqState], counts: list[int]) -> list[tuple[bool, int]]:
         """Per sequence of a step: whether it copies its last block first (copy-on-write of a
         shared, partly filled block it writes into) and how many new blocks it takes. Raises,
         changing nothing, unless the pool and the int32 positions can take the step."""
-        bs, plan, need = self.block_size, [], 0
+        bs, reservations, need = self.block_size, [], 0
         holders: dict[int, int] = {}  # shared last block -> holders left once this step's earlier copies are made
         for s, n in zip(seqs, counts):
             copy = False
@@ -795,7 +750,7 @@ class PagedKVCache:
                     holders[last] = left - 1
             grow = self._blocks_for(s.length + n) - s.row.len
             need += grow + copy
-            plan.append((copy, grow))
+            reservations.append((copy, grow))
         if need > self._alloc.num_free:
             raise CacheFullError(
                 f"begin_step: needs {need} free blocks, the pool has {self._alloc.num_free} "
@@ -804,10 +759,10 @@ class PagedKVCache:
             if s.length + n > _MAX_TOKENS:  # (only a sliding window lets a sequence get this long)
                 raise ValueError(f"num_new_tokens: sequence {sid} would hold {s.length + n} tokens, "
                                  f"more than 2**31 - 1")
-        return plan
+        return reservations
 
-    def _append_tokens(self, s: _Seq, n: int, copy: bool, grow: int) -> None:
-        """Reserves ``n`` slots at the end of ``s`` as planned: a copy of its last block, ``grow``
+    def _append_tokens(self, s: SeqState, n: int, copy: bool, grow: int) -> None:
+        """Reserves ``n`` slots at the end of ``s`` as :meth:`_block_reservations` said: a copy of its last block, ``grow``
         new blocks, then the release of blocks that fell out of the sliding window."""
         if copy:
             old, new = s.row.last, int(self._alloc.allocate(1)[0])
@@ -824,7 +779,7 @@ class PagedKVCache:
         s.length += n
         self._changed(s)
 
-    def _changed(self, s: _Seq) -> None:
+    def _changed(self, s: SeqState) -> None:
         """``s`` was truncated, freed or stepped: steps made before are stale (is_current)."""
         s.version += 1
         self._epoch += 1
@@ -837,227 +792,6 @@ class PagedKVCache:
         with self._lock:
             return step._cache is self and all(
                 s.version == v for s, v in zip(step._seqs, step._versions))
-
-
-class Step:
-    """One forward step of a batch of sequences: their new tokens, packed in sequence order.
-
-    Made by :meth:`PagedKVCache.begin_step`.
-
-    Attributes
-    ----------
-    seq_ids : list of int
-    q_lens : int32 ``(B,)``, new tokens per sequence
-    seq_lens : int32 ``(B,)``, tokens per sequence after the step
-    positions : int32 ``(T,)``, absolute position of every new token (for RoPE)
-    block_tables : int32 ``(B, max_blocks)``
-    slots : int64 ``(T,)``, where each new token is written (``block * block_size + offset``)
-    num_tokens : int, ``T``
-    """
-
-    def __init__(self, cache: PagedKVCache, ids: list[int], seqs: list[_Seq], starts: list[int],
-                 counts: list[int]) -> None:
-        bs = cache.block_size
-        self._cache = cache
-        self._seqs = seqs
-        self._versions = [s.version for s in seqs]
-        self._epoch = cache._epoch
-        self.seq_ids = ids
-        self.q_lens = np.array(counts, dtype=np.int32)
-        self.seq_lens = np.array([s.length for s in seqs], dtype=np.int32)
-        self.block_tables = stack_rows([s.row for s in seqs])
-        self.num_tokens = sum(counts)
-        seq_index = np.repeat(np.arange(len(seqs)), self.q_lens)
-        pos = np.arange(self.num_tokens, dtype=np.int64) - np.repeat(
-            np.cumsum(self.q_lens, dtype=np.int64) - self.q_lens, self.q_lens) + np.array(
-            starts, dtype=np.int64)[seq_index]
-        self.positions = pos.astype(np.int32)
-        self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
-        self._starts = starts
-        self._shared: Any = None  # the shared-prefix groups, planned at the first attend
-        self._plan: Any = None  # the _core.StepPlan, made at the first attend
-        self._linear_done: set[int] = set()  # linear layers already advanced by this step
-        # layers (attention 0 .. num_layers - 1, then linear ones) whose rows or states this step
-        # has written: with all of them, the step has ended (_step_written)
-        self._written: set[int] = set()
-        self._layers = cache.num_layers + cache.linear_layers
-
-    def _wrote(self, layer: int) -> None:
-        """Layer ``layer`` (linear ones numbered after the attention layers) has written this
-        step's rows; after the last one, the cache counts the step's tokens written. (Layers
-        attended from several threads at once: set.add is atomic, and _step_written, if two
-        threads both see the set full, does its work once.)"""
-        written = self._written
-        if layer not in written:
-            written.add(layer)
-            if len(written) == self._layers:
-                self._cache._step_written(self)
-
-    @property
-    def shared_prefix(self) -> list[tuple[list[int], int, int]]:
-        """The groups of this step's sequences whose shared blocks ``attend`` reads once for all
-        of them (by default): ``(seq_ids, first, end)`` each, the table entries ``[first, end)``
-        they share (groups nest: the members of an inner group also share everything before
-        ``first``); empty when none do (few shared keys, a sliding window)."""
-        if self._cache.sliding_window is not None:
-            return []
-        g = self._shared_groups()
-        return [([self.seq_ids[i] for i in rows], p0, p)
-                for rows, p0, p in zip(g.rows, g.starts, g.blocks)]
-
-    def _shared_groups(self) -> Any:
-        """The groups of this step's sequences that share leading blocks (planned once, for
-        every layer)."""
-        if self._shared is None:
-            from . import _shared
-            self._shared = _shared.plan_groups(self.block_tables, self.seq_lens, self.q_lens,
-                                               self._cache.block_size)
-        return self._shared
-
-    @_tensors.tensor_io
-    def attend(self, layer: int, q: Any, k: Any, v: Any = None, *, scale: float | None = None,
-               num_threads: int | None = None, return_lse: bool = False, window: Any = None,
-               softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-               shared_prefix: bool = True) -> Any:
-        """Writes this step's new keys and values into layer ``layer`` and attends.
-
-        Parameters
-        ----------
-        layer : int
-        q : ndarray ``(T, Hq, head_dim)``, the new queries packed in sequence order
-        k : ndarray ``(T, num_kv_heads, head_dim)``; v : ``(T, num_kv_heads, value_dim)``
-            Converted to the cache's dtype as they are stored (quantised, each row with its
-            scale, in a quantised cache). ``v`` must be None when the cache
-            has ``value_from_key`` (the values are read from the keys).
-            Or, when every sequence of the step has the same ``S`` new tokens, a model's
-            ``(B, Hq, S, head_dim)`` / ``(B, num_kv_heads, S, D)`` arrays as its attention
-            module holds them (read in place where the strides allow); the result is then
-            ``(B, S, Hq, value_dim)`` (and lse ``(B, S, Hq)``).
-        window, softcap, sinks, alibi_slopes
-            As in :func:`attnx.attention`. A cache with ``sliding_window=W`` uses
-            ``window=(W - 1, None)`` by default and refuses a wider left side.
-        shared_prefix : bool
-            Sequences of the step whose tables start with the same blocks (forks, prefix hits)
-            read them once for all their queries, as in :func:`attnx.paged_attention` (default
-            True; not with a window, sinks or ALiBi). False reads each sequence's own.
-
-        Returns
-        -------
-        ndarray ``(T, Hq, value_dim)`` of q's dtype: each new query attends causally
-        (bottom-right) to everything its sequence holds, its own new tokens included. With
-        ``return_lse``, also the log-sum-exp, float32 ``(T, Hq)``.
-
-        Raises
-        ------
-        StaleStepError
-            A sequence of the step changed since :meth:`PagedKVCache.begin_step`.
-        ValueError, TypeError
-            A malformed argument. Nothing is written.
-        """
-        return self._attend(layer, q, k, v, scale=scale, num_threads=num_threads,
-                            return_lse=return_lse, window=window, softcap=softcap, sinks=sinks,
-                            alibi_slopes=alibi_slopes, shared_prefix=shared_prefix)
-
-    def _attend(self, layer: int, q: Any, k: Any, v: Any, *, scale: float | None = None,
-                num_threads: int | None = None, return_lse: bool = False, window: Any = None,
-                softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-                shared_prefix: bool = True) -> Any:
-        """:meth:`attend` on NumPy arrays (no tensor conversion): what ``attnx.hf`` calls once
-        per model layer, with NumPy views of the model's tensors."""
-        result = self._attend_layer(layer, q, k, v, scale=scale, num_threads=num_threads,
-                                    return_lse=return_lse, window=window, softcap=softcap,
-                                    sinks=sinks, alibi_slopes=alibi_slopes,
-                                    shared_prefix=shared_prefix)
-        if len(self._written) < self._layers:  # returned: its rows are written (a refusal writes none)
-            self._wrote(layer if type(layer) is int else _index(layer, "layer", self._cache.num_layers))
-        return result
-
-    def _attend_layer(self, layer: int, q: Any, k: Any, v: Any, *, scale: float | None = None,
-                      num_threads: int | None = None, return_lse: bool = False, window: Any = None,
-                      softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-                      shared_prefix: bool = True) -> Any:
-        cache = self._cache
-        # is_current's first test inline (this runs once per model layer)
-        if cache._epoch != self._epoch and not cache.is_current(self):
-            raise StaleStepError("attend: a sequence of this step was truncated, freed or "
-                                 "stepped again since begin_step")
-        plan = self._plan
-        if plan is None:  # the tables, slots and shared-prefix groups, once for every layer
-            from . import _shared
-            plan = self._plan = _core.StepPlan(
-                cache._all_layer_pages(), self.block_tables, self.seq_lens, self.q_lens, self.slots,
-                cache.value_from_key, None if cache.sliding_window is None else cache.sliding_window - 1,
-                _shared.MIN_SAVED_KEYS)
-        return _api.step_call(plan, layer, q, k, v, scale, num_threads, return_lse, window, softcap,
-                              sinks, alibi_slopes, shared_prefix)
-
-    def linear(self, layer: int, q: Any, k: Any, v: Any, g: Any, beta: Any, *,
-               scale: float | None = None, qk_l2norm: bool = False,
-               num_threads: int | None = None) -> Any:
-        """Runs gated delta-rule layer ``layer`` (of the cache's ``linear_layers``) over this
-        step's tokens, from each sequence's state, and stores the advanced states.
-
-        Parameters
-        ----------
-        layer : int, in ``[0, linear_layers)`` (numbered apart from the full-attention layers)
-        q, k : ndarray ``(T, Hk, K)``; v : ``(T, Hv, V)``, the step's tokens packed in sequence
-            order (as ``attend``), with ``(Hv, K, V)`` the cache's ``state_shape``
-        g : ``(T, Hv)`` or ``(T, Hv, K)``; beta : ``(T, Hv)``
-        scale, qk_l2norm, num_threads : as in :func:`attnx.gated_delta_rule`
-
-        Returns
-        -------
-        ndarray ``(T, Hv, V)`` of q's dtype.
-
-        Raises
-        ------
-        StaleStepError
-            A sequence of the step changed since ``begin_step``.
-        ValueError, TypeError
-            A malformed argument, or ``layer`` already run in this step (a state advances once
-            per step). Nothing is written.
-        """
-        from .linear import gated_delta_rule
-
-        cache = self._cache
-        if cache.linear_layers == 0:
-            raise ValueError("layer: this cache has no linear layers (PagedKVCache(..., linear_layers=n, state_shape=...))")
-        li = _index(layer, "layer", cache.linear_layers)
-        if li in self._linear_done:
-            raise ValueError(f"layer: linear layer {li} already ran in this step (its states advance once per step)")
-        assert cache.state_shape is not None
-        hv, kw, vw = cache.state_shape
-        q, k, v, g, beta = (x if hasattr(x, "shape") else np.asarray(x) for x in (q, k, v, g, beta))
-        for name, x, heads, width in (("q", q, None, kw), ("k", k, None, kw), ("v", v, hv, vw)):
-            shape = tuple(x.shape)
-            if len(shape) != 3 or shape[0] != self.num_tokens or shape[2] != width or (heads and shape[1] != heads):
-                want = f"(T={self.num_tokens}, {'Hv=' + str(heads) if heads else 'Hk'}, {width})"
-                raise ValueError(f"{name}: expected {want} for this step and the cache's state_shape, got {shape}")
-        if not cache.is_current(self):
-            raise StaleStepError("linear: a sequence of this step was truncated, freed or "
-                                 "stepped again since begin_step")
-        zero = np.zeros((hv, kw, vw), np.float32)
-        init = np.stack([zero if s.state is None else s.state[li] for s in self._seqs])
-        cu = np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)])
-        o, final = gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
-                                    initial_state=init, output_final_state=True, qk_l2norm=qk_l2norm,
-                                    cu_seqlens=cu, num_threads=num_threads)
-        final = np.asarray(final)
-        for i, s in enumerate(self._seqs):  # nothing above wrote anything: now the states advance
-            if s.state is None:
-                s.state = np.zeros((cache.linear_layers, hv, kw, vw), np.float32)
-            s.state[li] = final[i]
-        self._linear_done.add(li)
-        self._wrote(cache.num_layers + li)
-        return o[0]
-
-
-def _packed(x: Any) -> Any:
-    """A model's ``(B, H, S, D)`` array as ``(B * S, H, D)`` tokens in sequence order (None stays)."""
-    if x is None:
-        return None
-    x = np.asarray(x)
-    return x.transpose(0, 2, 1, 3).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3])
 
 
 def _kv_dtype(dtype: Any) -> np.dtype[Any]:

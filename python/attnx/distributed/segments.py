@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _api
+from ..ops import attention as _api
 
 __all__ = ["segment_attention", "segment_visibility"]
 

@@ -187,6 +187,21 @@ def _header(meta: Mapping[str, str], path: str) -> dict[str, Any]:
     if header.get("format") != FORMAT:
         got = reprlib.repr(header.get("format"))
         raise SessionError(f"{path}: format {got}, this attnx reads {FORMAT!r}")
+    wrong = _wrong_fields(header)
+    if wrong:
+        raise SessionError(f"{path}: corrupted attnx header ({'; '.join(wrong)})")
+    if header["length"] < 0 or not re.fullmatch("[0-9a-f]{64}", header["root"]):
+        raise SessionError(f"{path}: corrupted attnx header (length {header['length']}, "
+                           f"root digest {reprlib.repr(header['root'])})")
+    tokens = header.get("tokens")
+    if tokens is not None and not _token_list(tokens, header["length"]):
+        raise SessionError(f"{path}: corrupted attnx header (token ids: expected null or "
+                           f"{header['length']} ints in int64)")
+    return header
+
+
+def _wrong_fields(header: dict[str, Any]) -> list[str]:
+    """What is wrong with the header's fields' types (and the linear layers' values)."""
     wrong = [f"{k} is {type(header.get(k)).__name__}, expected {kind.__name__}"
              for k, kind in _FIELDS.items() if type(header.get(k)) is not kind]
     if type(header.get("linear_layers", 0)) is not int or header.get("linear_layers", 0) < 0:
@@ -195,18 +210,13 @@ def _header(meta: Mapping[str, str], path: str) -> dict[str, Any]:
     if shape is not None and not (isinstance(shape, list) and len(shape) == 3
                                   and all(type(d) is int and d > 0 for d in shape)):
         wrong.append("state_shape: expected null or 3 ints > 0")
-    if wrong:
-        raise SessionError(f"{path}: corrupted attnx header ({'; '.join(wrong)})")
-    if header["length"] < 0 or not re.fullmatch("[0-9a-f]{64}", header["root"]):
-        raise SessionError(f"{path}: corrupted attnx header (length {header['length']}, "
-                           f"root digest {reprlib.repr(header['root'])})")
-    tokens = header.get("tokens")
-    if tokens is not None and not (
-            isinstance(tokens, list) and len(tokens) == header["length"]
-            and all(type(t) is int and -2**63 <= t < 2**63 for t in tokens)):
-        raise SessionError(f"{path}: corrupted attnx header (token ids: expected null or "
-                           f"{header['length']} ints in int64)")
-    return header
+    return wrong
+
+
+def _token_list(tokens: Any, length: int) -> bool:
+    """Whether ``tokens`` is a list of ``length`` ints in int64."""
+    return (isinstance(tokens, list) and len(tokens) == length
+            and all(type(t) is int and -2**63 <= t < 2**63 for t in tokens))
 
 
 def decode(data: bytes, path: str, cache: Any, expect: Mapping[str, Any] | None

@@ -41,7 +41,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from . import _core, _tensors
+from .. import _core
+from . import tensors as _tensors
 
 logger = init_logger("vllm.attnx")  # under "vllm": shown with vLLM's own log lines
 

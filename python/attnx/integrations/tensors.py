@@ -10,7 +10,7 @@ in place through its NumPy view and returned itself.
 
 torch is never imported here: a torch tensor can only exist once the user imported torch, so
 ``sys.modules`` is where it is looked up. The first tensor seen registers attnx's
-``torch.library`` ops (:mod:`attnx.torch_ops`); under ``torch.compile`` an entry point with such
+``torch.library`` ops (:mod:`attnx.integrations.torch_ops`); under ``torch.compile`` an entry point with such
 an op routes its tensors to it, so dynamo sees one opaque op instead of NumPy code.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -63,13 +64,19 @@ def is_torch(x):
 
 _registered = False
 
+# The torch.library front ends by entry-point name: attnx.integrations.torch_ops fills this when
+# it is imported (it calls the ops, which sit above this module, so this module never imports it).
+# ``load_torch_ops`` imports it: set by ``attnx/__init__.py``, which knows both.
+TORCH_OPS: dict[str, Callable[..., Any]] = {}
+load_torch_ops: Optional[Callable[[], object]] = None
+
 
 def _register_ops():
-    """Import attnx.torch_ops once (it registers torch.ops.attnx.*), on the first tensor seen."""
+    """Import attnx's torch ops once (they register torch.ops.attnx.*), on the first tensor seen."""
     global _registered
-    if not _registered:
+    if not _registered and load_torch_ops is not None:
         _registered = True
-        from . import torch_ops  # noqa: F401  (registration is its import side effect)
+        load_torch_ops()
 
 
 def _torch_to_numpy(t, name):
@@ -173,7 +180,7 @@ def _open_sequences(args, kwargs, names, positions):
 def tensor_io(fn=None, *, torch_op=None, sequences=()):
     """Decorator: tensor arguments in, the same kind of results out (see the module docstring).
 
-    ``torch_op``: the name of a :mod:`attnx.torch_ops` function that takes the same arguments;
+    ``torch_op``: the name of a :mod:`attnx.integrations.torch_ops` function that takes the same arguments;
     while ``torch.compile`` traces, calls with torch tensors go there instead. ``sequences``:
     names of arguments that are sequences of arrays (``merge_attention``'s parts): their items
     are arguments too (the first tensor among them sets the kind of the results).
@@ -204,9 +211,8 @@ def tensor_io(fn=None, *, torch_op=None, sequences=()):
         if _kind(template) == _TORCH_KIND:
             torch = _torch()
             if torch_op is not None and torch.compiler.is_compiling():
-                from . import torch_ops
-
-                return getattr(torch_ops, torch_op)(*args, **kwargs)
+                _register_ops()
+                return TORCH_OPS[torch_op](*args, **kwargs)
         args = [to_numpy(x, names[i] if i < len(names) else "arg") for i, x in enumerate(args)]
         out = kwargs.get("out")
         kwargs = {k: to_numpy(x, k) for k, x in kwargs.items()}

@@ -2,14 +2,53 @@
 
 Split-KV, shared-prefix decode and context parallelism are all this one rule (DESIGN.md,
 "Merging partial results"): ``l = logaddexp(l1, l2, ...)``, ``o = sum_i exp(l_i - l) o_i``.
+
+:func:`merge_attention`: Part ``i`` is ``(outs[i], lses[i])`` as returned by ``attnx.attention(..., return_lse=True)``
+(or ``paged_attention`` / ``Step.attend``) for the same queries against one subset of the
+keys. The merge is exact::
+
+    lse = logaddexp(lses[0], lses[1], ...)
+    out = sum_i exp(lses[i] - lse) * outs[i]
+
+Parameters
+----------
+outs : sequence of ndarray, each of one shape and dtype: any output of attnx, e.g.
+    ``(B, Hq, Sq, Dv)`` (``"bhsd"``), ``(B, Sq, Hq, Dv)`` (``"bshd"``), rank 3 or 2, or
+    ``paged_attention``'s ``(N, Hq, Dv)``. float32, float16, bfloat16 (accumulated in
+    float32) or float64.
+lses : sequence of ndarray, the matching log-sum-exps: the output's leading axes in bhsd
+    order, ``(B, Hq, Sq)`` for either 4-D layout (``(N, Hq)`` for paged outputs).
+layout : ``"bhsd"`` or ``"bshd"``, the layout of the outputs.
+
+Returns
+-------
+out : ndarray of the outputs' shape and dtype, and
+lse : ndarray, float32 (float64 for float64 outputs); torch tensors (or the kind of the
+    first ``__dlpack__`` part) where the parts are tensors, as every entry point returns.
+
+A part whose lse is ``-inf`` (it saw no key) contributes nothing, whatever its output holds;
+where every part is ``-inf`` the row is zeros with lse ``-inf``, as a row that sees no key.
+NaN propagates: a part with a NaN lse makes its rows NaN (its scores touched a NaN), and so
+does a NaN output of a part that contributes.
+
+Examples
+--------
+>>> import numpy as np, attnx
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(3))
+>>> parts = [attnx.attention(q, k[:, :, s], v[:, :, s], return_lse=True)
+...          for s in (slice(0, 2), slice(2, 5))]
+>>> out, lse = attnx.merge_attention(*zip(*parts))
+>>> bool(np.allclose(out, attnx.attention(q, k, v), atol=1e-6))
+True
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _api, _tensors
-from ._validate import LAYOUTS, choice
+from ..integrations import tensors as _tensors
+from .._validate import LAYOUTS, as_array, choice
 
 __all__ = ["merge_attention"]
 
@@ -50,7 +89,7 @@ def _parts(xs, name):
     except TypeError:
         raise TypeError(f"{name}: expected a sequence of arrays (one per part), got "
                         f"{type(xs).__name__}") from None
-    return [_api._as_array(x, f"{name}[{i}]") for i, x in enumerate(xs)]
+    return [as_array(x, f"{name}[{i}]") for i, x in enumerate(xs)]
 
 
 def _check(outs, lses, layout):
@@ -83,46 +122,7 @@ def _check(outs, lses, layout):
 @_tensors.tensor_io(sequences=("outs", "lses"))
 def merge_attention(outs, lses, *, layout="bhsd"):
     """Merge partial attention results over disjoint key sets into the result over their union.
-
-    Part ``i`` is ``(outs[i], lses[i])`` as returned by ``attnx.attention(..., return_lse=True)``
-    (or ``paged_attention`` / ``Step.attend``) for the same queries against one subset of the
-    keys. The merge is exact::
-
-        lse = logaddexp(lses[0], lses[1], ...)
-        out = sum_i exp(lses[i] - lse) * outs[i]
-
-    Parameters
-    ----------
-    outs : sequence of ndarray, each of one shape and dtype: any output of attnx, e.g.
-        ``(B, Hq, Sq, Dv)`` (``"bhsd"``), ``(B, Sq, Hq, Dv)`` (``"bshd"``), rank 3 or 2, or
-        ``paged_attention``'s ``(N, Hq, Dv)``. float32, float16, bfloat16 (accumulated in
-        float32) or float64.
-    lses : sequence of ndarray, the matching log-sum-exps: the output's leading axes in bhsd
-        order, ``(B, Hq, Sq)`` for either 4-D layout (``(N, Hq)`` for paged outputs).
-    layout : ``"bhsd"`` or ``"bshd"``, the layout of the outputs.
-
-    Returns
-    -------
-    out : ndarray of the outputs' shape and dtype, and
-    lse : ndarray, float32 (float64 for float64 outputs); torch tensors (or the kind of the
-        first ``__dlpack__`` part) where the parts are tensors, as every entry point returns.
-
-    A part whose lse is ``-inf`` (it saw no key) contributes nothing, whatever its output holds;
-    where every part is ``-inf`` the row is zeros with lse ``-inf``, as a row that sees no key.
-    NaN propagates: a part with a NaN lse makes its rows NaN (its scores touched a NaN), and so
-    does a NaN output of a part that contributes.
-
-    Examples
-    --------
-    >>> import numpy as np, attnx
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(3))
-    >>> parts = [attnx.attention(q, k[:, :, s], v[:, :, s], return_lse=True)
-    ...          for s in (slice(0, 2), slice(2, 5))]
-    >>> out, lse = attnx.merge_attention(*zip(*parts))
-    >>> bool(np.allclose(out, attnx.attention(q, k, v), atol=1e-6))
-    True
-    """
+    (Parameters, results and an example: :mod:`attnx.ops.merge`.)"""
     outs, lses, acc = _check(outs, lses, layout)
     ndim = outs[0].ndim
     ls = np.stack([x.astype(acc, copy=False) for x in lses])  # (parts, *lse_shape)
