@@ -5,8 +5,8 @@
 #include <cstring>
 
 #include "kernels/delta_kernels.h"
-#include "kernels/kernels.h"
-#include "kernels/vec_neon.h"
+#include "kernels/tables.h"
+#include "kernels/simd/vec_neon.h"
 
 namespace attnx {
 namespace neon {

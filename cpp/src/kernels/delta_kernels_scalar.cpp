@@ -5,8 +5,8 @@
 #include <cstring>
 
 #include "kernels/delta_kernels.h"
-#include "kernels/kernels.h"
-#include "kernels/vec_scalar.h"
+#include "kernels/tables.h"
+#include "kernels/simd/vec_scalar.h"
 
 namespace attnx {
 namespace scalar {

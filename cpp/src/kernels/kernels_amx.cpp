@@ -17,9 +17,9 @@
 
 #define ATTNX_VNNI 1
 
-#include "kernels/kernels.h"
-#include "row_state.h"
-#include "kernels/vec_avx512.h"
+#include "kernels/tables.h"
+#include "attention/state.h"
+#include "kernels/simd/vec_avx512.h"
 
 namespace attnx {
 namespace amx {

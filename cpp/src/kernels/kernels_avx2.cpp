@@ -7,9 +7,9 @@
 #include <limits>
 #include <type_traits>
 
-#include "kernels/kernels.h"
-#include "row_state.h"
-#include "kernels/vec_avx2.h"
+#include "kernels/tables.h"
+#include "attention/state.h"
+#include "kernels/simd/vec_avx2.h"
 
 namespace attnx {
 namespace avx2 {

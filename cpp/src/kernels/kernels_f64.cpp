@@ -6,9 +6,9 @@
 #include <cstring>
 #include <limits>
 
-#include "kernels/kernels.h"
-#include "row_state.h"
-#include "kernels/vec_f64.h"
+#include "kernels/tables.h"
+#include "attention/state.h"
+#include "kernels/simd/vec_f64.h"
 
 namespace attnx {
 namespace f64 {

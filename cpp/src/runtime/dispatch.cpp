@@ -19,8 +19,8 @@
 #endif
 
 #include "attnx/attention.h"
-#include "kernels/kernels.h"
-#include "parallel.h"
+#include "kernels/tables.h"
+#include "runtime/parallel.h"
 
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>

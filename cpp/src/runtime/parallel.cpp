@@ -19,7 +19,7 @@
 //   deliberately leaked) and the next call makes fresh workers, so a child runs multi-threaded.
 //   Nothing a region touches is a process-wide lock, so a fork while another thread is inside a
 //   region leaves the child nothing held.
-#include "parallel.h"
+#include "runtime/parallel.h"
 
 #include <algorithm>
 #include <chrono>
@@ -33,7 +33,7 @@
 #include <thread>
 #include <vector>
 
-#include "atomic_wait.h"
+#include "runtime/atomic_wait.h"
 
 #ifndef _WIN32
 #include <pthread.h>

@@ -11,9 +11,9 @@
 
 #include "attnx/dispatch.h"
 #include "kernels/delta_kernels.h"
-#include "kernels/kernels.h"
-#include "parallel.h"
-#include "scratch.h"  // aligned_malloc
+#include "kernels/tables.h"
+#include "runtime/parallel.h"
+#include "runtime/scratch.h"  // aligned_malloc
 
 namespace attnx {
 

@@ -7,8 +7,8 @@
 #include <limits>
 
 #include "attnx/dispatch.h"
-#include "flash_driver.h"
-#include "kernels/convert.h"
+#include "attention/driver.h"
+#include "kernels/simd/convert.h"
 
 namespace attnx {
 

@@ -11,7 +11,7 @@ namespace scalar {
 namespace simd {
 
 using Real = float;  // the type of a lane: what the kernels compute in
-#include "kernels/vec_lane-inl.h"
+#include "kernels/simd/vec_lane-inl.h"
 
 }  // namespace simd
 }  // namespace scalar

@@ -9,7 +9,7 @@
 #include <new>
 #include <vector>
 
-#include "kernels/kernels.h"
+#include "kernels/tables.h"
 
 #ifdef _WIN32
 #include <malloc.h>

@@ -40,7 +40,7 @@
 #include <link.h>
 #endif
 
-#include "parallel.h"
+#include "runtime/parallel.h"
 
 namespace attnx {
 namespace {

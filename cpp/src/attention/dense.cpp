@@ -3,7 +3,7 @@
 #include "attnx/attention.h"
 
 #include "attnx/dispatch.h"
-#include "flash_driver.h"
+#include "attention/driver.h"
 
 namespace attnx {
 

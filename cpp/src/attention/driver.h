@@ -16,12 +16,12 @@
 
 #include "attnx/dispatch.h"
 #include "attnx/paged.h"
-#include "kernels/kernels.h"
-#include "parallel.h"
-#include "plan.h"
-#include "problem.h"
-#include "row_state.h"
-#include "scratch.h"
+#include "kernels/tables.h"
+#include "runtime/parallel.h"
+#include "attention/plan.h"
+#include "attention/problem.h"
+#include "attention/state.h"
+#include "runtime/scratch.h"
 
 namespace attnx {
 

@@ -14,8 +14,8 @@
 #include <sys/mman.h>
 #endif
 
-#include "flash_driver.h"
-#include "parallel.h"
+#include "attention/driver.h"
+#include "runtime/parallel.h"
 
 namespace attnx {
 

@@ -11,7 +11,7 @@ namespace f64 {
 namespace simd {
 
 using Real = double;  // the type of a lane: float64 inputs are computed in float64
-#include "kernels/vec_lane-inl.h"
+#include "kernels/simd/vec_lane-inl.h"
 
 }  // namespace simd
 }  // namespace f64

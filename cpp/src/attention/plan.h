@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "attnx/types.h"
-#include "kernels/kernels.h"
-#include "problem.h"
+#include "kernels/tables.h"
+#include "attention/problem.h"
 
 namespace attnx {
 namespace detail {

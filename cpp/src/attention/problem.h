@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "attnx/types.h"
-#include "kernels/kernels.h"
+#include "kernels/tables.h"
 
 namespace attnx {
 namespace detail {
