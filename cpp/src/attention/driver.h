@@ -25,8 +25,6 @@
 
 namespace attnx {
 
-const kern::KernelTable* active_table();
-
 namespace detail {
 
 // The flash kernels of compute type T: the active instruction set's for float, the scalar
@@ -34,9 +32,9 @@ namespace detail {
 template <class T>
 const kern::FlashKernels<T>* flash_kernels();
 template <>
-inline const kern::FlashKernels<float>* flash_kernels<float>() { return active_table(); }
+inline const kern::FlashKernels<float>* flash_kernels<float>() { return active_tables()->flash; }
 template <>
-inline const kern::FlashKernels<double>* flash_kernels<double>() { return kern::table_f64(); }
+inline const kern::FlashKernels<double>* flash_kernels<double>() { return kern::flash_f64(); }
 
 // The K tiles packed once per call and shared by the items of a kv head (plan_packed_k), in the
 // calling thread's buffer; at most kPackKeep bytes of it outlive the call.

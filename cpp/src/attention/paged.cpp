@@ -125,7 +125,7 @@ float quantise_row(const float* x, int64_t n, DType dtype, void* dst) {
 
 void paged_write(const PagedWrite& w) {
   if (w.n == 0) return;
-  const kern::KernelTable* table = active_table();
+  const kern::FlashKernels<float>* table = active_tables()->flash;
   const std::size_t ses = dtype_size(w.src_dtype), pes = dtype_size(w.page_dtype);
   std::vector<float> row(std::size_t(w.D));
   for (int64_t t = 0; t < w.n; ++t) {

@@ -5,11 +5,11 @@
 // A row's state is (O, m, l): O its output so far, unnormalised (Dv values of the compute type T:
 // float, or double for float64 inputs; every rule is a template on T); m the largest score
 // seen; l the sum of exp(s - m) over the scores seen. (Float32 and float64 prefill tiles fused
-// into the packed QK product let m lag the largest score by up to kLazyMax = 4, see kernel-inl.h:
+// into the packed QK product let m lag the largest score by up to kLazyMax = 4, see softmax-inl.h:
 // m is a reference point, and no rule below needs more than exp(s - m) staying far from
 // overflow.) The rules:
 //   init      m = -inf, l = 0, O = 0: a row that has seen no visible key.
-//   update    (kernel-inl.h softmax_row) m' = max(m, the tile's largest score); O and l are scaled
+//   update    (softmax-inl.h softmax_row) m' = max(m, the tile's largest score); O and l are scaled
 //             by rescale(m, m') before the tile's exp(s - m') are added. While m' = -inf (nothing
 //             visible yet, or every visible score is -inf) the update is skipped: it would compute
 //             exp(-inf - -inf) = NaN. A NaN score is still a score, though: keep_nan sets l = NaN,

@@ -17,8 +17,6 @@
 
 namespace attnx {
 
-const kern::KernelTable* active_table();  // dispatch.cpp
-
 namespace {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -113,7 +111,7 @@ kern::DeltaHead head_view(const DeltaRuleParams& p, const DeltaPlan& pl, int64_t
 }
 
 // Work item: pl.G consecutive value heads of one sequence (they read the same key head).
-void run_item(const DeltaRuleParams& p, const DeltaPlan& pl, const kern::KernelTable* table,
+void run_item(const DeltaRuleParams& p, const DeltaPlan& pl, const kern::DeltaKernels* table,
               int64_t item, float* buf) {
   const int64_t groups = p.Hv / pl.G, n = item / groups, h0 = item % groups * pl.G;
   kern::DeltaHead ds[kern::kDeltaGroupMax];
@@ -122,7 +120,7 @@ void run_item(const DeltaRuleParams& p, const DeltaPlan& pl, const kern::KernelT
     ds[g].work = buf;
     prepare_state(p, pl, n, h0 + g, buf + pl.kernel + g * p.K * pl.Vp, ds[g]);
   }
-  if (ds[0].T > 0) table->delta_head(ds, pl.G);
+  if (ds[0].T > 0) table->heads(ds, pl.G);
   for (int g = 0; g < pl.G; ++g) {
     const kern::DeltaHead& d = ds[g];
     if (d.T == 0 && d.S_in != d.S)  // empty sequence: the state is the initial one
@@ -138,7 +136,7 @@ void run_item(const DeltaRuleParams& p, const DeltaPlan& pl, const kern::KernelT
 void gated_delta_rule(const DeltaRuleParams& p) {
   const int64_t items = p.N * p.Hv;
   if (items == 0 || p.K == 0 || p.V == 0) return;  // nothing to read or write (no state to advance)
-  const kern::KernelTable* table = active_table();
+  const kern::DeltaKernels* table = active_tables()->delta;
   // A thread per work item at most, and only for enough work: starting a team costs more than
   // a small decode step (a few (sequence, head) states of a few KiB) takes.
   double work = 0;

@@ -1,6 +1,6 @@
 // amx-inl.h: the prefill tile loop on AMX tiles (AMX-BF16's tdpbf16ps: C[16 x 16] fp32 +=
 // A[16 x 32 bf16] B[32 bf16 x 16], B in pairs along its rows), for bf16 q, k and v.
-// kernels_amx.cpp includes it after kernel-inl.h and bf16_dot-inl.h, inside the same namespace:
+// isa_amx.cpp includes it after the flash stages (load-inl.h .. probes-inl.h) and bf16_dot-inl.h, inside the same namespace:
 // the packed layouts (Q, K and V as bf16 pairs: pack_q_bf16, pack_k_bf16, pack_v_bf16), the
 // masks, the online softmax and the P rounding are theirs; only the two products move to tiles.
 //
@@ -174,7 +174,7 @@ static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp
   }
 }
 
-// The fused tiles' online-softmax update (kernel-inl.h online_block) of the M rows of raw
+// The fused tiles' online-softmax update (softmax-inl.h online_block) of the M rows of raw
 // products in s (each times `scale` is a score): p as bf16 pairs at the start of each row.
 template <class PExp>
 static void online_rows(int M, float* s, float scale, const Online& on) {
@@ -245,7 +245,7 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
 
 // ---- wide blocks: kWideTiles whole tiles that every row sees whole --------------------------
 // Whether keys [j0, j0 + kWideKeys) form one: no mask, soft-cap or ALiBi, every row sees them
-// all and has a finite running max (as kernel-inl.h's `fusable`), and a positive score factor
+// all and has a finite running max (as softmax-inl.h's `fusable`), and a positive score factor
 // (the raw products' max times it is the scores' max).
 static bool wide_block(const kern::RowSet& rs, int64_t j0, int64_t j_end, float softcap,
                        float qscale, const kern::FlashState& st) {
@@ -374,7 +374,7 @@ struct TileSteps {
 // (r - r0) * kWideKeys): m' = max(m, scale * max_j s_j), O and l rescaled by exp(m - m'), then
 // p_j = exp(scale * s_j - m') rounded to bf16 pairs at the start of the row and added to l.
 // The exact max (no lazy slack): a row's largest p is exactly 1, as the bf16 path's error bound
-// counts on (kernel-inl.h kLazyMax). `tiles` runs its steps between the rows.
+// counts on (softmax-inl.h kLazyMax). `tiles` runs its steps between the rows.
 template <class PExp>
 static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
                          const kern::FlashState& st, TileSteps& tiles) {
@@ -499,14 +499,14 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   out_back(pair_of(items - 1));
 }
 
-// The table's `flash`: bf16 prefill items on AMX tiles, the rest on kernel-inl.h's flash (the
+// The table's `flash`: bf16 prefill items on AMX tiles, the rest on tile-inl.h's flash (the
 // float32-widening kernels, with VNNI for integer queries: on the CPUs that have AMX they are
 // faster than AVX512_BF16's vdpbf16ps, see dispatch.cpp).
 static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                       int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                       const kern::Scratch& sc, const kern::FlashState& st) {
   if (!bf16_prefill(rs, ks, vs)) {
-    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (kernel-inl.h's, this unit's)
+    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (tile-inl.h's, this unit's)
     return;
   }
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);

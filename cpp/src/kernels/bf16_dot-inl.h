@@ -1,15 +1,15 @@
 // bf16_dot-inl.h: the prefill tile loop (many query rows) with AVX512_BF16 dot products
 // (vdpbf16ps: 16 lanes, each adding two bf16 x bf16 products to an fp32 sum), for bf16 q, k and v.
-// kernels_avx512bf16.cpp includes it after kernel-inl.h, inside the same namespace: it reuses that
+// isa_avx512bf16.cpp (and isa_amx.cpp) include it after the flash stages, inside the same namespace: it reuses that
 // file's masks, online-softmax update and shared packed tiles. Everything else (other dtypes, few
-// rows: decode) runs kernel-inl.h's fp32-widening `flash`.
+// rows: decode) runs tile-inl.h's fp32-widening `flash`.
 //
 // Numerics (the flash-attention rule; README "dtypes"):
 //   S = scale * (q . k): the bf16 q and k as they are (q is taken back from the driver's scaled
 //       fp32 copy: q * scale / scale rounds to the bf16 value exactly), each product exact in
 //       fp32, the sums in fp32 (vdpbf16ps flushes bf16 subnormals, |x| < 1.2e-38, to zero). This
 //       is the fp32 path's S up to the order of the additions.
-//   softcap, ALiBi, masks, max, exp, the row sums l and the rescaling of O: fp32, as in kernel-inl.h,
+//   softcap, ALiBi, masks, max, exp, the row sums l and the rescaling of O: fp32, as in softmax-inl.h,
 //       but for the exps of the fused tiles where no lse is returned: 2.9e-6 (Bf16P below).
 //   P V: P rounded to bf16 (round to nearest even) before the product, as FlashAttention and
 //       torch's bf16 SDPA do; O accumulated in fp32. This rounding (a relative 2^-9 per p) is the
@@ -148,7 +148,7 @@ struct Bf16P {
 };
 
 // ---- S = scale * Q K^T: MR rows x kTileK keys (4 vectors) per register block ------------------
-// With `on` (a whole tile every row sees, after each row's first: kernel-inl.h's fusable
+// With `on` (a whole tile every row sees, after each row's first: softmax-inl.h's fusable
 // rule), the rows' online-softmax update is done here too, and s receives the probabilities
 // (PExp: Bf16P<false> where the rows return an lse, else Bf16P<true>).
 template <int MR, class PExp>
@@ -305,7 +305,7 @@ static void flash_bf16(const kern::RowSet& rs, const kern::KVSource& ks, const k
                        int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                        const kern::Scratch& sc, const kern::FlashState& st) {
   if (!bf16_prefill(rs, ks, vs)) {
-    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (kernel-inl.h's, this unit's)
+    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (tile-inl.h's, this unit's)
     return;
   }
   // q / scale is the bf16 query (see the head of this file) unless the scale is 0 or its inverse

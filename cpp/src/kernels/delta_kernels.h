@@ -1,7 +1,7 @@
 // delta_kernels.h: the contract between the gated delta-rule driver (delta_rule.cpp) and its
-// per-ISA kernel (delta-inl.h, compiled once per instruction set by delta_kernels_<isa>.cpp and
-// reached through KernelTable::delta_head). Plain structs and `static` helpers only (see the note
-// at the top of kernels.h on why nothing here may be an inline function with external linkage).
+// per-ISA kernel (delta-inl.h, compiled once per instruction set by isa_<isa>.cpp and reached
+// through DeltaKernels::heads, tables.h). Plain structs and `static` helpers only (see the note
+// at the top of tables.h on why nothing here may be an inline function with external linkage).
 #pragma once
 #include <cstdint>
 

@@ -1,4 +1,5 @@
-// kernels.h: the contract between the drivers (cpp/src/*.cpp) and the per-ISA micro-kernels.
+// tables.h: the contract between the drivers (attention/, delta/, runtime/) and the per-ISA
+// micro-kernels: one table of function pointers per operation, and one IsaTables per instruction set.
 // Plain structs only: no inline functions here, so that no code compiled with AVX flags can be
 // shared (through COMDAT folding) with code that must run on a baseline x86-64 CPU.
 #pragma once
@@ -49,8 +50,8 @@ struct KVSource {
 };
 
 // The structs below are templates on T, the type the kernels compute in: float for float32,
-// float16 and bfloat16 storage (RowSet, Scratch, FlashState, KernelTable), double for float64
-// (the scalar float64 kernels, table_f64).
+// float16 and bfloat16 storage (RowSet, Scratch, FlashState, FlashKernels), double for float64
+// (the scalar float64 kernels, flash_f64).
 
 // The query rows of one work item: up to a few dozen (query, head) pairs that share a kv head.
 template <class T>
@@ -132,37 +133,47 @@ struct FlashKernels {
   void (*store_row)(const T* src, int64_t n, DType dtype, void* dst);
 };
 
-// One instruction set's kernels: the float flash kernels, the probes and the delta rule.
-struct KernelTable : FlashKernels<float> {
-  const char* name;
-  // Peak-FMA probe body: `iters` rounds of independent FMA chains; returns a checksum.
-  float (*fma_probe)(int64_t iters);
-  // Read-bandwidth probe body: sums n floats.
-  float (*read_probe)(const float* p, int64_t n);
-  // Gated delta rule over G <= kDeltaGroupMax value heads of one sequence that read the same q
-  // and k (delta_kernels.h, delta-inl.h).
-  void (*delta_head)(const DeltaHead* heads, int G);
-  // float lanes of fma_probe's vectors (its FLOPs per iteration: 10 chains x lanes x 2)
-  int lanes;
+// The gated delta rule (delta/delta_rule.cpp calls it; delta_kernels.h, delta-inl.h).
+struct DeltaKernels {
+  // G <= kDeltaGroupMax value heads of one sequence that read the same q and k.
+  void (*heads)(const DeltaHead* heads, int G);
 };
 
-void delta_head_scalar(const DeltaHead* heads, int G);
-void delta_head_avx2(const DeltaHead* heads, int G);
-void delta_head_avx512(const DeltaHead* heads, int G);
-void delta_head_neon(const DeltaHead* heads, int G);  // aarch64 builds only
+// The machine probes (runtime/probes.cpp; runtime/dispatch.cpp's path choice).
+struct ProbeKernels {
+  int lanes;  // float lanes of fma's vectors (its FLOPs per iteration: 10 chains x lanes x 2)
+  // Peak-FMA body: `iters` rounds of 10 independent FMA chains; returns a checksum.
+  float (*fma)(int64_t iters);
+  // Read-bandwidth body: sums n floats.
+  float (*read)(const float* p, int64_t n);
+  // Multiply-add bodies for the bf16 path choice (avx512bf16 and amx only; null elsewhere):
+  // `iters` rounds of 12 independent vdpbf16ps (32 multiply-adds each) and of 12 independent
+  // 512-bit FMAs (16 each).
+  float (*bf16_dot)(int64_t iters);
+  float (*fma512)(int64_t iters);
+};
 
-const KernelTable* table_scalar();
+// One instruction set: its name (what cpu_features()['isa'] reports and ATTNX_ISA takes) and its
+// table for each operation. A unit kernels/isa_<name>.cpp defines it (docs/architecture.md).
+struct IsaTables {
+  const char* name;
+  const FlashKernels<float>* flash;
+  const DeltaKernels* delta;
+  const ProbeKernels* probes;
+};
+
+const IsaTables* isa_scalar();
+const IsaTables* isa_avx2();
+const IsaTables* isa_avx512();
+const IsaTables* isa_avx512bf16();  // avx512, with bf16 dot products for bf16 prefill
+const IsaTables* isa_amx();         // avx512, with AMX-BF16 tile products for bf16 prefill
+const IsaTables* isa_neon();        // aarch64 builds only (ATTNX_NEON_KERNELS)
 // The float64 flash kernels: scalar code (float64 is for precision, not speed), one for every CPU.
-const FlashKernels<double>* table_f64();
-const KernelTable* table_avx2();
-const KernelTable* table_avx512();
-const KernelTable* table_avx512bf16();  // avx512, with bf16 dot products for bf16 prefill
-const KernelTable* table_amx();         // avx512, with AMX-BF16 tile products for bf16 prefill
-// Multiply-add probe bodies for the path choice (dispatch.cpp): `iters` rounds of 12 independent
-// vdpbf16ps (32 multiply-adds each) and of 12 independent 512-bit FMAs (16 each).
-float bf16_dot_probe(int64_t iters);
-float fma512_probe(int64_t iters);
-const KernelTable* table_neon();        // aarch64 builds only (ATTNX_NEON_KERNELS)
+const FlashKernels<double>* flash_f64();
 
 }  // namespace kern
+
+// The active instruction set's tables (runtime/dispatch.cpp: chosen once, or by ATTNX_ISA).
+const kern::IsaTables* active_tables();
+
 }  // namespace attnx

@@ -131,7 +131,7 @@ CpuFeatures cpu_features() {
 
 namespace {
 
-std::atomic<const kern::KernelTable*> g_table{nullptr};
+std::atomic<const kern::IsaTables*> g_table{nullptr};
 std::atomic<int> g_threads{0};
 
 bool has_avx2(const CpuFeatures& f) { return f.avx2 && f.fma && f.f16c; }
@@ -147,14 +147,14 @@ bool has_amx(const CpuFeatures& f) { return has_avx512bf16(f) && f.amx_bf16 && f
 enum class Wide { avx2, avx512, avx512bf16, amx };
 #if defined(ATTNX_X86_KERNELS) && ATTNX_X86_KERNELS
 constexpr bool kWideKernels = true;
-const kern::KernelTable* wide_table(Wide w) {
+const kern::IsaTables* wide_table(Wide w) {
   switch (w) {
-    case Wide::avx2: return kern::table_avx2();
-    case Wide::avx512: return kern::table_avx512();
-    case Wide::avx512bf16: return kern::table_avx512bf16();
+    case Wide::avx2: return kern::isa_avx2();
+    case Wide::avx512: return kern::isa_avx512();
+    case Wide::avx512bf16: return kern::isa_avx512bf16();
     case Wide::amx: break;
   }
-  return kern::table_amx();
+  return kern::isa_amx();
 }
 // Seconds per multiply-add of f(iters) (the fastest of 3 runs).
 template <class Probe>
@@ -171,14 +171,15 @@ double seconds_per_mac(Probe f, int64_t iters, double macs_per_iter) {
 }
 double measure_bf16_dot_gain() {
   constexpr int64_t kIters = 4000;  // ~50k instructions of each: tens of microseconds
-  kern::fma512_probe(kIters);       // (wakes the 512-bit units before either is timed)
-  const double fma = seconds_per_mac(kern::fma512_probe, kIters, 12 * 16);
-  const double dot = seconds_per_mac(kern::bf16_dot_probe, kIters, 12 * 32);
+  const kern::ProbeKernels& p = *kern::isa_avx512bf16()->probes;
+  p.fma512(kIters);                 // (wakes the 512-bit units before either is timed)
+  const double fma = seconds_per_mac(p.fma512, kIters, 12 * 16);
+  const double dot = seconds_per_mac(p.bf16_dot, kIters, 12 * 32);
   return fma / dot;
 }
 #else
 constexpr bool kWideKernels = false;
-const kern::KernelTable* wide_table(Wide) {
+const kern::IsaTables* wide_table(Wide) {
   throw InvalidArgument("this build of attnx has only the portable scalar kernels (not an x86-64 build)");
 }
 double measure_bf16_dot_gain() { return 0; }
@@ -194,16 +195,16 @@ constexpr double kBf16DotGain = 1.25;
 // Advanced SIMD, so there it is the default.
 #if defined(ATTNX_NEON_KERNELS) && ATTNX_NEON_KERNELS
 constexpr bool kNeonKernels = true;
-const kern::KernelTable* neon_table() { return kern::table_neon(); }
+const kern::IsaTables* neon_table() { return kern::isa_neon(); }
 #else
 constexpr bool kNeonKernels = false;
-const kern::KernelTable* neon_table() {
+const kern::IsaTables* neon_table() {
   throw InvalidArgument("ATTNX_ISA=neon: this build of attnx has no NEON kernels (not an aarch64 build)");
 }
 #endif
 
-const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f) {
-  if (name == "scalar") return kern::table_scalar();
+const kern::IsaTables* table_for(const std::string& name, const CpuFeatures& f) {
+  if (name == "scalar") return kern::isa_scalar();
   if (name == "neon") {
     if (kNeonKernels && !f.neon) throw InvalidArgument("ATTNX_ISA=neon: this CPU lacks Advanced SIMD");
     return neon_table();
@@ -235,21 +236,21 @@ const kern::KernelTable* table_for(const std::string& name, const CpuFeatures& f
 // The fastest path for every kind of call: AMX tiles for bf16 prefill where the OS allows them
 // (the float32-widening kernels for the rest), else bf16 dot products where they measure faster
 // than float32 FMAs (bf16_dot_gain), else the widest vectors.
-const kern::KernelTable* best_table() {
+const kern::IsaTables* best_table() {
   const CpuFeatures f = cpu_features();
   if (kNeonKernels && f.neon) return neon_table();
-  if (!kWideKernels) return kern::table_scalar();
+  if (!kWideKernels) return kern::isa_scalar();
   if (has_amx(f)) return wide_table(Wide::amx);
   if (has_avx512bf16(f) && bf16_dot_gain() > kBf16DotGain) return wide_table(Wide::avx512bf16);
   if (has_avx512(f)) return wide_table(Wide::avx512);
   if (has_avx2(f)) return wide_table(Wide::avx2);
-  return kern::table_scalar();
+  return kern::isa_scalar();
 }
 
 }  // namespace
 
-const kern::KernelTable* active_table() {
-  const kern::KernelTable* t = g_table.load(std::memory_order_acquire);
+const kern::IsaTables* active_tables() {
+  const kern::IsaTables* t = g_table.load(std::memory_order_acquire);
   if (t == nullptr) {
     static std::mutex mu;
     std::lock_guard<std::mutex> lock(mu);
@@ -263,7 +264,7 @@ const kern::KernelTable* active_table() {
   return t;
 }
 
-const char* active_isa() { return active_table()->name; }
+const char* active_isa() { return active_tables()->name; }
 
 namespace {
 std::atomic<bool> g_int8_query{false};

@@ -27,7 +27,7 @@ std::atomic<float> g_sink;  // results the compiler must keep (members store at 
 }  // namespace
 
 double probe_fma_gflops(int num_threads, double seconds) {
-  const kern::KernelTable* t = active_table();
+  const kern::ProbeKernels* t = active_tables()->probes;
   const int width = t->lanes;
   const int64_t iters = 1 << 20;
   double best = 0;
@@ -36,7 +36,7 @@ double probe_fma_gflops(int num_threads, double seconds) {
     const double t0 = now();
     int team_size = 1;
     parallel(num_threads, [&](Team& team) {
-      g_sink.store(t->fma_probe(iters), std::memory_order_relaxed);
+      g_sink.store(t->fma(iters), std::memory_order_relaxed);
       if (team.id() == 0) team_size = team.size();
     });
     const double dt = now() - t0;
@@ -47,7 +47,7 @@ double probe_fma_gflops(int num_threads, double seconds) {
 }
 
 double probe_read_gbps(int num_threads, int64_t bytes, double seconds) {
-  const kern::KernelTable* t = active_table();
+  const kern::ProbeKernels* t = active_tables()->probes;
   const int64_t n = bytes / 4;
   // On transparent huge pages, like the arrays the kernels read: NumPy asks for them (madvise)
   // on every allocation of 4 MiB or more. On 4 KiB pages this probe measured 22-24 GB/s from one
@@ -78,7 +78,7 @@ double probe_read_gbps(int num_threads, int64_t bytes, double seconds) {
     parallel(num_threads, [&](Team& team) {
       int64_t b, e;
       share(team, b, e);
-      g_sink.store(t->read_probe(buf + b, e - b), std::memory_order_relaxed);
+      g_sink.store(t->read(buf + b, e - b), std::memory_order_relaxed);
     });
     best = std::max(best, double(n) * 4 / (now() - t0) / 1e9);
   }
