@@ -428,6 +428,30 @@ static WideKV pack_wide(const kern::KVSource& ks, const kern::KVSource& vs, int6
   return w;
 }
 
+// The output rows of row pair p of M rows: in place where the pair is whole, else a staging copy
+// of 2 kTileRows rows of Dvp floats (`stage`; its rows past M zero), copied in, then back.
+struct PairRows {
+  int M;
+  int64_t Dvp;
+  const kern::FlashState& st;
+  float* stage;
+  int rows(int p) const { return int(imin(M, (p + 1) * 2 * kTileRows)) - p * 2 * kTileRows; }
+  std::pair<float*, int64_t> in(int p) const {
+    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
+    const int n = rows(p);
+    if (n == 2 * kTileRows) return {o, st.ldo};
+    for (int r = 0; r < n; ++r) std::memcpy(stage + r * Dvp, o + r * st.ldo, sizeof(float) * std::size_t(Dvp));
+    std::memset(stage + n * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - n) * Dvp));
+    return {stage, Dvp};
+  }
+  void back(int p) const {
+    const int n = rows(p);
+    if (n == 2 * kTileRows) return;
+    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
+    for (int r = 0; r < n; ++r) std::memcpy(o + r * st.ldo, stage + r * Dvp, sizeof(float) * std::size_t(Dvp));
+  }
+};
+
 // Accumulates `blocks` consecutive wide blocks from key j0 into the state (wide_run holds). The
 // row pairs of all the blocks form one sequence, and row pair i's softmax runs beside row pair
 // i-1's P V and row pair i+1's Q K^T (TileSteps), across the blocks' boundaries: the tile unit
@@ -449,22 +473,7 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
     return QkSteps{qb + pair_of(i) * 2 * kTileRows * (Dkp / 2), Dkp / 2, nkb,
                    kv[set_of(i / pairs)].kp, sbuf(i)};
   };
-  // the output rows of row pair p (its rows past M in the staging copy: copied in, then back)
-  auto rows_of = [&](int p) { return int(imin(rs.M, (p + 1) * 2 * kTileRows)) - p * 2 * kTileRows; };
-  auto out_of = [&](int p) -> std::pair<float*, int64_t> {
-    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
-    const int rows = rows_of(p);
-    if (rows == 2 * kTileRows) return {o, st.ldo};
-    for (int r = 0; r < rows; ++r) std::memcpy(ax.ostage + r * Dvp, o + r * st.ldo, sizeof(float) * std::size_t(Dvp));
-    std::memset(ax.ostage + rows * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - rows) * Dvp));
-    return {ax.ostage, Dvp};
-  };
-  auto out_back = [&](int p) {
-    const int rows = rows_of(p);
-    if (rows == 2 * kTileRows) return;
-    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
-    for (int r = 0; r < rows; ++r) std::memcpy(o + r * st.ldo, ax.ostage + r * Dvp, sizeof(float) * std::size_t(Dvp));
-  };
+  const PairRows out{rs.M, Dvp, st, ax.ostage};
   QkSteps first = qk_steps(0);
   TileSteps(nullptr, &first, 1).finish();
   PvSteps pv_prev{};
@@ -480,23 +489,23 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
       // one row pair: the previous block's P V adds to the rows this softmax rescales, so it
       // runs first (only Q K^T runs beside the softmax)
       TileSteps(&pv_prev, nullptr, 1).finish();
-      out_back(0);
+      out.back(0);
       pv_due = false;
     }
     QkSteps next = qk_steps(i + 1);
-    TileSteps tiles(pv_due ? &pv_prev : nullptr, i + 1 < items ? &next : nullptr, rows_of(p));
+    TileSteps tiles(pv_due ? &pv_prev : nullptr, i + 1 < items ? &next : nullptr, out.rows(p));
     const int r0 = p * 2 * kTileRows;
     if (rs.exact_l)
-      wide_softmax<Bf16P<false>>(r0, r0 + rows_of(p), sbuf(i), qscale, Dvp, st, tiles);
+      wide_softmax<Bf16P<false>>(r0, r0 + out.rows(p), sbuf(i), qscale, Dvp, st, tiles);
     else
-      wide_softmax<Bf16P<true>>(r0, r0 + rows_of(p), sbuf(i), qscale, Dvp, st, tiles);
-    if (pv_due) out_back(pair_of(i - 1));
-    const auto [o, ldo] = out_of(p);
+      wide_softmax<Bf16P<true>>(r0, r0 + out.rows(p), sbuf(i), qscale, Dvp, st, tiles);
+    if (pv_due) out.back(pair_of(i - 1));
+    const auto [o, ldo] = out.in(p);
     pv_prev = PvSteps{reinterpret_cast<const Pair*>(sbuf(i)), kv[set_of(blk)].vp, Dvp, o, ldo};
     pv_due = true;
   }
   TileSteps(&pv_prev, nullptr, 1).finish();
-  out_back(pair_of(items - 1));
+  out.back(pair_of(items - 1));
 }
 
 // The table's `flash`: bf16 prefill items on AMX tiles, the rest on tile-inl.h's flash (the
