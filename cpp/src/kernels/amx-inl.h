@@ -190,14 +190,7 @@ static void online_rows(int M, float* s, float scale, const Online& on) {
     online_block<MR, NC, false, true, PExp>(acc, 0, s + int64_t(r) * kTileK, rows, sum, scale);
     for (int i = 0; i < MR; ++i) rows.l[i] += reduce_add(sum[i]);
   };
-  int r = 0;
-  for (; r + 4 <= M; r += 4) block(std::integral_constant<int, 4>{}, r);
-  switch (M - r) {
-    case 3: block(std::integral_constant<int, 3>{}, r); break;
-    case 2: block(std::integral_constant<int, 2>{}, r); break;
-    case 1: block(std::integral_constant<int, 1>{}, r); break;
-    default: break;
-  }
+  row_blocks<4>(M, block);
 }
 
 // Accumulates keys [j0, j_end) of one tile (at most kTileK keys) into the state; qb: the rows'
@@ -521,13 +514,9 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
   AmxScratch& ax = amx_scratch();
   ax.size(Dkp, Dvp);
-  // q / scale is the bf16 query (bf16_dot-inl.h's flash_bf16 says when it is not)
-  const float inv = 1.f / rs.scale;
-  const bool back = rs.scale != 0.f && std::isfinite(rs.scale) && std::isfinite(inv);
-  pack_q_bf16(rs, Dkp, back ? inv : 1.f, ax.qb);
+  const float qscale = pack_query(rs, Dkp, ax.qb);
   const int Mr = int(round_up(rs.M, 2 * kTileRows));
   std::memset(ax.qb + rs.M * (Dkp / 2), 0, sizeof(Pair) * std::size_t((Mr - rs.M) * (Dkp / 2)));
-  const float qscale = back ? rs.scale : 1.f;
   TileScope tiles;
   for (int64_t j0 = j_begin; j0 < j_end;) {
     if (const int64_t blocks = wide_run(rs, j0, j_end, softcap, qscale, st)) {

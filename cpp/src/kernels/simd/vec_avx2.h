@@ -54,12 +54,6 @@ static ATTNX_INLINE void hsum8(const V* a, float* out) { _mm256_storeu_ps(out, h
 static ATTNX_INLINE void hsum8_split(const V* a, float* lo, float* hi) {
   store_halves(hsum8x256(a), lo, hi);
 }
-static inline void transpose8x8(const float* const* src, int64_t col, float* dst, int64_t ldd) {
-  transpose8x8_256(src, col, dst, ldd);
-}
-static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, float* dst, int64_t ldd) {
-  transpose8x8_f16_256(src, col, dst, ldd);
-}
 
 }  // namespace simd
 }  // namespace avx2

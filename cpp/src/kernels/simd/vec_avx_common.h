@@ -4,8 +4,8 @@
 #include <immintrin.h>
 
 // 2^f for |f| <= 1/2, highest power first: degree 6, constant term 1 (exp(0) = 1 exactly), fitted
-// for relative error (2.0e-9 in exact arithmetic; 7.9e-8 = 1.3 ulp evaluated by Horner in float32,
-// against 7.0e-8 for the degree-7 Taylor series used before, one FMA more). Shared by the 8- and
+// for relative error (2.0e-9 in exact arithmetic; 7.9e-8 = 1.3 ulp evaluated by Horner in
+// float32: as accurate as a degree-7 Taylor series, one FMA shorter). Shared by the 8- and
 // 16-lane exp.
 constexpr int kExp2Terms = 7;
 constexpr float kExp2Poly[kExp2Terms] = {1.5354042e-4f, 1.3398790e-3f, 9.6184341e-3f, 5.5503327e-2f,
@@ -111,7 +111,8 @@ static ATTNX_INLINE void transpose8x8_regs(__m256 r0, __m256 r1, __m256 r2, __m2
   _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-static inline void transpose8x8_256(const float* const* src, int64_t col, float* dst, int64_t ldd) {
+// (transpose8x8 and transpose8x8_f16 are the vocabulary names of both ISAs: 8 x 8 blocks either way)
+static inline void transpose8x8(const float* const* src, int64_t col, float* dst, int64_t ldd) {
   transpose8x8_regs(_mm256_loadu_ps(src[0] + col), _mm256_loadu_ps(src[1] + col),
                     _mm256_loadu_ps(src[2] + col), _mm256_loadu_ps(src[3] + col),
                     _mm256_loadu_ps(src[4] + col), _mm256_loadu_ps(src[5] + col),
@@ -121,9 +122,9 @@ static inline void transpose8x8_256(const float* const* src, int64_t col, float*
 static inline __m256 load_f16_256(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-// transpose8x8_256 of float16 rows, widened as they are loaded (no fp32 copy of the rows)
-static inline void transpose8x8_f16_256(const uint16_t* const* src, int64_t col, float* dst,
-                                        int64_t ldd) {
+// transpose8x8 of float16 rows, widened as they are loaded (no fp32 copy of the rows)
+static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, float* dst,
+                                    int64_t ldd) {
   transpose8x8_regs(load_f16_256(src[0] + col), load_f16_256(src[1] + col),
                     load_f16_256(src[2] + col), load_f16_256(src[3] + col),
                     load_f16_256(src[4] + col), load_f16_256(src[5] + col),
@@ -139,8 +140,7 @@ static inline __m256 load_i8_256(const int8_t* p) {
 // exponent field 4 bits into 5, subnormals included): x << 7 puts eeee mmm in place and the sign
 // at bits 15 and 14; clearing bit 14 leaves s 0 eeee mmm 0000000. The NaN codes (magnitude 0x7f)
 // would read 1.75 / 256 that way and become a float16 NaN (exponent all ones). 5-6 integer
-// instructions where the zero-extended form took 8 (e4m3 decode's widening competed with its
-// FMAs).
+// instructions, fewer than a zero-extended form (e4m3 decode's widening competes with its FMAs).
 static inline __m128i fp8_as_f16_128(__m128i x, bool e4) {
   if (!e4) return _mm_slli_epi16(x, 8);
   const __m128i h = _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(-0x4001));  // ~0x4000
