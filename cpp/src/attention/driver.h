@@ -1,7 +1,7 @@
-// flash_driver.h: the scheduling shared by dense and paged attention. A problem adapter
+// driver.h: the scheduling shared by dense and paged attention. A problem adapter
 // (problem.h) says where each query row, output row and KV row lives; run_flash plans the work
 // (plan.h), runs the ISA's flash kernel on each unit of items (with split-KV, on a slice of its
-// keys), merges the split parts and finalises the rows (row_state.h). Everything is a template on
+// keys), merges the split parts and finalises the rows (attention/state.h). Everything is a template on
 // the problem's compute type T (P::Real): float, or double for float64 inputs, with its own
 // kernels (flash_kernels<T>) and per-thread scratch.
 #pragma once
@@ -163,7 +163,7 @@ class FlashRun {
   }
 
   // Merges the split-KV parts of item ix's rows and finishes them. Rows whose merged O
-  // overflowed (row_state.h "overflow") are computed again, the item's keys in one part, in this
+  // overflowed (attention/state.h "overflow") are computed again, the item's keys in one part, in this
   // thread's slot; where that is still not finite, the merged row was right.
   void merge_item(int64_t ix, const Buffers& tb) {
     const Item& it = item(ix);
@@ -295,7 +295,7 @@ class FlashRun {
     return {pb, std::min(all.end, pb + part)};
   }
 
-  // An item's rows whose O overflowed (row_state.h "overflow") computed again, from the start,
+  // An item's rows whose O overflowed (attention/state.h "overflow") computed again, from the start,
   // with their max moved up; rows whose O is then still not finite (an infinite or NaN value of
   // their own) are computed a third time as they were the first, the others as in the second.
   void rescue(const kern::RowSetT<T>& rs, const kern::KVSource& k, const kern::KVSource& v,

@@ -65,8 +65,8 @@ struct Plan {
 // once, tile by tile, for all its kv heads in turn: see flash_group. Grouping pays where one
 // head's keys are short runs in memory (pages of a pool that stores a block's heads side by
 // side, or rows of a (B, L, H, D) array): the group then reads whole blocks front to back. A
-// (B, H, L, D) array already gives each head one long run: there the plain per-item order
-// measured 5-10% faster.
+// (B, H, L, D) array already gives each head one long run: there the plain per-item order is
+// faster (bench/NOTES.md).
 template <class P>
 bool plan_grouped(const P& p, int64_t M_max) {
   if (p.B == 0 || p.Hkv <= 1) return false;
@@ -118,11 +118,11 @@ int64_t plan_items(const P& p, int64_t hg, bool grouped, Plan& plan) {
 // Prefill: the many-row QK^T path transposes each K tile it visits. Where several work items
 // (query chunks, head groups) share a kv head, the first item to reach a tile packs it into a
 // buffer shared by the call and the others read it (kern::KVSource::kt): each K tile of a
-// 2048-token causal GQA prefill was otherwise transposed by 128 items. An up-front packing pass
-// measured worse where few items share a head (it reads K with no compute to hide behind). The
+// 2048-token causal GQA prefill would otherwise be transposed by 128 items. An up-front packing
+// pass is worse where few items share a head (it reads K with no compute to hide behind). The
 // buffer, one copy of those K in the compute type (O(S * D)), is kept by the calling thread between calls, like
-// the per-thread scratch: a fresh allocation paid its page faults on every call. At most
-// kPackBudget bytes (the kv heads beyond it pack per item, as before), and at most kPackKeep
+// the per-thread scratch: a fresh allocation would pay its page faults on every call. At most
+// kPackBudget bytes (the kv heads beyond it pack per item), and at most kPackKeep
 // bytes are kept after the call: a long prefill's K would otherwise stay resident.
 template <class P>
 void plan_packed_k(const P& p, Plan& plan) {

@@ -29,7 +29,7 @@ namespace detail {
 // additive mask: float (float32, float16, bfloat16 storage) or double (float64).
 // An adapter may also hide prior(b, h, i): a finished part of the row over keys outside this
 // problem (an output of Dv values of T, or null, and its lse), merged in before the row is
-// finished (row_state.h): the shared-prefix path's part of a sequence's attention.
+// finished (attention/state.h): the shared-prefix path's part of a sequence's attention.
 template <class T>
 struct BasicFlashProblem {
   using Real = T;

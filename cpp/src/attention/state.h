@@ -1,4 +1,4 @@
-// row_state.h: the online-softmax state of one query row and every rule about it, in one place
+// state.h: the online-softmax state of one query row and every rule about it, in one place
 // (the shape of FlashInfer's state_t: init, update, merge, finalize). Used by the per-ISA kernels
 // (the update) and by the flash driver (init, merge of split-KV parts, finalize).
 //
@@ -30,7 +30,7 @@
 //
 // Every function here has internal linkage (static): the kernel files include this header with
 // wide instruction sets enabled, and an inline (COMDAT) copy compiled with AVX could otherwise be
-// the one the linker keeps for the baseline driver (see kernels.h).
+// the one the linker keeps for the baseline driver (see kernels/tables.h).
 #pragma once
 #include <algorithm>
 #include <cmath>

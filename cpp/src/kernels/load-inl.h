@@ -32,7 +32,7 @@ static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * 
 
 // Local twins of types.h's is_quantised and dtype_size: an inline function of a shared header,
 // compiled here with wide-instruction flags, could be the copy the linker keeps for baseline code
-// (see kernels.h); these are static, inside this ISA's namespace.
+// (see kernels/tables.h); these are static, inside this ISA's namespace.
 static inline bool quantised(DType t) { return t == DType::i8 || t == DType::e4m3 || t == DType::e5m2; }
 // (float64 only reaches the float64 kernels: in the float ones its test folds away at compile time.)
 static inline int64_t elem_bytes(DType t) {
@@ -173,9 +173,8 @@ static void pack_kt(const Real* const* rows, int64_t n, int64_t Dkp, Real* kt) {
 
 // Prefetch of the rows of a later tile, spread through the current tile's loops so the misses
 // overlap with the arithmetic instead of stalling in one burst. Into L2 (prefetcht2), not L1: the
-// current K and V tiles (up to 64 KiB) already fill L1. On Zen 4, one thread decoding GQA from
-// memory: prefetcht2 one tile ahead 14.2 GB/s; two tiles ahead 13.6; prefetcht0 and prefetchnta
-// 7-9 (lines land in L1 and are evicted, or skip L2); no prefetch 8.6.
+// current K and V tiles (up to 64 KiB) already fill L1; prefetcht0 and prefetchnta land lines in
+// L1 to be evicted, or skip L2 (bench/NOTES.md compares them).
 constexpr int64_t kPrefetchTiles = 1;  // flash: the same item's next tile
 constexpr int64_t kPrefetchSteps = 1;  // flash_group: the next (item, tile) in execution order
 static inline void prefetch_row(const char* p, int64_t bytes) {
@@ -291,8 +290,8 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
   const bool inplace = (ks.dtype == kNative || ks.dtype == DType::f16) && Dk % 8 == 0;
   const int64_t dk = inplace ? Dk : Dkp;  // converted rows are already zero-padded
   if (inplace && ks.dtype == DType::f16) {
-    // float16 rows widened inside the transpose, read in place: the fp32 copy of the tile and
-    // its reload cost a 16-row fp16 tile ~6% of its CPU time (alternating runs, 1 thread)
+    // float16 rows widened inside the transpose, read in place: no fp32 copy of the tile to
+    // write and read back
     kv_rows(ks, j0, n, sc.kaddr);
     const uint16_t* rows[8];
     for (int64_t j = 0; j < n; j += 8) {
@@ -306,8 +305,8 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
     pack_kt(key_rows(ks, j0, n, Dk, true, sc), n, dk, kt);
   } else {
     // Converted 8 rows at a time into the head of kf, each 8 transposed before the next are
-    // converted. A whole converted tile (32 KiB at D 128) beside the packed one evicted itself
-    // from L1, and the conversion stalled on its stores: a sixth of a 16-row fp16 tile's cycles.
+    // converted: a whole converted tile (32 KiB at D 128) beside the packed one would evict
+    // itself from L1, and the conversion would stall on its stores.
     kv_rows(ks, j0, n, sc.kaddr);
     const Real* rows[8];
     for (int64_t j = 0; j < n; j += 8) {

@@ -65,8 +65,7 @@ static void pv(int M, const Real* p, const Real* const* vrow, int64_t n, int64_t
   int r = 0;
   // Half-precision values are widened as they are loaded, once per row block: on Zen 4 the
   // widening (vcvtph2ps) competes with the FMAs. With 32 registers, blocks of 16 rows x 1 vector
-  // widen each value vector once for 16 rows instead of three times (6 + 6 + 4 rows): a
-  // shared prefix's 16-row fp16 tile took 2-4% less CPU time (alternating runs, 1 thread).
+  // widen each value vector once for 16 rows instead of three times (6 + 6 + 4 rows).
   if constexpr (W >= 16 && (std::is_same<T, F16>::value || std::is_same<T, BF16>::value))
     for (; r + 16 <= M; r += 16, next = nullptr)
       pv_rows<16, T>(p + r * kTileK, vrow, n, Dvp, o + r * ldo, ldo, next, nn, bytes);

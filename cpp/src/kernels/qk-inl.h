@@ -155,12 +155,10 @@ template <class T>
 static void qk_dot(int M, const Real* q, int64_t ldq, const Real* const* krow, int64_t n,
                    int64_t Dk, Real* s, const char* const* next, int64_t nn, int64_t bytes) {
   // AVX-512 has 32 registers: 4 rows x 4 keys. AVX2 has 16: 4 rows x 2 keys, so the 4 GQA rows of
-  // a kv head stream K once (2 rows x 4 keys streamed it twice; fp32 decode 5.1-5.7 -> 4.9-5.2
-  // ms). Its 8 accumulators at 2 FMAs per cycle and 4 cycles of latency leave no slack, which is
-  // why avx2 decode still trails avx512 on Zen 4. The rows left over (a GQA group of 2, 3, 6 or
-  // 7: SmolLM2's is 3) form one block too, of 3 or 2 rows x 8 keys (AVX2: x 4), where they took
-  // one 1 x 8 pass each: avx2 decode of 3 rows, D 64, L 2048, one thread 53-55 -> 47-48 us;
-  // avx512 within the noise (its loads are not the bound there).
+  // a kv head stream K once (2 rows x 4 keys would stream it twice). Its 8 accumulators at 2 FMAs
+  // per cycle and 4 cycles of latency leave no slack. The rows left over (a GQA group of 2, 3, 6
+  // or 7: SmolLM2's is 3) form one block too, of 3 or 2 rows x 8 keys (AVX2: x 4), so that they
+  // too stream K once (bench/NOTES.md).
   constexpr bool wide = W >= 16;
   int r = 0;
   for (; r + 4 <= M; r += 4)

@@ -25,15 +25,13 @@ namespace {
 //
 // Here the raise is lazy: only a score above m + kLazyMax raises m (to the block's max), so
 // m may lag the true running max by up to kLazyMax and p by up to e^4 ~ 55. Any reference point
-// gives the same softmax (O / l and lse = m + log l are unchanged, row_state.h's merge takes any
-// m), and p <= 55 is far from overflow. Each raise is a branch the predictor cannot know, taken
-// at the end of the block's FMA chains, whose misprediction discards the next block's FMAs
-// already in flight: random scores raised a few times per row, which cost 2 points of the FMA
-// peak (avx2 prefill 75.4 -> 77.0%, avx512 79.5 -> 82.5%, one thread). With the slack, real and
-// random scores almost never raise after a row's first tile. The bf16 path (bf16_dot-inl.h) keeps
-// the exact max: it rounds p to bf16 before P V, and a row's largest p is then exactly 1, which
-// the flash rule's error bound counts on (with the slack its max error grew past 2x the bf16-P
-// emulation's).
+// gives the same softmax (O / l and lse = m + log l are unchanged, attention/state.h's merge takes
+// any m), and p <= 55 is far from overflow. Each raise is a branch the predictor cannot know,
+// taken at the end of the block's FMA chains, whose misprediction discards the next block's FMAs
+// already in flight (bench/NOTES.md). With the slack, real and random scores almost never raise
+// after a row's first tile. The bf16 path (bf16_dot-inl.h) keeps the exact max: it rounds p to
+// bf16 before P V, and a row's largest p is then exactly 1, which the flash rule's error bound
+// counts on (docs/numerics.md).
 constexpr Real kLazyMax = 4;
 struct Online {
   Real* m;
@@ -117,7 +115,7 @@ static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s
 // sees, nw a whole number of vectors): m' = max(m, max_j s_j), s_j becomes p_j = exp(s_j - m'),
 // l = alpha l + sum_j p_j and O = alpha O with alpha = exp(m - m'). Returns false, changing
 // nothing, where a row has seen nothing visible yet (m' = -inf: the update would compute
-// exp(-inf - -inf)); the caller then skips that row's update (row_state.h).
+// exp(-inf - -inf)); the caller then skips that row's update (attention/state.h).
 // softmax_rows runs it over 4 rows at once (2 on AVX2, whose 16 registers spilled 4 rows' sums):
 // one row's max reduction and exp chains leave the pipes idle (a row and 64-key tile is ~200
 // instructions at ~1.5 per cycle), several rows' overlap; the same operations in the same order
@@ -232,7 +230,7 @@ static inline bool sees_whole(const RowSet& rs, int r, int R, int64_t j0, int64_
 // Whether the packed QK^T of keys [j0, j0 + n) can do the online-softmax update itself
 // (qk_packed with Online): every row sees every key, no soft-cap or ALiBi (the mask is the
 // caller's test), every row has a finite running max (not its first visible tile: the update
-// is skipped while it has seen nothing, see row_state.h) and the tile is whole register blocks
+// is skipped while it has seen nothing, see attention/state.h) and the tile is whole register blocks
 // (zero keys past n would score 0).
 static bool fusable(const RowSet& rs, int64_t j0, int64_t n, Real softcap, const FlashState& st) {
   if (softcap > 0.f || n % (NR * W) != 0 || rs.qfactor != nullptr || !sees_whole(rs, 0, rs.M, j0, n))

@@ -100,7 +100,7 @@ struct ScratchT {
 using Scratch = ScratchT<float>;
 
 // Running online-softmax state of M rows: O (M, ldo) unnormalised, m the running max, l the sum
-// (its rules: row_state.h).
+// (its rules: attention/state.h).
 template <class T>
 struct FlashStateT {
   T* o = nullptr;

@@ -3,7 +3,7 @@
 // In a model's loop every attention call comes right after a matrix product. Under NumPy that
 // product runs on OpenBLAS's pthreads pool, whose idle workers spin (sched_yield) for about
 // 2^28 cycles, ~70 ms, after each call: attention started inside that window shares both cores
-// with them (measured: prefill B1 H8 S2048 D64 1.46x slower than alone, bench/NOTES.md). OpenBLAS
+// with them (bench/NOTES.md measures it). OpenBLAS
 // 0.3.28+ lets the program run its parallel regions on another pool instead
 // (openblas_set_threads_callback_function). Handing it attnx's pool leaves one pool in the
 // process: the matmul's threads are attnx's workers, which spin ~100 us and then sleep, and the
@@ -207,8 +207,8 @@ int max_threads_of(void* lib) {
 //
 // torch runs its ops on an OpenMP team (its bundled libgomp), whose idle threads spin for a few
 // milliseconds after each op (GOMP_SPINCOUNT). attnx's own pool between two torch ops means three
-// or four runnable threads on two cores: the attention call after a matmul ran 1.1-1.2x slower
-// than alone, and each torch op after attnx waits for its team. Running attnx's regions on that
+// or four runnable threads on two cores: the attention call after a matmul is slowed by the
+// spinning team, and each torch op after attnx waits for its team. Running attnx's regions on that
 // same team (GOMP_parallel: the libgomp ABI, also provided by LLVM's and Intel's runtimes) leaves
 // one set of threads, warm for both.
 

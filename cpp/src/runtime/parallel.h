@@ -60,7 +60,7 @@ class Team {
 //
 // fn must not throw: an exception is carried out to the caller once every member has finished,
 // but members waiting at a barrier the thrower never reaches wait forever. Catch inside fn
-// (flash_driver.h records the first exception and rethrows it after the region).
+// (attention/driver.h records the first exception and rethrows it after the region).
 void run_team(int num_threads, void (*fn)(void*, Team&), void* ctx);
 
 // The same for any callable: parallel(n, [&](Team& team) { ... }).

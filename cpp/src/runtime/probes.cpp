@@ -50,8 +50,8 @@ double probe_read_gbps(int num_threads, int64_t bytes, double seconds) {
   const kern::ProbeKernels* t = active_tables()->probes;
   const int64_t n = bytes / 4;
   // On transparent huge pages, like the arrays the kernels read: NumPy asks for them (madvise)
-  // on every allocation of 4 MiB or more. On 4 KiB pages this probe measured 22-24 GB/s from one
-  // Zen 4 thread against 28.8 on huge pages, and would understate what the memory can deliver.
+  // on every allocation of 4 MiB or more. On 4 KiB pages this probe would understate what the
+  // memory can deliver (TLB misses; bench/NOTES.md).
   constexpr std::size_t kHuge = std::size_t(2) << 20;
   const std::size_t size = (std::size_t(n) * 4 + kHuge - 1) / kHuge * kHuge;
   float* buf = static_cast<float*>(detail::aligned_malloc(kHuge, size));

@@ -1,6 +1,6 @@
 // convert.h: portable scalar float16 / bfloat16 <-> float32 conversions (round to nearest even).
 // Everything here is `static inline` so each translation unit keeps its own copy, compiled with
-// its own instruction-set flags (see the note in kernels.h).
+// its own instruction-set flags (see the note in kernels/tables.h).
 #pragma once
 #include <cmath>
 #include <cstdint>

@@ -1,4 +1,4 @@
-// vec_f64.h: the vector vocabulary with one double lane, for the float64 kernels (kernels_f64.cpp).
+// vec_f64.h: the vector vocabulary with one double lane, for the float64 kernels (kernels/f64.cpp).
 #pragma once
 #include <cmath>
 #include <cstdint>
