@@ -124,7 +124,7 @@ def make_rng(*salt):
     return np.random.default_rng([SEED, zlib.crc32(repr(salt).encode())])
 
 
-# Per-16-key climbs of the scores for the lazy running max (kernel-inl.h kLazyMax = 4): below,
+# Per-16-key climbs of the scores for the lazy running max (softmax-inl.h kLazyMax = 4): below,
 # near and above the slack, and far above it.
 RISES = [0.05, 2.0, 3.9, 4.1, 60.0]
 

@@ -271,7 +271,7 @@ def test_running_max_raised_inside_fused_tiles(isa, bad, dtype):
 @pytest.mark.parametrize("rise", RISES)
 def test_running_max_lags_by_at_most_the_slack(isa, rise):
     """Fused prefill tiles raise a row's max only where a score passes it by more than 4 (the
-    slack that makes raises, and their mispredicted branches, rare; kernel-inl.h kLazyMax).
+    slack that makes raises, and their mispredicted branches, rare; softmax-inl.h kLazyMax).
     Scores that climb `rise` per 16 keys, below, near and above the slack, climb up to 960 along
     the row: unless the max follows them, exp(s - m) overflows and the row reads inf or NaN.
     (float64: test_float64.py)"""

@@ -43,7 +43,7 @@ bash .ci/portable/cross_aarch64.sh build/cross-aarch64 > "$WORK/cross.log" 2>&1 
 PB=$("$PY" -c "import pybind11; print(pybind11.get_include())")
 rm -rf "$WORK/pkg/attnx" && cp -r python/attnx "$WORK/pkg/attnx"
 rm -rf "$WORK"/pkg/attnx/_core.*.so "$WORK"/pkg/attnx/__pycache__
-aarch64-linux-gnu-g++ -O2 -shared -fPIC -std=c++17 -fvisibility=hidden -Icpp/include -Icpp/src \
+aarch64-linux-gnu-g++ -O2 -shared -fPIC -std=c++17 -fvisibility=hidden -Icpp/include -Icpp/src -Icpp \
   -I"$PB" -I"$WORK/root/usr/include/python3.11" -I"$WORK/root/usr/include" cpp/bind/*.cpp \
   build/cross-aarch64/libattnx_core.a -pthread -o "$WORK/pkg/attnx/_core.cpython-311-aarch64-linux-gnu.so"
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "src/cascade.h"
+#include "src/attention/cascade.h"
 
 namespace py = pybind11;
 

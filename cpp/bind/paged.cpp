@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "out.h"
-#include "src/cascade.h"
+#include "src/attention/cascade.h"
 
 namespace attnx::bind {
 

@@ -5,7 +5,7 @@
 
 #include "args.h"
 #include "paged.h"
-#include "src/cascade.h"
+#include "src/attention/cascade.h"
 
 namespace attnx::bind {
 namespace {

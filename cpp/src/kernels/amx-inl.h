@@ -1,6 +1,6 @@
 // amx-inl.h: the prefill tile loop on AMX tiles (AMX-BF16's tdpbf16ps: C[16 x 16] fp32 +=
 // A[16 x 32 bf16] B[32 bf16 x 16], B in pairs along its rows), for bf16 q, k and v.
-// kernels_amx.cpp includes it after kernel-inl.h and bf16_dot-inl.h, inside the same namespace:
+// isa_amx.cpp includes it after the flash stages (load-inl.h .. probes-inl.h) and bf16_dot-inl.h, inside the same namespace:
 // the packed layouts (Q, K and V as bf16 pairs: pack_q_bf16, pack_k_bf16, pack_v_bf16), the
 // masks, the online softmax and the P rounding are theirs; only the two products move to tiles.
 //
@@ -174,7 +174,7 @@ static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp
   }
 }
 
-// The fused tiles' online-softmax update (kernel-inl.h online_block) of the M rows of raw
+// The fused tiles' online-softmax update (softmax-inl.h online_block) of the M rows of raw
 // products in s (each times `scale` is a score): p as bf16 pairs at the start of each row.
 template <class PExp>
 static void online_rows(int M, float* s, float scale, const Online& on) {
@@ -190,14 +190,7 @@ static void online_rows(int M, float* s, float scale, const Online& on) {
     online_block<MR, NC, false, true, PExp>(acc, 0, s + int64_t(r) * kTileK, rows, sum, scale);
     for (int i = 0; i < MR; ++i) rows.l[i] += reduce_add(sum[i]);
   };
-  int r = 0;
-  for (; r + 4 <= M; r += 4) block(std::integral_constant<int, 4>{}, r);
-  switch (M - r) {
-    case 3: block(std::integral_constant<int, 3>{}, r); break;
-    case 2: block(std::integral_constant<int, 2>{}, r); break;
-    case 1: block(std::integral_constant<int, 1>{}, r); break;
-    default: break;
-  }
+  row_blocks<4>(M, block);
 }
 
 // Accumulates keys [j0, j_end) of one tile (at most kTileK keys) into the state; qb: the rows'
@@ -245,7 +238,7 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
 
 // ---- wide blocks: kWideTiles whole tiles that every row sees whole --------------------------
 // Whether keys [j0, j0 + kWideKeys) form one: no mask, soft-cap or ALiBi, every row sees them
-// all and has a finite running max (as kernel-inl.h's `fusable`), and a positive score factor
+// all and has a finite running max (as softmax-inl.h's `fusable`), and a positive score factor
 // (the raw products' max times it is the scores' max).
 static bool wide_block(const kern::RowSet& rs, int64_t j0, int64_t j_end, float softcap,
                        float qscale, const kern::FlashState& st) {
@@ -374,7 +367,7 @@ struct TileSteps {
 // (r - r0) * kWideKeys): m' = max(m, scale * max_j s_j), O and l rescaled by exp(m - m'), then
 // p_j = exp(scale * s_j - m') rounded to bf16 pairs at the start of the row and added to l.
 // The exact max (no lazy slack): a row's largest p is exactly 1, as the bf16 path's error bound
-// counts on (kernel-inl.h kLazyMax). `tiles` runs its steps between the rows.
+// counts on (softmax-inl.h kLazyMax). `tiles` runs its steps between the rows.
 template <class PExp>
 static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
                          const kern::FlashState& st, TileSteps& tiles) {
@@ -428,6 +421,30 @@ static WideKV pack_wide(const kern::KVSource& ks, const kern::KVSource& vs, int6
   return w;
 }
 
+// The output rows of row pair p of M rows: in place where the pair is whole, else a staging copy
+// of 2 kTileRows rows of Dvp floats (`stage`; its rows past M zero), copied in, then back.
+struct PairRows {
+  int M;
+  int64_t Dvp;
+  const kern::FlashState& st;
+  float* stage;
+  int rows(int p) const { return int(imin(M, (p + 1) * 2 * kTileRows)) - p * 2 * kTileRows; }
+  std::pair<float*, int64_t> in(int p) const {
+    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
+    const int n = rows(p);
+    if (n == 2 * kTileRows) return {o, st.ldo};
+    for (int r = 0; r < n; ++r) std::memcpy(stage + r * Dvp, o + r * st.ldo, sizeof(float) * std::size_t(Dvp));
+    std::memset(stage + n * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - n) * Dvp));
+    return {stage, Dvp};
+  }
+  void back(int p) const {
+    const int n = rows(p);
+    if (n == 2 * kTileRows) return;
+    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
+    for (int r = 0; r < n; ++r) std::memcpy(o + r * st.ldo, stage + r * Dvp, sizeof(float) * std::size_t(Dvp));
+  }
+};
+
 // Accumulates `blocks` consecutive wide blocks from key j0 into the state (wide_run holds). The
 // row pairs of all the blocks form one sequence, and row pair i's softmax runs beside row pair
 // i-1's P V and row pair i+1's Q K^T (TileSteps), across the blocks' boundaries: the tile unit
@@ -449,22 +466,7 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
     return QkSteps{qb + pair_of(i) * 2 * kTileRows * (Dkp / 2), Dkp / 2, nkb,
                    kv[set_of(i / pairs)].kp, sbuf(i)};
   };
-  // the output rows of row pair p (its rows past M in the staging copy: copied in, then back)
-  auto rows_of = [&](int p) { return int(imin(rs.M, (p + 1) * 2 * kTileRows)) - p * 2 * kTileRows; };
-  auto out_of = [&](int p) -> std::pair<float*, int64_t> {
-    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
-    const int rows = rows_of(p);
-    if (rows == 2 * kTileRows) return {o, st.ldo};
-    for (int r = 0; r < rows; ++r) std::memcpy(ax.ostage + r * Dvp, o + r * st.ldo, sizeof(float) * std::size_t(Dvp));
-    std::memset(ax.ostage + rows * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - rows) * Dvp));
-    return {ax.ostage, Dvp};
-  };
-  auto out_back = [&](int p) {
-    const int rows = rows_of(p);
-    if (rows == 2 * kTileRows) return;
-    float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
-    for (int r = 0; r < rows; ++r) std::memcpy(o + r * st.ldo, ax.ostage + r * Dvp, sizeof(float) * std::size_t(Dvp));
-  };
+  const PairRows out{rs.M, Dvp, st, ax.ostage};
   QkSteps first = qk_steps(0);
   TileSteps(nullptr, &first, 1).finish();
   PvSteps pv_prev{};
@@ -480,45 +482,41 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
       // one row pair: the previous block's P V adds to the rows this softmax rescales, so it
       // runs first (only Q K^T runs beside the softmax)
       TileSteps(&pv_prev, nullptr, 1).finish();
-      out_back(0);
+      out.back(0);
       pv_due = false;
     }
     QkSteps next = qk_steps(i + 1);
-    TileSteps tiles(pv_due ? &pv_prev : nullptr, i + 1 < items ? &next : nullptr, rows_of(p));
+    TileSteps tiles(pv_due ? &pv_prev : nullptr, i + 1 < items ? &next : nullptr, out.rows(p));
     const int r0 = p * 2 * kTileRows;
     if (rs.exact_l)
-      wide_softmax<Bf16P<false>>(r0, r0 + rows_of(p), sbuf(i), qscale, Dvp, st, tiles);
+      wide_softmax<Bf16P<false>>(r0, r0 + out.rows(p), sbuf(i), qscale, Dvp, st, tiles);
     else
-      wide_softmax<Bf16P<true>>(r0, r0 + rows_of(p), sbuf(i), qscale, Dvp, st, tiles);
-    if (pv_due) out_back(pair_of(i - 1));
-    const auto [o, ldo] = out_of(p);
+      wide_softmax<Bf16P<true>>(r0, r0 + out.rows(p), sbuf(i), qscale, Dvp, st, tiles);
+    if (pv_due) out.back(pair_of(i - 1));
+    const auto [o, ldo] = out.in(p);
     pv_prev = PvSteps{reinterpret_cast<const Pair*>(sbuf(i)), kv[set_of(blk)].vp, Dvp, o, ldo};
     pv_due = true;
   }
   TileSteps(&pv_prev, nullptr, 1).finish();
-  out_back(pair_of(items - 1));
+  out.back(pair_of(items - 1));
 }
 
-// The table's `flash`: bf16 prefill items on AMX tiles, the rest on kernel-inl.h's flash (the
+// The table's `flash`: bf16 prefill items on AMX tiles, the rest on tile-inl.h's flash (the
 // float32-widening kernels, with VNNI for integer queries: on the CPUs that have AMX they are
 // faster than AVX512_BF16's vdpbf16ps, see dispatch.cpp).
 static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                       int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                       const kern::Scratch& sc, const kern::FlashState& st) {
   if (!bf16_prefill(rs, ks, vs)) {
-    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (kernel-inl.h's, this unit's)
+    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (tile-inl.h's, this unit's)
     return;
   }
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
   AmxScratch& ax = amx_scratch();
   ax.size(Dkp, Dvp);
-  // q / scale is the bf16 query (bf16_dot-inl.h's flash_bf16 says when it is not)
-  const float inv = 1.f / rs.scale;
-  const bool back = rs.scale != 0.f && std::isfinite(rs.scale) && std::isfinite(inv);
-  pack_q_bf16(rs, Dkp, back ? inv : 1.f, ax.qb);
+  const float qscale = pack_query(rs, Dkp, ax.qb);
   const int Mr = int(round_up(rs.M, 2 * kTileRows));
   std::memset(ax.qb + rs.M * (Dkp / 2), 0, sizeof(Pair) * std::size_t((Mr - rs.M) * (Dkp / 2)));
-  const float qscale = back ? rs.scale : 1.f;
   TileScope tiles;
   for (int64_t j0 = j_begin; j0 < j_end;) {
     if (const int64_t blocks = wide_run(rs, j0, j_end, softcap, qscale, st)) {

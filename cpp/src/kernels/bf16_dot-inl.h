@@ -1,15 +1,15 @@
 // bf16_dot-inl.h: the prefill tile loop (many query rows) with AVX512_BF16 dot products
 // (vdpbf16ps: 16 lanes, each adding two bf16 x bf16 products to an fp32 sum), for bf16 q, k and v.
-// kernels_avx512bf16.cpp includes it after kernel-inl.h, inside the same namespace: it reuses that
+// isa_avx512bf16.cpp (and isa_amx.cpp) include it after the flash stages, inside the same namespace: it reuses that
 // file's masks, online-softmax update and shared packed tiles. Everything else (other dtypes, few
-// rows: decode) runs kernel-inl.h's fp32-widening `flash`.
+// rows: decode) runs tile-inl.h's fp32-widening `flash`.
 //
 // Numerics (the flash-attention rule; README "dtypes"):
 //   S = scale * (q . k): the bf16 q and k as they are (q is taken back from the driver's scaled
 //       fp32 copy: q * scale / scale rounds to the bf16 value exactly), each product exact in
 //       fp32, the sums in fp32 (vdpbf16ps flushes bf16 subnormals, |x| < 1.2e-38, to zero). This
 //       is the fp32 path's S up to the order of the additions.
-//   softcap, ALiBi, masks, max, exp, the row sums l and the rescaling of O: fp32, as in kernel-inl.h,
+//   softcap, ALiBi, masks, max, exp, the row sums l and the rescaling of O: fp32, as in softmax-inl.h,
 //       but for the exps of the fused tiles where no lse is returned: 2.9e-6 (Bf16P below).
 //   P V: P rounded to bf16 (round to nearest even) before the product, as FlashAttention and
 //       torch's bf16 SDPA do; O accumulated in fp32. This rounding (a relative 2^-9 per p) is the
@@ -30,20 +30,24 @@ static inline __m512bh load_pairs(const Pair* p) { return as_bh(_mm512_loadu_si5
 // 32 floats (a then b) rounded to bf16, as 16 pairs (a[0], a[1]), ..., (b[14], b[15])
 static inline __m512i round_pairs(V a, V b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
 
-// Calls f(std::integral_constant<int, MR>{}, r) for the blocks of MR = 6 rows starting at r, then
-// for the 1-5 rows left: the register blocks below are 6 rows by 4 vectors (24 accumulators).
-template <class Fn>
+// Calls f(std::integral_constant<int, R>{}, r) for the rows left from r, R of them (0 < R < MR).
+template <int R, class Fn>
+static ATTNX_INLINE void row_tail(int left, int r, Fn& f) {
+  if constexpr (R > 0) {
+    if (left == R)
+      f(std::integral_constant<int, R>{}, r);
+    else
+      row_tail<R - 1>(left, r, f);
+  }
+}
+// Calls f(std::integral_constant<int, MR>{}, r) for the blocks of MR rows starting at r, then
+// for the 1 .. MR - 1 rows left (the bf16 register blocks below are 6 rows by 4 vectors: 24
+// accumulators).
+template <int MR, class Fn>
 static ATTNX_INLINE void row_blocks(int M, Fn&& f) {
   int r = 0;
-  for (; r + 6 <= M; r += 6) f(std::integral_constant<int, 6>{}, r);
-  switch (M - r) {
-    case 5: f(std::integral_constant<int, 5>{}, r); break;
-    case 4: f(std::integral_constant<int, 4>{}, r); break;
-    case 3: f(std::integral_constant<int, 3>{}, r); break;
-    case 2: f(std::integral_constant<int, 2>{}, r); break;
-    case 1: f(std::integral_constant<int, 1>{}, r); break;
-    default: break;
-  }
+  for (; r + MR <= M; r += MR) f(std::integral_constant<int, MR>{}, r);
+  row_tail<MR - 1>(M - r, r, f);
 }
 
 // ---- packing ----------------------------------------------------------------------------------
@@ -148,7 +152,7 @@ struct Bf16P {
 };
 
 // ---- S = scale * Q K^T: MR rows x kTileK keys (4 vectors) per register block ------------------
-// With `on` (a whole tile every row sees, after each row's first: kernel-inl.h's fusable
+// With `on` (a whole tile every row sees, after each row's first: softmax-inl.h's fusable
 // rule), the rows' online-softmax update is done here too, and s receives the probabilities
 // (PExp: Bf16P<false> where the rows return an lse, else Bf16P<true>).
 template <int MR, class PExp>
@@ -182,7 +186,7 @@ static ATTNX_INLINE void qk_bf16_block(const Pair* qb, int64_t ldq, const Pair* 
 template <class PExp>
 static void qk_bf16(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n, float scale,
                     float* s, const Online* on) {
-  row_blocks(M, [&](auto mr, int r) {
+  row_blocks<6>(M, [&](auto mr, int r) {
     const Online rows = on ? on->rows(r) : Online{};
     qk_bf16_block<decltype(mr)::value, PExp>(qb + r * ldq, ldq, kp, d2n, scale,
                                              s + int64_t(r) * kTileK, on ? &rows : nullptr);
@@ -211,7 +215,7 @@ static ATTNX_INLINE void pv_bf16_block(const Pair* p, const Pair* vp, int64_t n2
 // Dvp is a multiple of kPad = 2 vectors: blocks of 4 vectors, then one of 2.
 static void pv_bf16(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp, float* o,
                     int64_t ldo) {
-  row_blocks(M, [&](auto mr, int r) {
+  row_blocks<6>(M, [&](auto mr, int r) {
     constexpr int MR = decltype(mr)::value;
     const Pair* pr = p + int64_t(r) * kTileK;
     float* orow = o + r * ldo;
@@ -300,22 +304,28 @@ static bool bf16_prefill(const kern::RowSet& rs, const kern::KVSource& ks, const
          vs.dtype == DType::bf16;
 }
 
+// The M query rows as bf16 pairs in qb (pack_q_bf16): q / scale, which is the bf16 query itself
+// (see the head of this file), unless the scale is 0 or its inverse overflows: then the scaled
+// query itself is rounded to bf16. Returns the factor the pairs' products take (scale, or 1).
+static float pack_query(const kern::RowSet& rs, int64_t Dkp, Pair* qb) {
+  const float inv = 1.f / rs.scale;
+  const bool back = rs.scale != 0.f && std::isfinite(rs.scale) && std::isfinite(inv);
+  pack_q_bf16(rs, Dkp, back ? inv : 1.f, qb);
+  return back ? rs.scale : 1.f;
+}
+
 // The table's `flash`: bf16 prefill items on bf16 dot products, the rest on avx512's own flash.
 static void flash_bf16(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                        int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                        const kern::Scratch& sc, const kern::FlashState& st) {
   if (!bf16_prefill(rs, ks, vs)) {
-    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (kernel-inl.h's, this unit's)
+    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (tile-inl.h's, this unit's)
     return;
   }
-  // q / scale is the bf16 query (see the head of this file) unless the scale is 0 or its inverse
-  // overflows: then the scaled query itself is rounded to bf16.
-  const float inv = 1.f / rs.scale;
-  const bool back = rs.scale != 0.f && std::isfinite(rs.scale) && std::isfinite(inv);
   Pair* qb = reinterpret_cast<Pair*>(sc.qb);
-  pack_q_bf16(rs, round_up(Dk, kPad), back ? inv : 1.f, qb);
+  const float qscale = pack_query(rs, round_up(Dk, kPad), qb);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK)
-    flash_tile_bf16(rs, qb, back ? rs.scale : 1.f, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv,
+    flash_tile_bf16(rs, qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv,
                     softcap, sc, st);
 }
 

@@ -1,8 +1,9 @@
 // delta-inl.h: gated delta-rule linear attention for one sequence and a group of value heads
 // that read the same key head (q, k and the pair products k.k, q.k of a per-head gate are then
 // computed once for the group; everything else is per value head), written once
-// against the vector vocabulary `simd` (vec_*.h) and compiled once per instruction set (the
-// including file opens `namespace attnx::<isa>`; everything here has internal linkage).
+// against the vector vocabulary `simd` (simd/vec_*.h) and compiled once per instruction set (the
+// unit isa_<isa>.cpp opens `namespace attnx::<isa>::delta`, apart from the flash stages' names;
+// everything here has internal linkage).
 //
 // The recurrence (per head, state S of K x V floats, gate G_t the cumulative log-decay):
 //   S <- diag(exp(g_t)) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
@@ -26,7 +27,7 @@
 // entering a gate difference (see kResetGate), and no product multiplies a later position's
 // values by a zero (the triangle of P U; see gemm_block).
 
-// The including file provides <cmath>, <cstring>, kernels.h and delta_kernels.h before opening
+// The including file provides <cmath>, <cstring>, tables.h and delta_kernels.h before opening
 // the namespace: no header may be included from inside it.
 
 namespace {
@@ -104,10 +105,9 @@ static inline void gated_row(const float* src, const float* a, const float* b, i
 // The next chunk's q, k and v rows, asked for a few lines at a time while this chunk computes:
 // the rows of one head are strided (the other heads lie between them), the inputs are usually
 // cold, and the hardware prefetcher cannot follow three interleaved strides. Asked for all at
-// once (1,500 lines for 64 tokens of K = V = 128), most requests were dropped: a loop copying
-// 3 x 64 strided rows after a burst of prefetches took 4x as long as from cache, and as long as
-// with no prefetch at all, where 8 lines at a time spread over the work reached the cached time
-// (Zen 4; see bench/NOTES.md). gemm_panel asks for a few lines after each register block.
+// once (1,500 lines for 64 tokens of K = V = 128), most requests are dropped; a few lines at a
+// time spread over the work keep up (bench/NOTES.md). gemm_panel asks for a few lines after each
+// register block.
 struct NextRows {
   static constexpr int kMax = 2 + kern::kDeltaGroupMax;  // q, k and each value head's v
   const char* base[kMax] = {};
@@ -135,7 +135,7 @@ struct NextRows {
 // Rows [t0, t0 + n) of the group's q, k and v (all heads of a group share q and k).
 static NextRows next_rows(const kern::DeltaHead* hs, int G, int64_t t0, int64_t n) {
   const kern::DeltaHead& h = hs[0];
-  const int64_t es = h.dtype == DType::f32 ? 4 : 2;  // (dtype_size is inline: see kernels.h)
+  const int64_t es = h.dtype == DType::f32 ? 4 : 2;  // (dtype_size is inline: see kernels/tables.h)
   NextRows pf;
   pf.add(h.q, t0, h.q_st, h.K * es);
   pf.add(h.k, t0, h.k_st, h.K * es);

@@ -1,7 +1,7 @@
 // delta_kernels.h: the contract between the gated delta-rule driver (delta_rule.cpp) and its
-// per-ISA kernel (delta-inl.h, compiled once per instruction set by delta_kernels_<isa>.cpp and
-// reached through KernelTable::delta_head). Plain structs and `static` helpers only (see the note
-// at the top of kernels.h on why nothing here may be an inline function with external linkage).
+// per-ISA kernel (delta-inl.h, compiled once per instruction set by isa_<isa>.cpp and reached
+// through DeltaKernels::heads, tables.h). Plain structs and `static` helpers only (see the note
+// at the top of tables.h on why nothing here may be an inline function with external linkage).
 #pragma once
 #include <cstdint>
 
@@ -13,8 +13,7 @@ namespace kern {
 constexpr int kDeltaChunk = 16;  // tokens per chunk of the chunked (WY / UT-transform) form. The
                                  // chunk products cost 6 K V per token whatever C is; the pair
                                  // matrices, the solve and P U add 2 C (K + V): a third more at
-                                 // C = 64, a twelfth at 16. At K = V = 128, single-thread CPU time
-                                 // C = 32 vs 64: 1.07x, 16 vs 32: 1.0-1.1x (bench/NOTES.md)
+                                 // C = 64, a twelfth at 16 (bench/NOTES.md)
 constexpr int kDeltaSub = 16;    // per-channel gates: sub-chunk whose end is the reference point
                                  // that keeps every exp() of the chunk's decays <= 1
 constexpr int kDeltaGroupMax = 4;  // value heads run together on one key head's q and k (their

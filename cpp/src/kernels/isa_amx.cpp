@@ -1,0 +1,49 @@
+// isa_amx.cpp: the avx512 kernels, with AMX-BF16 tile products for prefill over bf16 q, k and v
+// (amx-inl.h), and AVX512-VNNI for integer queries over int8 keys (qk-inl.h, ATTNX_VNNI). Every
+// other call runs the float32-widening flash stages, bit for bit what ATTNX_ISA=avx512 computes.
+// The flash stages and bf16_dot-inl.h are compiled here again for what the tile loop shares with
+// them (masks, online softmax, the bf16 pair layouts). CMake compiles this file with -mamx-tile
+// -mamx-bf16 besides the avx512bf16 flags; dispatch.cpp uses isa_amx() only where the CPU has
+// AMX-BF16 and the kernel has granted this process the tile state (amx_permitted()).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define ATTNX_VNNI 1
+
+#include "kernels/tables.h"
+#include "attention/state.h"
+#include "kernels/simd/vec_avx512.h"
+
+namespace attnx {
+namespace amx {
+namespace simd = avx512::simd;
+#include "kernels/load-inl.h"
+#include "kernels/softmax-inl.h"
+#include "kernels/qk-inl.h"
+#include "kernels/pv-inl.h"
+#include "kernels/tile-inl.h"
+#include "kernels/probes-inl.h"
+#include "kernels/bf16_dot-inl.h"
+#include "kernels/amx-inl.h"
+}  // namespace amx
+
+namespace kern {
+const IsaTables* isa_amx() {
+  // avx512bf16's tables but for `flash`
+  static const FlashKernels<float> flash = [] {
+    FlashKernels<float> t = *isa_avx512bf16()->flash;
+    t.flash = &amx::flash_amx;
+    t.flash_group = &amx::flash_group;
+    return t;
+  }();
+  static const IsaTables isa{"amx", &flash, isa_avx512bf16()->delta, isa_avx512bf16()->probes};
+  return &isa;
+}
+}  // namespace kern
+}  // namespace attnx

@@ -1,0 +1,81 @@
+// isa_avx512bf16.cpp: the avx512 kernels, with bf16 dot products (AVX512_BF16's vdpbf16ps)
+// for prefill over bf16 q, k and v (bf16_dot-inl.h), and AVX512-VNNI's integer dot products for
+// integer queries over int8 keys (qk-inl.h, ATTNX_VNNI). Every other call runs the flash stages
+// as isa_avx512.cpp does: the same code, bit for bit the same results. CMake compiles this
+// file with -mavx512bf16 -mavx512vnni besides the avx512 flags; dispatch.cpp uses
+// isa_avx512bf16() only on CPUs that have AVX512_BF16, AVX512-VNNI and AVX512BW/VL (which
+// bf16_dot-inl.h's masked 16-bit loads use; every CPU with AVX512_BF16 has all three).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#define ATTNX_VNNI 1
+
+#include "kernels/tables.h"
+#include "attention/state.h"
+#include "kernels/simd/vec_avx512.h"
+
+namespace attnx {
+namespace avx512bf16 {
+namespace simd = avx512::simd;
+#include "kernels/load-inl.h"
+#include "kernels/softmax-inl.h"
+#include "kernels/qk-inl.h"
+#include "kernels/pv-inl.h"
+#include "kernels/tile-inl.h"
+#include "kernels/probes-inl.h"
+#include "kernels/bf16_dot-inl.h"
+}  // namespace avx512bf16
+
+namespace kern {
+namespace {
+// 12 independent chains of each: more than latency x throughput on the CPUs measured (4-5
+// cycles x 2 per cycle for FMAs), so the loops time the issue rate, not a dependency.
+float bf16_dot_probe(int64_t iters) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i) * 1e-3f);
+  const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // (1, 1)
+  const __m512bh y = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // (1e-7, 1e-7)
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+  __m512 s = _mm512_setzero_ps();
+  for (int i = 0; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+float fma512_probe(int64_t iters) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i) * 1e-3f);
+  const __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], x, y);
+  __m512 s = _mm512_setzero_ps();
+  for (int i = 0; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+}  // namespace
+
+const IsaTables* isa_avx512bf16() {
+  // avx512's tables but for `flash` (pack_k stays the fp32 layout's: nothing outside the kernels
+  // calls it, and the bf16 path packs its own tiles, pack_k_bf16, into KVSource::kt), and the
+  // probes gain the two bodies of the bf16 path choice
+  static const FlashKernels<float> flash = [] {
+    FlashKernels<float> t = *isa_avx512()->flash;
+    t.flash = &avx512bf16::flash_bf16;
+    t.flash_group = &avx512bf16::flash_group;
+    return t;
+  }();
+  static const ProbeKernels probes = [] {
+    ProbeKernels t = *isa_avx512()->probes;
+    t.bf16_dot = &bf16_dot_probe;
+    t.fma512 = &fma512_probe;
+    return t;
+  }();
+  static const IsaTables isa{"avx512bf16", &flash, isa_avx512()->delta, &probes};
+  return &isa;
+}
+}  // namespace kern
+}  // namespace attnx

@@ -1,0 +1,334 @@
+// dispatch.cpp: CPU detection, the instruction-set choice (once, at first use, or forced by
+// ATTNX_ISA), and the thread-count policy.
+#include "attnx/dispatch.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "attnx/attention.h"
+#include "kernels/tables.h"
+#include "runtime/parallel.h"
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#elif defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+
+namespace attnx {
+
+namespace {
+
+#if defined(__x86_64__) || defined(__i386__)
+// XCR0: the register states the OS saves (bits 17-18: the AMX tile configuration and data).
+uint64_t xcr0() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;  // no OSXSAVE
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
+}
+#endif
+
+// Asks Linux for the AMX tile data state, once per process (a forked child and every thread
+// inherit it). A refusal, or another OS, means no AMX: a tile instruction would be SIGILL.
+bool request_amx() {
+#if defined(__linux__) && defined(__x86_64__)
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+// ---- aarch64 --------------------------------------------------------------------------------
+// The ARM features: Linux reports them in the auxiliary vector (the kernel's HWCAP bits, which
+// also say the kernel enables them: SVE's state is saved only if HWCAP_SVE is set), macOS in
+// sysctl's hw.optional.* names. Advanced SIMD is part of the AArch64 baseline.
+#if defined(__aarch64__)
+#if defined(__linux__)
+// <asm/hwcap.h>'s bit numbers, for C libraries whose headers predate them
+constexpr unsigned long kHwcapAsimd = 1ul << 1, kHwcapAsimddp = 1ul << 20, kHwcapSve = 1ul << 22;
+constexpr unsigned long kHwcap2I8mm = 1ul << 13, kHwcap2Bf16 = 1ul << 14;
+void arm_features(CpuFeatures& f) {
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  f.neon = (hw & kHwcapAsimd) != 0;
+  f.dotprod = (hw & kHwcapAsimddp) != 0;
+  f.sve = (hw & kHwcapSve) != 0;
+  f.i8mm = (hw2 & kHwcap2I8mm) != 0;
+  f.bf16 = (hw2 & kHwcap2Bf16) != 0;
+}
+#elif defined(__APPLE__)
+bool sysctl_flag(const char* name) {
+  int v = 0;
+  size_t n = sizeof v;
+  return sysctlbyname(name, &v, &n, nullptr, 0) == 0 && v != 0;
+}
+void arm_features(CpuFeatures& f) {
+  f.neon = true;
+  f.dotprod = sysctl_flag("hw.optional.arm.FEAT_DotProd");
+  f.bf16 = sysctl_flag("hw.optional.arm.FEAT_BF16");
+  f.i8mm = sysctl_flag("hw.optional.arm.FEAT_I8MM");
+  f.sve = false;  // no Apple core has SVE
+}
+#else
+void arm_features(CpuFeatures& f) { f.neon = true; }
+#endif
+#else
+void arm_features(CpuFeatures&) {}
+#endif
+
+}  // namespace
+
+CpuFeatures cpu_features() {
+  CpuFeatures f;
+#if defined(__x86_64__) || defined(__i386__)
+  // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
+  __builtin_cpu_init();
+  f.sse2 = __builtin_cpu_supports("sse2");
+  f.avx2 = __builtin_cpu_supports("avx2");
+  f.fma = __builtin_cpu_supports("fma");
+  f.f16c = __builtin_cpu_supports("f16c");
+  f.avx512f = __builtin_cpu_supports("avx512f");
+  f.avx512bw = __builtin_cpu_supports("avx512bw");
+  f.avx512vl = __builtin_cpu_supports("avx512vl");
+  f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    f.avx512_vnni = f.avx512f && (c & (1u << 11));
+    f.avx512_fp16 = f.avx512f && (d & (1u << 23));
+    const bool tiles_saved = (xcr0() & (3u << 17)) == (3u << 17);
+    f.amx_bf16 = tiles_saved && (d & (1u << 22));
+    f.amx_tile = tiles_saved && (d & (1u << 24));
+    f.amx_int8 = tiles_saved && (d & (1u << 25));
+    unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+    if (a >= 1 && __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) {
+      f.avx_vnni = f.avx2 && (a1 & (1u << 4));
+      f.amx_fp16 = tiles_saved && (a1 & (1u << 21));
+    }
+    f.amx_permitted = f.amx_tile && request_amx();
+  }
+#endif
+  arm_features(f);
+  return f;
+}
+
+namespace {
+
+std::atomic<const kern::IsaTables*> g_table{nullptr};
+std::atomic<int> g_threads{0};
+
+bool has_avx2(const CpuFeatures& f) { return f.avx2 && f.fma && f.f16c; }
+bool has_avx512(const CpuFeatures& f) { return has_avx2(f) && f.avx512f; }
+bool has_avx512bf16(const CpuFeatures& f) {
+  return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512bf16 && f.avx512_vnni;
+}
+bool has_amx(const CpuFeatures& f) { return has_avx512bf16(f) && f.amx_bf16 && f.amx_permitted; }
+
+// The wide kernels' tables exist only where CMake compiled them (x86-64: ATTNX_X86_KERNELS);
+// nothing else names them, so another build does not link against them. Elsewhere every
+// feature above reads false, except on 32-bit x86, which gets the portable path too.
+enum class Wide { avx2, avx512, avx512bf16, amx };
+#if defined(ATTNX_X86_KERNELS) && ATTNX_X86_KERNELS
+constexpr bool kWideKernels = true;
+const kern::IsaTables* wide_table(Wide w) {
+  switch (w) {
+    case Wide::avx2: return kern::isa_avx2();
+    case Wide::avx512: return kern::isa_avx512();
+    case Wide::avx512bf16: return kern::isa_avx512bf16();
+    case Wide::amx: break;
+  }
+  return kern::isa_amx();
+}
+// Seconds per multiply-add of f(iters) (the fastest of 3 runs).
+template <class Probe>
+double seconds_per_mac(Probe f, int64_t iters, double macs_per_iter) {
+  double best = 1e30;
+  volatile float sink = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    sink = sink + f(iters);
+    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+    best = std::min(best, dt.count());
+  }
+  return best / (double(iters) * macs_per_iter);
+}
+double measure_bf16_dot_gain() {
+  constexpr int64_t kIters = 4000;  // ~50k instructions of each: tens of microseconds
+  const kern::ProbeKernels& p = *kern::isa_avx512bf16()->probes;
+  p.fma512(kIters);                 // (wakes the 512-bit units before either is timed)
+  const double fma = seconds_per_mac(p.fma512, kIters, 12 * 16);
+  const double dot = seconds_per_mac(p.bf16_dot, kIters, 12 * 32);
+  return fma / dot;
+}
+#else
+constexpr bool kWideKernels = false;
+const kern::IsaTables* wide_table(Wide) {
+  throw InvalidArgument("this build of attnx has only the portable scalar kernels (not an x86-64 build)");
+}
+double measure_bf16_dot_gain() { return 0; }
+#endif
+
+// vdpbf16ps does twice an FMA's multiply-adds per instruction; where it issues at half the rate
+// or less (Intel's Sapphire Rapids: 0.5x the multiply-adds of float32 FMAs, measured) the
+// float32-widening kernels are the faster bf16 path, where it issues at an FMA's rate (AMD Zen 4:
+// 2x) the bf16 path is. The two are far apart on every CPU measured, so the line sits between.
+constexpr double kBf16DotGain = 1.25;
+
+// The NEON table exists only in aarch64 builds (ATTNX_NEON_KERNELS), and every aarch64 CPU has
+// Advanced SIMD, so there it is the default.
+#if defined(ATTNX_NEON_KERNELS) && ATTNX_NEON_KERNELS
+constexpr bool kNeonKernels = true;
+const kern::IsaTables* neon_table() { return kern::isa_neon(); }
+#else
+constexpr bool kNeonKernels = false;
+const kern::IsaTables* neon_table() {
+  throw InvalidArgument("ATTNX_ISA=neon: this build of attnx has no NEON kernels (not an aarch64 build)");
+}
+#endif
+
+const kern::IsaTables* table_for(const std::string& name, const CpuFeatures& f) {
+  if (name == "scalar") return kern::isa_scalar();
+  if (name == "neon") {
+    if (kNeonKernels && !f.neon) throw InvalidArgument("ATTNX_ISA=neon: this CPU lacks Advanced SIMD");
+    return neon_table();
+  }
+  if (name == "avx2") {
+    if (!has_avx2(f)) throw InvalidArgument("ATTNX_ISA=avx2: this CPU lacks AVX2, FMA or F16C");
+    return wide_table(Wide::avx2);
+  }
+  if (name == "avx512") {
+    if (!has_avx512(f)) throw InvalidArgument("ATTNX_ISA=avx512: this CPU lacks AVX-512F");
+    return wide_table(Wide::avx512);
+  }
+  if (name == "avx512bf16") {
+    if (!has_avx512bf16(f))
+      throw InvalidArgument("ATTNX_ISA=avx512bf16: this CPU lacks AVX512_BF16 (or AVX-512BW/VL/VNNI)");
+    return wide_table(Wide::avx512bf16);
+  }
+  if (name == "amx") {
+    if (!has_avx512bf16(f) || !f.amx_bf16)
+      throw InvalidArgument("ATTNX_ISA=amx: this CPU lacks AMX-BF16 (or AVX512_BF16)");
+    if (!f.amx_permitted)
+      throw InvalidArgument("ATTNX_ISA=amx: the OS did not grant this process the AMX tile state");
+    return wide_table(Wide::amx);
+  }
+  throw InvalidArgument("unknown instruction set '" + name +
+                        "' (expected scalar, avx2, avx512, avx512bf16, amx or neon)");
+}
+
+// The fastest path for every kind of call: AMX tiles for bf16 prefill where the OS allows them
+// (the float32-widening kernels for the rest), else bf16 dot products where they measure faster
+// than float32 FMAs (bf16_dot_gain), else the widest vectors.
+const kern::IsaTables* best_table() {
+  const CpuFeatures f = cpu_features();
+  if (kNeonKernels && f.neon) return neon_table();
+  if (!kWideKernels) return kern::isa_scalar();
+  if (has_amx(f)) return wide_table(Wide::amx);
+  if (has_avx512bf16(f) && bf16_dot_gain() > kBf16DotGain) return wide_table(Wide::avx512bf16);
+  if (has_avx512(f)) return wide_table(Wide::avx512);
+  if (has_avx2(f)) return wide_table(Wide::avx2);
+  return kern::isa_scalar();
+}
+
+}  // namespace
+
+const kern::IsaTables* active_tables() {
+  const kern::IsaTables* t = g_table.load(std::memory_order_acquire);
+  if (t == nullptr) {
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
+    t = g_table.load();
+    if (t == nullptr) {
+      const char* env = std::getenv("ATTNX_ISA");
+      t = (env != nullptr && *env != '\0') ? table_for(env, cpu_features()) : best_table();
+      g_table.store(t, std::memory_order_release);
+    }
+  }
+  return t;
+}
+
+const char* active_isa() { return active_tables()->name; }
+
+namespace {
+std::atomic<bool> g_int8_query{false};
+}  // namespace
+void set_int8_query(bool on) { g_int8_query.store(on, std::memory_order_relaxed); }
+bool int8_query() { return g_int8_query.load(std::memory_order_relaxed); }
+
+double bf16_dot_gain() {
+  static const double gain = has_avx512bf16(cpu_features()) ? measure_bf16_dot_gain() : 0.0;
+  return gain;
+}
+
+void set_isa(const std::string& name) {
+  g_table.store(name == "auto" ? best_table() : table_for(name, cpu_features()),
+                std::memory_order_release);
+}
+
+namespace {
+
+// OMP_NUM_THREADS's first entry ("8" or "8,2" for nested levels), as OpenMP reads it; 0 when it is
+// unset or malformed. Read at each call: attnx documented "follows OMP_NUM_THREADS at call time"
+// when it ran on OpenMP, and os.environ changes reach getenv.
+int omp_num_threads_env() {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  if (env == nullptr) return 0;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  while (end != env && (*end == ' ' || *end == '\t')) ++end;
+  if (end == env || (*end != '\0' && *end != ',') || v < 1) return 0;
+  return int(std::min<long>(v, kThreadLimit));
+}
+
+// ATTNX_NUM_THREADS: attnx's own default, before OMP_NUM_THREADS (so attnx and the OpenMP
+// libraries beside it can be given different counts); read at each call like it. Unset or blank:
+// 0. Anything but one positive integer (blanks around it allowed) is refused, not ignored: the
+// call raises ValueError (InvalidArgument) before any work.
+int attnx_num_threads_env() {
+  const char* env = std::getenv("ATTNX_NUM_THREADS");
+  if (env == nullptr) return 0;
+  const char* p = env;
+  while (*p == ' ' || *p == '\t') ++p;
+  if (*p == '\0') return 0;
+  char* end = nullptr;
+  const long v = std::strtol(p, &end, 10);
+  while (end != p && (*end == ' ' || *end == '\t')) ++end;
+  if (end == p || *end != '\0' || v < 1)
+    throw InvalidArgument(std::string("ATTNX_NUM_THREADS: expected a positive integer (or unset), "
+                          "got '") + env + "'");
+  return int(std::min<long>(v, kThreadLimit));
+}
+
+// Every thread count passes here: at most max_threads(), which is never below 4 (so the common
+// small counts skip its affinity system call).
+int capped(int n) { return n <= 4 ? n : std::min(n, max_threads()); }
+
+}  // namespace
+
+void set_num_threads(int n) { g_threads.store(n < 0 ? 0 : n); }
+int get_num_threads() {
+  int n = g_threads.load();
+  if (n <= 0) n = attnx_num_threads_env();
+  if (n <= 0) n = omp_num_threads_env();
+  return capped(n > 0 ? n : available_cpus());
+}
+int resolve_threads(int requested) { return requested > 0 ? capped(requested) : get_num_threads(); }
+
+}  // namespace attnx
