@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _core
-from .._validate import as_array, index as _index
+from .._validate import index as _index
 from ..integrations import tensors as _tensors
 from ..ops import paged as _api
 from .blocks import stack_rows
