@@ -19,7 +19,7 @@ from .quant import QUANTISED_DTYPES
 __all__ = ["LAYOUTS", "choice", "flag", "FLOAT_DTYPES", "QUANTISED_DTYPES", "DTYPE_ALIASES",
            "SHORT_NAMES", "dtype_name", "storage_dtype", "positive_int", "as_int", "int_in", "index",
            "counts", "as_array", "native_order", "kernel_array", "real", "window_sides", "to4", "from4",
-           "rank_lens", "mask4", "optional_real", "optional_array", "out4", "thread_count", "threads"]
+           "rank_lens", "check_broadcast", "mask4", "optional_real", "optional_array", "out4", "thread_count", "threads"]
 
 _KIND_FLOAT = "f"
 
@@ -242,6 +242,16 @@ def rank_lens(x, rank):
     return x
 
 
+def check_broadcast(m, name, rank, logical):
+    """Raises unless mask ``m`` (at most ``rank`` dims) broadcasts to the shape ``logical``."""
+    if m.ndim > rank:
+        raise ValueError(f"{name}: shape {m.shape} does not broadcast to {logical}")
+    try:
+        np.broadcast_shapes(m.shape, logical)
+    except ValueError:
+        raise ValueError(f"{name}: shape {m.shape} does not broadcast to {logical}") from None
+
+
 def mask4(mask, rank, logical, additive=np.float32):
     """``mask`` as a 4-D boolean or native additive array that the kernels can read: float32, or
     float64 (``additive``) for float64 inputs, whose kernels compute in float64."""
@@ -251,12 +261,7 @@ def mask4(mask, rank, logical, additive=np.float32):
             raise TypeError(f"mask: expected boolean (True = may attend) or additive float, got dtype {m.dtype}")
         if m.dtype != additive:  # (a byte-swapped one too)
             m = m.astype(additive)  # additive masks are read in the compute type
-    if m.ndim > rank:
-        raise ValueError(f"mask: shape {m.shape} does not broadcast to {logical}")
-    try:
-        np.broadcast_shapes(m.shape, logical)
-    except ValueError:
-        raise ValueError(f"mask: shape {m.shape} does not broadcast to {logical}") from None
+    check_broadcast(m, "mask", rank, logical)
     if not m.flags.aligned:  # e.g. a field of a structured array: element strides cannot reach it
         m = np.array(m)
     return m.reshape((1,) * (4 - m.ndim) + m.shape)

@@ -79,7 +79,7 @@ import numpy as np
 from .. import reference as _reference
 from ..ops import attention as _api
 from . import tensors as _tensors
-from .._validate import as_array as _as_array, flag as _flag, native_order as _native_order
+from .._validate import as_array as _as_array, check_broadcast as _check_broadcast, flag as _flag, native_order as _native_order
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -254,12 +254,7 @@ def _sdpa_mask(attn_mask, rank, logical):
     if m.dtype != np.bool_ and m.dtype.kind != "f" and m.dtype != _BF16:
         raise TypeError(f"attn_mask: expected a boolean (True = takes part) or float mask, "
                         f"got dtype {m.dtype}")
-    if m.ndim > rank:
-        raise ValueError(f"attn_mask: shape {m.shape} does not broadcast to {logical}")
-    try:
-        np.broadcast_shapes(m.shape, logical)
-    except ValueError:
-        raise ValueError(f"attn_mask: shape {m.shape} does not broadcast to {logical}") from None
+    _check_broadcast(m, "attn_mask", rank, logical)
     return m.reshape((1,) * (rank - m.ndim) + m.shape)
 
 
