@@ -103,7 +103,7 @@ bash .ci/wheel_smoke.sh "$VPY"
 
 # ---- 4. the sdist, installed by pip into another fresh venv (it compiles: build isolation) -----
 # On the newest CPython here, so that CI also runs an interpreter newer than PYTHON: Python 3.13
-# crashed at exit where 3.11 did not (tests/test_packaging.py). pyenv's shims only run the
+# crashed at exit where 3.11 did not (tests/packaging/test_packaging.py). pyenv's shims only run the
 # selected versions, so its installed versions are looked for by path too.
 newest_python() {
   local pyenv=${PYENV_ROOT:-$HOME/.pyenv} c

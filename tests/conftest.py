@@ -264,7 +264,7 @@ def attention_tolerance(ref_out, lp_out, ref_lse, lp_lse, *, storage, v_max):
       weight): its twin rounds P too (``bf16_rounds_p``). Where the output cancels (weights on
       values of both signs) that error exceeds the output's own rounding: a soak run found a
       row at 0.099 from values up to 2.7 whose P rounding cost 1.01x the tolerance without it.
-      tests/test_bf16_dot.py holds that path to the stricter flash rule besides.
+      tests/kernels/test_bf16_dot.py holds that path to the stricter flash rule besides.
     * floors, for the lucky cases where the same-precision error is ~0 (one key, where the
       output is a copy of v): one ulp of the storage dtype at the largest output, plus one
       float32 ulp of the largest |v|.  Both are far below any structural error.

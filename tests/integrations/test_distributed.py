@@ -2,7 +2,7 @@
 process groups (gloo on 127.0.0.1) against single-process attnx.attention.
 
 The processes are spawned once per suite (importing torch is slow): ``w2`` (2 ranks) and ``w4``
-(4 ranks) run every case of tests/_dist_worker.py, ``hang`` (2 ranks) checks that a rank that
+(4 ranks) run every case of tests/integrations/_dist_worker.py, ``hang`` (2 ranks) checks that a rank that
 never arrives makes the other raise after the group's timeout. All suites run at once, each
 process and the whole bounded in time. The block planner (attnx._segments) needs no processes
 and is tested first, without torch.
@@ -156,7 +156,7 @@ EXAMPLE_ARGS = ["--context", "300", "--steps", "3", "--chunk", "128", "--block-s
 
 def _spawn_example(tmp):
     """examples/context_parallel.py under torchrun with 2 local processes."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     log = open(tmp / "example.log", "w")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(root, "examples", "context_parallel.py"), *EXAMPLE_ARGS]
@@ -169,7 +169,7 @@ CASES = [(s, n) for s in SUITES for n in worker.names(s)]
 
 @pytest.mark.parametrize("suite,name", CASES, ids=[f"{s}-{n}" for s, n in CASES])
 def test_distributed_case(runs, suite, name):
-    """Every rank of the suite ran the case and its checks passed (see tests/_dist_worker.py)."""
+    """Every rank of the suite ran the case and its checks passed (see tests/integrations/_dist_worker.py)."""
     run = runs[suite]
     for rank, records in enumerate(run["ranks"]):
         rec = records.get(name)

@@ -17,7 +17,7 @@ from conftest import make_rng as rng  # rng(*salt): this file's name for it
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "python" / "attnx" / "reference.py"
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "python" / "attnx" / "reference.py"
 _spec = importlib.util.spec_from_file_location("attnx_reference_under_test", _PATH)
 ref = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ref)

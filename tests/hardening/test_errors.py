@@ -86,7 +86,7 @@ CASES = {
     "v_bfloat16": (case(v=f32(B, HKV, SK, D, dtype=BF16)), TypeError, r"\bv\b.*bfloat16"),
     "int_inputs": (case(q=np.ones((B, HQ, SQ, D), np.int32), k=np.ones((B, HKV, SK, D), np.int32),
                         v=np.ones((B, HKV, SK, D), np.int32)), TypeError, r"^q\b.*astype"),
-    # (float64 inputs are computed in float64: tests/test_float64.py; a wider float has no path)
+    # (float64 inputs are computed in float64: tests/kernels/test_float64.py; a wider float has no path)
     "longdouble_inputs": (case(q=f32(B, HQ, SQ, D, dtype=np.longdouble),
                                k=f32(B, HKV, SK, D, dtype=np.longdouble),
                                v=f32(B, HKV, SK, D, dtype=np.longdouble)), TypeError, r"^q\b.*astype"),

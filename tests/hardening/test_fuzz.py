@@ -31,7 +31,7 @@ How much: ``FUZZ_EXAMPLES`` (3000) dense and ``FUZZ_EXAMPLES // 2`` (1500) paged
 uses 1000). Soak mode, for long runs, multiplies both by 40 (120k dense + 60k paged cases, about
 30 min)::
 
-    ATTNX_HYPOTHESIS_PROFILE=soak python -m pytest tests/test_fuzz.py -q
+    ATTNX_HYPOTHESIS_PROFILE=soak python -m pytest tests/hardening/test_fuzz.py -q
 
 (``ATTNX_TEST_SEED`` changes the data of every case; a failure prints its falsifying example.)
 """
@@ -557,7 +557,7 @@ def test_paged_fuzz(spec):
     if spec["out"] == "fresh":
         out = np.full((N, Hq, Dv), 7.0, q.dtype.newbyteorder("="))  # (out is never byte-swapped)
     elif spec["out"] == "strided":
-        # (paged_attention refuses an out whose last axis is strided: tests/test_paged.py)
+        # (paged_attention refuses an out whose last axis is strided: tests/paged/test_paged.py)
         out = present(np.full((N, Hq, Dv), 7.0, q.dtype.newbyteorder("=")), r.choice(["step", "negative"]), r,
                       last=False)
     elif (spec["out"] == "alias_q" and Dv == Dk and q.dtype.isnative and q.flags.writeable

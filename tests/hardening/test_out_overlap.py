@@ -2,7 +2,7 @@
 ``expand``ed tensor used to be accepted, and the batch written last silently replaced the others.
 Every entry point with ``out=`` refuses it before writing anything (the binding's ``out_target``);
 ``out`` arrays whose strides are merely unusual (transposed, reversed, sliced, interleaved) still
-work. The hypothesis strategies in tests/test_fuzz.py draw such outputs too.
+work. The hypothesis strategies in tests/hardening/test_fuzz.py draw such outputs too.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def test_ordinary_strided_outs_still_work(qkv, view):
 
 def test_out_aliasing_an_input_is_still_right(qkv):
     """``out`` sharing memory with q (not with itself) stays what it was: computed into a
-    temporary and copied in (tests/test_hardening.py covers every input)."""
+    temporary and copied in (tests/hardening/test_hardening.py covers every input)."""
     q, k, v = qkv
     want = attnx.attention(q, k, v)
     qq = q.copy()

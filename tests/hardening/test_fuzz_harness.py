@@ -22,7 +22,7 @@ import pytest
 
 import attnx
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "fuzz" / "fuzz_entrypoints.py"
 CORPUS = int(os.environ.get("ATTNX_FUZZ_CORPUS", "2000"))
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"

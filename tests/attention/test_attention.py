@@ -727,7 +727,7 @@ X_BANK = np.array([[1, 0, 1, 0],    # river
 
 
 def test_seed_two_head_river_bank_flooded(isa):
-    """The seed's two-head example (see tests/test_reference.py for the reading): Q = K = V =
+    """The seed's two-head example (see tests/reference/test_reference.py for the reading): Q = K = V =
     the two 2-feature halves of X, scale 1/sqrt(2); river's concatenated output is
     [0.802, 0.599, 0.503, 0.248]."""
     heads = np.stack([X_BANK[:, :2], X_BANK[:, 2:]]).astype(np.float32)  # (H=2, S=3, D=2)

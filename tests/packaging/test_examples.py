@@ -13,7 +13,7 @@ import pytest
 
 import attnx
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run(script, *args):

@@ -1,7 +1,8 @@
 """One rank of the attnx.distributed tests: run every case of a suite in one process group (the
-processes are spawned once per suite by tests/test_distributed.py) and record each outcome.
+processes are spawned once per suite by tests/integrations/test_distributed.py) and record each
+outcome.
 
-    python tests/_dist_worker.py SUITE WORLD RANK INIT_FILE OUT_DIR TIMEOUT_S
+    python tests/integrations/_dist_worker.py SUITE WORLD RANK INIT_FILE OUT_DIR TIMEOUT_S
 
 Every rank builds the same global data from the case's seed, takes its shard, runs the
 distributed call and compares with single-process ``attnx.attention`` over the whole. Outcomes
@@ -474,5 +475,6 @@ def main(suite, world, rank, init_file, out_dir, timeout_s):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
     s, w, r, init, out, t = sys.argv[1:7]
     main(s, int(w), int(r), init, out, float(t))

@@ -20,7 +20,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import smollm2_model  # noqa: E402
 
 GGUF = smollm2_model.find_gguf()

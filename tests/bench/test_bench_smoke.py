@@ -377,7 +377,7 @@ def test_shared_prefix_rows_count_the_bytes_read_once_and_their_bound():
 
 def test_bf16_ratio_script_runs():
     """bench/ratio.py (bf16 against fp32 prefill, interleaved) runs and prints both rates."""
-    script = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "ratio.py")
+    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "bench", "ratio.py")
     res = subprocess.run([sys.executable, script, "--seconds", "0.05"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr

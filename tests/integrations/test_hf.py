@@ -29,7 +29,7 @@ import attnx.hf  # noqa: E402
 
 from conftest import SEED  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 pytestmark = [
     # transformers' own deprecation notices (not attnx's) must not fail the run

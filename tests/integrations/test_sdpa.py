@@ -230,7 +230,7 @@ def test_float64_is_accepted_and_returned():
     assert got.dtype == np.float64
     want = ref.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert want.dtype == np.float64
-    close(got, want, v, 1e-12)  # computed in float64 (tests/test_float64.py), as torch does
+    close(got, want, v, 1e-12)  # computed in float64 (tests/kernels/test_float64.py), as torch does
     torch = pytest.importorskip("torch")
     np.testing.assert_allclose(want, _torch_sdpa(torch, q, k, v, is_causal=True), atol=1e-12)
 
