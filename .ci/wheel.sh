@@ -43,7 +43,8 @@ import sys, tarfile
 names = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n}
 need = ["pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE", "cpp/bindings.cpp",
         "cpp/include/attnx/attention.h", "cpp/src/attention.cpp", "python/attnx/__init__.py",
-        "python/attnx/_core.pyi", "python/attnx/py.typed", "tests/conftest.py"]
+        "python/attnx/_core.pyi", "python/attnx/py.typed", "tests/conftest.py",
+        "tests/helpers/__init__.py"]
 missing = [n for n in need if n not in names]
 stray = sorted(n for n in names if n.startswith((".ci/", "build/", "dist/", ".hypothesis/")))
 if missing or stray:

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import BF16, SEED, best_isa, check_attention, from4, rand
+from helpers import BF16, SEED, best_isa, check_attention, from4, rand
 from hypothesis import given, seed
 from hypothesis import strategies as st
 

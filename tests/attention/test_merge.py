@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
-from conftest import BF16, F32_EPS, SEED, from4, lse4, rand, to4
+from helpers import BF16, F32_EPS, SEED, from4, lse4, rand, to4
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
 

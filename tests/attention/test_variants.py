@@ -11,7 +11,7 @@ import itertools
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import make_rng
+from helpers import make_rng
 
 import attnx
 from attnx import reference as ref

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import BF16, SEED, make_rng
+from helpers import BF16, SEED, cache_stepper, finish_client, make_rng
 
 import attnx
 from attnx import reference
@@ -715,16 +715,7 @@ def _script(cache, seed, barrier=None):
     """One client's work on its own sequences; returns every output, in order."""
     rng = np.random.default_rng([SEED, 18, seed])
     outs = []
-
-    def step(seqs, counts):
-        st = cache.begin_step(seqs, counts)
-        T = int(sum(counts))
-        for layer in range(cache.num_layers):
-            q = rng.standard_normal((T, 4, cache.head_dim)).astype(np.float32)
-            k = rng.standard_normal((T, 2, cache.head_dim)).astype(np.float32)
-            v = rng.standard_normal((T, 2, cache.value_dim)).astype(np.float32)
-            outs.append(st.attend(layer, q, k, v))
-
+    step = cache_stepper(cache, rng, outs)
     if barrier is not None:
         barrier.wait()
     a = cache.new_sequence()
@@ -737,10 +728,7 @@ def _script(cache, seed, barrier=None):
     step([a], [5])
     for _ in range(10):
         step([a, c], [1, 1])
-    outs.append(np.array([cache.length(a), cache.length(c)]))
-    cache.free(c)
-    cache.free(a)
-    return outs
+    return finish_client(cache, outs, a, c)
 
 
 def test_threads_match_serial():

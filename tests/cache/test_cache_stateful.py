@@ -33,7 +33,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from conftest import BF16
+from helpers import BF16
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import BF16
+from helpers import BF16
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import BF16, make_rng
+from helpers import BF16, make_rng
 from test_cache import assert_bits_equal, assert_unchanged, small_cache, snapshot
 
 import attnx

@@ -1,7 +1,7 @@
 """attnx.gated_delta_rule against its float64 reference twin on every instruction set: both
 kernel forms (chunked prefill, token-by-token decode), per-head and per-channel gates, GQA-style
 key-head sharing, odd lengths and widths, low-precision storage, variable lengths, and the
-errors. Tolerance: conftest.delta_tolerance (a multiple of a float32 recurrence's own error)."""
+errors. Tolerance: helpers.delta_tolerance (a multiple of a float32 recurrence's own error)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
-from conftest import BF16, check_delta_rule
+from helpers import BF16, check_delta_rule
 
 
 def inputs(rng, B, T, Hk, Hv, K, V, *, per_channel=False, dtype=np.float32, decay=1.0):
@@ -331,7 +331,7 @@ def test_nonfinite_gate_or_beta_at_every_position(isa, rng, gate, what, value):
     channel of value head 0: both kernel forms hold to the recurrence wherever it is finite
     (everything after a reset), head 0's positions before the value are bit for bit those of the
     clean run and head 1 is untouched."""
-    from conftest import assert_delta_matches, delta_expected
+    from helpers import assert_delta_matches, delta_expected
 
     T = 37
     q, k, v, g, beta = inputs(rng, 1, T, 1, 2, 24, 16, per_channel=gate == "channel")
@@ -396,7 +396,7 @@ def test_hypothesis_nonfinite_packed_sequences(isa, T, per_channel, mode, data, 
 def test_hypothesis_nonfinite_through_step_linear(isa, lens, per_channel, data, seed):
     """The cache's linear layers: a prefill step with values planted, then two decode steps, per
     sequence against one recurrence over all of its tokens (finite wherever it is)."""
-    from conftest import assert_delta_matches, delta_expected
+    from helpers import assert_delta_matches, delta_expected
 
     rng = np.random.default_rng(seed)
     Hv, K, V = 2, 16, 8

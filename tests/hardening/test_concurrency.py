@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import BF16, SEED
+from helpers import BF16, SEED, cache_stepper, finish_client
 
 import attnx
 
@@ -159,18 +159,7 @@ def _client(cache, i, nt):
     diverge, truncate, continue, free. Returns every attention output and final length."""
     rng = np.random.default_rng([SEED, 33, i])
     outs = []
-    H, Hkv, D, Dv = 4, cache.num_kv_heads, cache.head_dim, cache.value_dim
-
-    def step(seqs, counts):
-        st = cache.begin_step(seqs, counts)
-        T = int(sum(counts))
-        for layer in range(cache.num_layers):
-            q = rng.standard_normal((T, H, D)).astype(np.float32)
-            k = rng.standard_normal((T, Hkv, D)).astype(np.float32)
-            v = rng.standard_normal((T, Hkv, Dv)).astype(np.float32)
-            o, lse = st.attend(layer, q, k, v, num_threads=nt, return_lse=True)
-            outs.extend([o, lse])
-
+    step = cache_stepper(cache, rng, outs, num_threads=nt, return_lse=True)
     a = cache.new_sequence()
     step([a], [int(rng.integers(10, 120))])
     for _ in range(6):
@@ -183,10 +172,7 @@ def _client(cache, i, nt):
     cache.free(b)
     for _ in range(4):
         step([c, a], [1, 1])
-    outs.append(np.array([cache.length(a), cache.length(c)]))
-    cache.free(a)
-    cache.free(c)
-    return outs
+    return finish_client(cache, outs, a, c)
 
 
 def _make_cache():

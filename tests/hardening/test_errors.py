@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import BF16
+from helpers import BF16
 
 import attnx
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_isolated
+from helpers import run_isolated
 
 TIMEOUT = 120  # seconds per scenario; each takes about one on a quiet machine
 

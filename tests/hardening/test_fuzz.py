@@ -13,10 +13,10 @@ overlapping q, k, v or the mask, or with drawn strides whose elements may share 
 must be refused untouched); and the instruction set. Non-finite keys and values are planted where
 some rows do not look (past kv_lens), and non-finite keys where rows do: NaN and inf must reach
 exactly the rows the reference says.
-The result is held to the reference with conftest's dtype-aware tolerance (``attention_tolerance``:
+The result is held to the reference with helpers' dtype-aware tolerance (``attention_tolerance``:
 3x the error of a same-precision implementation) plus a floor for ill-conditioned scores (a few
 float32 ulps of ``scale * sum_d |q_d k_d|``, which the same-precision twin can be lucky on when
-its own rounding errors cancel), by ``check_dense``, an extension of ``conftest.check_attention``.
+its own rounding errors cancel), by ``check_dense``, an extension of ``helpers.check_attention``.
 
 Each paged case draws a scrambled pool (block ids a random permutation, every slot no sequence
 owns NaN, junk ids past each sequence's last block), block size, kv and q dtypes (independent),
@@ -42,13 +42,11 @@ import os
 
 import numpy as np
 import pytest
-from conftest import (BF16, F32_EPS, ISAS, SEED, assert_matches, attention_tolerance, bf16_rounds_p,
-                      dense_views, from4, lowp_attention, scramble_tables)
+from helpers import BF16, ISAS, SEED, check_dense, check_paged, from4, scramble_tables
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import attnx
-from attnx import reference as ref
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
@@ -71,75 +69,6 @@ class on_isa:
 
     def __exit__(self, *exc):
         attnx._core.set_isa(self.prev)
-
-
-# ---------------------------------------------------------------------------------------------
-# the check: conftest.check_attention's rules, with a conditioning floor
-# ---------------------------------------------------------------------------------------------
-
-
-def conditioning(q4, k4, visible, scale, alibi=None, pos=None, additive=None):
-    """max over visible (row, key) of the magnitude the score is summed from: float32 rounds the
-    score with an absolute error of a few ulps of this, whatever the final score is."""
-    if q4.size == 0 or k4.size == 0 or not visible.any():
-        return 0.0
-    G = q4.shape[1] // k4.shape[1]
-    aq = np.where(np.isfinite(q4), np.abs(q4), 0.0)
-    ak = np.repeat(np.where(np.isfinite(k4), np.abs(k4), 0.0), G, axis=1)
-    c = scale * (aq @ ak.swapaxes(-1, -2))
-    if alibi is not None:
-        dist = np.abs(pos[:, None, :, None] - np.arange(k4.shape[2])[None, None, None, :])
-        c = c + np.abs(np.asarray(alibi, np.float64))[None, :, None, None] * dist
-    if additive is not None:
-        c = c + np.where(np.isfinite(additive), np.abs(additive), 0.0)
-    return float(np.max(np.where(visible, c, 0.0), initial=0.0))
-
-
-def same_bits(a, b):
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8),
-                                                                        b.view(np.uint8))
-
-
-def native(x):
-    """A copy of ``x`` in native byte order (the reference refuses byte-swapped dtypes)."""
-    return np.array(x, dtype=x.dtype.newbyteorder("="), copy=True)
-
-
-def check_dense(q, k, v, *, layout, out=None, **kw):
-    """``conftest.check_attention`` with the conditioning floor: runs ``attnx.attention`` with
-    return_lse and holds it to ``attnx.reference.attention``."""
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    rank = q.ndim
-    before = [x.copy() for x in (q, k, v)]
-    num_threads = kw.pop("num_threads", None)
-    call_kw = kw  # (the reference gets copies in native byte order, taken before the call)
-    kw = {n: native(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
-    o, lse = attnx.attention(q, k, v, layout=layout, return_lse=True, out=out,
-                             num_threads=num_threads, **call_kw)
-    if out is not None:
-        assert o is out
-    for x, x0 in zip((q, k, v), before):
-        if not (out is not None and np.may_share_memory(out, x)):
-            assert same_bits(x, x0), "the kernel modified an input"
-    before = [native(x) for x in before]
-    ref_out, ref_lse = ref.attention(*before, layout=layout, return_lse=True,
-                                     out_dtype=np.float64, **kw)
-    assert o.shape == ref_out.shape and o.dtype == q.dtype.newbyteorder("=")  # (native order)
-    assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
-    c = dense_views(before, o, lse, ref_out, ref_lse, layout=layout, rank=rank, kw=kw)
-    cond = conditioning(c.q4, c.k4, c.visible, c.scale, kw.get("alibi_slopes"), c.pos, c.additive)
-    compare(c.o4, c.r4, c.l4, c.rl4, c.lp_out, c.lp_lse, c.visible, storage=before[0].dtype,
-            v_max=c.v_max, cond=cond)
-    return o, lse
-
-
-def compare(o, r, lse, rlse, lp_out, lp_lse, visible, *, storage, v_max, cond):
-    """The assertions of conftest.check_attention (float64 arrays of one shape)."""
-    tol_out, tol_lse = attention_tolerance(r, lp_out, rlse, lp_lse, storage=storage, v_max=v_max)
-    tol_lse += 4 * F32_EPS * cond
-    tol_out += 8 * F32_EPS * cond * v_max
-    assert_matches(o, r, lse, rlse, visible, tol_out, tol_lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,26 +445,6 @@ def _pages(r, spec):
             np.asarray(q_lens, np.int64).astype(ld))
 
 
-def _dense_twin(q, k_pages, v_pages, tables, seq_lens, q_lens, bs):
-    """The paged problem as a padded dense one, float64 (B, H, S, D), for the tolerance."""
-    B = len(seq_lens)
-    Hq, Dk = q.shape[1], q.shape[2]
-    Hkv, Dv = k_pages.shape[1], v_pages.shape[3]
-    Sq, Sk = max(1, int(q_lens.max(initial=0))), max(1, int(seq_lens.max(initial=0)))
-    q4 = np.zeros((B, Hq, Sq, Dk))
-    k4 = np.zeros((B, Hkv, Sk, Dk))
-    v4 = np.zeros((B, Hkv, Sk, Dv))
-    start = np.concatenate([[0], np.cumsum(q_lens)])
-    for b in range(B):
-        n, L = int(q_lens[b]), int(seq_lens[b])
-        q4[b, :, :n] = q[start[b]:start[b] + n].astype(np.float64).transpose(1, 0, 2)
-        ids = np.asarray(tables[b, :-(-L // bs)], np.int64)
-        for kv4, pages in ((k4, k_pages), (v4, v_pages)):
-            rows = pages[ids].astype(np.float64).transpose(1, 0, 2, 3).reshape(Hkv, -1, pages.shape[3])
-            kv4[b, :, :L] = rows[:, :L]
-    return q4, k4, v4, start
-
-
 @seed(SEED)
 @PAGED_FUZZ
 @given(paged_problems())
@@ -574,62 +483,6 @@ def test_paged_fuzz(spec):
     with on_isa(spec["isa"]):
         check_paged(q, kp, vp, tables, seq_lens, q_lens, out=out, num_threads=spec["num_threads"],
                     poisoned=not spec["planted"], decode=not lens_kw, **kw)
-
-
-def check_paged(q, kp, vp, tables, seq_lens, q_lens, *, out=None, num_threads=None, poisoned=True,
-                decode=False, **kw):
-    """Runs ``attnx.paged_attention`` (with return_lse) and holds it to
-    ``attnx.reference.paged_attention`` by the rules of ``check_dense``. ``poisoned``: the pool's
-    NaNs are all in slots no sequence owns, so the reference must come out NaN-free.
-    ``decode``: call without q_lens (one token per sequence). Returns (out, lse)."""
-    call_lens = (seq_lens, {} if decode else {"q_lens": q_lens})  # as given: any integer dtype
-    q_lens = np.asarray(q_lens, np.int64)
-    seq_lens = np.asarray(seq_lens, np.int64)
-    lens_kw = {} if decode else {"q_lens": q_lens}
-    N, Hq, Dk = q.shape
-    Dv = vp.shape[3]
-    kw.setdefault("causal", True)
-    kw.setdefault("scale", None)
-    kw.setdefault("softcap", None)
-    before = [x.copy() for x in (q, kp, vp, tables)]
-    o, lse = attnx.paged_attention(q, kp, vp, tables, call_lens[0], out=out, return_lse=True,
-                                   num_threads=num_threads, **call_lens[1], **kw)
-    if out is not None:
-        assert o is out
-    for x, x0 in zip((q, kp, vp, tables), before):
-        if not (out is not None and np.may_share_memory(out, x)):
-            assert same_bits(x, x0), "paged_attention modified an input"
-    q, kp, vp, tables = (native(x) for x in before)  # what the call read, for the reference
-    assert o.shape == (N, Hq, Dv) and o.dtype == q.dtype
-    assert lse.shape == (N, Hq) and lse.dtype == np.float32
-    ro, rl = ref.paged_attention(q, kp, vp, tables, seq_lens, return_lse=True, out_dtype=np.float64,
-                                 **lens_kw, **kw)
-    o64, l64 = o.astype(np.float64), lse.astype(np.float64)
-    if poisoned:
-        assert not np.isnan(ro).any(), "the reference read a poisoned slot"
-    # the tolerance of check_dense, on the same problem written densely (padded)
-    q4, k4, v4, start = _dense_twin(q, kp, vp, tables, seq_lens, q_lens, kp.shape[2])
-    scale = kw["scale"] or 1.0 / np.sqrt(Dk)
-    wkw = {key: kw[key] for key in ("causal", "window", "softcap", "sinks") if key in kw}
-    w = ref.attention_weights(q4, k4, kv_lens=seq_lens, q_lens=q_lens, scale=scale,
-                              alibi_slopes=kw.get("alibi_slopes"), **wkw)
-    visible4 = w != 0
-    pos = np.arange(q4.shape[2])[None, :] + (seq_lens - q_lens)[:, None]
-    lp_o4, lp_l4 = lowp_attention(q4, k4, v4, visible4, scale=scale, softcap=kw["softcap"],
-                                  alibi=kw.get("alibi_slopes"), sinks=kw.get("sinks"), pos=pos,
-                                  storage=q.dtype, round_p=bf16_rounds_p(q, kp, vp))
-
-    def packed(x4):  # (B, H, Sq, ...) -> (N, H, ...)
-        return np.concatenate([np.moveaxis(x4[b, :, :int(q_lens[b])], 1, 0)
-                               for b in range(len(seq_lens))] or [x4[:0, :, :0]])
-
-    visible = packed(visible4) if N else np.zeros((0, Hq, 1), bool)
-    cond = conditioning(q4, k4, visible4, scale, kw.get("alibi_slopes"), pos)
-    v_max = float(np.max(np.abs(v4[np.isfinite(v4)]), initial=0.0))
-    compare(o64, ro, l64, rl.astype(np.float64), packed(lp_o4) if N else np.zeros_like(ro),
-            packed(lp_l4) if N else np.zeros_like(rl), visible, storage=q.dtype, v_max=v_max,
-            cond=cond)
-    return o, lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,33 +546,6 @@ def run_isolated(code, args, tmp_path, timeout=300):
 def test_misaligned_arrays(dtype, tmp_path):
     rc, out, err = run_isolated(MISALIGNED, [dtype, *ISAS], tmp_path)
     assert rc == 0 and "ok" in out, err[-3000:]
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers for the other hardening tests (test_numerics, test_resources, test_concurrency)
-# ---------------------------------------------------------------------------------------------
-
-
-def pool_from_sequences(rng, ks, vs, block_size, *, spare=2, extra_cols=1):
-    """A scrambled, NaN-poisoned pool holding sequences ``ks[b], vs[b]`` ((L_b, Hkv, D) arrays of
-    the pool's dtype). Returns (k_pages, v_pages, block_tables int64, seq_lens)."""
-    Hkv, Dk, Dv, dt = ks[0].shape[1], ks[0].shape[2], vs[0].shape[2], ks[0].dtype
-    lens = np.array([len(k) for k in ks], np.int64)
-    need = -(-lens // block_size)
-    nb = int(need.sum()) + spare
-    kp = np.full((nb, Hkv, block_size, Dk), np.nan, dt)
-    vp = np.full((nb, Hkv, block_size, Dv), np.nan, dt)
-    perm = rng.permutation(nb)
-    tables = np.full((len(ks), max(1, int(need.max(initial=0)) + extra_cols)), 1 << 30, np.int64)
-    at = 0
-    for b, (k, v) in enumerate(zip(ks, vs)):
-        ids = perm[at:at + need[b]]
-        at += need[b]
-        tables[b, :need[b]] = ids
-        for t in range(len(k)):
-            kp[ids[t // block_size], :, t % block_size] = k[t]
-            vp[ids[t // block_size], :, t % block_size] = v[t]
-    return kp, vp, tables, lens
 
 
 # ---------------------------------------------------------------------------------------------

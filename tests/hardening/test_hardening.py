@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import SEED
+from helpers import SEED
 
 import attnx
 from attnx import reference as ref

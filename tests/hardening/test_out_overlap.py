@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import SEED
+from helpers import SEED
 from numpy.lib.stride_tricks import as_strided
 
 import attnx

@@ -38,7 +38,7 @@ def names(suite):
 def data(seed, shape, dtype):
     import numpy as np
 
-    from conftest import SEED, rand
+    from helpers import SEED, rand
 
     return rand(np.random.default_rng([SEED, seed]), shape, dtype)
 
@@ -53,7 +53,7 @@ def seq_slice(x4, a, b, layout, rank):
     """Rows a..b of a (B, H, S, D) array, in the user's layout and rank."""
     import numpy as np
 
-    from conftest import from4
+    from helpers import from4
 
     return np.ascontiguousarray(from4(x4[:, :, a:b], layout, rank))
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import _dist_worker as worker
 import attnx
 from attnx._segments import segment_attention, segment_visibility
-from conftest import SEED, rand
+from helpers import SEED, rand
 
 SUITES = {"w2": 2, "w4": 4, "hang": 2}
 GROUP_TIMEOUT_S = {"w2": 60, "w4": 60, "hang": 3}  # init_process_group(timeout=...)

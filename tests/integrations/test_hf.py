@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import attnx  # noqa: E402
 import attnx.hf  # noqa: E402
 
-from conftest import SEED  # noqa: E402
+from helpers import SEED  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 

@@ -12,7 +12,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import make_rng
+from helpers import make_rng
 
 import attnx
 from attnx import layers as layers_mod

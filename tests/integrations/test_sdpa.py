@@ -12,7 +12,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import BF16, make_rng
+from helpers import BF16, make_rng
 
 import attnx
 from attnx import reference as ref

@@ -15,7 +15,7 @@ import attnx
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install '.[torch]')")
 
-from conftest import SEED  # noqa: E402
+from helpers import SEED  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

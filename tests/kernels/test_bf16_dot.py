@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
-from conftest import (BF16, BF16_PRODUCT_ISAS, BF16_DOT_GAIN, F32_EPS, ISAS, best_isa, check_attention,
-                      has_amx, has_avx512bf16, rand)
+from helpers import (BF16, BF16_PRODUCT_ISAS, BF16_DOT_GAIN, F32_EPS, ISAS, best_isa, check_attention,
+                     has_amx, has_avx512bf16, rand)
 
 # Bounds measured on this path (Zen 4, random shapes below): the kernel's max error is 1.0x the
 # emulation's (median; at most 1.05x), its mean error 1.0x; against torch's bf16 SDPA 1.0x max
@@ -109,7 +109,7 @@ def _isa_in_child(env_isa):
 
 @needs_bf16
 def test_selected_at_import_and_forceable():
-    """The default is the measured choice (conftest.best_isa: AMX where granted, else bf16 dot
+    """The default is the measured choice (helpers.best_isa: AMX where granted, else bf16 dot
     products only where they out-run float32 FMAs); every path the CPU has can be forced."""
     assert _isa_in_child(None)[:2] == (0, best_isa())
     assert _isa_in_child("avx512bf16")[:2] == (0, "avx512bf16")
@@ -253,7 +253,7 @@ def problems(draw):
 def test_flash_rule_hypothesis(bf16_isa, problem):
     q, k, v, kw = problem
     assert_flash_rule(q, k, v, **kw)
-    check_attention(q, k, v, **kw)  # the tolerance every ISA meets (conftest), lse included
+    check_attention(q, k, v, **kw)  # the tolerance every ISA meets (helpers), lse included
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 8, 256, 64, 64), (1, 8, 2, 200, 128, 128),
@@ -284,10 +284,10 @@ def test_against_torch_bf16_sdpa(bf16_isa, rng):
 
 
 def test_common_tolerance_counts_the_rounding_of_p(bf16_isa):
-    """conftest's tolerance (3x a same-precision twin's error) on a row whose output cancels:
+    """helpers' tolerance (3x a same-precision twin's error) on a row whose output cancels:
     0.099 from values up to 2.7 (one visible query row of 18, window, softcap). Rounding P to
     bf16 costs ~2^-10 of sum |p v| there, more than the output's own rounding; the twin rounds P
-    too on this path (conftest.bf16_rounds_p). A soak run found it at 1.01x the tolerance of a
+    too on this path (helpers.bf16_rounds_p). A soak run found it at 1.01x the tolerance of a
     twin that did not."""
     r = np.random.default_rng(1170)  # test_property's draws for that example
     q, k, v = rand(r, (2, 18, 1), BF16), rand(r, (2, 92, 1), BF16), rand(r, (2, 92, 1), BF16)
@@ -319,7 +319,7 @@ def test_lse_keeps_float32_accuracy_where_returned(bf16_isa, rng):
 def test_nonfinite_values_stay_in_their_rows(bf16_isa, rng):
     """An infinite value reaches only the rows that see its key (the fp32 fallback of a tile that
     some row sees in part), not the rows before it under causal masking, where 0 * inf would
-    be NaN. (NaN inputs: conftest's input check cannot compare bf16 NaNs.)"""
+    be NaN. (NaN inputs: check_attention's input check cannot compare bf16 NaNs.)"""
     q = rand(rng, (1, 2, 100, 32), BF16)
     k = rand(rng, (1, 2, 100, 32), BF16)
     v = rand(rng, (1, 2, 100, 32), BF16)

@@ -18,7 +18,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import BF16, RISES, SEED, assert_matches, climbing_scores, from4, lse4, make_rng, to4
+from helpers import BF16, RISES, SEED, assert_matches, climbing_scores, from4, lse4, make_rng, to4
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -10,7 +10,7 @@
 * fully masked rows (boolean, additive, window, padding, bottom-right causal): exactly +0.0,
   lse -inf (lse = the sink with sinks), never NaN even when every key they skip is NaN.
 
-Comparisons use ``check_dense`` / ``check_paged`` of test_fuzz.py (conftest's tolerance rules).
+Comparisons use ``check_dense`` / ``check_paged`` of helpers (the fuzz's tolerance rules).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import BF16, F32_EPS, RISES, climbing_scores
-from test_fuzz import check_dense, check_paged, pool_from_sequences
+from helpers import (BF16, F32_EPS, RISES, check_dense, check_paged, climbing_scores,
+                     pool_from_sequences)
 
 import attnx
 from attnx import reference as ref

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from conftest import run_isolated
+from helpers import run_isolated
 
 TIMEOUT = 120
 

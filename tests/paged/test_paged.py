@@ -17,7 +17,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import BF16, make_rng, scramble_tables
+from helpers import BF16, make_rng, scramble_tables
 
 import attnx
 from attnx import reference

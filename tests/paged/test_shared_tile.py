@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_rng
+from helpers import make_rng
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from attnx import reference as ref
-from conftest import make_rng
+from helpers import make_rng
 
 QDTYPES = ["int8", "float8_e4m3fn", "float8_e5m2"]
 FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}

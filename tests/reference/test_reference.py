@@ -12,8 +12,8 @@ import pathlib
 
 import numpy as np
 import pytest
-from conftest import BF16, SEED
-from conftest import make_rng as rng  # rng(*salt): this file's name for it
+from helpers import BF16, SEED
+from helpers import make_rng as rng  # rng(*salt): this file's name for it
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
