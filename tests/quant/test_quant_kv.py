@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import make_rng, scramble_tables
+from helpers import make_rng, scramble_tables
 from hypothesis import given, strategies as st
 
 import attnx
@@ -111,10 +111,10 @@ def test_non_finite_rows_reach_only_the_queries_that_see_them(isa):
     assert np.isnan(o[sees]).all() and np.isfinite(o[~sees]).all()
 
 
-def test_error_against_unquantised_attention_on_random_data(isa):
-    """Not a definition but a yardstick (reported in the README): the output error of attending
-    over quantised K/V instead of their float32 originals. Standard normal q, k, v, D = 128,
-    GQA 4, 2048 keys in pages of 16; error relative to the output's RMS."""
+def yardstick_problem():
+    """The error yardsticks' problem: standard normal q (1, 8, 128) over float32 k, v pages
+    (128 pages of 16 tokens, 2 kv heads, D = 128) holding 2048 keys through a scrambled table.
+    Returns (q, k, v, block_tables, seq_lens, exact output, the output's RMS)."""
     rng = make_rng(5)
     k = rng.standard_normal((128, 2, 16, 128)).astype(np.float32)
     v = rng.standard_normal((128, 2, 16, 128)).astype(np.float32)
@@ -122,6 +122,14 @@ def test_error_against_unquantised_attention_on_random_data(isa):
     bt, lens = rng.permutation(128).astype(np.int32)[None], np.array([2048])
     exact = ref.paged_attention(q, k, v, bt, lens)
     rms = float(np.sqrt(np.mean(exact.astype(np.float64) ** 2)))
+    return q, k, v, bt, lens, exact, rms
+
+
+def test_error_against_unquantised_attention_on_random_data(isa):
+    """Not a definition but a yardstick (reported in the README): the output error of attending
+    over quantised K/V instead of their float32 originals. Standard normal q, k, v, D = 128,
+    GQA 4, 2048 keys in pages of 16; error relative to the output's RMS."""
+    q, k, v, bt, lens, exact, rms = yardstick_problem()
     errs = {}
     for dtype in QDTYPES:
         (kq, ks), (vq, vs) = ref.quantize_kv(k, dtype), ref.quantize_kv(v, dtype)
@@ -178,7 +186,7 @@ def test_int8_query_vnni_gives_the_fma_scores(int8_query):
     """The codes' sums are exact in float32 (Dk < 1040), so VNNI's integer products (the
     avx512bf16 and amx paths) give the scores of avx512's FMAs over the same codes, and the
     same outputs, bit for bit."""
-    from conftest import ISAS
+    from helpers import ISAS
     if "avx512" not in ISAS or not {"avx512bf16", "amx"} & set(ISAS):
         pytest.skip("CPU lacks AVX-512 with VNNI")
     rng = make_rng(13)
@@ -207,13 +215,7 @@ def test_int8_query_only_for_int8_pages(isa, int8_query):
 def test_int8_query_error_against_float32_kv(int8_query):
     """The yardstick beside the float query's (README): quantising the query as well roughly
     doubles int8's error on random normal data (D = 128, GQA 4, 2048 keys)."""
-    rng = make_rng(5)
-    k = rng.standard_normal((128, 2, 16, 128)).astype(np.float32)
-    v = rng.standard_normal((128, 2, 16, 128)).astype(np.float32)
-    q = rng.standard_normal((1, 8, 128)).astype(np.float32)
-    bt, lens = rng.permutation(128).astype(np.int32)[None], np.array([2048])
-    exact = ref.paged_attention(q, k, v, bt, lens)
-    rms = float(np.sqrt(np.mean(exact.astype(np.float64) ** 2)))
+    q, k, v, bt, lens, exact, rms = yardstick_problem()
     (kq, ks), (vq, vs) = ref.quantize_kv(k, "int8"), ref.quantize_kv(v, "int8")
     err_q8 = float(np.abs(attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs)
                           - exact).max()) / rms
