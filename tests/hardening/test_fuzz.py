@@ -272,6 +272,53 @@ def _overlapping(x, out_shape, dtype, r):
     return x2, buf[start:start + size].reshape(out_shape)
 
 
+def _plant(r, spec, k4, v4, kw):
+    """Plants a non-finite key or value (in place) as ``spec["planted"]`` says: "unseen" past
+    kv_lens (never read), "seen" anywhere. Returns whether the output may hold NaN."""
+    B, Hkv, Sk, _ = k4.shape
+    if spec["planted"] == "none" or Sk == 0 or B == 0:
+        return False
+    bad = r.choice([np.nan, np.inf, -np.inf])
+    # "seen" plants go into keys only: a non-finite value at a visible key whose weight
+    # underflows to 0 is dropped by the kernel on partly visible tiles (a known bug, see
+    # test_numerics.py::test_nan_value_with_underflowed_weight), and whether the weight
+    # underflows at all differs between float32 and the float64 reference for inf
+    target = k4 if spec["planted"] == "seen" or r.random() < 0.5 else v4
+    b, h = int(r.integers(B)), int(r.integers(Hkv))
+    if spec["planted"] == "unseen":
+        kvl = np.full(B, Sk) if "kv_lens" not in kw else np.asarray(kw["kv_lens"], np.int64).reshape(-1)
+        if kvl[b] < Sk:
+            target[b, h, int(r.integers(kvl[b], Sk)), int(r.integers(target.shape[3]))] = bad
+        return False
+    target[b, h, int(r.integers(Sk)), int(r.integers(target.shape[3]))] = bad
+    return True
+
+
+def _dense_out(r, spec, q, k, v, kw, out_shape, dtype):
+    """The ``out`` that ``spec["out"]`` draws (fresh, strided, a misaligned field, q itself, or
+    overlapping an input it must not change; None where that cannot be built). Returns (q, k, v,
+    out): an overlapped input is replaced by the buffer ``out`` overlaps (a mask in ``kw``)."""
+    out = None
+    if spec["out"] == "fresh":
+        out = np.full(out_shape, 7.0, dtype)
+    elif spec["out"] == "strided":
+        out = present(np.full(out_shape, 7.0, dtype), r.choice(["step", "negative", "permuted"]), r)
+    elif spec["out"] == "field":
+        out = present(np.full(out_shape, 7.0, dtype), "field", r)
+    elif spec["out"] == "alias_q" and q.shape[-1] == v.shape[-1]:
+        out = q if q.flags.writeable and q.dtype.isnative else None
+    elif spec["out"] == "overlap":  # out shares memory with an input it must not change
+        name = spec["overlap_with"]
+        x = {"q": q, "k": k, "v": v, "mask": kw.get("mask")}[name]
+        if x is not None and np.asarray(x).dtype == np.dtype(dtype):
+            x, out = _overlapping(np.asarray(x), out_shape, dtype, r)
+            if name == "mask":
+                kw["mask"] = x
+            else:
+                q, k, v = (x if n == name else a for n, a in (("q", q), ("k", k), ("v", v)))
+    return q, k, v, out
+
+
 @seed(SEED)
 @FUZZ
 @given(dense_problems())
@@ -301,23 +348,7 @@ def test_dense_fuzz(spec):
         kw["sinks"] = (r.standard_normal(Hq) * 2).astype(np.float32)
     if spec["alibi"]:
         kw["alibi_slopes"] = r.random(Hq).astype(np.float32)
-    expect_nan = False
-    if spec["planted"] != "none" and Sk > 0 and B > 0:
-        # non-finite keys/values: "unseen" past kv_lens (never read), "seen" anywhere
-        bad = r.choice([np.nan, np.inf, -np.inf])
-        # "seen" plants go into keys only: a non-finite value at a visible key whose weight
-        # underflows to 0 is dropped by the kernel on partly visible tiles (a known bug, see
-        # test_numerics.py::test_nan_value_with_underflowed_weight), and whether the weight
-        # underflows at all differs between float32 and the float64 reference for inf
-        target = k4 if spec["planted"] == "seen" or r.random() < 0.5 else v4
-        b, h = int(r.integers(B)), int(r.integers(Hkv))
-        if spec["planted"] == "unseen":
-            kvl = np.full(B, Sk) if "kv_lens" not in kw else np.asarray(kw["kv_lens"], np.int64).reshape(-1)
-            if kvl[b] < Sk:
-                target[b, h, int(r.integers(kvl[b], Sk)), int(r.integers(target.shape[3]))] = bad
-        else:
-            target[b, h, int(r.integers(Sk)), int(r.integers(target.shape[3]))] = bad
-            expect_nan = True
+    expect_nan = _plant(r, spec, k4, v4, kw)
     if spec["mask"] is not None:
         kw["mask"] = _mask(r, spec, logical)
     q = present(from4(q4.astype(dtype), layout, rank), spec["views"][0], r)
@@ -325,23 +356,8 @@ def test_dense_fuzz(spec):
     v = present(from4(v4.astype(dtype), layout, rank), spec["views"][2], r)
     out_shape = from4(np.empty((B, Hq, Sq, Dv)), layout, rank).shape
     out = None
-    if spec["out"] == "fresh":
-        out = np.full(out_shape, 7.0, dtype)
-    elif spec["out"] == "strided":
-        out = present(np.full(out_shape, 7.0, dtype), r.choice(["step", "negative", "permuted"]), r)
-    elif spec["out"] == "field":
-        out = present(np.full(out_shape, 7.0, dtype), "field", r)
-    elif spec["out"] == "alias_q" and Dk == Dv:
-        out = q if q.flags.writeable and q.dtype.isnative else None
-    elif spec["out"] == "overlap":  # out shares memory with an input it must not change
-        name = spec["overlap_with"]
-        x = {"q": q, "k": k, "v": v, "mask": kw.get("mask")}[name]
-        if x is not None and np.asarray(x).dtype == np.dtype(dtype):
-            x, out = _overlapping(np.asarray(x), out_shape, dtype, r)
-            if name == "mask":
-                kw["mask"] = x
-            else:
-                q, k, v = (x if n == name else a for n, a in (("q", q), ("k", k), ("v", v)))
+    if spec["out"] in ("fresh", "strided", "field", "alias_q", "overlap"):
+        q, k, v, out = _dense_out(r, spec, q, k, v, kw, out_shape, dtype)
     elif spec["out"] == "any_strides":
         out, buf = any_strides(out_shape, dtype, r)
         with on_isa(spec["isa"]):
