@@ -30,6 +30,61 @@ NEG_INF = float("-inf")
 # ---------------------------------------------------------------------------
 
 
+def _nested(shape, fill):
+    """Nested lists of ``shape`` holding ``fill``."""
+    if len(shape) == 1:
+        return [fill] * shape[0]
+    return [_nested(shape[1:], fill) for _ in range(shape[0])]
+
+
+def _sees(pos, j, *, causal, window, mask_row, is_bool):
+    """Whether the query at position ``pos`` sees key ``j``: causality, the window
+    (left, right), then the mask row (a False or a -inf entry hides the key)."""
+    if causal and j > pos:
+        return False
+    if window is not None:
+        left, right = window
+        if left is not None and j < pos - left:
+            return False
+        if right is not None and j > pos + right:
+            return False
+    if mask_row is not None:
+        if is_bool and not mask_row[j]:
+            return False
+        if not is_bool and mask_row[j] == NEG_INF:
+            return False
+    return True
+
+
+def _score(qrow, krow, *, scale, softcap, slope, dist, additive):
+    """One logit: scale * (q . k), softcapped, less the ALiBi slope times the distance, plus the
+    additive mask entry."""
+    s = 0.0
+    for d in range(len(qrow)):
+        s += qrow[d] * krow[d]
+    s = scale * s
+    if softcap is not None:
+        s = softcap * math.tanh(s / softcap)
+    if slope is not None:
+        s += -slope * dist
+    if additive is not None:
+        s += additive
+    return s
+
+
+def _softmax(scores, sink):
+    """(lse, {key: weight}) over the logits ``scores`` ({key: logit}) and the sink's logit (a term
+    of the sum that weighs no value); None where there is no logit at all."""
+    logits = list(scores.values())
+    if sink is not None:
+        logits.append(sink)
+    if not logits:
+        return None
+    top = max(logits)
+    total = sum(math.exp(x - top) for x in logits)
+    return top + math.log(total), {j: math.exp(s - top) / total for j, s in scores.items()}
+
+
 def naive(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None,
           window=None, softcap=None, sinks=None, alibi=None):
     """Scalar attention on 4-D bhsd float64 arrays.
@@ -44,9 +99,8 @@ def naive(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=
     Q, K, V = q.tolist(), k.tolist(), v.tolist()
     M = None if mask is None else np.asarray(mask).tolist()
     is_bool = mask is not None and np.asarray(mask).dtype == bool
-    out = [[[[0.0] * Dv for _ in range(Sq)] for _ in range(Hq)] for _ in range(B)]
-    lse = [[[NEG_INF] * Sq for _ in range(Hq)] for _ in range(B)]
-    wts = [[[[0.0] * Sk for _ in range(Sq)] for _ in range(Hq)] for _ in range(B)]
+    out, lse = _nested((B, Hq, Sq, Dv), 0.0), _nested((B, Hq, Sq), NEG_INF)
+    wts = _nested((B, Hq, Sq, Sk), 0.0)
     for b in range(B):
         Lk = Sk if kv_lens is None else int(kv_lens[b])
         Lq = Sq if q_lens is None else int(q_lens[b])
@@ -54,42 +108,20 @@ def naive(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=
         for h in range(Hq):
             g = h // (Hq // Hkv)
             for i in range(Lq):  # rows >= Lq stay 0 / -inf
+                mrow = None if M is None else M[b][h][i]
                 scores = {}
                 for j in range(Lk):
-                    if causal and j > i + off:
-                        continue
-                    if window is not None:
-                        left, right = window
-                        if left is not None and j < i + off - left:
-                            continue
-                        if right is not None and j > i + off + right:
-                            continue
-                    if M is not None:
-                        if is_bool and not M[b][h][i][j]:
-                            continue
-                        if not is_bool and M[b][h][i][j] == NEG_INF:
-                            continue
-                    s = 0.0
-                    for d in range(Dk):
-                        s += Q[b][h][i][d] * K[b][g][j][d]
-                    s = scale * s
-                    if softcap is not None:
-                        s = softcap * math.tanh(s / softcap)
-                    if alibi is not None:
-                        s += -alibi[h] * abs(i + off - j)
-                    if M is not None and not is_bool:
-                        s += M[b][h][i][j]
-                    scores[j] = s
-                logits = list(scores.values())
-                if sinks is not None:
-                    logits.append(float(sinks[h]))
-                if not logits:
+                    if _sees(i + off, j, causal=causal, window=window, mask_row=mrow,
+                             is_bool=is_bool):
+                        scores[j] = _score(Q[b][h][i], K[b][g][j], scale=scale, softcap=softcap,
+                                           slope=None if alibi is None else alibi[h],
+                                           dist=abs(i + off - j),
+                                           additive=None if M is None or is_bool else mrow[j])
+                row = _softmax(scores, None if sinks is None else float(sinks[h]))
+                if row is None:
                     continue
-                top = max(logits)
-                total = sum(math.exp(x - top) for x in logits)
-                lse[b][h][i] = top + math.log(total)
-                for j, s in scores.items():
-                    w = math.exp(s - top) / total
+                lse[b][h][i], weights = row
+                for j, w in weights.items():
                     wts[b][h][i][j] = w
                     for d in range(Dv):
                         out[b][h][i][d] += w * V[b][g][j][d]
