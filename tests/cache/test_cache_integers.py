@@ -344,6 +344,29 @@ def outcome(fn):
         return type(e).__name__, None
 
 
+def step_both(data, py, nps, live, x):
+    """One drawn begin_step on both caches (ids and counts as Python ints on ``py``, as NumPy
+    integers or an integer array on ``nps``); where both succeed, the plans and one layer's
+    outputs (q = k = v = ``x``) must be the same. Returns both outcomes."""
+    ids = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=3), label="ids") if live else []
+    counts = [some_int(data, 0, 9, "count") for _ in ids]
+    np_ids = [numpy_form(data, s, "id") for s in ids]
+    fits = [d for d in INT_DTYPES if all(np.iinfo(d).min <= n <= np.iinfo(d).max for n in counts)]
+    as_array = fits and data.draw(st.booleans(), label="counts as an array")
+    np_counts = (np.array(counts, data.draw(st.sampled_from(fits), label="counts dtype"))
+                 if as_array else [numpy_form(data, n, "count") for n in counts])
+    r = (outcome(lambda: py.begin_step(ids, counts)), outcome(lambda: nps.begin_step(np_ids, np_counts)))
+    if r[0][0] == "ok" and r[1][0] == "ok":
+        T = r[0][1].num_tokens
+        assert r[1][1].num_tokens == T
+        for name in ("q_lens", "seq_lens", "positions", "block_tables", "slots"):
+            np.testing.assert_array_equal(getattr(r[0][1], name), getattr(r[1][1], name))
+        o = [s.attend(0, x[:T], x[:T], x[:T]) for s in (r[0][1], r[1][1])]
+        assert o[0].tobytes() == o[1].tobytes()
+        r = (("ok", None), ("ok", None))
+    return r
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_numpy_integers_match_python_ints(data):
@@ -362,22 +385,7 @@ def test_numpy_integers_match_python_ints(data):
         if op == "new":
             r = (outcome(py.new_sequence), outcome(nps.new_sequence))
         elif op == "step":
-            ids = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=3), label="ids") if live else []
-            counts = [some_int(data, 0, 9, "count") for _ in ids]
-            np_ids = [numpy_form(data, s, "id") for s in ids]
-            fits = [d for d in INT_DTYPES if all(np.iinfo(d).min <= n <= np.iinfo(d).max for n in counts)]
-            as_array = fits and data.draw(st.booleans(), label="counts as an array")
-            np_counts = (np.array(counts, data.draw(st.sampled_from(fits), label="counts dtype"))
-                         if as_array else [numpy_form(data, n, "count") for n in counts])
-            r = (outcome(lambda: py.begin_step(ids, counts)), outcome(lambda: nps.begin_step(np_ids, np_counts)))
-            if r[0][0] == "ok" and r[1][0] == "ok":
-                T = r[0][1].num_tokens
-                assert r[1][1].num_tokens == T
-                for name in ("q_lens", "seq_lens", "positions", "block_tables", "slots"):
-                    np.testing.assert_array_equal(getattr(r[0][1], name), getattr(r[1][1], name))
-                o = [s.attend(0, x[:T], x[:T], x[:T]) for s in (r[0][1], r[1][1])]
-                assert o[0].tobytes() == o[1].tobytes()
-                r = (("ok", None), ("ok", None))
+            r = step_both(data, py, nps, live, x)
         elif op == "truncate":
             n = some_int(data, 0, 40, "length")
             r = (outcome(lambda: py.truncate(int(sid), n)),

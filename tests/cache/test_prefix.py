@@ -716,13 +716,18 @@ def test_deeply_nested_headers_are_refused(parts, tmp_path, where, depth):
     _refused_everywhere(c, path, "nested too deeply" if depth > 10_000 else None)
 
 
+def _wrong_tokens(value):
+    """Token lists of the wrong type, length or range for a header whose tokens are ``value``."""
+    return [1, "0 1 2", {}, [[0]] * 10, [float(t) for t in value], [str(t) for t in value],
+            [bool(t % 2) for t in value], value[:-1], value + [0], [2**63] + value[1:],
+            [-2**63 - 1] + value[1:], [None] * 10]
+
+
 def _wrong_values(field, value):
     """Values of the wrong type (or range) for a header field whose right value is ``value``."""
     others = [None, True, False, 0, 1, -1, 1.0, 2.5, "", "1", [], [1], {}, {"a": 1}]
     if field == "tokens":
-        return [1, "0 1 2", {}, [[0]] * 10, [float(t) for t in value], [str(t) for t in value],
-                [bool(t % 2) for t in value], value[:-1], value + [0], [2**63] + value[1:],
-                [-2**63 - 1] + value[1:], [None] * 10]
+        return _wrong_tokens(value)
     if field == "linear_layers":  # (written by hybrid caches only)
         return [True, 1.0, "0", -1, None, [], 2]
     if field == "state_shape":

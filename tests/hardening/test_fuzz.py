@@ -92,6 +92,30 @@ def structured_field(x, pad):
     return st_["x"]
 
 
+def every_other(x, rng, last):
+    """``x`` as every other element of a larger buffer along one drawn axis (not the last one
+    unless ``last``); the buffer's other elements are NaN (zeros for integers)."""
+    ax = int(rng.integers(x.ndim if last else max(1, x.ndim - 1)))
+    shape = list(x.shape)
+    shape[ax] *= 2
+    buf = np.full(shape, np.nan, x.dtype) if x.dtype.kind == "f" or x.dtype == BF16 else \
+        np.zeros(shape, x.dtype)
+    idx = [slice(None)] * x.ndim
+    idx[ax] = slice(None, None, 2)
+    buf[tuple(idx)] = x
+    return buf[tuple(idx)]
+
+
+def broadcast_view(x):
+    """``x`` as a zero-stride view along the first axis where it is constant (a copy where
+    there is none)."""
+    for ax in range(x.ndim):
+        if x.shape[ax] > 1 and np.array_equal(x, np.take(x, [0], axis=ax).repeat(x.shape[ax], ax),
+                                              equal_nan=True):
+            return np.broadcast_to(np.take(x, [0], axis=ax), x.shape)
+    return np.ascontiguousarray(x)
+
+
 def present(x, how, rng, last=True):
     """An array equal to ``x`` whose memory layout is ``how`` (views only, never a different
     value). ``broadcast`` needs an axis where ``x`` is constant; it falls back to ``c``.
@@ -106,15 +130,7 @@ def present(x, how, rng, last=True):
         buf = np.ascontiguousarray(x.transpose(perm))
         return buf.transpose(np.argsort(perm))
     if how == "step":  # every other element of a larger buffer along one axis
-        ax = int(rng.integers(x.ndim if last else max(1, x.ndim - 1)))
-        shape = list(x.shape)
-        shape[ax] *= 2
-        buf = np.full(shape, np.nan, x.dtype) if x.dtype.kind == "f" or x.dtype == BF16 else \
-            np.zeros(shape, x.dtype)
-        idx = [slice(None)] * x.ndim
-        idx[ax] = slice(None, None, 2)
-        buf[tuple(idx)] = x
-        return buf[tuple(idx)]
+        return every_other(x, rng, last)
     if how == "negative":  # a reversed view of a reversed copy: negative stride on one axis
         ax = int(rng.integers(x.ndim if last else max(1, x.ndim - 1)))
         return np.ascontiguousarray(np.flip(x, ax)).__getitem__(
@@ -130,11 +146,7 @@ def present(x, how, rng, last=True):
     if how == "field":  # (misaligned: not handed to a sanitized build, see test_misaligned_arrays)
         return np.ascontiguousarray(x) if SANITIZED else structured_field(x, int(rng.integers(1, 4)))
     if how == "broadcast":
-        for ax in range(x.ndim):
-            if x.shape[ax] > 1 and np.array_equal(x, np.take(x, [0], axis=ax).repeat(x.shape[ax], ax),
-                                                  equal_nan=True):
-                return np.broadcast_to(np.take(x, [0], axis=ax), x.shape)
-        return np.ascontiguousarray(x)
+        return broadcast_view(x)
     raise AssertionError(how)
 
 
