@@ -89,7 +89,7 @@ mkdir -p "$REPORTS"
 export LD_PRELOAD="$ASAN_LIB $UBSAN_LIB${LD_PRELOAD:+ $LD_PRELOAD}"
 # detect_leaks=0: CPython keeps its interned objects to the end by design (LSan would list them).
 # allocator_may_return_null=1: an impossible allocation becomes NULL -> MemoryError, which is
-# what attnx must turn it into (tests/test_resources.py), instead of ASan aborting first.
+# what attnx must turn it into (tests/hardening/test_resources.py), instead of ASan aborting first.
 # Reports also go to files (log_path) so that one in a subprocess can not go unnoticed.
 export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:halt_on_error=1:check_initialization_order=1:detect_stack_use_after_return=1:log_path=$REPORTS/asan"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan"
@@ -120,13 +120,14 @@ rc=0
 # in torch and transformers, which are not instrumented; their attnx calls are the ones the
 # kernel, tensor and merge tests already make here.
 "$VPY" -m pytest -q -p no:cacheprovider \
-  --deselect tests/test_attention.py::test_memory_is_linear_in_sequence_length \
-  --ignore=tests/test_hf.py --ignore=tests/test_distributed.py "$@" || rc=$?
+  --deselect tests/attention/test_attention.py::test_memory_is_linear_in_sequence_length \
+  --ignore=tests/integrations/test_hf.py --ignore=tests/integrations/test_distributed.py \
+  "$@" || rc=$?
 echo "sanitize: tests ran in $(( $(date +%s) - T0 )) s (exit $rc)"
 
 # Any error report is a finding, even when the test that ran the process did not notice it.
 # (ASan's "WARNING: failed to allocate" lines are not: they are the impossible allocations that
-# tests/test_resources.py makes on purpose, answered with NULL -> MemoryError.)
+# tests/hardening/test_resources.py makes on purpose, answered with NULL -> MemoryError.)
 shopt -s nullglob
 found=0
 for r in "$REPORTS"/*; do

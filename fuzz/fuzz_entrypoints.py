@@ -40,9 +40,9 @@ Usage::
                                                             # plain random bytes, no atheris
     python fuzz/fuzz_entrypoints.py CORPUS_DIR -max_total_time=600   # any libFuzzer flag
 
-``one_input(data)`` is the harness itself (tests/test_fuzz_harness.py runs it over a fixed
-corpus in-process). ``ATTNX_FUZZ_UNALIGNED=0`` leaves out misaligned arrays (the default under
-the sanitizer run, where they hit a known UBSan finding: see tests/test_fuzz.py).
+``one_input(data)`` is the harness itself (tests/hardening/test_fuzz_harness.py runs it over a
+fixed corpus in-process). ``ATTNX_FUZZ_UNALIGNED=0`` leaves out misaligned arrays (the default
+under the sanitizer run, where they hit a known UBSan finding: see tests/hardening/test_fuzz.py).
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class Finding(AssertionError):
     """A rule of the harness was broken (atheris reports it as a crash, with the input)."""
 
 
-# Findings already reported (each has a strict xfail repro in tests/test_fuzz_harness.py):
-# recorded in STATS as "known: <name>" instead of stopping the run, unless ATTNX_FUZZ_STRICT=1.
+# Findings already reported (each has a strict xfail repro in
+# tests/hardening/test_fuzz_harness.py): recorded in STATS as "known: <name>" instead of stopping
+# the run, unless ATTNX_FUZZ_STRICT=1.
 # Delete an entry once its bug is fixed.
 KNOWN_FINDINGS = {
     # name: (exception type, text of its message) -- none open. Fixed so far (d771f2e): a window

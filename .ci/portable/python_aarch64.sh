@@ -58,10 +58,12 @@ cd "$WORK/run"
 export PYTHONPATH=$WORK/pkg:$WORK/site
 "$A64PY" -c "import platform, attnx; f = attnx.cpu_features(); print(platform.machine(), 'QEMU_CPU=${QEMU_CPU:-default}', f['isa'], [k for k in ('neon', 'dotprod', 'bf16', 'i8mm', 'sve') if f[k]])"
 if [ $# -eq 0 ]; then
-  set -- tests/test_attention.py tests/test_paged.py tests/test_float64.py tests/test_cache.py \
-    tests/test_fork.py tests/test_hardening.py tests/test_errors.py tests/test_delta_rule.py \
-    tests/test_variants.py tests/test_numerics.py tests/test_step_plan.py tests/test_prefix.py \
-    tests/test_merge.py tests/test_threads.py tests/test_quant_reference.py tests/test_quant_kv.py \
-    tests/test_reference.py
+  set -- tests/attention/test_attention.py tests/paged/test_paged.py tests/kernels/test_float64.py \
+    tests/cache/test_cache.py tests/hardening/test_fork.py tests/hardening/test_hardening.py \
+    tests/hardening/test_errors.py tests/delta/test_delta_rule.py tests/attention/test_variants.py \
+    tests/kernels/test_numerics.py tests/cache/test_step_plan.py tests/cache/test_prefix.py \
+    tests/attention/test_merge.py tests/kernels/test_threads.py \
+    tests/quant/test_quant_reference.py tests/quant/test_quant_kv.py \
+    tests/reference/test_reference.py
 fi
 "$A64PY" -m pytest -q -p no:cacheprovider "$@"

@@ -150,7 +150,7 @@ static inline bool overflowed(const T* o, T m, T l, int64_t Dv) {
 // e^(4 - 5 - ln n) = 1 / (e n), and sum p |v| stays below the largest |v| / e. The shift is no
 // larger than that needs, because each exp's argument s - m' is rounded at its own size (measured:
 // the rows come out as accurate as the same problem with the values scaled down, which does not
-// overflow; tests/test_numerics.py).
+// overflow; tests/kernels/test_numerics.py).
 template <class T>
 static inline T restart_max(T m, int64_t n) { return m + T(5) + std::log(T(n > 1 ? n : 1)); }
 

@@ -13,7 +13,7 @@
 //       but for the exps of the fused tiles where no lse is returned: 2.9e-6 (Bf16P below).
 //   P V: P rounded to bf16 (round to nearest even) before the product, as FlashAttention and
 //       torch's bf16 SDPA do; O accumulated in fp32. This rounding (a relative 2^-9 per p) is the
-//       only error the path adds to the fp32-widening kernels: tests/test_bf16_dot.py holds its
+//       only error the path adds to the fp32-widening kernels: tests/kernels/test_bf16_dot.py holds its
 //       error against the float64 reference within a small multiple of a same-precision
 //       implementation's (a NumPy emulation that rounds P to bf16, and torch's bf16 SDPA).
 

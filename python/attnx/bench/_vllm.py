@@ -13,7 +13,7 @@ alternating. Each run fills the prefix cache with the prompts first, then times 
 call whose prompts hit it: the generated tokens/s are decode at the prompts' context length.
 
 The child side (``python -m attnx.bench._vllm JOB.json OUT.json``) runs one engine; the tests
-(tests/test_vllm.py) use it for their greedy-token comparisons too.
+(tests/integrations/test_vllm.py) use it for their greedy-token comparisons too.
 """
 
 from __future__ import annotations

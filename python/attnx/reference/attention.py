@@ -114,7 +114,7 @@ LAYOUTS = ("bhsd", "bshd")
 
 def check_layout(layout: object) -> None:
     # (the package's attnx._validate.choice, kept here: the definition imports nothing of attnx
-    # and loads without it, tests/test_reference.py)
+    # and loads without it, tests/reference/test_reference.py)
     if not (isinstance(layout, str) and layout in LAYOUTS):
         raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
 

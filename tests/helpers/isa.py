@@ -1,0 +1,69 @@
+"""The instruction sets under test: the kernel paths this CPU can run, and the one the
+dispatcher should pick by default."""
+
+from __future__ import annotations
+
+import os
+
+import attnx
+
+
+def supported_isas():
+    """The kernel paths this CPU can run, from its flags (not from the dispatcher's opinion).
+
+    With ``ATTNX_ISA`` set, only that path (``auto``: the one it selected): a run forced to a
+    path tests that path alone.
+    """
+    forced = os.environ.get("ATTNX_ISA", "").strip()
+    if forced:
+        return [attnx.cpu_features()["isa"] if forced == "auto" else forced]
+    f = attnx.cpu_features()
+    isas = ["scalar"]
+    if f.get("neon"):  # aarch64: Advanced SIMD, the baseline there
+        isas.append("neon")
+    if f["avx2"] and f["fma"] and f["f16c"]:
+        isas.append("avx2")
+        if f["avx512f"]:
+            isas.append("avx512")
+            if has_avx512bf16(f):
+                isas.append("avx512bf16")
+                if has_amx(f):
+                    isas.append("amx")
+    return isas
+
+
+def has_avx512bf16(f=None):
+    """Whether the CPU can run the avx512bf16 path (AVX512_BF16, with AVX-512F/BW/VL/VNNI)."""
+    f = attnx.cpu_features() if f is None else f
+    return all(f.get(k) for k in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                  "avx512bf16", "avx512_vnni"))
+
+
+def has_amx(f=None):
+    """Whether the CPU can run the amx path (AMX-BF16 granted by the OS, and AVX512_BF16)."""
+    f = attnx.cpu_features() if f is None else f
+    return has_avx512bf16(f) and bool(f.get("amx_bf16")) and bool(f.get("amx_permitted"))
+
+
+# The paths that compute bf16 prefill with bf16 products (and round P to bf16 before P V).
+BF16_PRODUCT_ISAS = ("avx512bf16", "amx")
+# dispatch.cpp's kBf16DotGain: the avx512bf16 path is the default only where vdpbf16ps gives
+# more multiply-adds per second than float32 FMAs by this factor.
+BF16_DOT_GAIN = 1.25
+
+ISAS = supported_isas()
+
+
+def best_isa():
+    """The fastest path this CPU has, whatever ATTNX_ISA says: AMX where granted, else the bf16
+    dot products where they measure faster than float32 FMAs, else the widest vectors."""
+    f = attnx.cpu_features()
+    if f.get("neon"):
+        return "neon"
+    if f["avx2"] and f["fma"] and f["f16c"]:
+        if has_amx(f):
+            return "amx"
+        if has_avx512bf16(f) and attnx._core.bf16_dot_gain() > BF16_DOT_GAIN:
+            return "avx512bf16"
+        return "avx512" if f["avx512f"] else "avx2"
+    return "scalar"

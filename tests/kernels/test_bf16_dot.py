@@ -1,0 +1,433 @@
+"""The avx512bf16 path: prefill over bfloat16 q, k and v on AVX512_BF16 dot products (vdpbf16ps,
+fp32 accumulation, P rounded to bf16 before P V), cpp/src/kernels/bf16_dot-inl.h.
+
+Numerics follow the flash-attention rule: the error against the float64 reference (on the bf16
+values themselves) stays within a small multiple of a same-precision implementation's error, here
+``emulate_bf16_p`` (exact attention with P rounded to bf16, output rounded to bf16) and, where
+installed, torch's bf16 ``scaled_dot_product_attention``.  The rest of the path's contract:
+selected at import where the CPU has AVX512_BF16, forced or refused by ``ATTNX_ISA`` /
+``set_isa``, ``avx512`` keeps the exact fp32-widening results, and every other dtype and decode
+run the avx512 kernels unchanged.  On a CPU without AVX512_BF16 these tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnx
+from attnx import reference as ref
+from helpers import (BF16, BF16_PRODUCT_ISAS, BF16_DOT_GAIN, F32_EPS, ISAS, best_isa, check_attention,
+                     has_amx, has_avx512bf16, rand)
+
+# Bounds measured on this path (Zen 4, random shapes below): the kernel's max error is 1.0x the
+# emulation's (median; at most 1.05x), its mean error 1.0x; against torch's bf16 SDPA 1.0x max
+# (at most 1.33x) and 1.25x mean (at most 1.54x): torch's CPU kernel keeps more of P.
+EMUL_MAX_RATIO = 2.0
+EMUL_MEAN_RATIO = 1.25
+TORCH_RATIO = 2.0
+
+needs_bf16 = pytest.mark.skipif(not has_avx512bf16(), reason="CPU lacks AVX512_BF16")
+
+
+@pytest.fixture(params=BF16_PRODUCT_ISAS)
+def bf16_isa(request):
+    """Runs the test on each path with bf16 products (avx512bf16's dot products, amx's tiles;
+    skips those the CPU lacks), restoring the active path afterwards."""
+    if not has_avx512bf16():
+        pytest.skip("CPU lacks AVX512_BF16")
+    if request.param == "amx" and not has_amx():
+        pytest.skip("CPU lacks AMX-BF16, or the OS did not grant the tile state")
+    previous = attnx.cpu_features()["isa"]
+    attnx._core.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        attnx._core.set_isa(previous)
+
+
+def on_isa(name, fn):
+    previous = attnx.cpu_features()["isa"]
+    attnx._core.set_isa(name)
+    try:
+        return fn()
+    finally:
+        attnx._core.set_isa(previous)
+
+
+def emulate_bf16_p(q, k, v, **kw):
+    """Attention in float64 except that the unnormalised probabilities exp(s - max) are rounded
+    to bf16 before P V (the rows' sums are not), output rounded to bf16: what a same-precision
+    (bf16 P) implementation computes."""
+    w = ref.attention_weights(q, k, **kw)
+    c = w.max(axis=-1, keepdims=True)
+    c = np.where(c > 0, c, 1.0)
+    p = (w / c).astype(np.float32).astype(BF16).astype(np.float64)
+    vv = v.astype(np.float64)
+    if vv.ndim == 4:
+        vv = np.repeat(vv, q.shape[1] // k.shape[1], axis=1)
+    return ((p @ vv) * c).astype(BF16).astype(np.float64)
+
+
+def errors(o, r):
+    """(max, mean) |o - r| over the reference's finite entries."""
+    fin = np.isfinite(r)
+    e = np.abs(o.astype(np.float64) - r)[fin]
+    return (float(e.max(initial=0.0)), float(e.mean()) if e.size else 0.0)
+
+
+def assert_flash_rule(q, k, v, **kw):
+    """The kernel against the float64 reference, next to the bf16-P emulation's error."""
+    r = ref.attention(q, k, v, out_dtype=np.float64, **kw)
+    o = attnx.attention(q, k, v, **kw)
+    assert o.dtype == BF16
+    (km, ka), (em, ea) = errors(o, r), errors(emulate_bf16_p(q, k, v, **kw), r)
+    floor = 4 * F32_EPS * float(np.max(np.abs(v.astype(np.float64)), initial=0.0))
+    assert km <= EMUL_MAX_RATIO * em + floor, (km, em)
+    assert ka <= EMUL_MEAN_RATIO * ea + floor, (ka, ea)
+    return o
+
+
+# ---- selection -----------------------------------------------------------------------------
+
+
+def _isa_in_child(env_isa):
+    env = {k: v for k, v in os.environ.items() if k != "ATTNX_ISA"}
+    if env_isa is not None:
+        env["ATTNX_ISA"] = env_isa
+    code = "import attnx; print(attnx.cpu_features()['isa'])"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    return res.returncode, res.stdout.strip(), res.stderr
+
+
+@needs_bf16
+def test_selected_at_import_and_forceable():
+    """The default is the measured choice (helpers.best_isa: AMX where granted, else bf16 dot
+    products only where they out-run float32 FMAs); every path the CPU has can be forced."""
+    assert _isa_in_child(None)[:2] == (0, best_isa())
+    assert _isa_in_child("avx512bf16")[:2] == (0, "avx512bf16")
+    assert _isa_in_child("avx512")[:2] == (0, "avx512")
+    if has_amx():
+        assert _isa_in_child("amx")[:2] == (0, "amx")
+
+
+def test_bf16_dot_gain_is_measured():
+    """The probe behind the choice: multiply-adds per second of vdpbf16ps over 512-bit FMAs (0
+    without AVX512_BF16). Every CPU measured sits far from the line (Zen 4 ~2, Sapphire Rapids
+    ~0.5), so the default path does not flip between runs."""
+    gain = attnx._core.bf16_dot_gain()
+    if not has_avx512bf16():
+        assert gain == 0
+    else:
+        assert 0.1 < gain < 10
+        assert abs(gain - BF16_DOT_GAIN) > 0.2, gain
+
+
+@pytest.mark.skipif(has_amx(), reason="this CPU runs the amx path")
+def test_set_isa_rejects_missing_amx():
+    before = attnx.cpu_features()["isa"]
+    with pytest.raises(ValueError, match="AMX"):
+        attnx._core.set_isa("amx")
+    assert attnx.cpu_features()["isa"] == before
+
+
+def test_cpu_features_reports_matrix_engines():
+    f = attnx.cpu_features()
+    for key in ("avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+                "amx_fp16", "amx_permitted"):
+        assert isinstance(f[key], bool), key
+    assert not f["amx_permitted"] or f["amx_tile"]
+    assert f["isa"] != "amx" or has_amx(f)
+
+
+@pytest.mark.skipif(has_avx512bf16(), reason="this CPU has AVX512_BF16")
+def test_set_isa_rejects_missing_avx512bf16():
+    before = attnx.cpu_features()["isa"]
+    with pytest.raises(ValueError, match="AVX512_BF16"):
+        attnx._core.set_isa("avx512bf16")
+    assert attnx.cpu_features()["isa"] == before
+
+
+def test_cpu_features_reports_bf16():
+    f = attnx.cpu_features()
+    for key in ("avx512bw", "avx512vl", "avx512bf16"):
+        assert isinstance(f[key], bool)
+    assert f["isa"] != "avx512bf16" or has_avx512bf16(f)
+
+
+# ---- the opt-out and the other dtypes are unchanged -----------------------------------------
+
+
+@needs_bf16
+@pytest.mark.parametrize("causal", [False, True])
+def test_avx512_keeps_fp32_widening(rng, causal):
+    """ATTNX_ISA=avx512 computes bf16 exactly as float32 inputs of the same values (rounded to
+    bf16 at the end); avx512bf16 gives a different (bf16 P) result on the same call."""
+    q, k, v = (rand(rng, (1, 4, 130, 64), BF16) for _ in range(3))
+    want = on_isa("avx512", lambda: attnx.attention(*(x.astype(np.float32) for x in (q, k, v)),
+                                                     causal=causal, return_lse=True))
+    got = on_isa("avx512", lambda: attnx.attention(q, k, v, causal=causal, return_lse=True))
+    np.testing.assert_array_equal(got[0], want[0].astype(BF16))
+    np.testing.assert_array_equal(got[1], want[1])
+    for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
+        fast = on_isa(isa, lambda: attnx.attention(q, k, v, causal=causal))
+        assert not np.array_equal(fast, got[0]), f"{isa} did not take its own path"
+
+
+@needs_bf16
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_other_dtypes_match_avx512(rng, dtype):
+    """Only q, k and v all bf16 take the dot products: other dtypes get avx512's result, bit for
+    bit (decode and mixed dtypes: test_bf16_decode_matches_avx512, test_paged_prefill_chunk)."""
+    q = rand(rng, (1, 4, 70, 48), dtype)
+    k = rand(rng, (1, 2, 90, 48), dtype)
+    v = rand(rng, (1, 2, 90, 40), dtype)
+    a = on_isa("avx512", lambda: attnx.attention(q, k, v, causal=True))
+    for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
+        np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v, causal=True)))
+
+
+@needs_bf16
+def test_bf16_decode_matches_avx512(rng):
+    q = rand(rng, (3, 8, 1, 64), BF16)
+    k, v = (rand(rng, (3, 2, 300, 64), BF16) for _ in range(2))
+    a = on_isa("avx512", lambda: attnx.attention(q, k, v))
+    for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
+        np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v)))
+
+
+# ---- numerics --------------------------------------------------------------------------------
+
+
+@st.composite
+def problems(draw):
+    """bf16 prefill problems: GQA, Dk != Dv, odd widths and key counts, masks, lengths, windows,
+    softcap, sinks and ALiBi. Every work item has > 8 rows (the dot-product path) unless Sq is
+    small and the GQA group too."""
+    hkv = draw(st.integers(1, 2))
+    g = draw(st.sampled_from([1, 2, 4]))
+    B = draw(st.integers(1, 2))
+    sq, sk = draw(st.integers(1, 150)), draw(st.integers(1, 260))
+    dk, dv = draw(st.integers(1, 136)), draw(st.integers(1, 136))
+    seed = draw(st.integers(0, 2**32 - 1))
+    r = np.random.default_rng(seed)
+    qs = draw(st.sampled_from([0.5, 1.0, 3.0]))
+    q = (r.standard_normal((B, hkv * g, sq, dk)) * qs).astype(BF16)
+    k = r.standard_normal((B, hkv, sk, dk)).astype(BF16)
+    v = r.standard_normal((B, hkv, sk, dv)).astype(BF16)
+    kw = {}
+    if draw(st.booleans()):
+        kw["causal"] = True
+    extra = draw(st.sampled_from(["none", "bool_mask", "add_mask", "lens", "window", "softcap",
+                                  "sinks", "alibi", "scale"]))
+    if extra == "bool_mask":
+        kw["mask"] = r.random((B, 1, sq, sk)) < 0.8
+    elif extra == "add_mask":
+        kw["mask"] = np.where(r.random((1, hkv * g, sq, sk)) < 0.2, -np.inf,
+                              r.standard_normal((1, hkv * g, sq, sk))).astype(np.float32)
+    elif extra == "lens":
+        kw["kv_lens"] = r.integers(0, sk + 1, B)
+        kw["q_lens"] = r.integers(0, sq + 1, B)
+    elif extra == "window":
+        kw["window"] = (int(r.integers(0, 40)), int(r.integers(0, 10)))
+    elif extra == "softcap":
+        kw["softcap"] = 5.0
+    elif extra == "sinks":
+        kw["sinks"] = r.standard_normal(hkv * g).astype(np.float32)
+    elif extra == "alibi":
+        kw["alibi_slopes"] = (2.0 ** -np.arange(1, hkv * g + 1)).astype(np.float32)
+    elif extra == "scale":
+        kw["scale"] = float(r.choice([0.3, 1.0, 2.0]))
+    return q, k, v, kw
+
+
+@given(problems())
+@settings(max_examples=60)
+def test_flash_rule_hypothesis(bf16_isa, problem):
+    q, k, v, kw = problem
+    assert_flash_rule(q, k, v, **kw)
+    check_attention(q, k, v, **kw)  # the tolerance every ISA meets (helpers), lse included
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 8, 256, 64, 64), (1, 8, 2, 200, 128, 128),
+                                   (2, 4, 4, 97, 63, 33), (1, 2, 1, 130, 576, 512)], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_rule_shapes(bf16_isa, rng, shape, causal):
+    B, hq, hkv, s, dk, dv = shape
+    q = rand(rng, (B, hq, s, dk), BF16)
+    k = rand(rng, (B, hkv, s, dk), BF16)
+    v = rand(rng, (B, hkv, s, dv), BF16)
+    assert_flash_rule(q, k, v, causal=causal)
+
+
+def test_against_torch_bf16_sdpa(bf16_isa, rng):
+    """Against torch's own bf16 SDPA (same precision), both measured against float64."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    for hq, hkv, s, d, causal in [(8, 8, 256, 64, False), (8, 2, 200, 128, True),
+                                  (4, 4, 77, 40, False)]:
+        q = rand(rng, (1, hq, s, d), BF16)
+        k, v = (rand(rng, (1, hkv, s, d), BF16) for _ in range(2))
+        r = ref.attention(q, k, v, causal=causal, out_dtype=np.float64)
+        tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) for x in (q, k, v))
+        t = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=hq != hkv)
+        (km, ka), (tm, ta) = errors(attnx.attention(q, k, v, causal=causal), r), \
+            errors(t.float().numpy(), r)
+        assert km <= TORCH_RATIO * tm and ka <= TORCH_RATIO * ta, (km, tm, ka, ta)
+
+
+def test_common_tolerance_counts_the_rounding_of_p(bf16_isa):
+    """helpers' tolerance (3x a same-precision twin's error) on a row whose output cancels:
+    0.099 from values up to 2.7 (one visible query row of 18, window, softcap). Rounding P to
+    bf16 costs ~2^-10 of sum |p v| there, more than the output's own rounding; the twin rounds P
+    too on this path (helpers.bf16_rounds_p). A soak run found it at 1.01x the tolerance of a
+    twin that did not."""
+    r = np.random.default_rng(1170)  # test_property's draws for that example
+    q, k, v = rand(r, (2, 18, 1), BF16), rand(r, (2, 92, 1), BF16), rand(r, (2, 92, 1), BF16)
+    q_lens = r.integers(0, 19, size=1)
+    assert q_lens[0] == 1
+    check_attention(q, k, v, window=(7, 5), softcap=4.0, q_lens=q_lens)
+
+
+def test_lse_keeps_float32_accuracy_where_returned(bf16_isa, rng):
+    """A call that returns no lse may compute p to 2.9e-6 (P is rounded to bf16 anyway); one that
+    returns it keeps the float32 exp. Row i scores 0 on key 0 and a_i on 255 keys (the 256 bf16
+    values in [-4, 0)), so lse_i = log(1 + 255 e^a_i): the shorter exp would put it ~2e-6 off at
+    the a_i where its error peaks, the float32 one ~3e-7."""
+    a = np.unique(np.arange(-4, 0, 1 / 64).astype(BF16).astype(np.float64))
+    assert a.size == 256
+    q = np.zeros((1, 1, 256, 64), BF16)
+    q[0, 0, :, 0] = a
+    k = np.zeros((1, 1, 256, 64), BF16)
+    k[0, 0, 1:, 0] = 1
+    v = rand(rng, (1, 1, 256, 64), BF16)
+    o, lse = attnx.attention(q, k, v, scale=1.0, return_lse=True)
+    np.testing.assert_allclose(lse[0, 0], np.log1p(255 * np.exp(a)), rtol=0, atol=1e-6)
+    # with or without it, the output keeps the flash rule (and the two differ by a bf16 ulp at most)
+    assert_flash_rule(q, k, v, scale=1.0)
+    short = attnx.attention(q, k, v, scale=1.0)
+    np.testing.assert_allclose(o.astype(np.float64), short.astype(np.float64), rtol=2**-7, atol=2**-9)
+
+
+def test_nonfinite_values_stay_in_their_rows(bf16_isa, rng):
+    """An infinite value reaches only the rows that see its key (the fp32 fallback of a tile that
+    some row sees in part), not the rows before it under causal masking, where 0 * inf would
+    be NaN. (NaN inputs: check_attention's input check cannot compare bf16 NaNs.)"""
+    q = rand(rng, (1, 2, 100, 32), BF16)
+    k = rand(rng, (1, 2, 100, 32), BF16)
+    v = rand(rng, (1, 2, 100, 32), BF16)
+    v[0, 0, 70, 3] = np.inf
+    v[0, 1, 40, 5] = -np.inf
+    check_attention(q, k, v, causal=True, expect_nan=True)
+
+
+def test_paged_prefill_chunk(bf16_isa, rng):
+    """A chunked prefill over bf16 pages (many query rows) runs the dot products too; float32
+    queries over the same pages keep avx512's result exactly."""
+    hq, hkv, d, bs, L, Sq = 4, 2, 64, 16, 150, 40
+    nblk = -(-L // bs)
+    pages_k = rand(rng, (12, hkv, bs, d), BF16)
+    pages_v = rand(rng, (12, hkv, bs, d), BF16)
+    table = rng.permutation(12)[:nblk].astype(np.int32)[None]
+    q = rand(rng, (Sq, hq, d), BF16)
+    args = (pages_k, pages_v, table, np.array([L]))
+    got = attnx.paged_attention(q, *args, q_lens=np.array([Sq])).astype(np.float64)
+    dense = [p[table[0]].transpose(1, 0, 2, 3).reshape(hkv, nblk * bs, d)[None, :, :L]
+             for p in (pages_k, pages_v)]
+    qq = q.transpose(1, 0, 2)[None]
+    want = ref.attention(qq, *dense, causal=True, out_dtype=np.float64)
+    (km, _), (em, _) = errors(got.transpose(1, 0, 2)[None], want), \
+        errors(emulate_bf16_p(qq, *dense, causal=True), want)
+    assert km <= EMUL_MAX_RATIO * em + 1e-6, (km, em)
+    q32 = q.astype(np.float32)
+    a = on_isa("avx512", lambda: attnx.paged_attention(q32, *args, q_lens=np.array([Sq])))
+    np.testing.assert_array_equal(attnx.paged_attention(q32, *args, q_lens=np.array([Sq])), a)
+
+
+def test_nonfinite_value_past_an_items_keys_in_a_shared_tile(bf16_isa, rng):
+    """64 query heads on one kv head: each item is one position's 64 rows, all seeing the same
+    keys, and the kv head's packed V tile (shared by the items) holds keys past an item's last
+    one. With an odd key count the last pair holds the next key, whose p is 0: an infinite value
+    there must not make 0 * inf = NaN in the rows before it."""
+    q = rand(rng, (1, 64, 12, 16), BF16)
+    k = rand(rng, (1, 1, 12, 16), BF16)
+    v = rand(rng, (1, 1, 12, 16), BF16)
+    v[0, 0, 3, 7] = np.inf
+    check_attention(q, k, v, causal=True, expect_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 80, 900, 64, 64), (1, 2, 2, 70, 1100, 128, 96),
+                                   (2, 8, 2, 33, 700, 40, 72), (1, 1, 1, 64, 1400, 576, 512),
+                                   (1, 8, 1, 50, 1030, 64, 64)],
+                         ids=str)
+@pytest.mark.parametrize("lse", [False, True])
+def test_flash_rule_long_keys(bf16_isa, rng, shape, lse):
+    """Long key ranges: the amx path takes 256 keys at once where every row sees them (one
+    softmax pass, row pairs pipelined against each other's tile products across consecutive
+    blocks), with partial row pairs (M not a multiple of 32), items of one row pair (M <= 32:
+    a block's P V must land before the next block's softmax rescales the same rows), GQA,
+    Dk != Dv and odd widths; with and without the lse."""
+    B, hq, hkv, sq, sk, dk, dv = shape
+    q = rand(rng, (B, hq, sq, dk), BF16)
+    k = rand(rng, (B, hkv, sk, dk), BF16)
+    v = rand(rng, (B, hkv, sk, dv), BF16)
+    for causal in (False, True):
+        assert_flash_rule(q, k, v, causal=causal)
+        if lse:
+            check_attention(q, k, v, causal=causal)
+
+
+def test_long_keys_nonfinite_value(bf16_isa, rng):
+    """An infinite value inside a 256-key block that every row sees reaches every row (as in the
+    reference), and one in a block that rows see in part only the rows that see it."""
+    q = rand(rng, (1, 2, 40, 32), BF16)
+    k = rand(rng, (1, 2, 800, 32), BF16)
+    v = rand(rng, (1, 2, 800, 32), BF16)
+    v[0, 0, 500, 3] = np.inf
+    v[0, 1, 790, 5] = -np.inf
+    check_attention(q, k, v, expect_nan=True)
+    check_attention(q, k, v, causal=True, expect_nan=True)
+
+
+@pytest.mark.skipif(not has_amx(), reason="CPU lacks AMX-BF16, or the OS did not grant the tile state")
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # 3.12+: fork with threads
+def test_amx_in_forked_children_and_threads(rng):
+    """The tile state's permission is the process's (asked once, at the first choice of path): a
+    fork()ed child and Python threads running at once compute on the tiles too, and agree with
+    the parent's result."""
+    import threading
+    q, k, v = (rand(rng, (1, 4, 300, 64), BF16) for _ in range(3))
+    want = on_isa("amx", lambda: attnx.attention(q, k, v, causal=True))
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if its own tiles give the same bits
+        try:
+            attnx._core.set_isa("amx")
+            got = attnx.attention(q, k, v, causal=True, num_threads=2)
+            os._exit(0 if np.array_equal(got, want) else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    results = [None] * 4
+
+    def work(i):
+        results[i] = attnx.attention(q, k, v, causal=True, num_threads=1)
+    previous = attnx.cpu_features()["isa"]
+    attnx._core.set_isa("amx")
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        attnx._core.set_isa(previous)
+    for r in results:
+        np.testing.assert_array_equal(r, want)

@@ -1,0 +1,492 @@
+"""Quantised KV (int8, float8_e4m3fn, float8_e5m2) through the kernels and the cache: the kernels
+attend over exactly ``dequantize_kv(pages, scales)`` (to float32 tolerance, on every ISA, with
+scrambled pages, GQA, windows, chunked prefill), the step quantises exactly as
+``attnx.reference.quantize_kv`` does, and the cache keeps scales with their blocks through
+fork, copy-on-write, truncate and the sliding window."""
+
+from __future__ import annotations
+
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import make_rng, scramble_tables
+from hypothesis import given, strategies as st
+
+import attnx
+from attnx import reference as ref
+
+QDTYPES = list(ref.QUANTISED_DTYPES)
+TOL = dict(rtol=2e-5, atol=2e-5)  # float32: the kernel computes on the dequantised values
+NEVER = 1 << 20  # a block id outside every pool: table columns past a sequence's end
+
+
+class QPool:
+    """Quantised K/V pages with scrambled block tables; every slot no sequence owns has a NaN
+    scale, so a kernel that reads one poisons its output."""
+
+    def __init__(self, rng, seq_lens, *, dtype, block_size, hkv, dk, dv, spare=3):
+        self.seq_lens = np.asarray(seq_lens, np.int64)
+        self.block_size = block_size
+        need = -(-self.seq_lens // block_size)
+        nb = int(need.sum()) + spare
+        k = rng.standard_normal((nb, hkv, block_size, dk)) * rng.uniform(0.1, 10, (nb, hkv, block_size, 1))
+        v = rng.standard_normal((nb, hkv, block_size, dv))
+        self.k_float, self.v_float = k.astype(np.float32), v.astype(np.float32)
+        self.k_pages, self.k_scales = ref.quantize_kv(self.k_float, dtype)
+        self.v_pages, self.v_scales = ref.quantize_kv(self.v_float, dtype)
+        self.block_tables, owned = scramble_tables(rng, self.seq_lens, block_size, nb,
+                                                   int(need.max(initial=0)) + 2, NEVER)
+        for s in (self.k_scales, self.v_scales):
+            s.transpose(0, 2, 1)[~owned] = np.nan
+
+    def args(self):
+        return self.k_pages, self.v_pages, self.block_tables, self.seq_lens
+
+    def scales(self):
+        return dict(k_scales=self.k_scales, v_scales=self.v_scales)
+
+
+def check_against_reference(q, pool, int8_query=False, **kw):
+    """The kernel against the reference over the dequantised pages (with ``int8_query``: its
+    twin that quantises the query too)."""
+    got = attnx.paged_attention(q, *pool.args(), return_lse=True, **pool.scales(), **kw)
+    want = ref.paged_attention(q, *pool.args(), return_lse=True, **pool.scales(),
+                               int8_query=int8_query, **kw)
+    for g, w in zip(got, want):
+        assert np.isfinite(g).all() == np.isfinite(w).all()
+        np.testing.assert_allclose(g, w, **TOL)
+    return got[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("dk, dv, hq, hkv", [(64, 64, 8, 2), (40, 24, 4, 4), (128, 128, 32, 8)])
+def test_decode_matches_reference_over_dequantised_pages(isa, dtype, dk, dv, hq, hkv):
+    rng = make_rng(1, dk, hq, len(dtype))
+    pool = QPool(rng, [1, 17, 100, 300], dtype=dtype, block_size=16, hkv=hkv, dk=dk, dv=dv)
+    q = rng.standard_normal((4, hq, dk)).astype(np.float32)
+    check_against_reference(q, pool)
+    check_against_reference(q, pool, window=(37, None))
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_chunked_prefill_and_mixed_batches(isa, dtype, block_size):
+    rng = make_rng(2, block_size, len(dtype))
+    lens, q_lens = np.array([70, 33, 129]), np.array([70, 1, 20])  # > kDotRows rows: the packed path
+    pool = QPool(rng, lens, dtype=dtype, block_size=block_size, hkv=2, dk=64, dv=64)
+    q = rng.standard_normal((int(q_lens.sum()), 8, 64)).astype(np.float32)
+    check_against_reference(q, pool, q_lens=q_lens)
+    check_against_reference(q, pool, q_lens=q_lens, window=(16, 0), softcap=30.0)
+
+
+@pytest.mark.parametrize("q_dtype", [np.float16, ml_dtypes.bfloat16])
+def test_low_precision_queries(isa, q_dtype):
+    rng = make_rng(3)
+    pool = QPool(rng, [50, 9], dtype="int8", block_size=16, hkv=1, dk=32, dv=32)
+    q = rng.standard_normal((2, 4, 32)).astype(q_dtype)
+    got = attnx.paged_attention(q, *pool.args(), **pool.scales())
+    want = ref.paged_attention(q, *pool.args(), **pool.scales())
+    assert got.dtype == q.dtype
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_non_finite_rows_reach_only_the_queries_that_see_them(isa):
+    rng = make_rng(4)
+    x = rng.standard_normal((1, 40, 1, 16)).astype(np.float32)  # one sequence of 40 keys
+    x[0, 5, 0, 3] = np.nan
+    k_pages, k_scales = ref.quantize_kv(x.reshape(10, 4, 1, 16).transpose(0, 2, 1, 3), "int8")
+    v_pages, v_scales = ref.quantize_kv(x.reshape(10, 4, 1, 16).transpose(0, 2, 1, 3), "int8")
+    assert np.isnan(k_scales[1, 0, 1])
+    bt = np.arange(10, dtype=np.int32)[None]
+    q = rng.standard_normal((40, 2, 16)).astype(np.float32)
+    o = attnx.paged_attention(q, k_pages, v_pages, bt, np.array([40]), q_lens=np.array([40]), window=(3, None),
+                              k_scales=k_scales, v_scales=v_scales)
+    sees = (np.arange(40) >= 5) & (np.arange(40) <= 8)
+    assert np.isnan(o[sees]).all() and np.isfinite(o[~sees]).all()
+
+
+def yardstick_problem():
+    """The error yardsticks' problem: standard normal q (1, 8, 128) over float32 k, v pages
+    (128 pages of 16 tokens, 2 kv heads, D = 128) holding 2048 keys through a scrambled table.
+    Returns (q, k, v, block_tables, seq_lens, exact output, the output's RMS)."""
+    rng = make_rng(5)
+    k = rng.standard_normal((128, 2, 16, 128)).astype(np.float32)
+    v = rng.standard_normal((128, 2, 16, 128)).astype(np.float32)
+    q = rng.standard_normal((1, 8, 128)).astype(np.float32)
+    bt, lens = rng.permutation(128).astype(np.int32)[None], np.array([2048])
+    exact = ref.paged_attention(q, k, v, bt, lens)
+    rms = float(np.sqrt(np.mean(exact.astype(np.float64) ** 2)))
+    return q, k, v, bt, lens, exact, rms
+
+
+def test_error_against_unquantised_attention_on_random_data(isa):
+    """Not a definition but a yardstick (reported in the README): the output error of attending
+    over quantised K/V instead of their float32 originals. Standard normal q, k, v, D = 128,
+    GQA 4, 2048 keys in pages of 16; error relative to the output's RMS."""
+    q, k, v, bt, lens, exact, rms = yardstick_problem()
+    errs = {}
+    for dtype in QDTYPES:
+        (kq, ks), (vq, vs) = ref.quantize_kv(k, dtype), ref.quantize_kv(v, dtype)
+        got = attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs)
+        errs[dtype] = float(np.abs(got - exact).max()) / rms
+    print("max |quantised - float32| / rms(float32 output):", errs)
+    assert errs["int8"] < 0.06 and errs["float8_e4m3fn"] < 0.3 and errs["float8_e5m2"] < 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# integer queries (attnx.set_int8_query): the twin that quantises the query too
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def int8_query():
+    before = attnx.set_int8_query(True)
+    try:
+        yield
+    finally:
+        attnx.set_int8_query(before)
+
+
+def check_against_twin(q, pool, **kw):
+    return check_against_reference(q, pool, int8_query=True, **kw)
+
+
+@pytest.mark.parametrize("dk, dv, hq, hkv", [(64, 64, 8, 2), (40, 24, 4, 4), (128, 128, 32, 8),
+                                             (192, 64, 6, 1)])
+def test_int8_query_decode_matches_its_twin(isa, int8_query, dk, dv, hq, hkv):
+    """Decode (few rows: VNNI's integer dot products where the path has them, Dk a multiple of
+    64) and every other path, against the reference that quantises the query the same way."""
+    rng = make_rng(11, dk, hq)
+    pool = QPool(rng, [1, 17, 100, 300], dtype="int8", block_size=16, hkv=hkv, dk=dk, dv=dv)
+    q = rng.standard_normal((4, hq, dk)).astype(np.float32)
+    check_against_twin(q, pool)
+    check_against_twin(q, pool, window=(37, None), scale=0.3)
+    check_against_twin(q, pool, alibi_slopes=np.linspace(0.1, 1, hq).astype(np.float32))
+    with pytest.raises(AssertionError):  # it is not the float query's result
+        check_against_reference(q, pool)
+
+
+def test_int8_query_chunked_prefill_matches_its_twin(isa, int8_query):
+    """More than kDotRows rows (the packed path, over dequantised tiles) and mixed batches."""
+    rng = make_rng(12)
+    lens, q_lens = np.array([70, 33, 129]), np.array([70, 1, 20])
+    pool = QPool(rng, lens, dtype="int8", block_size=16, hkv=2, dk=64, dv=64)
+    q = rng.standard_normal((int(q_lens.sum()), 8, 64)).astype(np.float32)
+    check_against_twin(q, pool, q_lens=q_lens)
+    check_against_twin(q, pool, q_lens=q_lens, window=(16, 0), softcap=30.0)
+
+
+def test_int8_query_vnni_gives_the_fma_scores(int8_query):
+    """The codes' sums are exact in float32 (Dk < 1040), so VNNI's integer products (the
+    avx512bf16 and amx paths) give the scores of avx512's FMAs over the same codes, and the
+    same outputs, bit for bit."""
+    from helpers import ISAS
+    if "avx512" not in ISAS or not {"avx512bf16", "amx"} & set(ISAS):
+        pytest.skip("CPU lacks AVX-512 with VNNI")
+    rng = make_rng(13)
+    pool = QPool(rng, [300, 64], dtype="int8", block_size=16, hkv=2, dk=128, dv=128)
+    q = rng.standard_normal((2, 8, 128)).astype(np.float32)
+    outs = {}
+    for name in [n for n in ("avx512", "avx512bf16", "amx") if n in ISAS]:
+        previous = attnx._core.active_isa()
+        attnx._core.set_isa(name)
+        try:
+            outs[name] = attnx.paged_attention(q, *pool.args(), **pool.scales())
+        finally:
+            attnx._core.set_isa(previous)
+    for name, o in outs.items():
+        np.testing.assert_array_equal(o, outs["avx512"], err_msg=name)
+
+
+def test_int8_query_only_for_int8_pages(isa, int8_query):
+    """fp8 pages, float pages and float64 keep the float query."""
+    rng = make_rng(14)
+    pool = QPool(rng, [90], dtype="float8_e4m3fn", block_size=16, hkv=1, dk=64, dv=64)
+    q = rng.standard_normal((1, 2, 64)).astype(np.float32)
+    check_against_reference(q, pool)
+
+
+def test_int8_query_error_against_float32_kv(int8_query):
+    """The yardstick beside the float query's (README): quantising the query as well roughly
+    doubles int8's error on random normal data (D = 128, GQA 4, 2048 keys)."""
+    q, k, v, bt, lens, exact, rms = yardstick_problem()
+    (kq, ks), (vq, vs) = ref.quantize_kv(k, "int8"), ref.quantize_kv(v, "int8")
+    err_q8 = float(np.abs(attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs)
+                          - exact).max()) / rms
+    attnx.set_int8_query(False)
+    err_f = float(np.abs(attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs)
+                         - exact).max()) / rms
+    print(f"max |int8 - float32| / rms: float query {err_f:.4f}, int8 query {err_q8:.4f}")
+    assert err_f < err_q8 < 0.1
+
+
+def test_int8_query_switch_from_the_environment():
+    import os
+    import subprocess
+    import sys
+    code = "import attnx; print(attnx._core.int8_query())"
+    for value, want in (("1", "True"), ("0", "False"), (None, "False")):
+        env = {k: v for k, v in os.environ.items() if k != "ATTNX_INT8_QUERY"}
+        if value is not None:
+            env["ATTNX_INT8_QUERY"] = value
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert res.stdout.strip() == want, res.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the binding's checks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_binding_refuses_bad_scales():
+    rng = make_rng(6)
+    pool = QPool(rng, [20], dtype="int8", block_size=16, hkv=2, dk=8, dv=8)
+    q = np.ones((1, 2, 8), np.float32)
+    args = (q,) + pool.args()
+    ks, vs = pool.k_scales, pool.v_scales
+    bad = [
+        (dict(v_scales=vs), TypeError, "k_scales: pages of dtype int8 need"),
+        (dict(k_scales=ks.astype(np.float64), v_scales=vs), TypeError, "k_scales: expected float32"),
+        (dict(k_scales=ks.astype(">f4"), v_scales=vs), TypeError, "native byte order"),
+        (dict(k_scales=ks, v_scales=vs[:, :1]), ValueError, "v_scales: expected shape"),
+        (dict(k_scales=ks.tolist(), v_scales=vs), TypeError, "k_scales: expected float32"),
+    ]
+    for kw, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            attnx.paged_attention(*args, **kw)
+    f32 = (q, pool.k_float, pool.v_float) + pool.args()[2:]
+    with pytest.raises(TypeError, match="only quantised pages"):
+        attnx.paged_attention(*f32, k_scales=ks, v_scales=vs)
+    with pytest.raises(TypeError, match="k_pages: expected dtype float32, float16, bfloat16, int8"):
+        attnx.paged_attention(q, pool.k_pages.view(np.uint8), pool.v_pages.view(np.uint8),
+                              *pool.args()[2:], k_scales=ks, v_scales=vs)
+    with pytest.raises(TypeError, match="v_pages: expected the dtype of k_pages"):
+        attnx.paged_attention(q, pool.k_pages, pool.v_pages.view(ml_dtypes.float8_e5m2),
+                              *pool.args()[2:], k_scales=ks, v_scales=vs)
+
+
+def test_step_refuses_read_only_scales_and_writes_nothing():
+    cache = attnx.PagedKVCache(1, 1, 8, num_blocks=4, block_size=4, dtype="int8")
+    a = cache.new_sequence()
+    step = cache.begin_step([a], [2])
+    ks = cache.k_scales(0).copy()
+    ks.flags.writeable = False
+    x = np.ones((2, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="k_scales: array is not writable"):
+        attnx.ops.paged.paged_step(x, x, x, cache.k_pages(0), cache.v_pages(0), step.block_tables,
+                              step.seq_lens, step.q_lens, step.slots, k_scales=ks,
+                              v_scales=cache.v_scales(0))
+    assert (cache.k_pages(0) == 0).all() and (cache.v_scales(0) == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache
+# ---------------------------------------------------------------------------------------------
+
+
+class QShadow:
+    """A quantised cache and, beside it, every sequence's float32 rows per layer; each step's
+    pages, scales and outputs are checked against the reference on those rows."""
+
+    def __init__(self, cache, hq):
+        self.cache, self.hq = cache, hq
+        self.rows = {}
+
+    def new(self):
+        s = self.cache.new_sequence()
+        self.rows[s] = [(np.zeros((0, self.cache.num_kv_heads, self.cache.head_dim), np.float32),
+                         np.zeros((0, self.cache.num_kv_heads, self.cache.value_dim), np.float32))
+                        for _ in range(self.cache.num_layers)]
+        return s
+
+    def fork(self, s):
+        c = self.cache.fork(s)
+        self.rows[c] = list(self.rows[s])
+        return c
+
+    def truncate(self, s, n):
+        self.cache.truncate(s, n)
+        self.rows[s] = [(k[:n], v[:n]) for k, v in self.rows[s]]
+
+    def step(self, rng, seqs, counts, **kw):
+        c = self.cache
+        step = c.begin_step(seqs, counts)
+        T = int(sum(counts))
+        for layer in range(c.num_layers):
+            q = rng.standard_normal((T, self.hq, c.head_dim)).astype(np.float32)
+            k = (rng.standard_normal((T, c.num_kv_heads, c.head_dim)) * 3).astype(np.float32)
+            v = rng.standard_normal((T, c.num_kv_heads, c.value_dim)).astype(np.float32)
+            if T:
+                k[0, 0] = 0.0  # a zero row: scale 0
+            o = step.attend(layer, q, k, None if c.value_from_key else v, **kw)
+            at = 0
+            for s, n in zip(seqs, counts):
+                K, V = self.rows[s][layer]
+                newv = k[at:at + n, :, :c.value_dim] if c.value_from_key else v[at:at + n]
+                self.rows[s][layer] = (np.concatenate([K, k[at:at + n]]), np.concatenate([V, newv]))
+                self.check_output(s, layer, q[at:at + n], o[at:at + n], **kw)
+                at += n
+        self.check_pages()
+        return step
+
+    def dequantised(self, s, layer):
+        K, V = self.rows[s][layer]
+        dt = self.cache.dtype
+        kq = ref.dequantize_kv(*ref.quantize_kv(K, dt))
+        vq = kq[..., :self.cache.value_dim] if self.cache.value_from_key else ref.dequantize_kv(*ref.quantize_kv(V, dt))
+        return kq, vq
+
+    def check_output(self, s, layer, q, o, **kw):
+        if len(q) == 0:
+            return
+        K, V = self.dequantised(s, layer)
+        if self.cache.sliding_window is not None:
+            kw.setdefault("window", (self.cache.sliding_window - 1, None))
+        want = ref.attention(q, K, V, causal=True, layout="bshd", **kw)
+        np.testing.assert_allclose(o, want, **TOL)
+
+    def check_pages(self):
+        c = self.cache
+        for s in self.rows:
+            n = c.length(s)
+            bt = c.block_table(s)
+            t = np.arange(n)
+            blk, off = bt[t // c.block_size], t % c.block_size
+            live = blk >= 0  # the sliding window released the rest
+            for layer in range(c.num_layers):
+                K, V = self.rows[s][layer]
+                kq, ks = ref.quantize_kv(K, c.dtype)
+                got_k = c.k_pages(layer)[blk[live], :, off[live]]
+                assert np.array_equal(got_k.view(np.uint8), kq[live].view(np.uint8)), (s, layer)
+                np.testing.assert_array_equal(c.k_scales(layer)[blk[live], :, off[live]], ks[live])
+                if not c.value_from_key:
+                    vq, vs = ref.quantize_kv(V, c.dtype)
+                    assert np.array_equal(c.v_pages(layer)[blk[live], :, off[live]].view(np.uint8),
+                                          vq[live].view(np.uint8))
+                    np.testing.assert_array_equal(c.v_scales(layer)[blk[live], :, off[live]], vs[live])
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_cache_prefill_decode_fork_copy_on_write_truncate(isa, dtype):
+    rng = make_rng(7, len(dtype))
+    cache = attnx.PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64,
+                               block_size=8, dtype=dtype)
+    assert cache.quantised and cache.k_pages(0).dtype == ref.quantised_dtype(dtype)
+    sh = QShadow(cache, hq=8)
+    a, b = sh.new(), sh.new()
+    sh.step(rng, [a, b], [21, 5])
+    for _ in range(4):
+        sh.step(rng, [a, b], [1, 1])
+    c = sh.fork(a)  # shares a's partly filled last block
+    sh.step(rng, [c], [3])  # copy-on-write: the block's codes and scales are copied
+    sh.step(rng, [a, c], [2, 12])
+    sh.truncate(a, 10)
+    sh.step(rng, [a, b, c], [9, 1, 1])
+    assert cache.k_scales(1).base is not None  # views, not copies
+    assert np.shares_memory(cache.k_scales(1), cache._k_scales)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_cache_sliding_window_and_latent_values(isa, dtype):
+    rng = make_rng(8)
+    cache = attnx.PagedKVCache(1, 2, 16, num_blocks=32, block_size=4, dtype=dtype, sliding_window=7)
+    sh = QShadow(cache, hq=4)
+    a = sh.new()
+    for n in (9, 1, 1, 12, 1):
+        sh.step(rng, [a], [n])
+    assert (cache.block_table(a) == -1).any()
+    mla = attnx.PagedKVCache(1, 1, 24, num_blocks=16, block_size=4, dtype=dtype, value_dim=16,
+                             value_from_key=True)
+    assert np.shares_memory(mla.v_scales(0), mla.k_scales(0))
+    sh = QShadow(mla, hq=4)
+    m = sh.new()
+    sh.step(rng, [m], [6])
+    sh.step(rng, [m], [1])
+
+
+def test_cache_dtypes_and_bytes_per_token():
+    f16 = attnx.PagedKVCache(2, 4, 128, num_blocks=8, block_size=16, dtype="float16")
+    i8 = attnx.PagedKVCache(2, 4, 128, num_blocks=8, block_size=16, dtype="int8")
+    e4 = attnx.PagedKVCache(2, 4, 128, num_blocks=8, block_size=16, dtype=ml_dtypes.float8_e4m3fn)
+    assert f16.k_scales(0) is None and f16.v_scales(1) is None
+    assert i8.k_scales(0).shape == (8, 4, 16) and i8.k_scales(0).dtype == np.float32
+    # per token: layers * heads * (K and V features * 1 byte + 2 scales * 4 bytes)
+    assert i8.stats()["bytes_per_token"] == e4.stats()["bytes_per_token"] == 2 * 4 * (256 + 8)
+    assert f16.stats()["bytes_per_token"] == 2 * 4 * 256 * 2
+    assert e4.dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+    for bad in ("int16", "uint8", "float8_e4m3fnuz", np.float64):
+        with pytest.raises(TypeError, match="dtype: expected 'float32'.*'float8_e5m2'"):
+            attnx.PagedKVCache(1, 1, 8, num_blocks=2, dtype=bad)
+
+
+@pytest.mark.parametrize("src", [np.float32, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_step_quantises_exactly_as_the_reference(src, dtype):
+    rng = make_rng(9, len(dtype))
+    cache = attnx.PagedKVCache(1, 3, 40, num_blocks=8, block_size=4, dtype=dtype)
+    a = cache.new_sequence()
+    step = cache.begin_step([a], [8])
+    lim = 3 if src is np.float16 else 30  # row magnitudes 10**-lim .. 10**lim
+    k = (rng.standard_normal((8, 3, 40)) * 10.0 ** rng.integers(-lim, lim, (8, 3, 1))).astype(np.float32)
+    k[0, 0], k[1, 1, 5], k[2, 2, 0] = 0.0, np.nan, -np.inf
+    k[3, 0] = 1e-44 if src is np.float32 else 0.0
+    k = k.astype(src)
+    v = rng.standard_normal((8, 3, 40)).astype(src)
+    step.attend(0, rng.standard_normal((8, 3, 40)).astype(np.float32), k, v)
+    kq, ks = ref.quantize_kv(k, dtype)
+    t = np.arange(8)
+    blk, off = cache.block_table(a)[t // 4], t % 4
+    assert np.array_equal(cache.k_pages(0)[blk, :, off].view(np.uint8), kq.view(np.uint8))
+    np.testing.assert_array_equal(cache.k_scales(0)[blk, :, off], ks)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_every_code_decodes_as_the_reference(isa, dtype):
+    """One key, so the output is its value row exactly: a row holding all 256 codes (NaN and inf
+    codes of fp8, -128 of int8 included) reads back as dequantize_kv says, on every ISA (vector
+    body and scalar tail: D = 256 + 3)."""
+    codes = np.concatenate([np.arange(256), [1, 2, 255]]).astype(np.uint8).view(ref.quantised_dtype(dtype))
+    v_pages = codes.reshape(1, 1, 1, -1)
+    k_pages = np.zeros((1, 1, 1, 4), v_pages.dtype)
+    for s in (1.0, 0.375, 3e-5):
+        v_scales = np.full((1, 1, 1), s, np.float32)
+        k_scales = np.zeros((1, 1, 1), np.float32)
+        o = attnx.paged_attention(np.ones((1, 1, 4), np.float32), k_pages, v_pages,
+                                  np.zeros((1, 1), np.int32), np.array([1]), k_scales=k_scales,
+                                  v_scales=v_scales)
+        want = ref.dequantize_kv(v_pages, v_scales)[0, 0]
+        np.testing.assert_array_equal(o[0], want)
+
+
+@given(st.sampled_from(QDTYPES), st.sampled_from([1, 3, 16]), st.integers(1, 3),
+       st.sampled_from([(1, 1), (4, 2), (6, 3)]), st.sampled_from([8, 24, 64]),
+       st.integers(0, 2**31 - 1))
+def test_property_any_pool_matches_reference(isa, dtype, block_size, batch, heads, d, seed):
+    """Random pools (lengths, block sizes, GQA, widths with and without a vector tail, a decode
+    row or a chunk per sequence): the active ISA attends over exactly the dequantised pages."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 90, batch)
+    q_lens = np.minimum(lens, rng.choice([1, 12], batch))
+    hq, hkv = heads
+    pool = QPool(rng, lens, dtype=dtype, block_size=block_size, hkv=hkv, dk=d, dv=d)
+    q = rng.standard_normal((int(q_lens.sum()), hq, d)).astype(np.float32)
+    check_against_reference(q, pool, q_lens=q_lens)
+
+
+def test_strided_scale_pages(isa):
+    """Scale pages of any strides (here a transposed copy's view) are read where they are."""
+    rng = make_rng(10)
+    pool = QPool(rng, [40, 7], dtype="int8", block_size=8, hkv=2, dk=16, dv=16)
+    ks = np.ascontiguousarray(pool.k_scales.transpose(2, 1, 0)).transpose(2, 1, 0)
+    assert ks.strides[-1] != 4
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    got = attnx.paged_attention(q, *pool.args(), k_scales=ks, v_scales=pool.v_scales)
+    want = ref.paged_attention(q, *pool.args(), **pool.scales())
+    np.testing.assert_allclose(got, want, **TOL)
