@@ -97,34 +97,54 @@ static AmxScratch& amx_scratch() {
   return sc;
 }
 
+// ---- The accumulator block: four float32 tiles (0..3) over 32 rows x 32 columns of C, where c is
+// its first element and ldc its floats a row; tiles 4..7 carry A's two 16-row blocks and B's two
+// 16-column halves through one 16-pair block of the reduction. -------------------------------------
+static inline void c_tiles_zero() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+static inline void c_tiles_load(const float* c, int64_t ldc) {
+  _tile_loadd(0, c, ldc * 4);
+  _tile_loadd(1, c + kTilePairs, ldc * 4);
+  _tile_loadd(2, c + kTileRows * ldc, ldc * 4);
+  _tile_loadd(3, c + kTileRows * ldc + kTilePairs, ldc * 4);
+}
+
+static inline void c_tiles_store(float* c, int64_t ldc) {
+  _tile_stored(0, c, ldc * 4);
+  _tile_stored(1, c + kTilePairs, ldc * 4);
+  _tile_stored(2, c + kTileRows * ldc, ldc * 4);
+  _tile_stored(3, c + kTileRows * ldc + kTilePairs, ldc * 4);
+}
+
+// C += A B over one 16-pair block: a is the block's first pair in A's first row (lda pairs a row),
+// b its first pair in B (ldb pairs a row, one row per pair of the reduction).
+static inline void c_tiles_dp(const Pair* a, int64_t lda, const Pair* b, int64_t ldb) {
+  _tile_loadd(4, a, lda * 4);
+  _tile_loadd(5, a + kTileRows * lda, lda * 4);
+  _tile_loadd(6, b, ldb * 4);
+  _tile_loadd(7, b + kTilePairs, ldb * 4);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 // ---- S = Q K^T (unscaled) for rows [0, M) rounded up to 32, all kTileK keys of one tile -------
 // qb: ldq pairs a row; kp: pack_k_bf16's layout (kTileK pairs a row, one row per feature pair);
 // nkb: the 16-pair blocks of features that hold data. s: kTileK floats a row.
 static void qk_amx(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t nkb, float* s) {
-  const int64_t lda = ldq * 4, ldb = kTileK * 4, lds = kTileK * 4;
   for (int r = 0; r < M; r += 2 * kTileRows) {
     const Pair* a = qb + r * ldq;
     for (int c = 0; c < kTileK; c += 2 * kTilePairs) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kb = 0; kb < nkb; ++kb) {
-        const Pair* b = kp + kb * kTilePairs * kTileK + c;
-        _tile_loadd(4, a + kb * kTilePairs, lda);
-        _tile_loadd(5, a + kTileRows * ldq + kb * kTilePairs, lda);
-        _tile_loadd(6, b, ldb);
-        _tile_loadd(7, b + kTilePairs, ldb);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      float* out = s + int64_t(r) * kTileK + c;
-      _tile_stored(0, out, lds);
-      _tile_stored(1, out + kTilePairs, lds);
-      _tile_stored(2, out + kTileRows * kTileK, lds);
-      _tile_stored(3, out + kTileRows * kTileK + kTilePairs, lds);
+      c_tiles_zero();
+      for (int64_t kb = 0; kb < nkb; ++kb)
+        c_tiles_dp(a + kb * kTilePairs, ldq, kp + kb * kTilePairs * kTileK + c, kTileK);
+      c_tiles_store(s + int64_t(r) * kTileK + c, kTileK);
     }
   }
 }
@@ -135,7 +155,6 @@ static void qk_amx(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t n
 static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp, float* o,
                    int64_t ldo, float* stage) {
   const int64_t nkb = (n2 + kTilePairs - 1) / kTilePairs;
-  const int64_t lda = kTileK * 4, ldb = Dvp * 4;
   for (int r = 0; r < M; r += 2 * kTileRows) {
     const int rows = M - r < 2 * kTileRows ? M - r : 2 * kTileRows;
     float* orow = o + r * ldo;
@@ -148,26 +167,10 @@ static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp
     }
     const Pair* a = p + int64_t(r) * kTileK;
     for (int64_t c = 0; c < Dvp; c += 2 * kTilePairs) {
-      float* oc = orow + c;
-      _tile_loadd(0, oc, ld * 4);
-      _tile_loadd(1, oc + kTilePairs, ld * 4);
-      _tile_loadd(2, oc + kTileRows * ld, ld * 4);
-      _tile_loadd(3, oc + kTileRows * ld + kTilePairs, ld * 4);
-      for (int64_t kb = 0; kb < nkb; ++kb) {
-        const Pair* b = vp + kb * kTilePairs * Dvp + c;
-        _tile_loadd(4, a + kb * kTilePairs, lda);
-        _tile_loadd(5, a + kTileRows * kTileK + kb * kTilePairs, lda);
-        _tile_loadd(6, b, ldb);
-        _tile_loadd(7, b + kTilePairs, ldb);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, oc, ld * 4);
-      _tile_stored(1, oc + kTilePairs, ld * 4);
-      _tile_stored(2, oc + kTileRows * ld, ld * 4);
-      _tile_stored(3, oc + kTileRows * ld + kTilePairs, ld * 4);
+      c_tiles_load(orow + c, ld);
+      for (int64_t kb = 0; kb < nkb; ++kb)
+        c_tiles_dp(a + kb * kTilePairs, kTileK, vp + kb * kTilePairs * Dvp + c, Dvp);
+      c_tiles_store(orow + c, ld);
     }
     if (orow == stage)
       for (int i = 0; i < rows; ++i) std::memcpy(o + (r + i) * ldo, stage + i * Dvp, sizeof(float) * std::size_t(Dvp));
@@ -273,27 +276,10 @@ struct QkSteps {
   void step() {
     const int t = step_ / 2, c = step_ % 2 * 2 * kTilePairs;
     ++step_;
-    const int64_t lda = ldq * 4, ldb = kTileK * 4, ldc = kWideKeys * 4;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < nkb; ++kb) {
-      const Pair* b = kp[t] + kb * kTilePairs * kTileK + c;
-      _tile_loadd(4, a + kb * kTilePairs, lda);
-      _tile_loadd(5, a + kTileRows * ldq + kb * kTilePairs, lda);
-      _tile_loadd(6, b, ldb);
-      _tile_loadd(7, b + kTilePairs, ldb);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    float* out = s + t * kTileK + c;
-    _tile_stored(0, out, ldc);
-    _tile_stored(1, out + kTilePairs, ldc);
-    _tile_stored(2, out + kTileRows * kWideKeys, ldc);
-    _tile_stored(3, out + kTileRows * kWideKeys + kTilePairs, ldc);
+    c_tiles_zero();
+    for (int64_t kb = 0; kb < nkb; ++kb)
+      c_tiles_dp(a + kb * kTilePairs, ldq, kp[t] + kb * kTilePairs * kTileK + c, kTileK);
+    c_tiles_store(s + t * kTileK + c, kWideKeys);
   }
 };
 
@@ -310,31 +296,11 @@ struct PvSteps {
     const int64_t c = step_ / (kKbs / kKbStep) * 2 * kTilePairs, kb0 = step_ % (kKbs / kKbStep) * kKbStep;
     ++step_;
     float* oc = o + c;
-    const int64_t ld = ldo * 4, lda = kWideKeys * 4, ldb = Dvp * 4;
     constexpr int64_t kTileBlocks = kTileK / 2 / kTilePairs;
-    if (kb0 == 0) {
-      _tile_loadd(0, oc, ld);
-      _tile_loadd(1, oc + kTilePairs, ld);
-      _tile_loadd(2, oc + kTileRows * ldo, ld);
-      _tile_loadd(3, oc + kTileRows * ldo + kTilePairs, ld);
-    }
-    for (int64_t kb = kb0; kb < kb0 + kKbStep; ++kb) {
-      const Pair* b = vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c;
-      _tile_loadd(4, p + kb * kTilePairs, lda);
-      _tile_loadd(5, p + kTileRows * kWideKeys + kb * kTilePairs, lda);
-      _tile_loadd(6, b, ldb);
-      _tile_loadd(7, b + kTilePairs, ldb);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    if (kb0 + kKbStep == kKbs) {
-      _tile_stored(0, oc, ld);
-      _tile_stored(1, oc + kTilePairs, ld);
-      _tile_stored(2, oc + kTileRows * ldo, ld);
-      _tile_stored(3, oc + kTileRows * ldo + kTilePairs, ld);
-    }
+    if (kb0 == 0) c_tiles_load(oc, ldo);
+    for (int64_t kb = kb0; kb < kb0 + kKbStep; ++kb)
+      c_tiles_dp(p + kb * kTilePairs, kWideKeys, vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c, Dvp);
+    if (kb0 + kKbStep == kKbs) c_tiles_store(oc, ldo);
   }
 };
 
