@@ -48,9 +48,13 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--matmul", type=int, default=1024, help="size of the square matmul before attention")
+    p.add_argument(
+        "--matmul", type=int, default=1024, help="size of the square matmul before attention"
+    )
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--threads", type=int, help="attnx and torch threads (OpenBLAS: OPENBLAS_NUM_THREADS)")
+    p.add_argument(
+        "--threads", type=int, help="attnx and torch threads (OpenBLAS: OPENBLAS_NUM_THREADS)"
+    )
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -79,11 +83,15 @@ def main(argv=None):
             times[name].append(_time(lambda: attnx.attention(x, x, x)))
     base = statistics.median(times["alone"])
     flops = 4 * args.heads * args.seq * args.seq * args.dim
-    print(f"attnx prefill B1 H{args.heads} S{args.seq} D{args.dim}, {attnx.get_num_threads()} threads, "
-          f"median of {args.rounds}:")
+    print(
+        f"attnx prefill B1 H{args.heads} S{args.seq} D{args.dim}, {attnx.get_num_threads()} threads, "
+        f"median of {args.rounds}:"
+    )
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"  {name:40s} {med * 1e3:8.2f} ms  {flops / med / 1e9:7.1f} GFLOP/s  {med / base:5.2f}x alone")
+        print(
+            f"  {name:40s} {med * 1e3:8.2f} ms  {flops / med / 1e9:7.1f} GFLOP/s  {med / base:5.2f}x alone"
+        )
 
 
 if __name__ == "__main__":

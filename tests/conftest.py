@@ -15,16 +15,26 @@ import zlib
 
 import numpy as np
 import pytest
-from helpers import ISAS, SEED
 from hypothesis import HealthCheck, settings
 
 import attnx
 
-settings.register_profile("ci", deadline=None, max_examples=40, database=None,
-                          suppress_health_check=[HealthCheck.function_scoped_fixture])
-settings.register_profile("soak", deadline=None, max_examples=2000, database=None,
-                          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                 HealthCheck.too_slow])
+from helpers import ISAS, SEED
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    max_examples=40,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "soak",
+    deadline=None,
+    max_examples=2000,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 HYPOTHESIS_PROFILE = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(HYPOTHESIS_PROFILE)
 
@@ -52,6 +62,8 @@ def rng(request):
 
 
 def pytest_report_header(config):
-    return [f"attnx: ATTNX_TEST_SEED={SEED}, ISAs under test={ISAS} "
-            f"(active {attnx.cpu_features()['isa']}), threads={attnx.get_num_threads()}, "
-            f"hypothesis profile={HYPOTHESIS_PROFILE}"]
+    return [
+        f"attnx: ATTNX_TEST_SEED={SEED}, ISAs under test={ISAS} "
+        f"(active {attnx.cpu_features()['isa']}), threads={attnx.get_num_threads()}, "
+        f"hypothesis profile={HYPOTHESIS_PROFILE}"
+    ]

@@ -1,9 +1,9 @@
 // smoke.cpp: the C++ core on the platforms CI cross-compiles for, as a C++ client sees it (run by
-// .ci/portable/cross_aarch64.sh under qemu, cross_zig.sh's Windows build under Wine). Dense attention in float32 and float64 over GQA,
-// causal, Dk != Dv, padding and several threads, and a paged int8 decode (rows quantised by
-// paged_write, pages in shuffled blocks), against a naive float64 softmax written here, on each
-// path the build and CPU accept (aarch64: neon and scalar); the ISA choice (the best accepted,
-// neon on aarch64, a clear error for the others) and the probes.
+// .ci/portable/cross_aarch64.sh under qemu, cross_zig.sh's Windows build under Wine). Dense
+// attention in float32 and float64 over GQA, causal, Dk != Dv, padding and several threads, and a
+// paged int8 decode (rows quantised by paged_write, pages in shuffled blocks), against a naive
+// float64 softmax written here, on each path the build and CPU accept (aarch64: neon and scalar);
+// the ISA choice (the best accepted, neon on aarch64, a clear error for the others) and the probes.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -39,8 +39,9 @@ double max_abs_diff(const std::vector<T>& got, const std::vector<double>& want) 
 }
 
 // out[b][h][i] = softmax_j(q.k_j * scale) v_j over the keys row i sees (bottom-right causal)
-std::vector<double> reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k,
-                              const std::vector<double>& v, double scale) {
+std::vector<double> reference(const Case& c, const std::vector<double>& q,
+                              const std::vector<double>& k, const std::vector<double>& v,
+                              double scale) {
   std::vector<double> out(c.B * c.Hq * c.Sq * c.Dv, 0.0);
   const int64_t group = c.Hq / c.Hkv;
   for (int64_t b = 0; b < c.B; ++b)
@@ -105,7 +106,8 @@ double max_error(const Case& c, std::mt19937& rng) {
 // B sequences of L tokens in int8 pages of shuffled blocks, one decode query each (GQA 4):
 // attention over the dequantised rows (code * scale, read back from the pages).
 double paged_int8_error(std::mt19937& rng) {
-  const int64_t B = 3, Hq = 8, Hkv = 2, D = 64, L = 77, bs = 16, per = (L + bs - 1) / bs, nb = B * per;
+  const int64_t B = 3, Hq = 8, Hkv = 2, D = 64, L = 77, bs = 16, per = (L + bs - 1) / bs,
+                nb = B * per;
   std::normal_distribution<float> nd;
   std::vector<float> k(B * L * Hkv * D), v(k.size()), q(B * Hq * D);
   for (float& x : k) x = nd(rng);
@@ -118,7 +120,8 @@ double paged_int8_error(std::mt19937& rng) {
     for (int64_t t = 0; t < L; ++t) slots[b * L + t] = table[b * per + t / bs] * bs + t % bs;
   std::vector<int8_t> kp(nb * Hkv * bs * D), vp(kp.size());
   std::vector<float> ks(nb * Hkv * bs), vs(ks.size());
-  auto write = [&](const std::vector<float>& src, std::vector<int8_t>& pages, std::vector<float>& sc) {
+  auto write = [&](const std::vector<float>& src, std::vector<int8_t>& pages,
+                   std::vector<float>& sc) {
     attnx::PagedWrite w;
     w.n = B * L, w.H = Hkv, w.D = D, w.src = src.data(), w.s_sn = Hkv * D, w.s_sh = D;
     w.pages = pages.data(), w.page_dtype = attnx::DType::i8;
@@ -200,10 +203,11 @@ int main() {
     attnx::set_isa(name_isa);
     for (const Case& c : cases) {
       char name[160];
-      std::snprintf(name, sizeof name, "%s: B%lld Hq%lld Hkv%lld Sq%lld Sk%lld Dk%lld Dv%lld%s%s, %d threads",
-                    name_isa.c_str(), (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Sq,
-                    (long long)c.Sk, (long long)c.Dk, (long long)c.Dv, c.causal ? " causal" : "",
-                    c.kv_len ? " kv_lens" : "", c.threads);
+      std::snprintf(name, sizeof name,
+                    "%s: B%lld Hq%lld Hkv%lld Sq%lld Sk%lld Dk%lld Dv%lld%s%s, %d threads",
+                    name_isa.c_str(), (long long)c.B, (long long)c.Hq, (long long)c.Hkv,
+                    (long long)c.Sq, (long long)c.Sk, (long long)c.Dk, (long long)c.Dv,
+                    c.causal ? " causal" : "", c.kv_len ? " kv_lens" : "", c.threads);
       const double e32 = max_error<float>(c, rng), e64 = max_error<double>(c, rng);
       char msg[320];
       std::snprintf(msg, sizeof msg, "%s: float32 max error %.2e, float64 %.2e", name, e32, e64);
@@ -211,11 +215,13 @@ int main() {
     }
     const double pe = paged_int8_error(rng);
     char pmsg[200];
-    std::snprintf(pmsg, sizeof pmsg, "%s: paged decode over int8 pages, B3 Hq8 Hkv2 L77 D64 block 16: max error %.2e",
+    std::snprintf(pmsg, sizeof pmsg,
+                  "%s: paged decode over int8 pages, B3 Hq8 Hkv2 L77 D64 block 16: max error %.2e",
                   name_isa.c_str(), pe);
     check(pe < 2e-5, pmsg);
     const double fma = attnx::probe_fma_gflops(1, 0.05);
-    check(fma > 0 && std::isfinite(fma), name_isa + ": FMA probe runs (" + std::to_string(fma) + " GFLOP/s under emulation)");
+    check(fma > 0 && std::isfinite(fma),
+          name_isa + ": FMA probe runs (" + std::to_string(fma) + " GFLOP/s under emulation)");
   }
   std::printf("%s\n", failures ? "portable smoke: FAILED" : "portable smoke: all passed");
   return failures ? 1 : 0;

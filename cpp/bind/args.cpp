@@ -47,7 +47,10 @@ std::string num_str(double x) {
 // ---- dtypes, byte order and strides ----------------------------------------------------------
 int ml_dtype_num(const char* name) {
   try {
-    return py::module_::import("numpy").attr("dtype")(py::module_::import("ml_dtypes").attr(name)).cast<py::dtype>().num();
+    return py::module_::import("numpy")
+        .attr("dtype")(py::module_::import("ml_dtypes").attr(name))
+        .cast<py::dtype>()
+        .num();
   } catch (py::error_already_set&) {
     return -1;
   }
@@ -64,15 +67,17 @@ constexpr char kNativeOrder = '<';
 #endif
 
 // Kind, size and byte order decide (dtype.name is computed in Python by NumPy, which would cost
-// more than a small call's kernel). A byte-swapped array would be read as garbage, so every dtype check asks for the
-// native order: inputs are converted to it first (native_input), what is written in place (pages,
-// `out`) is refused.
+// more than a small call's kernel). A byte-swapped array would be read as garbage, so every dtype
+// check asks for the native order: inputs are converted to it first (native_input), what is written
+// in place (pages, `out`) is refused.
 bool native_order(const py::dtype& dt) {
   const char b = dt.byteorder();
   return b == '=' || b == '|' || b == kNativeOrder;
 }
 
-bool is_float32(const py::dtype& dt) { return dt.kind() == 'f' && dt.itemsize() == 4 && native_order(dt); }
+bool is_float32(const py::dtype& dt) {
+  return dt.kind() == 'f' && dt.itemsize() == 4 && native_order(dt);
+}
 
 void check_native(const py::array& a, const char* name) {
   if (!native_order(a.dtype()))
@@ -91,10 +96,12 @@ DType dtype_of(const py::array& a, const char* name, bool f64_ok) {
   if (f64_ok && dt.kind() == 'f' && dt.itemsize() == 8) return DType::f64;
   const char k = dt.kind();
   const bool f64 = k == 'f' && dt.itemsize() == 8;  // here only where there is no float64 path
-  type_error(std::string(name) + ": expected dtype float32, float16" + (f64_ok ? ", bfloat16 or float64" : " or bfloat16") +
-             ", got " + dtype_str(a) +
-             (f64 ? " (float64 runs only in dense attention, attnx.attention; cast with .astype(np.float32))"
-                  : k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))" : ""));
+  type_error(std::string(name) + ": expected dtype float32, float16" +
+             (f64_ok ? ", bfloat16 or float64" : " or bfloat16") + ", got " + dtype_str(a) +
+             (f64 ? " (float64 runs only in dense attention, attnx.attention; cast with "
+                    ".astype(np.float32))"
+              : k == 'f' || k == 'i' || k == 'u' || k == 'b' ? " (cast with .astype(np.float32))"
+                                                             : ""));
 }
 
 DType page_dtype_of(const py::array& a, const char* name) {
@@ -104,8 +111,10 @@ DType page_dtype_of(const py::array& a, const char* name) {
   if (dt.kind() == 'i') return DType::i8;
   if (dt.num() == e4m3) return DType::e4m3;
   if (dt.num() == e5m2) return DType::e5m2;
-  type_error(std::string(name) + ": expected dtype float32, float16, bfloat16, int8, float8_e4m3fn or "
-             "float8_e5m2, got " + dtype_str(a));
+  type_error(std::string(name) +
+             ": expected dtype float32, float16, bfloat16, int8, float8_e4m3fn or "
+             "float8_e5m2, got " +
+             dtype_str(a));
 }
 
 py::array array_arg(py::handle obj, const char* name) {
@@ -126,7 +135,8 @@ py::array kernel_input(py::handle obj, const char* name, bool unit_last) {
   return py::array::ensure(py::module_::import("numpy").attr("array")(a, py::arg("order") = "C"));
 }
 
-// Axes of extent 1 are never stepped, so their strides (NumPy may report anything there) do not count.
+// Axes of extent 1 are never stepped, so their strides (NumPy may report anything there) do not
+// count.
 const char* stride_problem(const py::array& a, bool unit_last) {
   if (a.size() == 0) return nullptr;  // nothing is read or written
   const auto es = a.itemsize();
@@ -152,7 +162,8 @@ std::vector<int64_t> elem_strides(const py::array& a, const char* name, bool uni
 
 void check_rank(const py::array& a, const char* name, int ndim, const char* axes) {
   if (a.ndim() != ndim)
-    value_error(std::string(name) + ": expected " + std::to_string(ndim) + " dims " + axes + ", got " + shape_str(a));
+    value_error(std::string(name) + ": expected " + std::to_string(ndim) + " dims " + axes +
+                ", got " + shape_str(a));
 }
 
 void check_shape(const py::array& a, const char* name, Dims dims) {
@@ -162,15 +173,16 @@ void check_shape(const py::array& a, const char* name, Dims dims) {
     if (ok && a.shape(i) != d.second) ok = false;
     ++i;
   }
-  if (!ok) value_error(std::string(name) + ": expected shape " + dims_str(dims) + ", got " + shape_str(a));
+  if (!ok)
+    value_error(std::string(name) + ": expected shape " + dims_str(dims) + ", got " + shape_str(a));
 }
 
 namespace {
 
 [[noreturn]] void out_of_range(const char* name, int64_t i, const std::string& value, int64_t hi,
                                const char* hi_name) {
-  value_error(std::string(name) + "[" + std::to_string(i) + "] = " + value + " is out of range [0, " +
-              std::to_string(hi) + "] (" + hi_name + ")");
+  value_error(std::string(name) + "[" + std::to_string(i) + "] = " + value +
+              " is out of range [0, " + std::to_string(hi) + "] (" + hi_name + ")");
 }
 
 }  // namespace
@@ -180,21 +192,25 @@ py::array_t<int32_t> int_vector(py::handle obj, const char* name, int64_t n, int
   py::array a = py::array::ensure(obj);
   if (!a) type_error(std::string(name) + ": expected an integer array");
   const char kind = a.dtype().kind();
-  if (kind != 'i' && kind != 'u') type_error(std::string(name) + ": expected an integer array, got dtype " + dtype_str(a));
+  if (kind != 'i' && kind != 'u')
+    type_error(std::string(name) + ": expected an integer array, got dtype " + dtype_str(a));
   if (a.ndim() != 1 || a.shape(0) != n)
-    value_error(std::string(name) + ": expected shape (" + std::to_string(n) + ",), got " + shape_str(a));
+    value_error(std::string(name) + ": expected shape (" + std::to_string(n) + ",), got " +
+                shape_str(a));
   // Lengths are int32 in the kernels: anything larger is refused, never narrowed.
   hi = std::min<int64_t>(hi, std::numeric_limits<int32_t>::max());
   if (kind == 'i' && a.itemsize() == 4) {  // already int32: checked and used as it is (no copy
-    Native<int32_t> r(a);                   // unless strided, misaligned or byte-swapped)
+    Native<int32_t> r(a);                  // unless strided, misaligned or byte-swapped)
     for (int64_t i = 0; i < n; ++i)
-      if (r.data()[i] < 0 || r.data()[i] > hi) out_of_range(name, i, std::to_string(r.data()[i]), hi, hi_name);
+      if (r.data()[i] < 0 || r.data()[i] > hi)
+        out_of_range(name, i, std::to_string(r.data()[i]), hi, hi_name);
     return r;
   }
   if (kind == 'u') {
     Native<uint64_t> u(a);
     for (int64_t i = 0; i < n; ++i)
-      if (u.data()[i] > uint64_t(hi)) out_of_range(name, i, std::to_string(u.data()[i]), hi, hi_name);
+      if (u.data()[i] > uint64_t(hi))
+        out_of_range(name, i, std::to_string(u.data()[i]), hi, hi_name);
   }
   Native<int64_t> w(a);
   const int64_t* p = w.data();
@@ -217,7 +233,8 @@ constexpr double kFloatMax = double(std::numeric_limits<float>::max());
 template <class T>
 T positive_float(double x, const char* name) {
   if (!(x >= kFloatMin && x <= kFloatMax))
-    value_error(std::string(name) + ": expected a finite positive number within float32's normal range [" +
+    value_error(std::string(name) +
+                ": expected a finite positive number within float32's normal range [" +
                 num_str(kFloatMin) + ", " + num_str(kFloatMax) + "], got " + num_str(x));
   return T(x);
 }
@@ -251,7 +268,8 @@ int64_t int_arg(py::handle h, const char* name, int64_t dflt) {
   }
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
-  if (overflow) value_error(std::string(name) + ": " + std::string(py::str(h)) + " is out of range");
+  if (overflow)
+    value_error(std::string(name) + ": " + std::string(py::str(h)) + " is out of range");
   return int64_t(v);
 }
 
@@ -264,7 +282,8 @@ py::array_t<T> head_vector(py::handle obj, const char* name, int64_t n) {
   if (!a || (kind != 'f' && kind != 'i' && kind != 'u' && a.dtype().num() != bfloat16_num()))
     type_error(std::string(name) + ": expected a real array of shape (" + std::to_string(n) + ",)");
   if (a.ndim() != 1 || a.shape(0) != n)
-    value_error(std::string(name) + ": expected shape (Hq=" + std::to_string(n) + ",), got " + shape_str(a));
+    value_error(std::string(name) + ": expected shape (Hq=" + std::to_string(n) + ",), got " +
+                shape_str(a));
   Native<double> d(py::module_::import("numpy").attr("asarray")(a, "float64"));
   py::array_t<T> f(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -282,7 +301,8 @@ namespace {
 // One side of window=(left, right): an int >= 0, or -1 (None, or wider than any sequence).
 int64_t window_side(const py::object& s) {
   if (s.is_none()) return -1;
-  if (!py::isinstance<py::int_>(s) || py::isinstance<py::bool_>(s)) type_error("window: sides must be ints or None");
+  if (!py::isinstance<py::int_>(s) || py::isinstance<py::bool_>(s))
+    type_error("window: sides must be ints or None");
   // A side wider than any sequence is no bound at all: it must not overflow int64 positions.
   const py::int_ huge(int64_t(1) << 40), zero(0);
   if (PyObject_RichCompareBool(s.ptr(), zero.ptr(), Py_LT) == 1)
@@ -319,7 +339,8 @@ template BasicVariants<double> variants<double>(py::handle, py::handle);
 // A call's thread count; 0 (None) is resolved here, so that a bad default (ATTNX_NUM_THREADS)
 // is refused before a step writes its new keys, not after.
 int threads_arg(int64_t n) {
-  if (n < 0 || n > std::numeric_limits<int>::max()) value_error("num_threads: expected a positive int or None");
+  if (n < 0 || n > std::numeric_limits<int>::max())
+    value_error("num_threads: expected a positive int or None");
   return n == 0 ? get_num_threads() : int(n);
 }
 
@@ -333,16 +354,21 @@ Args::Args(Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObject* kw
       sig.names.push_back(name);
     }
   if (std::size_t(nargs) > vals_.size())
-    type_error(std::string(sig.function) + "() takes at most " + std::to_string(vals_.size()) + " positional arguments");
+    type_error(std::string(sig.function) + "() takes at most " + std::to_string(vals_.size()) +
+               " positional arguments");
   for (Py_ssize_t i = 0; i < nargs; ++i) vals_[std::size_t(i)] = args[i];
   const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
   for (Py_ssize_t i = 0; i < nkw; ++i) {
     const std::size_t j = index(PyTuple_GET_ITEM(kwnames, i));
-    if (vals_[j]) type_error(std::string(sig.function) + "() got multiple values for argument '" + sig.params[j] + "'");
+    if (vals_[j])
+      type_error(std::string(sig.function) + "() got multiple values for argument '" +
+                 sig.params[j] + "'");
     vals_[j] = args[nargs + i];
   }
   for (std::size_t j = 0; j < sig.required; ++j)
-    if (!vals_[j]) type_error(std::string(sig.function) + "() missing required argument '" + sig.params[j] + "'");
+    if (!vals_[j])
+      type_error(std::string(sig.function) + "() missing required argument '" + sig.params[j] +
+                 "'");
 }
 
 bool Args::flag(std::size_t j, bool dflt) const {
@@ -361,7 +387,8 @@ std::size_t Args::index(PyObject* key) const {
   for (std::size_t j = 0; j < sig_.names.size(); ++j)
     if (PyUnicode_Compare(key, sig_.names[j]) == 0) return j;
   PyErr_Clear();
-  type_error(std::string(sig_.function) + "() got an unexpected keyword argument '" + std::string(py::str(key)) + "'");
+  type_error(std::string(sig_.function) + "() got an unexpected keyword argument '" +
+             std::string(py::str(key)) + "'");
 }
 
 namespace {
@@ -389,7 +416,8 @@ void set_python_error() {
 
 }  // namespace
 
-PyObject* call_entry(EntryPoint f, Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+PyObject* call_entry(EntryPoint f, Signature& sig, PyObject* const* args, Py_ssize_t nargs,
+                     PyObject* kwnames) {
   try {
     return f(Args(sig, args, nargs, kwnames)).release().ptr();
   } catch (...) {
@@ -402,11 +430,13 @@ void add_entry_point(py::module_& m, FastcallFn fn, const char* name, const char
   // Owned for good: CPython keeps a pointer to the definition for the function's lifetime.
   auto* def = new PyMethodDef{name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)),
                               METH_FASTCALL | METH_KEYWORDS, doc};
-  m.add_object(name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(def, m.ptr(), m.attr("__name__").ptr())));
+  m.add_object(name, py::reinterpret_steal<py::object>(
+                         PyCFunction_NewEx(def, m.ptr(), m.attr("__name__").ptr())));
 }
 
 void register_errors(py::module_& m) {
-  invalid_argument_type = py::register_local_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError).ptr();
+  invalid_argument_type =
+      py::register_local_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError).ptr();
 }
 
 }  // namespace attnx::bind

@@ -63,10 +63,12 @@ using Native = py::array_t<T, py::array::c_style | py::array::forcecast | kAlign
 const char* stride_problem(const py::array& a, bool unit_last);
 // Element strides of `a` (0 on axes of extent 1); refuses what element strides cannot express.
 std::vector<int64_t> elem_strides(const py::array& a, const char* name, bool unit_last = true);
-void check_rank(const py::array& a, const char* name, int ndim, const char* axes);  // "(B, Hq, Sq, Dk)"
+void check_rank(const py::array& a, const char* name, int ndim,
+                const char* axes);  // "(B, Hq, Sq, Dk)"
 void check_shape(const py::array& a, const char* name, Dims dims);
 // An optional (n,) integer array as int32, every value in [0, hi].
-py::array_t<int32_t> int_vector(py::handle obj, const char* name, int64_t n, int64_t hi, const char* hi_name);
+py::array_t<int32_t> int_vector(py::handle obj, const char* name, int64_t n, int64_t hi,
+                                const char* hi_name);
 
 // ---- scalars and modifiers ---------------------------------------------------------------------
 // T: float, or double for the float64 kernels (explicitly instantiated for both in args.cpp).
@@ -100,7 +102,9 @@ class Args {
  public:
   Args(Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames);
   // The argument, None when absent.
-  py::handle operator[](std::size_t j) const { return vals_[j] ? py::handle(vals_[j]) : py::handle(Py_None); }
+  py::handle operator[](std::size_t j) const {
+    return vals_[j] ? py::handle(vals_[j]) : py::handle(Py_None);
+  }
   // A bool argument: its truth value, or `dflt` when absent.
   bool flag(std::size_t j, bool dflt) const;
 
@@ -114,7 +118,8 @@ using EntryPoint = py::object (*)(const Args&);
 
 // Runs f on the call's arguments; a C++ error becomes the Python exception pybind11 would raise
 // (its dispatcher is bypassed), and the result nullptr.
-PyObject* call_entry(EntryPoint f, Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames);
+PyObject* call_entry(EntryPoint f, Signature& sig, PyObject* const* args, Py_ssize_t nargs,
+                     PyObject* kwnames);
 
 template <EntryPoint F, Signature* S>
 PyObject* fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {

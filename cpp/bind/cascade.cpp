@@ -18,7 +18,8 @@ using Int32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 // [(rows, first, end)], the sequences rows sharing table entries [first, end).
 py::list py_plan_cascade(const Int32& block_tables, const Int32& seq_lens, const Int32& q_lens,
                          int64_t block_size, int64_t min_saved_keys) {
-  if (block_tables.ndim() != 2) throw py::value_error("block_tables: expected 2 dims (B, max_blocks)");
+  if (block_tables.ndim() != 2)
+    throw py::value_error("block_tables: expected 2 dims (B, max_blocks)");
   const int64_t B = block_tables.shape(0);
   if (seq_lens.ndim() != 1 || seq_lens.shape(0) != B || q_lens.ndim() != 1 || q_lens.shape(0) != B)
     throw py::value_error("seq_lens, q_lens: expected shape (B,) = (" + std::to_string(B) + ",)");
@@ -37,7 +38,8 @@ py::list py_plan_cascade(const Int32& block_tables, const Int32& seq_lens, const
   t.block_size = block_size;
   const attnx::CascadePlan plan = attnx::plan_cascade(t, min_saved_keys);
   py::list groups;
-  for (const attnx::CascadeGroup& g : plan.groups) groups.append(py::make_tuple(g.rows, g.b0, g.b1));
+  for (const attnx::CascadeGroup& g : plan.groups)
+    groups.append(py::make_tuple(g.rows, g.b0, g.b1));
   return groups;
 }
 
@@ -45,7 +47,7 @@ py::list py_plan_cascade(const Int32& block_tables, const Int32& seq_lens, const
 
 namespace attnx::bind {
 void bind_cascade(py::module_& m) {
-  m.def("plan_cascade", &py_plan_cascade, py::arg("block_tables"), py::arg("seq_lens"), py::arg("q_lens"),
-        py::arg("block_size"), py::arg("min_saved_keys"));
+  m.def("plan_cascade", &py_plan_cascade, py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("q_lens"), py::arg("block_size"), py::arg("min_saved_keys"));
 }
 }  // namespace attnx::bind

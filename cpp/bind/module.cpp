@@ -8,8 +8,9 @@ void bind_dense(pybind11::module_& m);       // dense.cpp: attention
 void bind_paged(pybind11::module_& m);       // paged.cpp: paged_attention
 void bind_step(pybind11::module_& m);        // step.cpp: StepPlan
 void bind_delta(pybind11::module_& m);       // delta.cpp: gated_delta_rule
-void bind_cascade(pybind11::module_& m);     // cascade.cpp: plan_cascade (the step's shared-prefix groups)
-void bind_runtime(pybind11::module_& m);     // runtime.cpp: cpu features, ISA, threads, probes
+void bind_cascade(
+    pybind11::module_& m);  // cascade.cpp: plan_cascade (the step's shared-prefix groups)
+void bind_runtime(pybind11::module_& m);  // runtime.cpp: cpu features, ISA, threads, probes
 }  // namespace attnx::bind
 
 PYBIND11_MODULE(_core, m) {

@@ -77,7 +77,8 @@ bool self_overlaps(const py::array& a) {
 py::object OutTarget::result() const {
   if (out.is_none()) return write;
   if (!out.is(write)) {
-    static const py::handle copyto = py::object(py::module_::import("numpy").attr("copyto")).release();  // kept for good
+    static const py::handle copyto =
+        py::object(py::module_::import("numpy").attr("copyto")).release();  // kept for good
     copyto(out, write);
   }
   return out;
@@ -95,16 +96,21 @@ OutTarget out_target(py::handle out, const char* of, DType dt, const py::dtype& 
   if (!py::isinstance<py::array>(out)) type_error("out: expected a numpy array");
   const auto o = py::reinterpret_borrow<py::array>(out);
   if (dtype_of(o, "out", true) != dt)
-    type_error(std::string("out: expected dtype ") + dtype_name(dt) + " (the dtype of " + of + "), got " + dtype_str(o));
+    type_error(std::string("out: expected dtype ") + dtype_name(dt) + " (the dtype of " + of +
+               "), got " + dtype_str(o));
   check_shape(o, "out", dims);
   if (!o.writeable()) value_error("out: array is not writable");
   if (self_overlaps(o))
-    value_error("out: elements of the array overlap one another (a broadcast or expanded view, "
-                "byte strides " + std::string(py::str(o.attr("strides"))) + "): each result needs its own memory; pass a fresh array");
+    value_error(
+        "out: elements of the array overlap one another (a broadcast or expanded view, "
+        "byte strides " +
+        std::string(py::str(o.attr("strides"))) +
+        "): each result needs its own memory; pass a fresh array");
   if (!strided_ok) elem_strides(o, "out");  // refuses what the kernel cannot address
   bool direct = stride_problem(o, true) == nullptr;
   for (py::handle r : reads)
-    if (direct && py::isinstance<py::array>(r)) direct = !may_share_memory(o, py::reinterpret_borrow<py::array>(r));
+    if (direct && py::isinstance<py::array>(r))
+      direct = !may_share_memory(o, py::reinterpret_borrow<py::array>(r));
   t.out = o;
   t.write = direct ? o : py::array(fresh, shape);
   return t;

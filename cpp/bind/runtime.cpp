@@ -13,13 +13,28 @@ namespace {
 py::dict cpu_feature_dict() {
   const CpuFeatures f = cpu_features();
   py::dict d;
-  d["sse2"] = f.sse2; d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["avx512f"] = f.avx512f;
-  d["avx512bw"] = f.avx512bw; d["avx512vl"] = f.avx512vl; d["avx512bf16"] = f.avx512bf16;
-  d["avx512_vnni"] = f.avx512_vnni; d["avx_vnni"] = f.avx_vnni; d["avx512_fp16"] = f.avx512_fp16;
-  d["amx_tile"] = f.amx_tile; d["amx_bf16"] = f.amx_bf16; d["amx_int8"] = f.amx_int8;
-  d["amx_fp16"] = f.amx_fp16; d["amx_permitted"] = f.amx_permitted;
+  d["sse2"] = f.sse2;
+  d["avx2"] = f.avx2;
+  d["fma"] = f.fma;
+  d["f16c"] = f.f16c;
+  d["avx512f"] = f.avx512f;
+  d["avx512bw"] = f.avx512bw;
+  d["avx512vl"] = f.avx512vl;
+  d["avx512bf16"] = f.avx512bf16;
+  d["avx512_vnni"] = f.avx512_vnni;
+  d["avx_vnni"] = f.avx_vnni;
+  d["avx512_fp16"] = f.avx512_fp16;
+  d["amx_tile"] = f.amx_tile;
+  d["amx_bf16"] = f.amx_bf16;
+  d["amx_int8"] = f.amx_int8;
+  d["amx_fp16"] = f.amx_fp16;
+  d["amx_permitted"] = f.amx_permitted;
   // aarch64
-  d["neon"] = f.neon; d["dotprod"] = f.dotprod; d["bf16"] = f.bf16; d["i8mm"] = f.i8mm; d["sve"] = f.sve;
+  d["neon"] = f.neon;
+  d["dotprod"] = f.dotprod;
+  d["bf16"] = f.bf16;
+  d["i8mm"] = f.i8mm;
+  d["sve"] = f.sve;
   return d;
 }
 
@@ -33,10 +48,14 @@ void bind_kernel_path(py::module_& m) {
 }
 
 void bind_threads(py::module_& m) {
-  m.def("set_num_threads", [](int n) {
-    if (n < 0) value_error("n: expected an int >= 0 (0: the default, OMP_NUM_THREADS or the CPUs)");
-    set_num_threads(n);
-  }, py::arg("n"));
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        if (n < 0)
+          value_error("n: expected an int >= 0 (0: the default, OMP_NUM_THREADS or the CPUs)");
+        set_num_threads(n);
+      },
+      py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("_max_threads", &max_threads);
   m.def("_pool_threads", &pool_workers_used);
@@ -45,14 +64,20 @@ void bind_threads(py::module_& m) {
 }
 
 void bind_probes(py::module_& m) {
-  m.def("probe_fma_gflops", [](int nt, double seconds) {
-    py::gil_scoped_release nogil;
-    return probe_fma_gflops(resolve_threads(nt), seconds);
-  }, py::arg("num_threads"), py::arg("seconds") = 0.3);
-  m.def("probe_read_gbps", [](int nt, int64_t bytes, double seconds) {
-    py::gil_scoped_release nogil;
-    return probe_read_gbps(resolve_threads(nt), bytes, seconds);
-  }, py::arg("num_threads"), py::arg("bytes") = int64_t(1) << 30, py::arg("seconds") = 0.5);
+  m.def(
+      "probe_fma_gflops",
+      [](int nt, double seconds) {
+        py::gil_scoped_release nogil;
+        return probe_fma_gflops(resolve_threads(nt), seconds);
+      },
+      py::arg("num_threads"), py::arg("seconds") = 0.3);
+  m.def(
+      "probe_read_gbps",
+      [](int nt, int64_t bytes, double seconds) {
+        py::gil_scoped_release nogil;
+        return probe_read_gbps(resolve_threads(nt), bytes, seconds);
+      },
+      py::arg("num_threads"), py::arg("bytes") = int64_t(1) << 30, py::arg("seconds") = 0.5);
 }
 
 }  // namespace

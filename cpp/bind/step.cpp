@@ -45,7 +45,8 @@ class StepPlan {
     PagedParams p;
     Pool pool;
     pages(0, p, pool);
-    num_blocks_ = p.num_blocks; block_size_ = p.block_size;
+    num_blocks_ = p.num_blocks;
+    block_size_ = p.block_size;
     check_tables(block_tables, seq_lens, q_lens, p, keep_);
     slots_ = check_slots(slots, keep_.tokens(), num_blocks_, block_size_);
     max_left_ = max_left.is_none() ? -1 : int_arg(max_left, "max_left", -1);
@@ -70,14 +71,24 @@ class StepPlan {
     check_scales(t[2], t[3], true, p, pool.k_scales, pool.v_scales);
     use_tables(keep_, p);
     PagedInputs in;
-    const bool model_layout = py::isinstance<py::array>(q) && py::reinterpret_borrow<py::array>(q).ndim() == 4;
+    const bool model_layout =
+        py::isinstance<py::array>(q) && py::reinterpret_borrow<py::array>(q).ndim() == 4;
     // (T, H, D) arrays the kernels can address: a model's (B, H, S, D) ones as token views
     const py::object qt = as_tokens(q, "q", model_layout), kt = as_tokens(k, "k", model_layout);
     const py::object vt = v.is_none() ? py::object(py::none()) : as_tokens(v, "v", model_layout);
-    in.q = qt; in.k_new = kt; in.v_new = vt;
+    in.q = qt;
+    in.k_new = kt;
+    in.v_new = vt;
     if (shared_prefix) in.cascade = &cascade_;
-    in.scale = scale; in.softcap = softcap; in.window = window; in.sinks = sinks; in.alibi = alibi;
-    in.threads = threads; in.return_lse = return_lse; in.max_left = max_left_; in.slots = &slots_;
+    in.scale = scale;
+    in.softcap = softcap;
+    in.window = window;
+    in.sinks = sinks;
+    in.alibi = alibi;
+    in.threads = threads;
+    in.return_lse = return_lse;
+    in.max_left = max_left_;
+    in.slots = &slots_;
     py::object r = run_paged(p, pool, keep_, in);
     if (!model_layout) return r;
     const auto qa = py::reinterpret_borrow<py::array>(q);
@@ -88,7 +99,8 @@ class StepPlan {
   void check_values(py::handle v) const {
     if (values_from_keys_ && !v.is_none())
       value_error("v: this cache reads values from the keys (value_from_key=True): pass v=None");
-    if (!values_from_keys_ && v.is_none()) value_error("v: expected the new values (T, num_kv_heads, value_dim)");
+    if (!values_from_keys_ && v.is_none())
+      value_error("v: expected the new values (T, num_kv_heads, value_dim)");
   }
 
   int64_t layer_index(py::handle layer) const {
@@ -96,7 +108,8 @@ class StepPlan {
     int64_t li = -1;
     if (!PyBool_Check(layer.ptr()) && PyIndex_Check(layer.ptr())) li = int_arg(layer, "layer", -1);
     if (li < 0 || li >= nl)
-      value_error("layer: expected an int in [0, " + std::to_string(nl) + "), got " + std::string(py::repr(layer)));
+      value_error("layer: expected an int in [0, " + std::to_string(nl) + "), got " +
+                  std::string(py::repr(layer)));
     return li;
   }
 
@@ -110,7 +123,8 @@ class StepPlan {
     pool.v = array_arg(t[1], "v_pages");
     check_pages(pool.k, pool.v, p);
     if (num_blocks_ >= 0 && (p.num_blocks != num_blocks_ || p.block_size != block_size_))
-      value_error("k_pages: layer " + std::to_string(li) + " holds a pool of another size than layer 0");
+      value_error("k_pages: layer " + std::to_string(li) +
+                  " holds a pool of another size than layer 0");
   }
 
   py::object as_tokens(py::handle obj, const char* name, bool model_layout) const {
@@ -120,7 +134,8 @@ class StepPlan {
   // Whether every sequence b of the step has S new tokens, row b of a (B, H, S, D) array.
   bool uniform(py::ssize_t B, py::ssize_t S) const {
     bool ok = B == keep_.B;
-    for (int64_t b = 0; ok && b < keep_.B; ++b) ok = keep_.q_start[std::size_t(b + 1)] - keep_.q_start[std::size_t(b)] == S;
+    for (int64_t b = 0; ok && b < keep_.B; ++b)
+      ok = keep_.q_start[std::size_t(b + 1)] - keep_.q_start[std::size_t(b)] == S;
     return ok;
   }
 
@@ -131,15 +146,19 @@ class StepPlan {
     check_rank(a, name, 4, "(B, H, S, D) like q");
     const py::ssize_t B = a.shape(0), H = a.shape(1), S = a.shape(2), D = a.shape(3);
     if (!uniform(B, S))
-      value_error(std::string(name) + ": a (B, H, S, D) array needs B = " + std::to_string(keep_.B) +
-                  " sequences with S new tokens each (this step has " + std::to_string(keep_.tokens()) +
-                  " tokens in all: pass them packed, (T, H, D)), got shape " + shape_str(a));
+      value_error(
+          std::string(name) + ": a (B, H, S, D) array needs B = " + std::to_string(keep_.B) +
+          " sequences with S new tokens each (this step has " + std::to_string(keep_.tokens()) +
+          " tokens in all: pass them packed, (T, H, D)), got shape " + shape_str(a));
     const py::ssize_t sb = a.strides(0), sh = a.strides(1), ss = a.strides(2), sd = a.strides(3);
     py::ssize_t sn = 0;
-    if (S == 1) sn = sb;
-    else if (B == 1 || sb == S * ss) sn = ss;
+    if (S == 1)
+      sn = sb;
+    else if (B == 1 || sb == S * ss)
+      sn = ss;
     else {  // not one token axis: pack (B, S, H, D) in order
-      py::array packed = py::array::ensure(py::module_::import("numpy").attr("ascontiguousarray")(a.attr("transpose")(0, 2, 1, 3)));
+      py::array packed = py::array::ensure(
+          py::module_::import("numpy").attr("ascontiguousarray")(a.attr("transpose")(0, 2, 1, 3)));
       return packed.reshape({B * S, H, D});
     }
     return py::array(a.dtype(), {B * S, H, D}, {sn, sh, sd}, a.data(), a);
@@ -157,7 +176,8 @@ class StepPlan {
 
 void bind_step(py::module_& m) {
   py::class_<StepPlan>(m, "StepPlan")
-      .def(py::init<py::sequence, py::handle, py::handle, py::handle, py::handle, bool, py::handle, py::handle>(),
+      .def(py::init<py::sequence, py::handle, py::handle, py::handle, py::handle, bool, py::handle,
+                    py::handle>(),
            py::arg("layers"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("q_lens"),
            py::arg("slots"), py::arg("values_from_keys"), py::arg("max_left"),
            py::arg("min_shared_keys") = py::none())

@@ -11,20 +11,19 @@ from __future__ import annotations
 import importlib as _importlib
 import os as _os
 
-from . import _core
-from . import reference
-from . import _validate
-from .ops.attention import attention
-from .ops.paged import paged_attention
+from . import _core, _validate, reference
+from . import layers as layers  # (the module names existing code reads after `import attnx`)
+from . import torch_compat as torch_compat
 from .cache import CacheFullError, PagedKVCache, StaleStepError, Step
-from .integrations.layers import MultiHeadAttention
-from .ops.merge import merge_attention
 from .cache.session import SessionError
 from .cache.session import info as session_info
-from .ops.delta_rule import gated_delta_rule
-from .integrations.sdpa import scaled_dot_product_attention
-from . import layers as layers, torch_compat as torch_compat  # (the module names existing code reads after `import attnx`)
 from .integrations import tensors as _tensors
+from .integrations.layers import MultiHeadAttention
+from .integrations.sdpa import scaled_dot_product_attention
+from .ops.attention import attention
+from .ops.delta_rule import gated_delta_rule
+from .ops.merge import merge_attention
+from .ops.paged import paged_attention
 
 # the torch ops, imported on the first tensor an entry point sees (torch is then loaded already)
 _tensors.load_torch_ops = lambda: _importlib.import_module(".integrations.torch_ops", __name__)
@@ -46,26 +45,27 @@ def __getattr__(name: str) -> str:
         return version
     raise AttributeError(f"module 'attnx' has no attribute {name!r}")
 
+
 __all__ = [
+    "CacheFullError",
+    "MultiHeadAttention",
+    "PagedKVCache",
+    "SessionError",
+    "StaleStepError",
+    "Step",
     "attention",
-    "paged_attention",
-    "merge_attention",
     "cpu_features",
-    "set_num_threads",
+    "gated_delta_rule",
     "get_num_threads",
+    "merge_attention",
+    "paged_attention",
+    "reference",
+    "scaled_dot_product_attention",
+    "session_info",
+    "set_int8_query",
+    "set_num_threads",
     "share_blas_threads",
     "share_torch_threads",
-    "reference",
-    "PagedKVCache",
-    "Step",
-    "CacheFullError",
-    "StaleStepError",
-    "SessionError",
-    "session_info",
-    "MultiHeadAttention",
-    "scaled_dot_product_attention",
-    "gated_delta_rule",
-    "set_int8_query",
 ]
 
 

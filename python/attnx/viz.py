@@ -55,31 +55,44 @@ def _matplotlib() -> Any:
     return Figure
 
 
-def heatmap(weights: npt.ArrayLike, query_tokens: Sequence[object], key_tokens: Sequence[object],
-            ax: Any = None, title: str | None = None, annotate: bool = True) -> Any:
+def heatmap(
+    weights: npt.ArrayLike,
+    query_tokens: Sequence[object],
+    key_tokens: Sequence[object],
+    ax: Any = None,
+    title: str | None = None,
+    annotate: bool = True,
+) -> Any:
     """Draws one attention map: rows are queries, columns are keys.
     (Parameters, results and an example: :mod:`attnx.viz`.)"""
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 2:
-        raise ValueError(f"weights: expected one map (Sq, Sk), got shape {w.shape}; select a "
-                         "batch entry and head first, e.g. weights[0, h]")
+        raise ValueError(
+            f"weights: expected one map (Sq, Sk), got shape {w.shape}; select a "
+            "batch entry and head first, e.g. weights[0, h]"
+        )
     query_tokens = [str(t) for t in query_tokens]
     key_tokens = [str(t) for t in key_tokens]
     if len(query_tokens) != w.shape[0]:
-        raise ValueError(f"query_tokens: expected {w.shape[0]} labels (rows of weights), got "
-                         f"{len(query_tokens)}")
+        raise ValueError(
+            f"query_tokens: expected {w.shape[0]} labels (rows of weights), got {len(query_tokens)}"
+        )
     if len(key_tokens) != w.shape[1]:
-        raise ValueError(f"key_tokens: expected {w.shape[1]} labels (columns of weights), got "
-                         f"{len(key_tokens)}")
+        raise ValueError(
+            f"key_tokens: expected {w.shape[1]} labels (columns of weights), got {len(key_tokens)}"
+        )
     Figure = _matplotlib()
     if ax is None:
-        fig = Figure(figsize=(1.0 + 0.6 * max(w.shape[1], 3), 0.8 + 0.5 * max(w.shape[0], 3)),
-                     layout="constrained")
+        fig = Figure(
+            figsize=(1.0 + 0.6 * max(w.shape[1], 3), 0.8 + 0.5 * max(w.shape[0], 3)),
+            layout="constrained",
+        )
         ax = fig.add_subplot()
     vmax = max(1e-12, float(np.nanmax(w))) if w.size else 1.0
     im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
-    ax.set_xticks(np.arange(w.shape[1]), labels=key_tokens, rotation=45, ha="right",
-                  rotation_mode="anchor")
+    ax.set_xticks(
+        np.arange(w.shape[1]), labels=key_tokens, rotation=45, ha="right", rotation_mode="anchor"
+    )
     ax.set_yticks(np.arange(w.shape[0]), labels=query_tokens)
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query (attending)")

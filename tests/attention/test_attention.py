@@ -20,12 +20,13 @@ import time
 
 import numpy as np
 import pytest
-from helpers import BF16, SEED, best_isa, check_attention, from4, rand
 from hypothesis import given, seed
 from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
+
+from helpers import BF16, SEED, best_isa, check_attention, from4, rand
 
 DTYPES = [np.float32, np.float16, BF16]
 DTYPE_IDS = ["f32", "f16", "bf16"]
@@ -33,8 +34,11 @@ DTYPE_IDS = ["f32", "f16", "bf16"]
 
 def qkv(rng, B, Hq, Hkv, Sq, Sk, Dk, Dv=None, dtype=np.float32):
     Dv = Dk if Dv is None else Dv
-    return (rand(rng, (B, Hq, Sq, Dk), dtype), rand(rng, (B, Hkv, Sk, Dk), dtype),
-            rand(rng, (B, Hkv, Sk, Dv), dtype))
+    return (
+        rand(rng, (B, Hq, Sq, Dk), dtype),
+        rand(rng, (B, Hkv, Sk, Dk), dtype),
+        rand(rng, (B, Hkv, Sk, Dv), dtype),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -58,20 +62,22 @@ def test_grid(isa, rng, Sq, Sk, D, causal):
 # ---------------------------------------------------------------------------
 
 HEADS = [  # (Hq, Hkv, Sq): rows per work item = heads per group x query rows
-    (4, 4, 1),    # MHA decode: 1 row
-    (8, 2, 1),    # GQA decode: 4 rows
-    (8, 1, 1),    # MQA decode: 8 rows, the last dot-product size
-    (16, 1, 1),   # MQA decode: 16 rows, packed panel
-    (4, 4, 9),    # 9 rows of one head
-    (8, 2, 17),   # GQA prefill
-    (8, 1, 97),   # MQA prefill, several row chunks
-    (80, 1, 3),   # more heads per group than one work item holds (64)
+    (4, 4, 1),  # MHA decode: 1 row
+    (8, 2, 1),  # GQA decode: 4 rows
+    (8, 1, 1),  # MQA decode: 8 rows, the last dot-product size
+    (16, 1, 1),  # MQA decode: 16 rows, packed panel
+    (4, 4, 9),  # 9 rows of one head
+    (8, 2, 17),  # GQA prefill
+    (8, 1, 97),  # MQA prefill, several row chunks
+    (80, 1, 3),  # more heads per group than one work item holds (64)
 ]
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(("Hq", "Hkv", "Sq"), HEADS, ids=[f"hq{a}-hkv{b}-sq{c}" for a, b, c in HEADS])
+@pytest.mark.parametrize(
+    ("Hq", "Hkv", "Sq"), HEADS, ids=[f"hq{a}-hkv{b}-sq{c}" for a, b, c in HEADS]
+)
 def test_heads(isa, rng, Hq, Hkv, Sq, causal, layout):
     q, k, v = qkv(rng, 2, Hq, Hkv, Sq, 97, 64, 40)
     if layout == "bshd":
@@ -89,8 +95,11 @@ def test_packed_k_with_split_kv(isa, rng, causal, threads):
 
 
 @pytest.mark.parametrize("kind", ["none", "bool", "additive"])
-@pytest.mark.parametrize(("Hq", "Hkv", "Sq"), [(17, 17, 1), (40, 20, 2), (12, 3, 1)],
-                         ids=["hq17-hkv17-sq1", "hq40-hkv20-sq2", "hq12-hkv3-sq1"])
+@pytest.mark.parametrize(
+    ("Hq", "Hkv", "Sq"),
+    [(17, 17, 1), (40, 20, 2), (12, 3, 1)],
+    ids=["hq17-hkv17-sq1", "hq40-hkv20-sq2", "hq12-hkv3-sq1"],
+)
 def test_bshd_decode_groups(isa, rng, Hq, Hkv, Sq, kind):
     """(B, S, H, D) keys are short runs per head, so decode runs a sequence's kv heads as
     interleaved groups (at most 16 heads each): with masks, padding, and split-KV."""
@@ -119,8 +128,9 @@ def test_prefill_k_packed_once(isa, rng, variant, dtype):
         "causal_lens": dict(causal=True, kv_lens=[530, 377]),
         "window": dict(causal=True, window=(99, None)),
         "mask": dict(mask=rng.random((B, 1, S, S)) < 0.9),
-        "alibi_softcap": dict(alibi_slopes=np.array([0.5, 0.25, 0.1, 0.01], np.float32),
-                              softcap=5.0),
+        "alibi_softcap": dict(
+            alibi_slopes=np.array([0.5, 0.25, 0.1, 0.01], np.float32), softcap=5.0
+        ),
     }[variant]
     check_attention(q, k, v, **kw)
 
@@ -170,8 +180,15 @@ def test_large_values(isa, rng, dtype):
 # ---------------------------------------------------------------------------
 
 B_, HQ_, HKV_, SQ_, SK_ = 2, 4, 2, 13, 37
-MASK_SHAPES = [(SQ_, SK_), (1, 1, SQ_, SK_), (B_, 1, 1, SK_), (B_, HQ_, SQ_, SK_), (HQ_, 1, SK_),
-               (SK_,), (B_, 1, SQ_, 1)]
+MASK_SHAPES = [
+    (SQ_, SK_),
+    (1, 1, SQ_, SK_),
+    (B_, 1, 1, SK_),
+    (B_, HQ_, SQ_, SK_),
+    (HQ_, 1, SK_),
+    (SK_,),
+    (B_, 1, SQ_, 1),
+]
 
 
 def make_mask(rng, kind, shape):
@@ -230,13 +247,16 @@ def test_mask_lower_rank(isa, rng, rank):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(("Sq", "Sk", "kv_lens", "q_lens"), [
-    (5, 70, [70, 3, 0], None),
-    (20, 20, None, [20, 1, 0]),
-    (16, 150, [150, 65, 64], [16, 7, 1]),
-    (30, 10, [10, 4, 9], [30, 2, 25]),  # Sq > Sk: bottom-right causal hides the first rows
-    (1, 300, [1, 299, 200], [1, 0, 1]),
-])
+@pytest.mark.parametrize(
+    ("Sq", "Sk", "kv_lens", "q_lens"),
+    [
+        (5, 70, [70, 3, 0], None),
+        (20, 20, None, [20, 1, 0]),
+        (16, 150, [150, 65, 64], [16, 7, 1]),
+        (30, 10, [10, 4, 9], [30, 2, 25]),  # Sq > Sk: bottom-right causal hides the first rows
+        (1, 300, [1, 299, 200], [1, 0, 1]),
+    ],
+)
 def test_padding(isa, rng, Sq, Sk, kv_lens, q_lens, causal):
     q, k, v = qkv(rng, 3, 4, 2, Sq, Sk, 20, 12)
     kw = {}
@@ -258,8 +278,12 @@ def test_padding(isa, rng, Sq, Sk, kv_lens, q_lens, causal):
 @pytest.mark.parametrize("lens_type", ["list", "uint8", "int", "0d"])
 def test_lens_forms(isa, rng, lens_type):
     q, k, v = qkv(rng, 1, 2, 1, 6, 30, 8)
-    as_ = {"list": lambda x: [x], "uint8": lambda x: np.array([x], np.uint8), "int": int,
-           "0d": np.array}[lens_type]
+    as_ = {
+        "list": lambda x: [x],
+        "uint8": lambda x: np.array([x], np.uint8),
+        "int": int,
+        "0d": np.array,
+    }[lens_type]
     if lens_type in ("int", "0d"):  # a scalar length is for ranks 2 and 3 (B == 1)
         q, k, v = q[0], k[0], v[0]
     check_attention(q, k, v, kv_lens=as_(17), q_lens=as_(4), causal=True)
@@ -364,10 +388,13 @@ def test_nonfinite_in_keys_a_row_does_not_see(isa, rng, bad, how):
     exactly as in the reference."""
     q, k, v = qkv(rng, 1, 2, 2, 200, 200, 8)
     (k if bad[0] == "k" else v)[0, :, 150:] = np.nan if bad.endswith("nan") else np.inf
-    kw = {"bool_mask": dict(mask=np.arange(200) < 150),
-          "additive_mask": dict(mask=np.where(np.arange(200) < 150, 0, -np.inf).astype(np.float32)),
-          "causal": dict(causal=True), "window": dict(window=(3, 0)),
-          "kv_lens": dict(kv_lens=np.array([150]))}[how]
+    kw = {
+        "bool_mask": dict(mask=np.arange(200) < 150),
+        "additive_mask": dict(mask=np.where(np.arange(200) < 150, 0, -np.inf).astype(np.float32)),
+        "causal": dict(causal=True),
+        "window": dict(window=(3, 0)),
+        "kv_lens": dict(kv_lens=np.array([150])),
+    }[how]
     o, _ = check_attention(q, k, v, expect_nan=how in ("causal", "window"), **kw)
     assert np.isfinite(o[:, :, :150]).all()
 
@@ -387,7 +414,7 @@ def test_noncontiguous_inputs(isa, rng):
     # slices with steps and offsets; q a view into a bigger array
     bigq = rand(rng, (B + 1, Hq + 2, 3 * Sq, D + 9))
     bigk = rand(rng, (B, 2 * Hkv, 2 * Sk + 1, D + 3))
-    q = bigq[1:, 1:Hq + 1, ::3, 4:4 + D]
+    q = bigq[1:, 1 : Hq + 1, ::3, 4 : 4 + D]
     k = bigk[:, ::2, 1::2, 3:]
     v = bigk[:, 1::2, :Sk, :D]
     check_attention(q, k, v, causal=True)
@@ -397,8 +424,13 @@ def test_noncontiguous_inputs(isa, rng):
     q2 = rand(rng, (B, Hq, Sq, 2 * D))[..., ::2]
     check_attention(q2, k[..., ::-1], v[..., ::-1], causal=True)
     # bshd layout through non-contiguous views
-    check_attention(bigq[1:, :Hq, :Sq, :D].transpose(0, 2, 1, 3), kt.transpose(0, 2, 1, 3),
-                    vt.transpose(0, 2, 1, 3), layout="bshd", causal=True)
+    check_attention(
+        bigq[1:, :Hq, :Sq, :D].transpose(0, 2, 1, 3),
+        kt.transpose(0, 2, 1, 3),
+        vt.transpose(0, 2, 1, 3),
+        layout="bshd",
+        causal=True,
+    )
 
 
 def test_broadcast_kv(isa, rng):
@@ -496,10 +528,19 @@ VARIANTS = {
     "sinks_causal": dict(sinks="sinks", causal=True),
     "alibi": dict(alibi_slopes="alibi"),
     "alibi_causal": dict(alibi_slopes="alibi", causal=True),
-    "all_causal": dict(window=(30, None), softcap=2.0, sinks="sinks", alibi_slopes="alibi",
-                       causal=True),
-    "all_mask_lens": dict(window=(10, 4), softcap=5.0, sinks="sinks", alibi_slopes="alibi",
-                          mask="mask", kv_lens="kv_lens", q_lens="q_lens", causal=True),
+    "all_causal": dict(
+        window=(30, None), softcap=2.0, sinks="sinks", alibi_slopes="alibi", causal=True
+    ),
+    "all_mask_lens": dict(
+        window=(10, 4),
+        softcap=5.0,
+        sinks="sinks",
+        alibi_slopes="alibi",
+        mask="mask",
+        kv_lens="kv_lens",
+        q_lens="q_lens",
+        causal=True,
+    ),
     "window_mask_lens": dict(window=(3, 3), mask="bool", kv_lens="kv_lens", q_lens="q_lens"),
     "sinks_alibi_mask": dict(sinks="sinks", alibi_slopes="alibi", mask="mask"),
 }
@@ -633,8 +674,7 @@ def test_concurrent_python_threads(isa, rng):
         check_attention(q, k, v, **kw)
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         for _ in range(3):
-            results = list(pool.map(lambda p: attnx.attention(p[0], p[1], p[2], **p[3]),
-                                    problems))
+            results = list(pool.map(lambda p: attnx.attention(p[0], p[1], p[2], **p[3]), problems))
             for r, s in zip(results, serial):
                 np.testing.assert_array_equal(r, s)
 
@@ -685,10 +725,12 @@ def problems(draw):
         causal=draw(st.booleans()),
         mask=draw(st.sampled_from([None, "bool", "additive"])),
         mask_shape=draw(st.sampled_from(["full", "rows", "keys"])),
-        kv_lens=draw(st.booleans()), q_lens=draw(st.booleans()),
+        kv_lens=draw(st.booleans()),
+        q_lens=draw(st.booleans()),
         window=draw(st.sampled_from([None, (0, 0), (3, None), (None, 2), (7, 5)])),
         softcap=draw(st.sampled_from([None, 0.5, 4.0])),
-        sinks=draw(st.booleans()), alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
+        alibi=draw(st.booleans()),
     )
     data_seed = draw(st.integers(0, 2**32 - 1))
     return rank, layout, (B, Hq, Hkv, Sq, Sk, Dk, Dv), dtype, spec, data_seed
@@ -702,7 +744,7 @@ def test_property(isa, problem):
     q4, k4, v4 = qkv(r, B, Hq, Hkv, Sq, Sk, Dk, Dv, dtype)
     q, k, v = (from4(x, layout, rank) for x in (q4, k4, v4))
     kw = dict(causal=spec["causal"], window=spec["window"], softcap=spec["softcap"])
-    logical = (B, Hq, Sq, Sk)[4 - rank:]
+    logical = (B, Hq, Sq, Sk)[4 - rank :]
     if spec["mask"] is not None:
         shape = {"full": logical, "rows": logical[:-1] + (1,), "keys": (Sk,)}[spec["mask_shape"]]
         kw["mask"] = make_mask(r, spec["mask"], shape)
@@ -721,9 +763,13 @@ def test_property(isa, problem):
 # the seed's worked example, and the tolerance itself
 # ---------------------------------------------------------------------------
 
-X_BANK = np.array([[1, 0, 1, 0],    # river
-                   [0, 1, 0, 1],    # bank
-                   [1, 1, 0, 0.0]])  # flooded
+X_BANK = np.array(
+    [
+        [1, 0, 1, 0],  # river
+        [0, 1, 0, 1],  # bank
+        [1, 1, 0, 0.0],
+    ]
+)  # flooded
 
 
 def test_seed_two_head_river_bank_flooded(isa):
@@ -735,8 +781,13 @@ def test_seed_two_head_river_bank_flooded(isa):
     np.testing.assert_array_equal(np.round(out[0, 0], 3), [0.802, 0.599])
     np.testing.assert_array_equal(np.round(out[1, 0], 3), [0.503, 0.248])
     xs = X_BANK.reshape(3, 2, 2)  # (S, H, D): the projection reshaped without a transpose
-    concat = attnx.attention(xs.astype(np.float32), xs.astype(np.float32),
-                             xs.astype(np.float32), layout="bshd").reshape(3, 4).astype(np.float64)
+    concat = (
+        attnx.attention(
+            xs.astype(np.float32), xs.astype(np.float32), xs.astype(np.float32), layout="bshd"
+        )
+        .reshape(3, 4)
+        .astype(np.float64)
+    )
     np.testing.assert_array_equal(np.round(concat[0], 3), [0.802, 0.599, 0.503, 0.248])
     exact = ref.attention(xs, xs, xs, layout="bshd").reshape(3, 4)
     np.testing.assert_allclose(concat, exact, rtol=1e-6)
@@ -754,11 +805,15 @@ def _fake_kernel(monkeypatch, wrong):
     monkeypatch.setattr(attnx, "attention", lambda *a, **kw: (wrong.copy(), real(*a, **kw)[1]))
 
 
-@pytest.mark.parametrize(("dtype", "bug"), [
-    pytest.param(dt, bug, id=f"{name}-{bug}")
-    for dt, name in zip(DTYPES, DTYPE_IDS)
-    for bug in ("scale", "masked key", "diagonal") + (("bf16 output",) if dt == np.float32 else ())
-])
+@pytest.mark.parametrize(
+    ("dtype", "bug"),
+    [
+        pytest.param(dt, bug, id=f"{name}-{bug}")
+        for dt, name in zip(DTYPES, DTYPE_IDS)
+        for bug in ("scale", "masked key", "diagonal")
+        + (("bf16 output",) if dt == np.float32 else ())
+    ],
+)
 def test_tolerance_is_tight(monkeypatch, rng, dtype, bug):
     """check_attention's tolerance catches small real bugs: a slightly wrong scale (0.1 % in
     float32, 2 % in 16-bit dtypes), one key that should be masked, an off-by-one causal
@@ -767,7 +822,9 @@ def test_tolerance_is_tight(monkeypatch, rng, dtype, bug):
     mask = np.ones(300, bool)
     mask[100] = False
     if bug == "scale":
-        wrong = ref.attention(q, k, v, mask=mask, scale=(1.001 if dtype == np.float32 else 1.02) / 8)
+        wrong = ref.attention(
+            q, k, v, mask=mask, scale=(1.001 if dtype == np.float32 else 1.02) / 8
+        )
     elif bug == "masked key":
         wrong = ref.attention(q, k, v)
     elif bug == "diagonal":
@@ -812,8 +869,14 @@ def test_memory_is_linear_in_sequence_length(tmp_path):
     Memory does not depend on the instruction set, so this runs on the fastest one."""
     npz = tmp_path / "rows.npz"
     env = {key: val for key, val in os.environ.items() if key != "ATTNX_ISA"}
-    res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(SEED), str(npz)],
-                         capture_output=True, text=True, timeout=600, check=True, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(SEED), str(npz)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+        env=env,
+    )
     grown, seconds = res.stdout.split()
     assert int(grown) < 512 * 2**20, f"peak RSS grew by {int(grown) / 2**20:.0f} MiB"
     d = np.load(npz)

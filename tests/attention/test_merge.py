@@ -3,6 +3,8 @@ gives the result over all keys (DESIGN.md, "Merging partial results")."""
 
 from __future__ import annotations
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
+
 from helpers import BF16, F32_EPS, SEED, from4, lse4, rand, to4
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
@@ -27,11 +30,14 @@ def partials(q, k, v, cuts, *, layout, mask):
     seq_axis = -2 if layout == "bhsd" or q.ndim == 2 else -3
     bounds = [0] + list(cuts) + [k.shape[seq_axis]]
     res = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         idx = [slice(None)] * k.ndim
         idx[seq_axis] = slice(a, b)
-        res.append(attnx.attention(q, k[tuple(idx)], v[tuple(idx)], mask=mask[..., a:b],
-                                   layout=layout, return_lse=True))
+        res.append(
+            attnx.attention(
+                q, k[tuple(idx)], v[tuple(idx)], mask=mask[..., a:b], layout=layout, return_lse=True
+            )
+        )
     return res
 
 
@@ -58,8 +64,15 @@ def merge_cases(draw):
     kind = draw(st.sampled_from(["full", "causal", "random", "blank_part"]))
     dtype = draw(st.sampled_from(DTYPES))
     seed = draw(st.integers(0, 2**31))
-    return dict(rank=rank, layout=layout, shape=(B, hq, hkv, sq, sk, dk, dv), cuts=cuts, kind=kind,
-                dtype=dtype, seed=seed)
+    return dict(
+        rank=rank,
+        layout=layout,
+        shape=(B, hq, hkv, sq, sk, dk, dv),
+        cuts=cuts,
+        kind=kind,
+        dtype=dtype,
+        seed=seed,
+    )
 
 
 def visibility(kind, B, hq, sq, sk, cuts, rng):
@@ -75,7 +88,7 @@ def visibility(kind, B, hq, sq, sk, cuts, rng):
         bounds = [0] + list(cuts) + [sk]
         p = rng.integers(len(bounds) - 1)
         rows = rng.random(sq) < 0.7
-        m[:, :, rows, bounds[p]:bounds[p + 1]] = False
+        m[:, :, rows, bounds[p] : bounds[p + 1]] = False
     return m
 
 
@@ -99,8 +112,9 @@ def test_merged_splits_equal_attention_over_all_keys(case):
     parts = partials(q, k, v, case["cuts"], layout=layout, mask=m)
     out, lse = attnx.merge_attention([p[0] for p in parts], [p[1] for p in parts], layout=layout)
     direct, direct_lse = attnx.attention(q, k, v, mask=m, layout=layout, return_lse=True)
-    exact, exact_lse = ref.attention(q, k, v, mask=m, layout=layout, return_lse=True,
-                                     out_dtype=np.float64)
+    exact, exact_lse = ref.attention(
+        q, k, v, mask=m, layout=layout, return_lse=True, out_dtype=np.float64
+    )
     assert out.shape == direct.shape and out.dtype == dtype and lse.dtype == np.float32
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(exact_lse))
     assert np.all(to4(out, layout, rank)[np.isneginf(lse4(exact_lse, rank))] == 0)
@@ -110,13 +124,18 @@ def test_merged_splits_equal_attention_over_all_keys(case):
     assert err <= tol, f"out: {err:.3g} > {tol:.3g}"
     fin = np.isfinite(exact_lse)
     lse_err = float(np.max(np.abs(lse[fin] - exact_lse[fin]), initial=0.0))
-    assert lse_err <= 3 * float(np.max(np.abs(direct_lse[fin] - exact_lse[fin]), initial=0.0)) + \
-        8 * F32_EPS * max(1.0, float(np.max(np.abs(exact_lse[fin]), initial=0.0)))
+    assert lse_err <= 3 * float(
+        np.max(np.abs(direct_lse[fin] - exact_lse[fin]), initial=0.0)
+    ) + 8 * F32_EPS * max(1.0, float(np.max(np.abs(exact_lse[fin]), initial=0.0)))
     # the reference twin merges the same partials to the same result
     r_out, r_lse = ref.merge_attention([p[0] for p in parts], [p[1] for p in parts], layout=layout)
     assert r_out.dtype == dtype and r_lse.dtype == np.float32
-    np.testing.assert_allclose(out.astype(np.float64), r_out.astype(np.float64),
-                               atol=2 * float(ml_dtypes.finfo(dtype).eps) * scale, rtol=0)
+    np.testing.assert_allclose(
+        out.astype(np.float64),
+        r_out.astype(np.float64),
+        atol=2 * float(ml_dtypes.finfo(dtype).eps) * scale,
+        rtol=0,
+    )
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
 
 
@@ -125,15 +144,19 @@ def test_merge_with_causal_splits_of_a_cache():
     causal attention over each part merges to causal attention over the whole."""
     rng = np.random.default_rng(SEED)
     q, k, v = rand(rng, (2, 4, 1, 32)), rand(rng, (2, 2, 40, 32)), rand(rng, (2, 2, 40, 16))
-    parts = [attnx.attention(q, k[:, :, a:b], v[:, :, a:b], causal=True, return_lse=True)
-             for a, b in ((0, 13), (13, 13), (13, 40))]
+    parts = [
+        attnx.attention(q, k[:, :, a:b], v[:, :, a:b], causal=True, return_lse=True)
+        for a, b in ((0, 13), (13, 13), (13, 40))
+    ]
     out, lse = attnx.merge_attention(*zip(*parts))
     direct, direct_lse = attnx.attention(q, k, v, causal=True, return_lse=True)
     np.testing.assert_allclose(out, direct, atol=2e-6, rtol=0)
     np.testing.assert_allclose(lse, direct_lse, atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("merge", [attnx.merge_attention, ref.merge_attention], ids=["attnx", "ref"])
+@pytest.mark.parametrize(
+    "merge", [attnx.merge_attention, ref.merge_attention], ids=["attnx", "ref"]
+)
 def test_nan_and_empty_rules(merge):
     """Row by row: a part at -inf contributes nothing (not even a NaN it holds); all parts -inf
     give 0 and -inf; a NaN lse or a NaN output of a contributing part makes that row NaN only."""
@@ -162,7 +185,9 @@ def test_dtypes_are_kept_and_accumulated_wide(dtype):
     assert out.dtype == dtype == r_out.dtype
     assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32) == r_lse.dtype
     eps = float(ml_dtypes.finfo(dtype).eps) if dtype != np.float64 else F32_EPS
-    np.testing.assert_allclose(out.astype(np.float64), r_out.astype(np.float64), atol=4 * eps, rtol=0)
+    np.testing.assert_allclose(
+        out.astype(np.float64), r_out.astype(np.float64), atol=4 * eps, rtol=0
+    )
     np.testing.assert_allclose(lse, r_lse, atol=1e-6, rtol=0)
 
 
@@ -190,7 +215,9 @@ def test_paged_partials_merge():
     np.testing.assert_allclose(lse, whole[1], atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("merge", [attnx.merge_attention, ref.merge_attention], ids=["attnx", "ref"])
+@pytest.mark.parametrize(
+    "merge", [attnx.merge_attention, ref.merge_attention], ids=["attnx", "ref"]
+)
 def test_bad_arguments_are_refused(merge):
     o, lse = np.zeros((2, 3, 4), np.float32), np.zeros((2, 3), np.float32)
     with pytest.raises(ValueError, match="outs"):
@@ -228,25 +255,37 @@ def test_mixed_dtypes_and_single_arrays_are_refused():
 def test_torch_parts_give_torch_results(dtype, form):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
-    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 5, 8)).astype(np.float32)).to(
-        getattr(torch, dtype)) for _ in range(3))
-    parts = [attnx.attention(q, k[:, :, s], v[:, :, s], return_lse=True)
-             for s in (slice(0, 2), slice(2, 5))]
+    q, k, v = (
+        torch.from_numpy(rng.standard_normal((1, 2, 5, 8)).astype(np.float32)).to(
+            getattr(torch, dtype)
+        )
+        for _ in range(3)
+    )
+    parts = [
+        attnx.attention(q, k[:, :, s], v[:, :, s], return_lse=True)
+        for s in (slice(0, 2), slice(2, 5))
+    ]
     assert all(isinstance(o, torch.Tensor) for o, _ in parts)
     outs, lses = [p[0] for p in parts], [p[1] for p in parts]
     if form == "tuple":
         outs, lses = tuple(outs), tuple(lses)
     if form == "generator":
         outs, lses = (o for o in outs), (x for x in lses)
-    out, lse = (attnx.merge_attention(outs=outs, lses=lses) if form == "keywords"
-                else attnx.merge_attention(outs, lses))
+    out, lse = (
+        attnx.merge_attention(outs=outs, lses=lses)
+        if form == "keywords"
+        else attnx.merge_attention(outs, lses)
+    )
     assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     # the same values as the NumPy merge of the same parts
     to_np = lambda t: t.float().numpy()  # noqa: E731
-    want_out, want_lse = attnx.merge_attention([to_np(p[0]) for p in parts],
-                                               [p[1].numpy() for p in parts])
-    np.testing.assert_allclose(out.float().numpy(), want_out, atol=1e-2 if dtype != "float32" else 1e-6)
+    want_out, want_lse = attnx.merge_attention(
+        [to_np(p[0]) for p in parts], [p[1].numpy() for p in parts]
+    )
+    np.testing.assert_allclose(
+        out.float().numpy(), want_out, atol=1e-2 if dtype != "float32" else 1e-6
+    )
     np.testing.assert_allclose(lse.numpy(), want_lse, atol=1e-5)
 
 

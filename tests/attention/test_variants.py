@@ -11,10 +11,11 @@ import itertools
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import make_rng
 
 import attnx
 from attnx import reference as ref
+
+from helpers import make_rng
 
 VARIANTS = ("window", "softcap", "sinks", "alibi")
 COMBOS = [c for r in range(1, 5) for c in itertools.combinations(VARIANTS, r)]
@@ -58,8 +59,13 @@ STRUCTURES = ["plain", "gqa_causal", "mqa_boolmask", "padding_causal", "floatmas
 def test_attention(names, structure):
     rng = make_rng("attention", names, structure)
     B, Sq, Sk, D = 2, 7, 11, 16
-    Hq, Hkv = {"plain": (4, 4), "gqa_causal": (6, 2), "mqa_boolmask": (4, 1),
-               "padding_causal": (4, 2), "floatmask_padding_bshd": (4, 2)}[structure]
+    Hq, Hkv = {
+        "plain": (4, 4),
+        "gqa_causal": (6, 2),
+        "mqa_boolmask": (4, 1),
+        "padding_causal": (4, 2),
+        "floatmask_padding_bshd": (4, 2),
+    }[structure]
     layout = "bshd" if "bshd" in structure else "bhsd"
 
     def shape(H, S, Dh):
@@ -113,7 +119,7 @@ def test_window_shapes(window):
         lo = 0 if left is None else max(0, ip - left)
         hi = Sk - 1 if right is None else min(Sk - 1, ip + right)
         want = np.zeros(Sk)
-        want[lo:hi + 1] = 1.0 / (hi - lo + 1)
+        want[lo : hi + 1] = 1.0 / (hi - lo + 1)
         np.testing.assert_allclose(out[i], want, atol=1e-6)
 
 
@@ -126,8 +132,9 @@ def test_sinks_only_rows_and_lse():
     mask[1] = False
     sinks = np.array([0.5, -1.0], np.float32)
     out, lse = attnx.attention(q, k, k, mask=mask, sinks=sinks, return_lse=True)
-    want, want_lse = ref.attention(q, k, k, mask=mask, sinks=sinks, return_lse=True,
-                                   out_dtype=np.float64)
+    want, want_lse = ref.attention(
+        q, k, k, mask=mask, sinks=sinks, return_lse=True, out_dtype=np.float64
+    )
     assert np.all(out[0, :, 1] == 0)
     close(out, want)
     close(lse, want_lse)
@@ -157,7 +164,7 @@ def test_alibi_distance_is_bottom_right():
     for b, Lk in enumerate([5, 4]):
         for i in range(3):
             dist = np.abs(i + Lk - 3 - np.arange(Lk))
-            w = 2.0 ** -dist
+            w = 2.0**-dist
             np.testing.assert_allclose(out[b, 0, i, :Lk], w / w.sum(), atol=1e-6)
 
 
@@ -176,7 +183,7 @@ def random_pool(rng, seq_lens, Hkv, D, Dv, bs, dtype=np.float32):
     tables = np.full((len(seq_lens), max(1, int(nblk.max()))), num_blocks - 1, np.int32)
     start = 0
     for b, n in enumerate(nblk):
-        tables[b, :n] = ids[start:start + n]
+        tables[b, :n] = ids[start : start + n]
         start += n
     return k_pages, v_pages, tables
 
@@ -193,10 +200,20 @@ def test_paged(names, heads, mode):
     k_pages, v_pages, tables = random_pool(rng, seq_lens, Hkv, D, Dv, bs)
     q = rng.standard_normal((int(q_lens.sum()), Hq, D)).astype(np.float32)
     kw = variant_kwargs(rng, names, Hq)
-    out, lse = attnx.paged_attention(q, k_pages, v_pages, tables, seq_lens, q_lens=q_lens,
-                                     return_lse=True, **kw)
-    want, want_lse = ref.paged_attention(q, k_pages, v_pages, tables, seq_lens, q_lens=q_lens,
-                                         return_lse=True, out_dtype=np.float64, **kw)
+    out, lse = attnx.paged_attention(
+        q, k_pages, v_pages, tables, seq_lens, q_lens=q_lens, return_lse=True, **kw
+    )
+    want, want_lse = ref.paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        tables,
+        seq_lens,
+        q_lens=q_lens,
+        return_lse=True,
+        out_dtype=np.float64,
+        **kw,
+    )
     close(out, want)
     close(lse, want_lse, scale=float(np.abs(want_lse[np.isfinite(want_lse)]).max(initial=1)))
 
@@ -210,10 +227,12 @@ def test_paged_long_window_split_kv(window):
     q = rng.standard_normal((3, 8, 32)).astype(np.float32)
     kw = dict(window=window, sinks=rng.standard_normal(8).astype(np.float32), softcap=20.0)
     for threads in (1, 2, 4):
-        out = attnx.paged_attention(q, k_pages, v_pages, tables, seq_lens, num_threads=threads,
-                                    **kw)
-        want = ref.paged_attention(q, k_pages, v_pages, tables, seq_lens, out_dtype=np.float64,
-                                   **kw)
+        out = attnx.paged_attention(
+            q, k_pages, v_pages, tables, seq_lens, num_threads=threads, **kw
+        )
+        want = ref.paged_attention(
+            q, k_pages, v_pages, tables, seq_lens, out_dtype=np.float64, **kw
+        )
         close(out, want)
 
 
@@ -225,14 +244,32 @@ def test_paged_mla_value_view():
     v_pages = k_pages[..., :512]
     q = rng.standard_normal((3, 16, 576)).astype(np.float32)
     scale = 1 / np.sqrt(192)
-    out = attnx.paged_attention(q, k_pages, v_pages, tables, seq_lens, scale=scale,
-                                sinks=np.zeros(16, np.float32))
-    want = ref.paged_attention(q, k_pages, v_pages, tables, seq_lens, scale=scale,
-                               sinks=np.zeros(16, np.float32), out_dtype=np.float64)
+    out = attnx.paged_attention(
+        q, k_pages, v_pages, tables, seq_lens, scale=scale, sinks=np.zeros(16, np.float32)
+    )
+    want = ref.paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        tables,
+        seq_lens,
+        scale=scale,
+        sinks=np.zeros(16, np.float32),
+        out_dtype=np.float64,
+    )
     close(out, want)
     np.testing.assert_array_equal(
-        out, attnx.paged_attention(q, k_pages, np.ascontiguousarray(v_pages), tables, seq_lens,
-                                   scale=scale, sinks=np.zeros(16, np.float32)))
+        out,
+        attnx.paged_attention(
+            q,
+            k_pages,
+            np.ascontiguousarray(v_pages),
+            tables,
+            seq_lens,
+            scale=scale,
+            sinks=np.zeros(16, np.float32),
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,10 +278,11 @@ def test_paged_mla_value_view():
 
 
 LAYER_VARIANTS = [
-    dict(window=(3, 0)),                                   # Mistral/Gemma-style local layer
+    dict(window=(3, 0)),  # Mistral/Gemma-style local layer
     dict(softcap=5.0, sinks=np.array([0.3, -0.5, 1.0, 0.0], np.float32)),  # global + sinks
-    dict(window=(5, None), alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32),
-         softcap=3.0),
+    dict(
+        window=(5, None), alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32), softcap=3.0
+    ),
 ]
 
 
@@ -253,8 +291,9 @@ LAYER_VARIANTS = [
 def test_cache_steps(Hkv, kv_dtype):
     rng = make_rng("cache", Hkv, kv_dtype)
     Hq, D, L = 4, 8, len(LAYER_VARIANTS)
-    cache = attnx.PagedKVCache(num_layers=L, num_kv_heads=Hkv, head_dim=D, num_blocks=64,
-                               block_size=4, dtype=kv_dtype)
+    cache = attnx.PagedKVCache(
+        num_layers=L, num_kv_heads=Hkv, head_dim=D, num_blocks=64, block_size=4, dtype=kv_dtype
+    )
     store = np.dtype(ml_dtypes.bfloat16) if kv_dtype == "bfloat16" else np.dtype(np.float32)
     seqs = [cache.new_sequence() for _ in range(3)]
     hist = {s: [([], []) for _ in range(L)] for s in seqs}  # per layer: K rows, V rows
@@ -270,19 +309,26 @@ def test_cache_steps(Hkv, kv_dtype):
             start = 0
             for s, n in zip(ids, counts):
                 K, V = hist[s][layer]
-                K.extend(k[start:start + n].astype(store).astype(np.float32))
-                V.extend(v[start:start + n].astype(store).astype(np.float32))
+                K.extend(k[start : start + n].astype(store).astype(np.float32))
+                V.extend(v[start : start + n].astype(store).astype(np.float32))
                 if n:
-                    want = ref.attention(q[start:start + n], np.array(K), np.array(V),
-                                         causal=True, layout="bshd", out_dtype=np.float64, **var)
-                    close(out[start:start + n], want)
+                    want = ref.attention(
+                        q[start : start + n],
+                        np.array(K),
+                        np.array(V),
+                        causal=True,
+                        layout="bshd",
+                        out_dtype=np.float64,
+                        **var,
+                    )
+                    close(out[start : start + n], want)
                 start += n
 
-    run_step(seqs, [5, 9, 1])          # prefill
-    for _ in range(3):                 # decode
+    run_step(seqs, [5, 9, 1])  # prefill
+    for _ in range(3):  # decode
         run_step(seqs, [1, 1, 1])
-    run_step(seqs, [6, 0, 2])          # a chunk of more prompt for one, nothing for another
-    child = cache.fork(seqs[1])        # parallel sampling: the child shares the parent's blocks
+    run_step(seqs, [6, 0, 2])  # a chunk of more prompt for one, nothing for another
+    child = cache.fork(seqs[1])  # parallel sampling: the child shares the parent's blocks
     hist[child] = [(list(K), list(V)) for K, V in hist[seqs[1]]]
     for _ in range(2):
         run_step([seqs[1], child], [1, 1])
@@ -318,8 +364,9 @@ def test_bad_attention(fn, bad):
         fn(q, k, k, **kw)
 
 
-@pytest.mark.parametrize("fn", [attnx.paged_attention, ref.paged_attention],
-                         ids=["attnx", "reference"])
+@pytest.mark.parametrize(
+    "fn", [attnx.paged_attention, ref.paged_attention], ids=["attnx", "reference"]
+)
 @pytest.mark.parametrize("bad", BAD, ids=BAD_IDS)
 def test_bad_paged(fn, bad):
     name, kw = bad
@@ -334,16 +381,22 @@ def test_bad_paged_leaves_out_untouched():
     q = np.ones((2, 4, 8), np.float32)
     out = np.full((2, 4, 8), 7.0, np.float32)
     with pytest.raises(ValueError, match="sinks"):
-        attnx.paged_attention(q, kp, kp, np.array([[0, 1], [2, 3]]), np.array([5, 8]), out=out,
-                              sinks=np.zeros(3, np.float32))
+        attnx.paged_attention(
+            q,
+            kp,
+            kp,
+            np.array([[0, 1], [2, 3]]),
+            np.array([5, 8]),
+            out=out,
+            sinks=np.zeros(3, np.float32),
+        )
     assert np.all(out == 7.0)
 
 
 @pytest.mark.parametrize("bad", BAD, ids=BAD_IDS)
 def test_bad_cache_step_writes_nothing(bad):
     name, kw = bad
-    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=4,
-                               block_size=4)
+    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=4, block_size=4)
     s = cache.new_sequence()
     step = cache.begin_step([s], [3])
     q = np.ones((3, 4, 8), np.float32)

@@ -40,22 +40,39 @@ def refused(argv, capsys, calls):
 CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128}
 
 
-@pytest.mark.parametrize("field, value", [
-    ("num_attention_heads", 0), ("num_attention_heads", None), ("num_attention_heads", -4),
-    ("num_attention_heads", 4.0), ("num_attention_heads", "4"), ("num_attention_heads", True),
-    ("num_key_value_heads", 0), ("num_key_value_heads", -2), ("num_key_value_heads", 3),
-    ("head_dim", -64), ("head_dim", 0), ("head_dim", 12.5), ("hidden_size", 0),
-    ("hidden_size", None), ("sliding_window", -5), ("sliding_window", 0),
-    ("sliding_window", "4096"), ("use_sliding_window", "yes"),
-])
-def test_bad_config_fields_are_one_line_errors_naming_them(tmp_path, capsys, no_timing, field, value):
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_attention_heads", 0),
+        ("num_attention_heads", None),
+        ("num_attention_heads", -4),
+        ("num_attention_heads", 4.0),
+        ("num_attention_heads", "4"),
+        ("num_attention_heads", True),
+        ("num_key_value_heads", 0),
+        ("num_key_value_heads", -2),
+        ("num_key_value_heads", 3),
+        ("head_dim", -64),
+        ("head_dim", 0),
+        ("head_dim", 12.5),
+        ("hidden_size", 0),
+        ("hidden_size", None),
+        ("sliding_window", -5),
+        ("sliding_window", 0),
+        ("sliding_window", "4096"),
+        ("use_sliding_window", "yes"),
+    ],
+)
+def test_bad_config_fields_are_one_line_errors_naming_them(
+    tmp_path, capsys, no_timing, field, value
+):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**CONFIG, field: value}))
     err = refused(["--config", str(path)], capsys, no_timing)
     assert field in err
 
 
-@pytest.mark.parametrize("text", ["[1, 2]", "{\"text_config\": null}", "{}", "{" * 100000, "nope"])
+@pytest.mark.parametrize("text", ["[1, 2]", '{"text_config": null}', "{}", "{" * 100000, "nope"])
 def test_configs_that_are_not_model_configs(tmp_path, capsys, no_timing, text):
     path = tmp_path / "config.json"
     path.write_text(text)
@@ -64,32 +81,59 @@ def test_configs_that_are_not_model_configs(tmp_path, capsys, no_timing, text):
 
 def test_null_and_absent_optional_fields_take_their_defaults(tmp_path, no_timing):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"text_config": {"num_attention_heads": 8, "num_key_value_heads": None,
-                                                "hidden_size": 512, "head_dim": None,
-                                                "sliding_window": None, "model_type": "m"}}))
+    path.write_text(
+        json.dumps(
+            {
+                "text_config": {
+                    "num_attention_heads": 8,
+                    "num_key_value_heads": None,
+                    "hidden_size": 512,
+                    "head_dim": None,
+                    "sliding_window": None,
+                    "model_type": "m",
+                }
+            }
+        )
+    )
     cli.main(["bench", "--config", str(path), "--seq", "64", "--context", "32"])
     (run,) = no_timing
     assert run["title"] == "model m: heads 8:8, head dim 64, sliding window none"
-    path.write_text(json.dumps({"num_attention_heads": 8, "hidden_size": 512, "head_dim": 128,
-                                "use_sliding_window": False, "sliding_window": 4096}))
+    path.write_text(
+        json.dumps(
+            {
+                "num_attention_heads": 8,
+                "hidden_size": 512,
+                "head_dim": 128,
+                "use_sliding_window": False,
+                "sliding_window": 4096,
+            }
+        )
+    )
     cli.main(["bench", "--config", str(path), "--seq", "64", "--context", "32"])
     assert no_timing[1]["title"] == "model model: heads 8:8, head dim 128, sliding window none"
 
 
-@pytest.mark.parametrize("argv, name", [
-    (["--threads", "0"], "--threads"), (["--threads", "-3"], "--threads"),
-    (["--threads", "abc"], "--threads"), (["--repeat", "0"], "--repeat"),
-    (["--case", "prefill", "--batch", "0"], "--batch"),
-    (["--case", "prefill", "--head-dim", "-64"], "--head-dim"),
-    (["--case", "paged-decode", "--block-size", "0"], "--block-size"),
-    (["--case", "prefill", "--window", "-5"], "--window"),
-    (["--case", "prefill", "--seq", "0"], "--seq"), (["--case", "decode", "--context", "x"], "--context"),
-    (["--case", "prefill", "--heads", "6:4"], "--heads"), (["--case", "prefill", "--heads", "0"], "--heads"),
-    (["--case", "prefill", "--kv-dtype", "float64"], "--kv-dtype"),
-    (["--case", "paged-decode", "--kv-dtype", "float8_e5m2"], "--kv-dtype"),
-    (["--case", "prefill", "--kv-dtype", "int8"], "--kv-dtype"),
-    (["--case", "nope"], "--case"),
-])
+@pytest.mark.parametrize(
+    "argv, name",
+    [
+        (["--threads", "0"], "--threads"),
+        (["--threads", "-3"], "--threads"),
+        (["--threads", "abc"], "--threads"),
+        (["--repeat", "0"], "--repeat"),
+        (["--case", "prefill", "--batch", "0"], "--batch"),
+        (["--case", "prefill", "--head-dim", "-64"], "--head-dim"),
+        (["--case", "paged-decode", "--block-size", "0"], "--block-size"),
+        (["--case", "prefill", "--window", "-5"], "--window"),
+        (["--case", "prefill", "--seq", "0"], "--seq"),
+        (["--case", "decode", "--context", "x"], "--context"),
+        (["--case", "prefill", "--heads", "6:4"], "--heads"),
+        (["--case", "prefill", "--heads", "0"], "--heads"),
+        (["--case", "prefill", "--kv-dtype", "float64"], "--kv-dtype"),
+        (["--case", "paged-decode", "--kv-dtype", "float8_e5m2"], "--kv-dtype"),
+        (["--case", "prefill", "--kv-dtype", "int8"], "--kv-dtype"),
+        (["--case", "nope"], "--case"),
+    ],
+)
 def test_bad_options_are_one_line_errors_naming_them(capsys, no_timing, argv, name):
     assert name in refused(argv, capsys, no_timing)
 
@@ -110,10 +154,19 @@ def test_a_writable_json_path_is_left_as_it_was(tmp_path, no_timing):
     assert [r["json_path"] for r in no_timing] == [str(fresh), str(kept)]
 
 
-@pytest.mark.parametrize("name, label", [
-    ("fp16", "fp16"), ("float16", "fp16"), ("bfloat16", "bf16"), ("bf16", "bf16"),
-    ("float32", "fp32"), ("int8", "int8"), ("float8_e4m3fn", "fp8"), ("fp8", "fp8"),
-])
+@pytest.mark.parametrize(
+    "name, label",
+    [
+        ("fp16", "fp16"),
+        ("float16", "fp16"),
+        ("bfloat16", "bf16"),
+        ("bf16", "bf16"),
+        ("float32", "fp32"),
+        ("int8", "int8"),
+        ("float8_e4m3fn", "fp8"),
+        ("fp8", "fp8"),
+    ],
+)
 def test_kv_dtype_takes_the_caches_names_and_the_short_ones(no_timing, name, label):
     cli.main(["bench", "--case", "paged-decode", "--kv-dtype", name, "--context", "64"])
     (run,) = no_timing
@@ -145,16 +198,24 @@ def test_the_real_command_line_prints_one_line_and_times_nothing(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({**CONFIG, "num_attention_heads": 0}))
     env = dict(os.environ, ATTNX_BENCH_TINY="1")
     for argv in (["--config", "c.json"], ["--json", str(tmp_path / "none" / "x.json")]):
-        res = subprocess.run([sys.executable, "-m", "attnx", "bench", *argv], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [sys.executable, "-m", "attnx", "bench", *argv],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 2 and res.stdout == ""
         assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
         assert "probing" not in res.stderr and "[1/" not in res.stderr
 
 
 # ---- dtype names: one table for the cache, the layers and the bench --------------------------
-@pytest.mark.parametrize("short, full", [("fp32", "float32"), ("fp16", "float16"),
-                                         ("bf16", "bfloat16"), ("fp8", "float8_e4m3fn")])
+@pytest.mark.parametrize(
+    "short, full",
+    [("fp32", "float32"), ("fp16", "float16"), ("bf16", "bfloat16"), ("fp8", "float8_e4m3fn")],
+)
 def test_cache_takes_the_short_names_too(short, full):
     a = attnx.PagedKVCache(1, 1, 8, num_blocks=2, dtype=short)
     b = attnx.PagedKVCache(1, 1, 8, num_blocks=2, dtype=full)

@@ -11,10 +11,11 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import BF16, SEED, cache_stepper, finish_client, make_rng
 
 import attnx
 from attnx import reference
+
+from helpers import BF16, SEED, cache_stepper, finish_client, make_rng
 
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
 
@@ -44,8 +45,10 @@ class Shadow:
 
     def empty(self):
         c = self.cache
-        return {"k": [np.zeros((0, c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_layers)],
-                "v": [np.zeros((0, c.num_kv_heads, c.value_dim), c.dtype) for _ in range(c.num_layers)]}
+        return {
+            "k": [np.zeros((0, c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_layers)],
+            "v": [np.zeros((0, c.num_kv_heads, c.value_dim), c.dtype) for _ in range(c.num_layers)],
+        }
 
     def new(self):
         s = self.cache.new_sequence()
@@ -81,8 +84,8 @@ class Shadow:
             at = 0
             for s, n in zip(seqs, counts):
                 r = self.rows[s]
-                r["k"][layer] = np.concatenate([r["k"][layer], k[at:at + n].astype(c.dtype)])
-                r["v"][layer] = np.concatenate([r["v"][layer], v[at:at + n].astype(c.dtype)])
+                r["k"][layer] = np.concatenate([r["k"][layer], k[at : at + n].astype(c.dtype)])
+                r["v"][layer] = np.concatenate([r["v"][layer], v[at : at + n].astype(c.dtype)])
                 at += n
             if check:
                 self.check_outputs(layer, seqs, counts, q, o, **kw)
@@ -99,13 +102,15 @@ class Shadow:
                 continue
             K = self.rows[s]["k"][layer].astype(np.float32)
             V = self.rows[s]["v"][layer].astype(np.float32)
-            want = reference.attention(q[at:at + n], K, V, causal=True, layout="bshd",
-                                       return_lse=return_lse, **kw)
+            want = reference.attention(
+                q[at : at + n], K, V, causal=True, layout="bshd", return_lse=return_lse, **kw
+            )
             if return_lse:
                 want, want_lse = want
-                np.testing.assert_allclose(lse[at:at + n], want_lse.T, rtol=2e-5, atol=2e-5)
-            np.testing.assert_allclose(o[at:at + n], want, rtol=2e-5, atol=2e-5,
-                                       err_msg=f"seq {s} layer {layer}")
+                np.testing.assert_allclose(lse[at : at + n], want_lse.T, rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(
+                o[at : at + n], want, rtol=2e-5, atol=2e-5, err_msg=f"seq {s} layer {layer}"
+            )
             at += n
 
     def readback(self, seq, layer):
@@ -151,8 +156,10 @@ def snapshot(cache):
         "free": cache._free_ids(),
         "refs": cache._refs.copy(),
         "next_id": cache._next_id,
-        "seqs": {s: (cache.length(s), cache.block_table(s).tolist(), cache._seqs[s].version)
-                 for s in cache.sequences},
+        "seqs": {
+            s: (cache.length(s), cache.block_table(s).tolist(), cache._seqs[s].version)
+            for s in cache.sequences
+        },
         "k": cache._k.copy(),
         "v": cache._v.copy(),
         "stats": cache.stats(),
@@ -184,8 +191,9 @@ def small_cache(**kw):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_issue_loop_prefill_then_decode(isa, dtype):
     rng = make_rng(1, len(dtype))
-    cache = attnx.PagedKVCache(num_layers=4, num_kv_heads=3, head_dim=64, num_blocks=64,
-                               block_size=16, dtype=dtype)
+    cache = attnx.PagedKVCache(
+        num_layers=4, num_kv_heads=3, head_dim=64, num_blocks=64, block_size=16, dtype=dtype
+    )
     assert cache.dtype == DTYPES[dtype]
     sh = Shadow(cache, hq=6)
     a, b = sh.new(), sh.new()
@@ -218,7 +226,7 @@ def test_step_attributes_and_slots():
     np.testing.assert_array_equal(step.seq_lens, [5, 6])
     np.testing.assert_array_equal(step.positions, [2, 3, 4])
     bt = cache.block_table(b)
-    np.testing.assert_array_equal(step.block_tables[0, :len(bt)], bt)
+    np.testing.assert_array_equal(step.block_tables[0, : len(bt)], bt)
     np.testing.assert_array_equal(step.slots, [bt[0] * 4 + 2, bt[0] * 4 + 3, bt[1] * 4 + 0])
     k = rng.standard_normal((3, 2, 8)).astype(np.float32)
     step.attend(1, rng.standard_normal((3, 2, 8)).astype(np.float32), k, k)
@@ -259,10 +267,16 @@ def test_variants_through_the_cache(isa):
     sh = Shadow(cache, hq=4)
     a, b = sh.new(), sh.new()
     sh.step(rng, [a, b], [13, 6])
-    for kw in (dict(window=(3, None)), dict(window=[np.int64(2), 1]), dict(softcap=3.0), dict(scale=0.25),
-               dict(sinks=rng.standard_normal(4).astype(np.float32)),
-               dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32)),
-               dict(return_lse=True), dict(num_threads=1)):
+    for kw in (
+        dict(window=(3, None)),
+        dict(window=[np.int64(2), 1]),
+        dict(softcap=3.0),
+        dict(scale=0.25),
+        dict(sinks=rng.standard_normal(4).astype(np.float32)),
+        dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32)),
+        dict(return_lse=True),
+        dict(num_threads=1),
+    ):
         sh.step(rng, [a, b], [2, 1], **kw)
 
 
@@ -447,8 +461,14 @@ def test_utilisation_100_sequences():
     rng = make_rng(12)
     lengths = rng.integers(1, 2001, size=100)
     need = int(np.sum(-(-lengths // 16)))
-    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=need + 37,
-                               block_size=16, dtype="float16")
+    cache = attnx.PagedKVCache(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=2,
+        num_blocks=need + 37,
+        block_size=16,
+        dtype="float16",
+    )
     seqs = [cache.new_sequence() for _ in lengths]
     # grow in three batched rounds of random chunks (some 0), in a random order each round
     cuts = np.sort(rng.integers(0, lengths[:, None] + 1, size=(100, 2)), axis=1)
@@ -499,16 +519,22 @@ def test_cache_full_changes_nothing():
     c = sh.fork(a)
     pending = cache.begin_step([b], [0])  # a pending step must survive the failure
     assert cache.num_free_blocks == 1
-    for seqs, counts in (([b, a], [1, 3]),  # b fits (1 block), then a needs a copy + 1
-                         ([a], [3]),         # copy-on-write + 1 new block
-                         ([c, b], [2, 13]),
-                         ([b], [5])):
+    for seqs, counts in (
+        ([b, a], [1, 3]),  # b fits (1 block), then a needs a copy + 1
+        ([a], [3]),  # copy-on-write + 1 new block
+        ([c, b], [2, 13]),
+        ([b], [5]),
+    ):
         snap = snapshot(cache)
         with pytest.raises(attnx.CacheFullError, match="free blocks"):
             cache.begin_step(seqs, counts)
         assert_unchanged(cache, snap)
-    pending.attend(0, np.zeros((0, 2, 8), np.float32), np.zeros((0, 2, 8), np.float32),
-                   np.zeros((0, 2, 8), np.float32))
+    pending.attend(
+        0,
+        np.zeros((0, 2, 8), np.float32),
+        np.zeros((0, 2, 8), np.float32),
+        np.zeros((0, 2, 8), np.float32),
+    )
     sh.step(rng, [b], [4])  # exactly the last block
     assert cache.num_free_blocks == 0
     sh.check_pages()
@@ -528,8 +554,13 @@ def test_unknown_and_freed_ids():
     cache.free(new)
     for bad in (b, new, 999, -1, "a", None, 1.5, (0,), [0]):
         snap = snapshot(cache)
-        for op in (lambda: cache.fork(bad), lambda: cache.truncate(bad, 0), lambda: cache.free(bad),
-                   lambda: cache.length(bad), lambda: cache.block_table(bad)):
+        for op in (
+            lambda: cache.fork(bad),
+            lambda: cache.truncate(bad, 0),
+            lambda: cache.free(bad),
+            lambda: cache.length(bad),
+            lambda: cache.block_table(bad),
+        ):
             with pytest.raises(KeyError):
                 op()
         # an unhashable id cannot even be checked for duplicates: TypeError is fine there
@@ -547,7 +578,11 @@ def test_stale_steps():
     sh.step(rng, [a, b], [5, 6])
     x = np.ones((3, 2, 8), np.float32)
 
-    for spoil in (lambda: sh.truncate(a, 4), lambda: sh.free(a), lambda: cache.begin_step([a], [0])):
+    for spoil in (
+        lambda: sh.truncate(a, 4),
+        lambda: sh.free(a),
+        lambda: cache.begin_step([a], [0]),
+    ):
         la, lb = cache.length(a), cache.length(b)
         step = cache.begin_step([b, a], [2, 1])
         spoil()
@@ -592,17 +627,34 @@ def _bad_attend(**over):
             if key in args:
                 args[key] = val(args[key]) if callable(val) else val
         step.attend(args["layer"], args["q"], args["k"], args["v"], **kw)
+
     return op
 
 
 BAD_OPS = {
     # begin_step
-    "negative_count": (lambda c, s, a, b, *_: c.begin_step([a], [-1]), ValueError, "num_new_tokens"),
+    "negative_count": (
+        lambda c, s, a, b, *_: c.begin_step([a], [-1]),
+        ValueError,
+        "num_new_tokens",
+    ),
     "float_count": (lambda c, s, a, b, *_: c.begin_step([a], [1.5]), ValueError, "num_new_tokens"),
     "bool_count": (lambda c, s, a, b, *_: c.begin_step([a], [True]), ValueError, "num_new_tokens"),
-    "duplicate_ids": (lambda c, s, a, b, *_: c.begin_step([a, b, a], [1, 1, 1]), ValueError, "seq_ids"),
-    "mismatched_lengths": (lambda c, s, a, b, *_: c.begin_step([a, b], [1]), ValueError, "num_new_tokens"),
-    "huge_count": (lambda c, s, a, b, *_: c.begin_step([a], [2**40]), attnx.CacheFullError, "free blocks"),
+    "duplicate_ids": (
+        lambda c, s, a, b, *_: c.begin_step([a, b, a], [1, 1, 1]),
+        ValueError,
+        "seq_ids",
+    ),
+    "mismatched_lengths": (
+        lambda c, s, a, b, *_: c.begin_step([a, b], [1]),
+        ValueError,
+        "num_new_tokens",
+    ),
+    "huge_count": (
+        lambda c, s, a, b, *_: c.begin_step([a], [2**40]),
+        attnx.CacheFullError,
+        "free blocks",
+    ),
     # truncate
     "truncate_negative": (lambda c, s, a, b, *_: c.truncate(a, -1), ValueError, "length"),
     "truncate_longer": (lambda c, s, a, b, *_: c.truncate(a, 9), ValueError, "length"),
@@ -667,17 +719,20 @@ def test_bad_arguments_change_nothing(case):
     check_pool(cache)
 
 
-@pytest.mark.parametrize("kw, exc, name", [
-    (dict(num_layers=0), ValueError, "num_layers"),
-    (dict(num_kv_heads=-1), ValueError, "num_kv_heads"),
-    (dict(head_dim=2.0), ValueError, "head_dim"),
-    (dict(num_blocks=True), ValueError, "num_blocks"),
-    (dict(block_size=0), ValueError, "block_size"),
-    (dict(value_dim=0), ValueError, "value_dim"),
-    (dict(num_blocks=2**27, block_size=16), ValueError, "num_blocks"),
-    (dict(dtype="int16"), TypeError, "dtype"),  # (int8: a quantised cache since issue 13)
-    (dict(dtype="float8_e4m3fnuz"), TypeError, "dtype"),
-])
+@pytest.mark.parametrize(
+    "kw, exc, name",
+    [
+        (dict(num_layers=0), ValueError, "num_layers"),
+        (dict(num_kv_heads=-1), ValueError, "num_kv_heads"),
+        (dict(head_dim=2.0), ValueError, "head_dim"),
+        (dict(num_blocks=True), ValueError, "num_blocks"),
+        (dict(block_size=0), ValueError, "block_size"),
+        (dict(value_dim=0), ValueError, "value_dim"),
+        (dict(num_blocks=2**27, block_size=16), ValueError, "num_blocks"),
+        (dict(dtype="int16"), TypeError, "dtype"),  # (int8: a quantised cache since issue 13)
+        (dict(dtype="float8_e4m3fnuz"), TypeError, "dtype"),
+    ],
+)
 def test_constructor_arguments(kw, exc, name):
     with pytest.raises(exc, match=name):
         small_cache(**kw)
@@ -693,15 +748,23 @@ def test_zero_token_steps():
     snap = snapshot(cache)
     _, outs = sh.step(rng, [a, b], [0, 0])
     assert outs[0].shape == (0, 4, 8)
-    o, lse = cache.begin_step([], []).attend(1, np.zeros((0, 4, 8), np.float32),
-                                              np.zeros((0, 2, 8), np.float32),
-                                              np.zeros((0, 2, 8), np.float32), return_lse=True)
+    o, lse = cache.begin_step([], []).attend(
+        1,
+        np.zeros((0, 4, 8), np.float32),
+        np.zeros((0, 2, 8), np.float32),
+        np.zeros((0, 2, 8), np.float32),
+        return_lse=True,
+    )
     assert o.shape == (0, 4, 8) and lse.shape == (0, 4)
     assert snapshot(cache)["seqs"][a][:2] == snap["seqs"][a][:2]
     assert_bits_equal(cache._k, snap["k"])
     with pytest.raises(ValueError, match="v"):
-        cache.begin_step([a], [0]).attend(0, np.zeros((0, 4, 8), np.float32),
-                                          np.zeros((0, 2, 8), np.float32), np.zeros((0, 2, 7), np.float32))
+        cache.begin_step([a], [0]).attend(
+            0,
+            np.zeros((0, 4, 8), np.float32),
+            np.zeros((0, 2, 8), np.float32),
+            np.zeros((0, 2, 7), np.float32),
+        )
     sh.step(rng, [b, a], [2, 0])
     sh.check_pages()
 
@@ -732,8 +795,17 @@ def _script(cache, seed, barrier=None):
 
 
 def test_threads_match_serial():
-    make = lambda: attnx.PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=400,  # noqa: E731
-                                      block_size=8, dtype="float16", value_dim=16)
+    def make():
+        return attnx.PagedKVCache(
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=32,
+            num_blocks=400,
+            block_size=8,
+            dtype="float16",
+            value_dim=16,
+        )
+
     n = 4
     serial_cache = make()
     serial = [_script(serial_cache, i) for i in range(n)]
@@ -766,7 +838,9 @@ def test_threads_match_serial():
 def test_threads_bookkeeping_no_leak():
     """Threads creating, forking, stepping, truncating and freeing their own sequences at once
     leave a consistent pool; CacheFullError under contention changes nothing it should not."""
-    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=40, block_size=2)
+    cache = attnx.PagedKVCache(
+        num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=40, block_size=2
+    )
     errors = []
 
     def run(i):

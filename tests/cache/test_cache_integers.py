@@ -21,10 +21,26 @@ from hypothesis import strategies as st
 import attnx
 from attnx import reference
 
-INT_DTYPES = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
-                                     np.uint8, np.uint16, np.uint32, np.uint64)]
-NOT_INTS = [True, False, np.bool_(True), np.bool_(False), 1.0, 0.0, np.float64(1.0), np.float32(0.0),
-            np.array(1.0), np.array(True), "1", None, [1], 1 + 0j]
+INT_DTYPES = [
+    np.dtype(t)
+    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+]
+NOT_INTS = [
+    True,
+    False,
+    np.bool_(True),
+    np.bool_(False),
+    1.0,
+    0.0,
+    np.float64(1.0),
+    np.float32(0.0),
+    np.array(1.0),
+    np.array(True),
+    "1",
+    None,
+    [1],
+    1 + 0j,
+]
 BAD_INT_ERRORS = (ValueError, TypeError, KeyError)
 
 
@@ -36,10 +52,17 @@ def small_cache(**kw):
 
 def state(cache):
     """Everything a cache operation may change (pages included)."""
-    return (cache._free_ids(), cache._refs.tolist(), cache._next_id,
-            {s: (cache.length(s), cache.block_table(s).tolist(), cache._seqs[s].version)
-             for s in cache.sequences},
-            cache.stats(), cache._k.tobytes())
+    return (
+        cache._free_ids(),
+        cache._refs.tolist(),
+        cache._next_id,
+        {
+            s: (cache.length(s), cache.block_table(s).tolist(), cache._seqs[s].version)
+            for s in cache.sequences
+        },
+        cache.stats(),
+        cache._k.tobytes(),
+    )
 
 
 def lengths_are_ints(cache):
@@ -111,8 +134,9 @@ def test_oversized_count_changes_nothing(dtype):
 
 
 @pytest.mark.parametrize("op", ["fork", "free", "truncate", "length", "block_table", "begin_step"])
-@pytest.mark.parametrize("bad", [True, 1.0, np.bool_(True), np.float64(1.0), np.array(1.0),
-                                 np.array(True)], ids=repr)
+@pytest.mark.parametrize(
+    "bad", [True, 1.0, np.bool_(True), np.float64(1.0), np.array(1.0), np.array(True)], ids=repr
+)
 def test_bool_or_float_is_no_sequence_id(op, bad):
     """Was: ``fork(True)`` and ``free(1.0)`` acted on sequence 1."""
     cache = small_cache()
@@ -120,10 +144,14 @@ def test_bool_or_float_is_no_sequence_id(op, bad):
     assert b == 1
     attend_ones(cache.begin_step([a, b], [3, 2]))
     before = state(cache)
-    calls = {"fork": lambda: cache.fork(bad), "free": lambda: cache.free(bad),
-             "truncate": lambda: cache.truncate(bad, 0), "length": lambda: cache.length(bad),
-             "block_table": lambda: cache.block_table(bad),
-             "begin_step": lambda: cache.begin_step([bad], [1])}
+    calls = {
+        "fork": lambda: cache.fork(bad),
+        "free": lambda: cache.free(bad),
+        "truncate": lambda: cache.truncate(bad, 0),
+        "length": lambda: cache.length(bad),
+        "block_table": lambda: cache.block_table(bad),
+        "begin_step": lambda: cache.begin_step([bad], [1]),
+    }
     with pytest.raises(KeyError, match="seq"):
         calls[op]()
     assert state(cache) == before
@@ -159,7 +187,10 @@ def test_numpy_integers_of_every_type_act_as_python_ints(dtype):
         a, b = cache.new_sequence(), cache.new_sequence()
         step = cache.begin_step([conv(a), conv(b)], np.array([5, 2], dtype) if as_np else [5, 2])
         x = np.arange(7 * 4, dtype=np.float32).reshape(7, 1, 4)
-        out = [step.attend(conv(0), x, x, x), step.attend(np.array(1, dtype) if as_np else 1, x, x, x)]
+        out = [
+            step.attend(conv(0), x, x, x),
+            step.attend(np.array(1, dtype) if as_np else 1, x, x, x),
+        ]
         c = cache.fork(conv(a))
         cache.truncate(conv(a), conv(3))
         step = cache.begin_step([conv(c), conv(a)], [conv(1), np.array(4, dtype) if as_np else 4])
@@ -180,10 +211,13 @@ def test_bools_floats_and_others_are_no_integer_argument(bad):
     step = cache.begin_step([a], [1])
     before = state(cache)
     x = np.ones((1, 1, 4), np.float32)
-    for call, name in ((lambda: cache.begin_step([a], [bad]), "num_new_tokens"),
-                       (lambda: cache.truncate(a, bad), "length"),
-                       (lambda: cache.k_pages(bad), "layer"), (lambda: cache.v_pages(bad), "layer"),
-                       (lambda: step.attend(bad, x, x, x), "layer")):
+    for call, name in (
+        (lambda: cache.begin_step([a], [bad]), "num_new_tokens"),
+        (lambda: cache.truncate(a, bad), "length"),
+        (lambda: cache.k_pages(bad), "layer"),
+        (lambda: cache.v_pages(bad), "layer"),
+        (lambda: step.attend(bad, x, x, x), "layer"),
+    ):
         with pytest.raises(BAD_INT_ERRORS, match=name):
             call()
         assert state(cache) == before
@@ -191,8 +225,20 @@ def test_bools_floats_and_others_are_no_integer_argument(bad):
     attend_ones(step)
 
 
-@pytest.mark.parametrize("value", [-1, np.int8(-1), np.int64(-2**63), 2**63, 2**64, 2**100,
-                                   np.uint64(2**64 - 1), np.array(-1, np.int16)], ids=repr)
+@pytest.mark.parametrize(
+    "value",
+    [
+        -1,
+        np.int8(-1),
+        np.int64(-(2**63)),
+        2**63,
+        2**64,
+        2**100,
+        np.uint64(2**64 - 1),
+        np.array(-1, np.int16),
+    ],
+    ids=repr,
+)
 def test_out_of_range_lengths_layers_and_counts(value):
     cache = small_cache()
     a = cache.new_sequence()
@@ -207,8 +253,10 @@ def test_out_of_range_lengths_layers_and_counts(value):
     with pytest.raises(ValueError, match="layer"):
         step.attend(value, x, x, x)
     too_many = int(np.asarray(value).item()) >= 0
-    with pytest.raises(attnx.CacheFullError if too_many else ValueError,
-                       match="free blocks" if too_many else "num_new_tokens"):
+    with pytest.raises(
+        attnx.CacheFullError if too_many else ValueError,
+        match="free blocks" if too_many else "num_new_tokens",
+    ):
         cache.begin_step([a], [value])
     with pytest.raises(KeyError, match="seq"):
         cache.fork(value)
@@ -216,17 +264,21 @@ def test_out_of_range_lengths_layers_and_counts(value):
     attend_ones(step)
 
 
-@pytest.mark.parametrize("counts, exc", [
-    (np.array([[1]], np.int32), ValueError),          # 2-d
-    (np.array([1.0]), ValueError),                    # float dtype
-    (np.array([True]), ValueError),                   # bool dtype
-    (np.array(1, np.int64), ValueError),              # 0-d: not a sequence of counts
-    (np.int64(1), TypeError),
-    (1, TypeError),
-    ("1", TypeError),
-    ([np.array([1])], ValueError),                    # an element that is an array
-    (np.array([1, 2], np.uint8), ValueError),         # two counts for one sequence
-], ids=repr)
+@pytest.mark.parametrize(
+    "counts, exc",
+    [
+        (np.array([[1]], np.int32), ValueError),  # 2-d
+        (np.array([1.0]), ValueError),  # float dtype
+        (np.array([True]), ValueError),  # bool dtype
+        (np.array(1, np.int64), ValueError),  # 0-d: not a sequence of counts
+        (np.int64(1), TypeError),
+        (1, TypeError),
+        ("1", TypeError),
+        ([np.array([1])], ValueError),  # an element that is an array
+        (np.array([1, 2], np.uint8), ValueError),  # two counts for one sequence
+    ],
+    ids=repr,
+)
 def test_malformed_count_sequences(counts, exc):
     cache = small_cache()
     a = cache.new_sequence()
@@ -239,8 +291,13 @@ def test_malformed_count_sequences(counts, exc):
 def test_count_sequences_of_every_form():
     cache = small_cache()
     a, b = cache.new_sequence(), cache.new_sequence()
-    for counts in ([1, 2], (np.uint8(1), np.int16(2)), np.array([1, 2], np.uint64),
-                   [np.array(1, np.int8), np.array(2, np.uint32)], np.array([1, 2], object)):
+    for counts in (
+        [1, 2],
+        (np.uint8(1), np.int16(2)),
+        np.array([1, 2], np.uint64),
+        [np.array(1, np.int8), np.array(2, np.uint32)],
+        np.array([1, 2], object),
+    ):
         step = cache.begin_step(np.array([a, b], np.uint16), counts)
         assert step.q_lens.tolist() == [1, 2] and step.seq_ids == [a, b]
         assert all(type(i) is int for i in step.seq_ids)
@@ -257,28 +314,44 @@ def test_seq_ids_must_be_a_sequence_of_distinct_ids():
     assert cache.length(a) == 0
 
 
-@pytest.mark.parametrize("kw, exc, name", [
-    (dict(num_blocks=np.bool_(True)), ValueError, "num_blocks"),
-    (dict(block_size=np.float64(4.0)), ValueError, "block_size"),
-    (dict(num_layers=np.int8(-1)), ValueError, "num_layers"),
-    (dict(head_dim=np.uint64(2**64 - 1)), MemoryError, "PagedKVCache"),
-    (dict(num_kv_heads=2**100), MemoryError, "PagedKVCache"),
-    (dict(sliding_window=np.uint64(2**63)), ValueError, "sliding_window"),
-    (dict(sliding_window=True), ValueError, "sliding_window"),
-    (dict(sliding_window=0), ValueError, "sliding_window"),
-    (dict(value_dim=np.array(2.0)), ValueError, "value_dim"),
-])
+@pytest.mark.parametrize(
+    "kw, exc, name",
+    [
+        (dict(num_blocks=np.bool_(True)), ValueError, "num_blocks"),
+        (dict(block_size=np.float64(4.0)), ValueError, "block_size"),
+        (dict(num_layers=np.int8(-1)), ValueError, "num_layers"),
+        (dict(head_dim=np.uint64(2**64 - 1)), MemoryError, "PagedKVCache"),
+        (dict(num_kv_heads=2**100), MemoryError, "PagedKVCache"),
+        (dict(sliding_window=np.uint64(2**63)), ValueError, "sliding_window"),
+        (dict(sliding_window=True), ValueError, "sliding_window"),
+        (dict(sliding_window=0), ValueError, "sliding_window"),
+        (dict(value_dim=np.array(2.0)), ValueError, "value_dim"),
+    ],
+)
 def test_constructor_integers(kw, exc, name):
     with pytest.raises(exc, match=name):
         small_cache(**kw)
 
 
 def test_constructor_numpy_integers():
-    cache = small_cache(num_layers=np.uint8(2), num_kv_heads=np.array(1, np.int16),
-                        head_dim=np.int64(4), num_blocks=np.uint32(16), block_size=np.int8(4),
-                        value_dim=np.uint16(3), sliding_window=np.int32(5))
-    for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size",
-                 "value_dim", "sliding_window"):
+    cache = small_cache(
+        num_layers=np.uint8(2),
+        num_kv_heads=np.array(1, np.int16),
+        head_dim=np.int64(4),
+        num_blocks=np.uint32(16),
+        block_size=np.int8(4),
+        value_dim=np.uint16(3),
+        sliding_window=np.int32(5),
+    )
+    for name in (
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "num_blocks",
+        "block_size",
+        "value_dim",
+        "sliding_window",
+    ):
         assert type(getattr(cache, name)) is int, name
     assert cache.v_pages(1).shape == (16, 1, 4, 3)
 
@@ -322,8 +395,10 @@ def numpy_form(data, value, label):
     """``value`` as a NumPy scalar or 0-d array of a drawn integer dtype that holds it (or the
     Python int itself)."""
     fits = [d for d in INT_DTYPES if np.iinfo(d).min <= value <= np.iinfo(d).max]
-    form = data.draw(st.sampled_from(["int", "scalar", "scalar", "0-d"]) if fits
-                     else st.just("int"), label=f"{label} form")
+    form = data.draw(
+        st.sampled_from(["int", "scalar", "scalar", "0-d"]) if fits else st.just("int"),
+        label=f"{label} form",
+    )
     if form == "int":
         return value
     dtype = data.draw(st.sampled_from(fits), label=f"{label} dtype")
@@ -332,8 +407,10 @@ def numpy_form(data, value, label):
 
 def some_int(draw_data, lo, hi, label):
     """An int, mostly in [lo, hi], sometimes at the edges of the integer types."""
-    edges = sorted({v for d in INT_DTYPES for v in (np.iinfo(d).min, np.iinfo(d).max)}
-                   | {-1, 2**31, 2**63, 2**64, 2**70})
+    edges = sorted(
+        {v for d in INT_DTYPES for v in (np.iinfo(d).min, np.iinfo(d).max)}
+        | {-1, 2**31, 2**63, 2**64, 2**70}
+    )
     return draw_data.draw(st.integers(lo, hi) | st.sampled_from(edges), label=label)
 
 
@@ -348,14 +425,24 @@ def step_both(data, py, nps, live, x):
     """One drawn begin_step on both caches (ids and counts as Python ints on ``py``, as NumPy
     integers or an integer array on ``nps``); where both succeed, the plans and one layer's
     outputs (q = k = v = ``x``) must be the same. Returns both outcomes."""
-    ids = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=3), label="ids") if live else []
+    ids = (
+        data.draw(st.lists(st.sampled_from(live), unique=True, max_size=3), label="ids")
+        if live
+        else []
+    )
     counts = [some_int(data, 0, 9, "count") for _ in ids]
     np_ids = [numpy_form(data, s, "id") for s in ids]
     fits = [d for d in INT_DTYPES if all(np.iinfo(d).min <= n <= np.iinfo(d).max for n in counts)]
     as_array = fits and data.draw(st.booleans(), label="counts as an array")
-    np_counts = (np.array(counts, data.draw(st.sampled_from(fits), label="counts dtype"))
-                 if as_array else [numpy_form(data, n, "count") for n in counts])
-    r = (outcome(lambda: py.begin_step(ids, counts)), outcome(lambda: nps.begin_step(np_ids, np_counts)))
+    np_counts = (
+        np.array(counts, data.draw(st.sampled_from(fits), label="counts dtype"))
+        if as_array
+        else [numpy_form(data, n, "count") for n in counts]
+    )
+    r = (
+        outcome(lambda: py.begin_step(ids, counts)),
+        outcome(lambda: nps.begin_step(np_ids, np_counts)),
+    )
     if r[0][0] == "ok" and r[1][0] == "ok":
         T = r[0][1].num_tokens
         assert r[1][1].num_tokens == T
@@ -376,11 +463,16 @@ def test_numpy_integers_match_python_ints(data):
     py, nps = small_cache(), small_cache()
     x = np.linspace(-1, 1, 64 * 4, dtype=np.float32).reshape(64, 1, 4)
     for i in range(data.draw(st.integers(1, 25), label="ops")):
-        op = data.draw(st.sampled_from(["new", "step", "step", "truncate", "fork", "free",
-                                        "length", "pages"]), label=f"op {i}")
+        op = data.draw(
+            st.sampled_from(["new", "step", "step", "truncate", "fork", "free", "length", "pages"]),
+            label=f"op {i}",
+        )
         live = py.sequences
-        sid = (data.draw(st.sampled_from(live), label="seq") if live and data.draw(st.booleans())
-               else some_int(data, -2, 30, "seq"))
+        sid = (
+            data.draw(st.sampled_from(live), label="seq")
+            if live and data.draw(st.booleans())
+            else some_int(data, -2, 30, "seq")
+        )
         before = state(nps)
         if op == "new":
             r = (outcome(py.new_sequence), outcome(nps.new_sequence))
@@ -388,16 +480,25 @@ def test_numpy_integers_match_python_ints(data):
             r = step_both(data, py, nps, live, x)
         elif op == "truncate":
             n = some_int(data, 0, 40, "length")
-            r = (outcome(lambda: py.truncate(int(sid), n)),
-                 outcome(lambda: nps.truncate(numpy_form(data, sid, "id"), numpy_form(data, n, "length"))))
+            r = (
+                outcome(lambda: py.truncate(int(sid), n)),
+                outcome(
+                    lambda: nps.truncate(numpy_form(data, sid, "id"), numpy_form(data, n, "length"))
+                ),
+            )
         elif op in ("fork", "free", "length"):
-            r = (outcome(lambda: getattr(py, op)(sid)), outcome(lambda: getattr(nps, op)(numpy_form(data, sid, "id"))))
+            r = (
+                outcome(lambda: getattr(py, op)(sid)),
+                outcome(lambda: getattr(nps, op)(numpy_form(data, sid, "id"))),
+            )
             if op == "length" and r[1][0] == "ok":
                 assert type(r[1][1]) is int
         else:
             layer = some_int(data, -1, 2, "layer")
-            r = (outcome(lambda: py.k_pages(layer).shape),
-                 outcome(lambda: nps.v_pages(numpy_form(data, layer, "layer")).shape))
+            r = (
+                outcome(lambda: py.k_pages(layer).shape),
+                outcome(lambda: nps.v_pages(numpy_form(data, layer, "layer")).shape),
+            )
         assert r[0] == r[1], (op, r)
         if r[1][0] != "ok":
             assert state(nps) == before, f"{op} raised {r[1][0]} but changed the cache"

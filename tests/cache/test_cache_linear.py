@@ -13,17 +13,26 @@ HV, K, V = 2, 8, 6
 
 
 def make_cache(linear_layers=2):
-    return attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=64, block_size=4,
-                              linear_layers=linear_layers, state_shape=(HV, K, V))
+    return attnx.PagedKVCache(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        num_blocks=64,
+        block_size=4,
+        linear_layers=linear_layers,
+        state_shape=(HV, K, V),
+    )
 
 
 def tokens(rng, T, per_channel=False):
     """q, k (T, 1, K), v (T, HV, V), g, beta for T packed tokens."""
-    return (rng.standard_normal((T, 1, K)).astype(np.float32),
-            rng.standard_normal((T, 1, K)).astype(np.float32),
-            rng.standard_normal((T, HV, V)).astype(np.float32),
-            -rng.random((T, HV, K) if per_channel else (T, HV)).astype(np.float32),
-            rng.random((T, HV)).astype(np.float32))
+    return (
+        rng.standard_normal((T, 1, K)).astype(np.float32),
+        rng.standard_normal((T, 1, K)).astype(np.float32),
+        rng.standard_normal((T, HV, V)).astype(np.float32),
+        -rng.random((T, HV, K) if per_channel else (T, HV)).astype(np.float32),
+        rng.random((T, HV)).astype(np.float32),
+    )
 
 
 def whole(seq_tokens):
@@ -47,8 +56,8 @@ def test_steps_equal_one_call(rng, per_channel):
             step.linear(layer, *tokens(rng, sum(counts), per_channel), qk_l2norm=True)
         start = 0
         for sid, n in zip((a, b), counts):
-            history[sid].append(tuple(t[start:start + n] for t in toks))
-            outs[sid].append(o[start:start + n])
+            history[sid].append(tuple(t[start : start + n] for t in toks))
+            outs[sid].append(o[start : start + n])
             start += n
     for sid in (a, b):
         ref_o, ref_state = whole(history[sid])
@@ -79,7 +88,9 @@ def test_truncate_refused_then_free(rng):
     cache.truncate(a, 0)  # no state yet: nothing to undo
     cache.begin_step([a], [9]).linear(0, *tokens(rng, 9))
     state = cache._seq(a).state.copy()
-    with pytest.raises(ValueError, match=r"length: cannot roll back to 4: sequence .* recurrent state"):
+    with pytest.raises(
+        ValueError, match=r"length: cannot roll back to 4: sequence .* recurrent state"
+    ):
         cache.truncate(a, 4)
     assert cache.length(a) == 9
     np.testing.assert_array_equal(cache._seq(a).state, state)

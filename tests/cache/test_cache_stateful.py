@@ -33,11 +33,16 @@ import tempfile
 
 import numpy as np
 import pytest
-from helpers import BF16
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule, run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import attnx
 import attnx.ops.cascade
@@ -47,12 +52,15 @@ from attnx.cache.blocks import block_digest
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, HKV, HQ, DK = 24, 4, 2, 2, 4, 8
 MAX_SEQS = 6
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
-INT_DTYPES = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
-                                     np.uint8, np.uint16, np.uint32, np.uint64)]
+INT_DTYPES = [
+    np.dtype(t)
+    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+]
 # how a rule passes its integers to the cache: Python ints, 0-d arrays, NumPy scalars of one dtype,
 # or ("[]") NumPy scalars of one dtype with the counts as one array of it
-FORMS = st.sampled_from(["int", "int", "0-d"] + [d.name for d in INT_DTYPES]
-                        + [d.name + "[]" for d in INT_DTYPES])
+FORMS = st.sampled_from(
+    ["int", "int", "0-d"] + [d.name for d in INT_DTYPES] + [d.name + "[]" for d in INT_DTYPES]
+)
 
 
 def as_form(form, value):
@@ -174,9 +182,15 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         c = self.cache
-        return (c._free_ids(), c._refs.copy(), c._next_id,
-                {s: (c.length(s), c.block_table(s).tolist(), c._seqs[s].version) for s in c.sequences},
-                bits(c._k).copy(), bits(c._v).copy(), c.stats())
+        return (
+            c._free_ids(),
+            c._refs.copy(),
+            c._next_id,
+            {s: (c.length(s), c.block_table(s).tolist(), c._seqs[s].version) for s in c.sequences},
+            bits(c._k).copy(),
+            bits(c._v).copy(),
+            c.stats(),
+        )
 
     def _assert_unchanged(self, snap):
         now = self._snapshot()
@@ -189,14 +203,18 @@ class CacheMachine(RuleBasedStateMachine):
         live = sorted(self.model)
         if not live:
             return []
-        return data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=max_size),
-                         label="seqs")
+        return data.draw(
+            st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=max_size),
+            label="seqs",
+        )
 
     def _qkv(self, rng, T):
         c = self.cache
-        return (rng.standard_normal((T, HQ, DK)).astype(np.float32),
-                rng.standard_normal((T, HKV, DK)).astype(np.float32),
-                rng.standard_normal((T, HKV, c.value_dim)).astype(np.float32))
+        return (
+            rng.standard_normal((T, HQ, DK)).astype(np.float32),
+            rng.standard_normal((T, HKV, DK)).astype(np.float32),
+            rng.standard_normal((T, HKV, c.value_dim)).astype(np.float32),
+        )
 
     def _check_step_outputs(self, layer, ids, counts, q, o):
         assert o.shape == (q.shape[0], HQ, self.cache.value_dim) and o.dtype == np.float32
@@ -206,20 +224,30 @@ class CacheMachine(RuleBasedStateMachine):
             if n and all(r is not None for r in rows_k):
                 K = np.stack(rows_k).astype(np.float32)
                 V = np.stack(rows_v).astype(np.float32)
-                want = reference.attention(q[at:at + n], K, V, causal=True, layout="bshd")
-                np.testing.assert_allclose(o[at:at + n], want, rtol=3e-5, atol=3e-5,
-                                           err_msg=f"seq {s}, layer {layer}")
+                want = reference.attention(q[at : at + n], K, V, causal=True, layout="bshd")
+                np.testing.assert_allclose(
+                    o[at : at + n], want, rtol=3e-5, atol=3e-5, err_msg=f"seq {s}, layer {layer}"
+                )
             at += n
 
     # ---- rules -----------------------------------------------------------------------------
-    @initialize(dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
-                value_dim=st.sampled_from([DK, 4]), isa=st.sampled_from(ISAS),
-                start=st.integers(1, 4))
+    @initialize(
+        dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+        value_dim=st.sampled_from([DK, 4]),
+        isa=st.sampled_from(ISAS),
+        start=st.integers(1, 4),
+    )
     def setup(self, dtype, value_dim, isa, start):
         attnx._core.set_isa(isa)
-        self.cache = attnx.PagedKVCache(num_layers=LAYERS, num_kv_heads=HKV, head_dim=DK,
-                                        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=dtype,
-                                        value_dim=value_dim)
+        self.cache = attnx.PagedKVCache(
+            num_layers=LAYERS,
+            num_kv_heads=HKV,
+            head_dim=DK,
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            dtype=dtype,
+            value_dim=value_dim,
+        )
         self.model = {}
         self.mrefs = {}
         self.mfree = NUM_BLOCKS
@@ -239,18 +267,27 @@ class CacheMachine(RuleBasedStateMachine):
         self.model[s] = MSeq([], [[] for _ in range(LAYERS)], [[] for _ in range(LAYERS)])
         assert self.cache.length(s) == 0
 
-    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1),
-          layers=st.sampled_from([(0, 1), (1, 0), (0, 1), (1, 0), (0, 1), (0,), (1,)]),
-          bad_first=st.sampled_from([False, False, False, True]),
-          empty=st.sampled_from([False] * 9 + [True]), form=FORMS)
+    @rule(
+        data=st.data(),
+        seed=st.integers(0, 2**32 - 1),
+        layers=st.sampled_from([(0, 1), (1, 0), (0, 1), (1, 0), (0, 1), (0,), (1,)]),
+        bad_first=st.sampled_from([False, False, False, True]),
+        empty=st.sampled_from([False] * 9 + [True]),
+        form=FORMS,
+    )
     def step(self, data, seed, layers, bad_first, empty, form):
         ids = [] if empty else self._live(data)
         counts = [data.draw(st.integers(0, 12), label=f"count {s}") for s in ids]
         self._step(ids, counts, seed, layers, bad_first, form)
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), n=st.integers(4, 18),
-          layers=st.sampled_from([(0, 1), (1, 0)]), form=FORMS)
+    @rule(
+        data=st.data(),
+        seed=st.integers(0, 2**32 - 1),
+        n=st.integers(4, 18),
+        layers=st.sampled_from([(0, 1), (1, 0)]),
+        form=FORMS,
+    )
     def prefill(self, data, seed, n, layers, form):
         """A long chunk for one sequence (it fills the pool quickly)."""
         s = data.draw(st.sampled_from(sorted(self.model)), label="seq")
@@ -274,15 +311,20 @@ class CacheMachine(RuleBasedStateMachine):
             except attnx.CacheFullError:
                 self._assert_unchanged(snap)
                 return
-            raise AssertionError(f"begin_step({ids}, {counts}) should need {need} > {self.mfree} blocks")
+            raise AssertionError(
+                f"begin_step({ids}, {counts}) should need {need} > {self.mfree} blocks"
+            )
         starts = [self.model[s].length for s in ids]
         step = self.cache.begin_step(as_ids, as_counts)
         self._reserve(ids, counts)
         np.testing.assert_array_equal(step.q_lens, counts)
         np.testing.assert_array_equal(step.seq_lens, [self.model[s].length for s in ids])
         np.testing.assert_array_equal(
-            step.positions, np.concatenate([np.arange(a, a + n) for a, n in zip(starts, counts)]
-                                           + [np.zeros(0, np.int64)]))
+            step.positions,
+            np.concatenate(
+                [np.arange(a, a + n) for a, n in zip(starts, counts)] + [np.zeros(0, np.int64)]
+            ),
+        )
         T = sum(counts)
         for layer in layers:
             q, k, v = self._qkv(rng, T)
@@ -342,8 +384,12 @@ class CacheMachine(RuleBasedStateMachine):
         return child
 
     @precondition(lambda self: len(self.model) < MAX_SEQS and self.model)
-    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), child_first=st.booleans(),
-          layers=st.sampled_from([(0, 1), (1, 0)]))
+    @rule(
+        data=st.data(),
+        seed=st.integers(0, 2**32 - 1),
+        child_first=st.booleans(),
+        layers=st.sampled_from([(0, 1), (1, 0)]),
+    )
     def fork_and_diverge(self, data, seed, child_first, layers):
         """Fork, then parent and child write in one step (copy-on-write of a shared last block),
         sometimes sized to take exactly every free block."""
@@ -375,7 +421,9 @@ class CacheMachine(RuleBasedStateMachine):
     def fill_exactly(self, data, seed):
         """A batch that takes exactly every free block: it must fit (the boundary of CacheFullError)."""
         ids = self._live(data)
-        counts = self._fit_exactly(ids, [data.draw(st.integers(0, 4), label=f"count {s}") for s in ids])
+        counts = self._fit_exactly(
+            ids, [data.draw(st.integers(0, 4), label=f"count {s}") for s in ids]
+        )
         if counts is not None:
             self._step(ids, counts, seed, (0, 1), False)
             assert self.cache.num_free_blocks == 0
@@ -399,7 +447,9 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def free_while_iterating(self, data):
-        doomed = set(data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True), label="doomed"))
+        doomed = set(
+            data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True), label="doomed")
+        )
         for s in self.cache.sequences:
             if s in doomed:
                 self.cache.free(s)
@@ -411,10 +461,14 @@ class CacheMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self.dead), label="dead id")
         live = sorted(self.model)
         snap = self._snapshot()
-        for op in (lambda: self.cache.fork(s), lambda: self.cache.truncate(s, 0),
-                   lambda: self.cache.free(s), lambda: self.cache.length(s),
-                   lambda: self.cache.block_table(s),
-                   lambda: self.cache.begin_step(live + [s], [1] * (len(live) + 1))):
+        for op in (
+            lambda: self.cache.fork(s),
+            lambda: self.cache.truncate(s, 0),
+            lambda: self.cache.free(s),
+            lambda: self.cache.length(s),
+            lambda: self.cache.block_table(s),
+            lambda: self.cache.begin_step(live + [s], [1] * (len(live) + 1)),
+        ):
             try:
                 op()
             except KeyError:
@@ -424,8 +478,11 @@ class CacheMachine(RuleBasedStateMachine):
         self._assert_unchanged(snap)
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1),
-          how=st.sampled_from(["truncate", "free", "begin_again"]))
+    @rule(
+        data=st.data(),
+        seed=st.integers(0, 2**32 - 1),
+        how=st.sampled_from(["truncate", "free", "begin_again"]),
+    )
     def stale_step(self, data, seed, how):
         ids = self._live(data) or [sorted(self.model)[0]]
         counts = [data.draw(st.integers(0, 3), label=f"count {s}") for s in ids]
@@ -482,7 +539,9 @@ class CacheMachine(RuleBasedStateMachine):
         for mb, cb in mapping.items():
             assert self.mrefs[mb] == refs[cb]
         st_ = c.stats()
-        assert st_["used_blocks"] == len(held) and st_["logical_tokens"] == sum(m.length for m in self.model.values())
+        assert st_["used_blocks"] == len(held) and st_["logical_tokens"] == sum(
+            m.length for m in self.model.values()
+        )
 
     @invariant()
     def pages_read_back(self):
@@ -501,10 +560,12 @@ class CacheMachine(RuleBasedStateMachine):
                 vp = c.v_pages(layer)[blk, :, off]
                 known = [i for i, r in enumerate(m.k[layer]) if r is not None]
                 if known:
-                    assert np.array_equal(bits(kp[known]), bits(np.stack([m.k[layer][i] for i in known]))), \
-                        f"k of seq {s} layer {layer}"
-                    assert np.array_equal(bits(vp[known]), bits(np.stack([m.v[layer][i] for i in known]))), \
-                        f"v of seq {s} layer {layer}"
+                    assert np.array_equal(
+                        bits(kp[known]), bits(np.stack([m.k[layer][i] for i in known]))
+                    ), f"k of seq {s} layer {layer}"
+                    assert np.array_equal(
+                        bits(vp[known]), bits(np.stack([m.v[layer][i] for i in known]))
+                    ), f"v of seq {s} layer {layer}"
 
 
 SETTINGS = settings(
@@ -512,8 +573,11 @@ SETTINGS = settings(
     stateful_step_count=60 if SOAK else 30,
     deadline=None,
     database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                           HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+    ],
 )
 
 
@@ -536,11 +600,18 @@ HAVE_SAFETENSORS = importlib.util.find_spec("safetensors") is not None  # (the s
 STEMS = [tuple(range(1, 14)), (1, 2, 3, 4, 50, 60, 70, 80, 90, 100), (7,) * 12]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _content(extra, prefix, dtype):
     """The K and V rows (storage dtype) of the last token of ``prefix``: (LAYERS, 2, HKV, DK)."""
-    seed = int.from_bytes(hashlib.blake2b(repr((extra, prefix)).encode(), digest_size=8).digest(), "little")
-    return np.random.default_rng(seed).standard_normal((LAYERS, 2, HKV, DK)).astype(np.float32).astype(dtype)
+    seed = int.from_bytes(
+        hashlib.blake2b(repr((extra, prefix)).encode(), digest_size=8).digest(), "little"
+    )
+    return (
+        np.random.default_rng(seed)
+        .standard_normal((LAYERS, 2, HKV, DK))
+        .astype(np.float32)
+        .astype(dtype)
+    )
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
@@ -558,21 +629,37 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @initialize(dtype=st.sampled_from(["float32", "float16", "bfloat16"]))
     def setup(self, dtype):
-        self.cache = attnx.PagedKVCache(LAYERS, HKV, DK, num_blocks=P_BLOCKS, block_size=BLOCK_SIZE,
-                                        dtype=dtype, prefix_caching=True)
+        self.cache = attnx.PagedKVCache(
+            LAYERS,
+            HKV,
+            DK,
+            num_blocks=P_BLOCKS,
+            block_size=BLOCK_SIZE,
+            dtype=dtype,
+            prefix_caching=True,
+        )
 
     def _rows(self, seq, start, end):
         """The model's K and V of ``seq``'s tokens [start, end): (LAYERS, 2, n, HKV, DK)."""
         t, e = tuple(self.tokens[seq]), self.extra[seq]
         if start == end:
             return np.zeros((LAYERS, 2, 0, HKV, DK), self.cache.dtype)
-        return np.stack([_content(e, t[:i + 1], self.cache.dtype) for i in range(start, end)], axis=2)
+        return np.stack(
+            [_content(e, t[: i + 1], self.cache.dtype) for i in range(start, end)], axis=2
+        )
 
     def _snapshot(self):
         c = self.cache
-        return (c._free_ids(), c._refs.copy(), c._alloc.cached(), c._next_id, c.stats(),
-                {s: (c.length(s), c.block_table(s).tolist()) for s in c.sequences},
-                bits(c._k).copy(), bits(c._v).copy())
+        return (
+            c._free_ids(),
+            c._refs.copy(),
+            c._alloc.cached(),
+            c._next_id,
+            c.stats(),
+            {s: (c.length(s), c.block_table(s).tolist()) for s in c.sequences},
+            bits(c._k).copy(),
+            bits(c._v).copy(),
+        )
 
     def _assert_unchanged(self, snap):
         now = self._snapshot()
@@ -581,9 +668,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert np.array_equal(now[6], snap[6]) and np.array_equal(now[7], snap[7]), "pages changed"
 
     @precondition(lambda self: len(self.tokens) < P_SEQS)
-    @rule(stem=st.sampled_from(STEMS), cut=st.sampled_from([0, 5, 8, 9, 12, 13]),
-          tail=st.lists(st.integers(0, 3), max_size=3),
-          extra=st.sampled_from([None, None, "adapter"]), compute=st.booleans())
+    @rule(
+        stem=st.sampled_from(STEMS),
+        cut=st.sampled_from([0, 5, 8, 9, 12, 13]),
+        tail=st.lists(st.integers(0, 3), max_size=3),
+        extra=st.sampled_from([None, None, "adapter"]),
+        compute=st.booleans(),
+    )
     def new_prompt(self, stem, cut, tail, extra, compute):
         prompt = list(stem[:cut]) + tail or [0]
         s = self.cache.new_sequence(tokens=np.array(prompt, np.uint16), extra_key=extra)
@@ -606,15 +697,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self._assert_unchanged(snap)
             return None
         starts = [len(self.tokens[s]) for s in ids]
-        for s, n, t in zip(ids, counts, new_tokens):
-            self.tokens[s] = self.tokens[s] + list(pending[len(self.tokens[s]):] if t is None else t)
+        for s, t in zip(ids, new_tokens):
+            self.tokens[s] = self.tokens[s] + list(
+                pending[len(self.tokens[s]) :] if t is None else t
+            )
             assert len(self.tokens[s]) == self.cache.length(s)
         if step._shared_groups():
             event("shared-prefix split")
         if self.cache.stats()["evictions"] > snap[4]["evictions"]:
             event("eviction")
-        rows = [self._rows(s, self.cache.length(s) - n, self.cache.length(s)) for s, n in zip(ids, counts)]
-        kv = np.concatenate(rows, axis=2) if sum(counts) else np.zeros((LAYERS, 2, 0, HKV, DK), self.cache.dtype)
+        rows = [
+            self._rows(s, self.cache.length(s) - n, self.cache.length(s))
+            for s, n in zip(ids, counts)
+        ]
+        kv = (
+            np.concatenate(rows, axis=2)
+            if sum(counts)
+            else np.zeros((LAYERS, 2, 0, HKV, DK), self.cache.dtype)
+        )
         return step, kv, starts
 
     def _step(self, ids, counts, new_tokens, seed, pending=None):
@@ -632,8 +732,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             for s, n in zip(ids, counts):
                 if n and s not in gap:  # (behind a gap the model's rows are not the cache's)
                     full = self._rows(s, 0, self.cache.length(s))[layer].astype(np.float32)
-                    want = reference.attention(q[at:at + n], full[0], full[1], causal=True, layout="bshd")
-                    np.testing.assert_allclose(o[at:at + n], want, rtol=3e-5, atol=3e-5)
+                    want = reference.attention(
+                        q[at : at + n], full[0], full[1], causal=True, layout="bshd"
+                    )
+                    np.testing.assert_allclose(o[at : at + n], want, rtol=3e-5, atol=3e-5)
                 at += n
         for s, start, n in zip(ids, starts, counts):  # every layer wrote: written, unless a gap
             if s not in gap:
@@ -642,16 +744,23 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             event("step behind a gap")
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), seed=st.integers(0, 2**16),
-          ending=st.sampled_from(["abandoned", "refused", "freed", "truncated"]))
+    @rule(
+        data=st.data(),
+        seed=st.integers(0, 2**16),
+        ending=st.sampled_from(["abandoned", "refused", "freed", "truncated"]),
+    )
     def step_ends_early(self, data, seed, ending):
         """A step attended in some layers only (any order, maybe none), then: abandoned (the
         model raised between layers; the next step of a sequence supersedes it), a refused
         attend, or one of its sequences freed or truncated (its next attend is stale)."""
-        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), unique=True, min_size=1, max_size=3))
+        ids = data.draw(
+            st.lists(st.sampled_from(sorted(self.tokens)), unique=True, min_size=1, max_size=3)
+        )
         counts = [data.draw(st.integers(1, 6)) for _ in ids]
         new = [data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)) for n in counts]
-        layers = data.draw(st.lists(st.sampled_from(range(LAYERS)), unique=True, max_size=LAYERS - 1))
+        layers = data.draw(
+            st.lists(st.sampled_from(range(LAYERS)), unique=True, max_size=LAYERS - 1)
+        )
         begun = self._begin(ids, counts, new)
         if begun is None:
             return
@@ -662,7 +771,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         left = next(layer for layer in range(LAYERS) if layer not in layers)
         if ending == "refused":
             with pytest.raises(ValueError):
-                step.attend(left, q, kv[left, 0][..., :DK // 2], kv[left, 1])
+                step.attend(left, q, kv[left, 0][..., : DK // 2], kv[left, 1])
         elif ending in ("freed", "truncated"):
             victim = data.draw(st.sampled_from(ids))
             if ending == "freed":
@@ -676,7 +785,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), seed=st.integers(0, 2**16))
     def step(self, data, seed):
-        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), unique=True, min_size=1, max_size=4))
+        ids = data.draw(
+            st.lists(st.sampled_from(sorted(self.tokens)), unique=True, min_size=1, max_size=4)
+        )
         counts = [data.draw(st.integers(0, 6)) for _ in ids]
         new = [data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)) for n in counts]
         self._step(ids, counts, new, seed)
@@ -737,7 +848,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self._assert_unchanged(snap)
             return
         event("session loaded")
-        self.tokens[t], self.extra[t] = list(tokens), extra  # (the file keeps the extra key's chain)
+        self.tokens[t], self.extra[t] = (
+            list(tokens),
+            extra,
+        )  # (the file keeps the extra key's chain)
         self.written[t] = len(tokens)
         self._check_seq(t)
 
@@ -775,28 +889,44 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             rec = c._seqs[s]
             if rec.tokens is not None:
                 for i, d in enumerate(rec.digests):
-                    self.prefix_of[d] = (self.extra[s], tuple(self.tokens[s][:(i + 1) * BLOCK_SIZE]))
+                    self.prefix_of[d] = (
+                        self.extra[s],
+                        tuple(self.tokens[s][: (i + 1) * BLOCK_SIZE]),
+                    )
         np.testing.assert_array_equal(c._refs, held)  # refcount == holders
         free, evictable, cached = c._free_ids(), a.evictable_ids(), a.cached()
-        assert len(set(free)) == len(free) == c.num_free_blocks and not set(free) & set(np.flatnonzero(held))
+        assert len(set(free)) == len(free) == c.num_free_blocks and not set(free) & set(
+            np.flatnonzero(held)
+        )
         assert len(free) + np.count_nonzero(held) == c.num_blocks, "a block leaked"
         # evictable == registered and unreferenced: a referenced block is never evictable
         assert sorted(evictable) == sorted(b for b in cached if held[b] == 0)
-        assert c.stats()["cached_blocks"] == len(cached) and c.stats()["evictable_blocks"] == len(evictable)
+        assert c.stats()["cached_blocks"] == len(cached) and c.stats()["evictable_blocks"] == len(
+            evictable
+        )
         for b, entry in cached.items():
             assert a._by_digest[entry.digest] == b
             assert block_digest(entry.parent, np.frombuffer(entry.tokens, "<i8")) == entry.digest
             extra, prefix = self.prefix_of[entry.digest]
             assert np.frombuffer(entry.tokens, "<i8").tolist() == list(prefix[-BLOCK_SIZE:])
-            rows = np.stack([_content(extra, prefix[:i + 1], c.dtype)
-                             for i in range(len(prefix) - BLOCK_SIZE, len(prefix))], axis=2)
+            rows = np.stack(
+                [
+                    _content(extra, prefix[: i + 1], c.dtype)
+                    for i in range(len(prefix) - BLOCK_SIZE, len(prefix))
+                ],
+                axis=2,
+            )
             for layer in range(LAYERS):
-                assert np.array_equal(bits(c.k_pages(layer)[b]), bits(rows[layer, 0].swapaxes(0, 1))), \
-                    f"cached block {b}"
-                assert np.array_equal(bits(c.v_pages(layer)[b]), bits(rows[layer, 1].swapaxes(0, 1))), \
-                    f"cached block {b}"
+                assert np.array_equal(
+                    bits(c.k_pages(layer)[b]), bits(rows[layer, 0].swapaxes(0, 1))
+                ), f"cached block {b}"
+                assert np.array_equal(
+                    bits(c.v_pages(layer)[b]), bits(rows[layer, 1].swapaxes(0, 1))
+                ), f"cached block {b}"
 
 
 def test_prefix_cache_state_machine(monkeypatch):
-    monkeypatch.setattr(attnx.ops.cascade, "MIN_SAVED_KEYS", 0)  # every shared run goes through the split path
+    monkeypatch.setattr(
+        attnx.ops.cascade, "MIN_SAVED_KEYS", 0
+    )  # every shared run goes through the split path
     run_state_machine_as_test(PrefixCacheMachine, settings=SETTINGS)

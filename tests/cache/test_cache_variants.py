@@ -14,11 +14,14 @@ def _decode(cache, seq, steps, rng, hq, layer=0):
         st = cache.begin_step([seq], [n])
         q = rng.standard_normal((n, hq, cache.head_dim), dtype=np.float32)
         k = rng.standard_normal((n, cache.num_kv_heads, cache.head_dim), dtype=np.float32)
-        v = None if cache.value_from_key else rng.standard_normal(
-            (n, cache.num_kv_heads, cache.value_dim), dtype=np.float32)
+        v = (
+            None
+            if cache.value_from_key
+            else rng.standard_normal((n, cache.num_kv_heads, cache.value_dim), dtype=np.float32)
+        )
         outs.append((q, st.attend(layer, q, k, v)))
         ks.append(k)
-        vs.append(k[..., :cache.value_dim] if v is None else v)
+        vs.append(k[..., : cache.value_dim] if v is None else v)
     return outs, np.concatenate(ks), np.concatenate(vs)
 
 
@@ -32,8 +35,15 @@ def test_sliding_window_matches_reference_and_releases_blocks(window):
     start = 0
     for (q, o), n in zip(outs, steps):
         end = start + n
-        r = reference.attention(q, K[:end], V[:end], causal=True, layout="bshd",
-                                window=(window - 1, None), out_dtype=np.float64)
+        r = reference.attention(
+            q,
+            K[:end],
+            V[:end],
+            causal=True,
+            layout="bshd",
+            window=(window - 1, None),
+            out_dtype=np.float64,
+        )
         np.testing.assert_allclose(o, r, atol=2e-6)
         start = end
     table = cache.block_table(a)
@@ -74,8 +84,9 @@ def test_latent_values_are_key_prefix(dtype):
     """DeepSeek MLA decode: one latent kv head, key width 576 (512 latent + 64 rope), values the
     first 512 features, many query heads; stored once."""
     rng = np.random.default_rng(1)
-    cache = attnx.PagedKVCache(2, 1, 576, num_blocks=16, block_size=16, dtype=dtype,
-                               value_dim=512, value_from_key=True)
+    cache = attnx.PagedKVCache(
+        2, 1, 576, num_blocks=16, block_size=16, dtype=dtype, value_dim=512, value_from_key=True
+    )
     assert cache.v_pages(1).shape == (16, 1, 16, 512)
     assert np.shares_memory(cache.v_pages(1), cache.k_pages(1))
     assert cache.stats()["bytes_per_token"] == 2 * 576 * np.dtype(cache.dtype).itemsize
@@ -85,8 +96,9 @@ def test_latent_values_are_key_prefix(dtype):
     start = 0
     for q, o in outs:
         end = start + q.shape[0]
-        r = reference.attention(q, K[:end], K[:end, :, :512], causal=True, layout="bshd",
-                                out_dtype=np.float64)
+        r = reference.attention(
+            q, K[:end], K[:end, :, :512], causal=True, layout="bshd", out_dtype=np.float64
+        )
         np.testing.assert_allclose(o, r, atol=2e-5)
         start = end
     st = cache.begin_step([a], [1])

@@ -28,8 +28,9 @@ def grow(cache, seqs, counts, rng, hkv, d, layers):
     step = cache.begin_step(seqs, counts)
     kv = rng.standard_normal((step.num_tokens, hkv, d)).astype(np.float32)
     for layer in range(layers):
-        step.attend(layer, np.zeros((step.num_tokens, hkv, d), np.float32), kv, kv,
-                    shared_prefix=False)
+        step.attend(
+            layer, np.zeros((step.num_tokens, hkv, d), np.float32), kv, kv, shared_prefix=False
+        )
 
 
 def fork_tree(cache, rng, shape, hkv, d, layers):
@@ -45,13 +46,19 @@ def fork_tree(cache, rng, shape, hkv, d, layers):
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(KV_DTYPES),
-       heads=st.sampled_from([(2, 2), (4, 2), (8, 1), (6, 3)]), block_size=st.sampled_from([1, 4, 16]),
-       shape=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 20)), min_size=1, max_size=3),
-       max_new=st.integers(1, 3), threads=st.sampled_from([1, 3]),
-       q_dtype=st.sampled_from(["float32", "float16"]))
-def test_shared_step_matches_the_unshared_step(seed, dtype, heads, block_size, shape, max_new,
-                                               threads, q_dtype):
+@given(
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from(KV_DTYPES),
+    heads=st.sampled_from([(2, 2), (4, 2), (8, 1), (6, 3)]),
+    block_size=st.sampled_from([1, 4, 16]),
+    shape=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 20)), min_size=1, max_size=3),
+    max_new=st.integers(1, 3),
+    threads=st.sampled_from([1, 3]),
+    q_dtype=st.sampled_from(["float32", "float16"]),
+)
+def test_shared_step_matches_the_unshared_step(
+    seed, dtype, heads, block_size, shape, max_new, threads, q_dtype
+):
     rng = np.random.default_rng(seed)
     hq, hkv = heads
     d, layers = 16, 2
@@ -61,18 +68,24 @@ def test_shared_step_matches_the_unshared_step(seed, dtype, heads, block_size, s
     step = cache.begin_step(leaves, counts)
     groups = step.shared_prefix
     # the core plans the groups the step reads: the Python view is the same plan
-    assert groups == [([step.seq_ids[i] for i in rows], a, b) for rows, a, b in
-                      _core.plan_cascade(step.block_tables, step.seq_lens, step.q_lens,
-                                         block_size, 0)]
+    assert groups == [
+        ([step.seq_ids[i] for i in rows], a, b)
+        for rows, a, b in _core.plan_cascade(
+            step.block_tables, step.seq_lens, step.q_lens, block_size, 0
+        )
+    ]
     for layer in range(layers):
         q = rng.standard_normal((step.num_tokens, hq, d)).astype(q_dtype)
         kv = rng.standard_normal((step.num_tokens, hkv, d)).astype(np.float32)
         got, lse = step.attend(layer, q, kv, kv, return_lse=True, num_threads=threads)
-        want, want_lse = step.attend(layer, q, kv, kv, return_lse=True, num_threads=threads,
-                                     shared_prefix=False)
+        want, want_lse = step.attend(
+            layer, q, kv, kv, return_lse=True, num_threads=threads, shared_prefix=False
+        )
         assert got.dtype == want.dtype == np.dtype(q_dtype)
         tol = 2e-5 if q_dtype == "float32" else 2e-3  # float16 outputs: one rounding each
-        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol)
+        np.testing.assert_allclose(
+            got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol
+        )
         np.testing.assert_allclose(lse, want_lse, rtol=2e-5, atol=2e-5)
 
 
@@ -85,7 +98,9 @@ def test_a_deep_fork_tree_is_planned_level_by_level():
     step = cache.begin_step(leaves, [1] * len(leaves))
     groups = step.shared_prefix
     assert len(groups[0][0]) == 6 and groups[0][1] == 0
-    assert sorted(len(g[0]) for g in groups[1:]) == [3, 3] and all(g[1] == groups[0][2] for g in groups[1:])
+    assert sorted(len(g[0]) for g in groups[1:]) == [3, 3] and all(
+        g[1] == groups[0][2] for g in groups[1:]
+    )
     q = rng.standard_normal((6, 4, 16)).astype(np.float32)
     kv = rng.standard_normal((6, 2, 16)).astype(np.float32)
     got = step.attend(0, q, kv, kv)
@@ -112,8 +127,14 @@ def test_plan_cascade_checks_its_arguments():
     with pytest.raises(ValueError, match="block_tables"):
         _core.plan_cascade(np.zeros(4, np.int32), np.ones(4, np.int32), np.ones(4, np.int32), 4, 0)
     with pytest.raises(ValueError, match="seq_lens"):
-        _core.plan_cascade(np.zeros((4, 2), np.int32), np.ones(3, np.int32), np.ones(4, np.int32), 4, 0)
+        _core.plan_cascade(
+            np.zeros((4, 2), np.int32), np.ones(3, np.int32), np.ones(4, np.int32), 4, 0
+        )
     with pytest.raises(ValueError, match="block_size"):
-        _core.plan_cascade(np.zeros((4, 2), np.int32), np.ones(4, np.int32), np.ones(4, np.int32), 0, 0)
+        _core.plan_cascade(
+            np.zeros((4, 2), np.int32), np.ones(4, np.int32), np.ones(4, np.int32), 0, 0
+        )
     with pytest.raises(ValueError, match="q_lens"):
-        _core.plan_cascade(np.zeros((2, 2), np.int32), np.ones(2, np.int32), -np.ones(2, np.int32), 4, 0)
+        _core.plan_cascade(
+            np.zeros((2, 2), np.int32), np.ones(2, np.int32), -np.ones(2, np.int32), 4, 0
+        )

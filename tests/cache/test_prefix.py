@@ -16,20 +16,23 @@ import os
 
 import numpy as np
 import pytest
-from helpers import BF16
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
+import attnx.cache
 import attnx.cache.blocks
 import attnx.ops.cascade
-import attnx.cache
 from attnx import reference
+
+from helpers import BF16
 
 BS = 4
 # sessions need the optional safetensors package (the ``sessions`` extra)
-needs_safetensors = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
-                                       reason="safetensors is not installed (pip install safetensors)")
+needs_safetensors = pytest.mark.skipif(
+    importlib.util.find_spec("safetensors") is None,
+    reason="safetensors is not installed (pip install safetensors)",
+)
 
 
 def bits(a):
@@ -54,9 +57,16 @@ def prefill(cache, seq, rng, n=None, tokens=None):
 
 
 def snapshot(c):
-    return (c._free_ids(), c._refs.tolist(), c._alloc.cached(), c._next_id, c.stats(),
-            {s: (c.length(s), c.block_table(s).tolist()) for s in c.sequences},
-            bits(c._k).tobytes(), None if c._v is None else bits(c._v).tobytes())
+    return (
+        c._free_ids(),
+        c._refs.tolist(),
+        c._alloc.cached(),
+        c._next_id,
+        c.stats(),
+        {s: (c.length(s), c.block_table(s).tolist()) for s in c.sequences},
+        bits(c._k).tobytes(),
+        None if c._v is None else bits(c._v).tobytes(),
+    )
 
 
 def seq_kv(c, seq):
@@ -82,7 +92,11 @@ def test_hit_attaches_cached_blocks_and_leaves_a_token(rng):
     d = c.new_sequence(tokens=prompt + [7])
     assert c.length(d) == 12
     st_ = c.stats()
-    assert (st_["prefix_query_tokens"], st_["prefix_hit_tokens"], st_["prefix_miss_tokens"]) == (37, 20, 17)
+    assert (st_["prefix_query_tokens"], st_["prefix_hit_tokens"], st_["prefix_miss_tokens"]) == (
+        37,
+        20,
+        17,
+    )
     assert st_["prefix_hit_rate"] == pytest.approx(20 / 37) and st_["cached_blocks"] == 3
 
 
@@ -239,8 +253,9 @@ def _prefill_layers(c, seq, n, rng, layers, tokens=None):
     return step, k
 
 
-@pytest.mark.parametrize("ending", ["abandoned", "refused", "freed", "truncated", "stepped again",
-                                    "same layer twice"])
+@pytest.mark.parametrize(
+    "ending", ["abandoned", "refused", "freed", "truncated", "stepped again", "same layer twice"]
+)
 def test_a_step_that_ends_early_registers_nothing(rng, ending):
     """Layer 0 of 2 attends; the step then ends every other way a step can: its blocks never
     become findable, and the sequence's later steps register nothing past the gap."""
@@ -260,7 +275,9 @@ def test_a_step_that_ends_early_registers_nothing(rng, ending):
         with pytest.raises(attnx.StaleStepError):
             step.attend(1, k, k, k)
     elif ending == "stepped again":
-        later, _ = _prefill_layers(c, a, 1, rng, [0, 1])  # every layer of the next step: still a gap
+        later, _ = _prefill_layers(
+            c, a, 1, rng, [0, 1]
+        )  # every layer of the next step: still a gap
         with pytest.raises(attnx.StaleStepError):
             step.attend(1, k, k, k)
     elif ending == "same layer twice":
@@ -321,8 +338,9 @@ def test_a_fork_made_mid_step_does_not_count_the_step_written(rng, tmp_path):
 
 def test_prefix_caching_refuses_linear_layers():
     with pytest.raises(ValueError, match="prefix_caching.*linear_layers"):
-        attnx.PagedKVCache(1, 1, 8, num_blocks=4, prefix_caching=True, linear_layers=1,
-                           state_shape=(1, 8, 8))
+        attnx.PagedKVCache(
+            1, 1, 8, num_blocks=4, prefix_caching=True, linear_layers=1, state_shape=(1, 8, 8)
+        )
 
 
 # ---- shared-prefix attention -----------------------------------------------------------------
@@ -353,27 +371,39 @@ def shared_tables(rng, groups, singles, block_size, num_blocks_spare=3):
     width = max(len(o) for o in owned) + 1
     tables = np.full((len(owned), width), 1 << 20, np.int32)  # junk past each sequence's end
     for b, ids in enumerate(owned):
-        tables[b, :len(ids)] = perm[ids]
+        tables[b, : len(ids)] = perm[ids]
     order = rng.permutation(len(owned))  # interleave the groups with the others
     return tables[order], np.array(lens)[order], next_id + num_blocks_spare
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**16), block_size=st.sampled_from([1, 4, 16]),
-       heads=st.sampled_from([(2, 2), (4, 2), (8, 1)]), dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
-       groups=st.lists(st.tuples(st.integers(2, 5), st.integers(1, 4), st.integers(0, 5), st.integers(1, 3)),
-                       min_size=1, max_size=3),
-       singles=st.lists(st.integers(1, 20), max_size=3), chunked=st.booleans())
-def test_shared_prefix_attention_matches_the_reference(seed, block_size, heads, dtype, groups, singles,
-                                                       chunked):
+@given(
+    seed=st.integers(0, 2**16),
+    block_size=st.sampled_from([1, 4, 16]),
+    heads=st.sampled_from([(2, 2), (4, 2), (8, 1)]),
+    dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+    groups=st.lists(
+        st.tuples(st.integers(2, 5), st.integers(1, 4), st.integers(0, 5), st.integers(1, 3)),
+        min_size=1,
+        max_size=3,
+    ),
+    singles=st.lists(st.integers(1, 20), max_size=3),
+    chunked=st.booleans(),
+)
+def test_shared_prefix_attention_matches_the_reference(
+    seed, block_size, heads, dtype, groups, singles, chunked
+):
     old = attnx.ops.cascade.MIN_SAVED_KEYS
     attnx.ops.cascade.MIN_SAVED_KEYS = 0
     try:
         rng = np.random.default_rng(seed)
         hq, hkv = heads
         tables, lens, nb = shared_tables(rng, groups, singles, block_size)
-        q_lens = (np.minimum(lens, rng.integers(0, 2 * block_size + 2, len(lens))) if chunked
-                  else np.ones(len(lens), np.int64))
+        q_lens = (
+            np.minimum(lens, rng.integers(0, 2 * block_size + 2, len(lens)))
+            if chunked
+            else np.ones(len(lens), np.int64)
+        )
         dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
         kp = rng.standard_normal((nb, hkv, block_size, 16)).astype(dt)
         vp = rng.standard_normal((nb, hkv, block_size, 12)).astype(dt)
@@ -396,7 +426,9 @@ def test_shared_prefix_groups_only_blocks_before_every_query(split_always):
     g = attnx.ops.cascade.plan_groups(table, lens, np.array([1, 1, 1, 1]), 4)
     assert [r.tolist() for r in g.rows] == [[0, 1, 2], [0, 1]]  # nested: 0 and 1 share block 2 too
     assert g.starts == [0, 2] and g.blocks == [2, 3]
-    g = attnx.ops.cascade.plan_groups(table[:2], lens[:2], np.array([1, 9]), 4)  # 9 queries: block 1 is not before them all
+    g = attnx.ops.cascade.plan_groups(
+        table[:2], lens[:2], np.array([1, 9]), 4
+    )  # 9 queries: block 1 is not before them all
     assert g.blocks == [1] and g.tokens[0].tolist() == list(range(10))
     assert not attnx.ops.cascade.plan_groups(table[:2], lens[:2], np.array([0, 0]), 4)
 
@@ -432,10 +464,16 @@ def test_step_attend_over_forks_and_hits_matches_the_unshared_step(rng, split_al
         at = 0
         for s, n in zip(seqs, counts):
             kv = seq_kv(c, s)
-            want = reference.attention(q[at:at + n], kv["k"][0].swapaxes(0, 1), kv["v"][0].swapaxes(0, 1),
-                                       causal=True, layout="bshd", return_lse=True)
-            np.testing.assert_allclose(got[0][at:at + n], want[0], rtol=2e-5, atol=2e-5)
-            np.testing.assert_allclose(got[1][at:at + n], want[1].T, rtol=2e-5, atol=2e-5)
+            want = reference.attention(
+                q[at : at + n],
+                kv["k"][0].swapaxes(0, 1),
+                kv["v"][0].swapaxes(0, 1),
+                causal=True,
+                layout="bshd",
+                return_lse=True,
+            )
+            np.testing.assert_allclose(got[0][at : at + n], want[0], rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(got[1][at : at + n], want[1].T, rtol=2e-5, atol=2e-5)
             at += n
         for s, n in zip(seqs, counts):
             c.truncate(s, c.length(s) - n)
@@ -445,8 +483,11 @@ def test_shared_prefix_is_off_where_it_cannot_split(rng, split_always):
     tables, lens, nb = shared_tables(rng, [(3, 2)], [], 4)
     kp = rng.standard_normal((nb, 1, 4, 8)).astype(np.float32)
     q = rng.standard_normal((3, 2, 8)).astype(np.float32)
-    for kw in ({"window": (5, None)}, {"alibi_slopes": np.ones(2, np.float32)},
-               {"sinks": np.zeros(2, np.float32)}):
+    for kw in (
+        {"window": (5, None)},
+        {"alibi_slopes": np.ones(2, np.float32)},
+        {"sinks": np.zeros(2, np.float32)},
+    ):
         got = attnx.paged_attention(q, kp, kp, tables, lens, **kw)
         want = reference.paged_attention(q, kp, kp, tables, lens, **kw)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
@@ -458,24 +499,38 @@ def test_shared_prefix_is_off_where_it_cannot_split(rng, split_always):
 @pytest.mark.parametrize("value_from_key", [False, True])
 def test_session_round_trip_is_bit_exact_across_block_sizes(tmp_path, rng, dtype, value_from_key):
     kw = dict(value_dim=4) if value_from_key else {}
-    c = attnx.PagedKVCache(2, 2, 8, num_blocks=16, block_size=4, dtype=dtype,
-                           value_from_key=value_from_key, **kw)
+    c = attnx.PagedKVCache(
+        2, 2, 8, num_blocks=16, block_size=4, dtype=dtype, value_from_key=value_from_key, **kw
+    )
     a = c.new_sequence(tokens=range(11))
     step = c.begin_step([a], [11])
     for layer in range(2):
         k = rng.standard_normal((11, 2, 8)).astype(np.float32)
-        step.attend(layer, rng.standard_normal((11, 2, 8)).astype(np.float32), k,
-                    None if value_from_key else k[..., :8] * 2)
+        step.attend(
+            layer,
+            rng.standard_normal((11, 2, 8)).astype(np.float32),
+            k,
+            None if value_from_key else k[..., :8] * 2,
+        )
     path = tmp_path / "s.safetensors"
     c.save(a, path, meta={"model": "m", "turn": 3})
-    d = attnx.PagedKVCache(2, 2, 8, num_blocks=8, block_size=16, dtype=dtype,
-                           value_from_key=value_from_key, prefix_caching=True, **kw)
+    d = attnx.PagedKVCache(
+        2,
+        2,
+        8,
+        num_blocks=8,
+        block_size=16,
+        dtype=dtype,
+        value_from_key=value_from_key,
+        prefix_caching=True,
+        **kw,
+    )
     b = d.load(path, expect={"model": "m"})
     assert d.length(b) == 11 and d._seqs[b].tokens.tolist() == list(range(11))
     want, got = seq_kv(c, a), seq_kv(d, b)  # (a quantised cache's scale pages too)
     assert ("k_scales" in want) == (dtype in ("int8", "float8_e4m3fn"))
     assert set(want) == set(got) and all(np.array_equal(bits(want[n]), bits(got[n])) for n in want)
-    assert [f for f in os.listdir(tmp_path)] == ["s.safetensors"]  # no temporary file left
+    assert list(os.listdir(tmp_path)) == ["s.safetensors"]  # no temporary file left
 
 
 @needs_safetensors
@@ -517,10 +572,10 @@ def test_corrupted_or_truncated_sessions_are_refused(saved, where):
         match = "checksum"
     elif where == "header":
         i = data.index(b"smol")
-        data[i:i + 4] = b"smoL"
+        data[i : i + 4] = b"smoL"
         match = "checksum"
     else:
-        data = data[:len(data) - 40]
+        data = data[: len(data) - 40]
         match = "truncated or corrupted"
     path.write_bytes(bytes(data))
     _refused(c, path, match)
@@ -529,6 +584,7 @@ def test_corrupted_or_truncated_sessions_are_refused(saved, where):
 @needs_safetensors
 def test_files_that_are_no_session_are_refused(saved, tmp_path):
     import safetensors.numpy
+
     c, _ = saved
     (tmp_path / "junk").write_bytes(b"not a safetensors file at all")
     _refused(c, tmp_path / "junk", "not a readable safetensors file")
@@ -539,10 +595,15 @@ def test_files_that_are_no_session_are_refused(saved, tmp_path):
 @needs_safetensors
 def test_mismatched_sessions_and_small_pools_are_refused(saved, rng):
     c, path = saved
-    _refused(c, path, "another model.*model: file 'smol', expected 'llama'", expect={"model": "llama"})
+    _refused(
+        c, path, "another model.*model: file 'smol', expected 'llama'", expect={"model": "llama"}
+    )
     _refused(c, path, "<missing>", expect={"revision": 2})
-    for other in (make_cache(dtype="float16"), attnx.PagedKVCache(2, 2, 16, num_blocks=8, block_size=4),
-                  attnx.PagedKVCache(3, 2, 8, num_blocks=8, block_size=4)):
+    for other in (
+        make_cache(dtype="float16"),
+        attnx.PagedKVCache(2, 2, 16, num_blocks=8, block_size=4),
+        attnx.PagedKVCache(3, 2, 8, num_blocks=8, block_size=4),
+    ):
         _refused(other, path, "another cache geometry")
     tiny = make_cache(num_blocks=2)
     _refused(tiny, path, "needs 3 free blocks", exc=attnx.CacheFullError)
@@ -600,21 +661,31 @@ def test_step_attend_shared_with_latent_values_and_bf16(rng, split_always, kw):
     a = c.new_sequence()
     step = c.begin_step([a], [13])
     k = rng.standard_normal((13, 1, 16)).astype(np.float32)
-    step.attend(0, rng.standard_normal((13, 4, 16)).astype(np.float32), k,
-                None if c.value_from_key else k * 2)
+    step.attend(
+        0,
+        rng.standard_normal((13, 4, 16)).astype(np.float32),
+        k,
+        None if c.value_from_key else k * 2,
+    )
     seqs = [a] + [c.fork(a) for _ in range(3)]
     outs = []
     for shared in (True, False):
         step = c.begin_step(seqs, [1] * 4)
         assert step.shared_prefix == [(seqs, 0, 3)]
-        q = np.random.default_rng(1).standard_normal((4, 4, 16)).astype(BF16 if "dtype" in kw else np.float32)
+        q = (
+            np.random.default_rng(1)
+            .standard_normal((4, 4, 16))
+            .astype(BF16 if "dtype" in kw else np.float32)
+        )
         k = np.random.default_rng(2).standard_normal((4, 1, 16)).astype(np.float32)
         outs.append(step.attend(0, q, k, None if c.value_from_key else k * 2, shared_prefix=shared))
         for s in seqs:
             c.truncate(s, 13)
     assert outs[0].dtype == outs[1].dtype
     tol = 1e-2 if "dtype" in kw else 2e-5  # (bf16 queries: bf16 outputs, rounded apart)
-    np.testing.assert_allclose(outs[0].astype(np.float32), outs[1].astype(np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        outs[0].astype(np.float32), outs[1].astype(np.float32), rtol=tol, atol=tol
+    )
 
 
 # ---- hostile session files (issue 31) -----------------------------------------------------------
@@ -623,16 +694,28 @@ def _raw_safetensors(tensors, metadata, header_text=None):
     writes strings only): ``tensors`` by name, ``metadata`` any JSON value (or the header's
     whole text given as ``header_text``)."""
     header, blobs, at = {}, [], 0
-    names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint16): "U16",
-             np.dtype(np.uint8): "U8", np.dtype(np.uint32): "U32", np.dtype(np.float64): "F64"}
+    names = {
+        np.dtype(np.float32): "F32",
+        np.dtype(np.float16): "F16",
+        np.dtype(np.uint16): "U16",
+        np.dtype(np.uint8): "U8",
+        np.dtype(np.uint32): "U32",
+        np.dtype(np.float64): "F64",
+    }
     for name, t in tensors.items():
         b = np.ascontiguousarray(t).tobytes()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + len(b)]}
+        header[name] = {
+            "dtype": names[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [at, at + len(b)],
+        }
         blobs.append(b)
         at += len(b)
     if metadata is not None:
         header["__metadata__"] = metadata
-    text = (header_text if header_text is not None else json.dumps(header)).encode("utf-8", "surrogatepass")
+    text = (header_text if header_text is not None else json.dumps(header)).encode(
+        "utf-8", "surrogatepass"
+    )
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text + b"".join(blobs)
 
@@ -641,6 +724,7 @@ def _forge(path, header, tensors, checksum=True):
     """A session file with the attnx ``header`` (a dict, or the JSON text itself) and a
     checksum a forger computes as attnx does (or ``checksum=False``: a wrong one)."""
     import attnx.cache.session as sess
+
     text = header if isinstance(header, str) else json.dumps(header)
     stored = {n: sess._stored(t) for n, t in tensors.items()}
     digest = sess._checksum(text, stored) if checksum else "0" * 64
@@ -652,9 +736,10 @@ def _forge(path, header, tensors, checksum=True):
 def parts(saved):
     """A saved session's attnx header (dict) and tensors, to forge variants of."""
     import safetensors.numpy
+
     c, path = saved
     data = path.read_bytes()
-    meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+    meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
     return c, path, json.loads(meta["attnx"]), safetensors.numpy.load(data)
 
 
@@ -674,11 +759,21 @@ def test_a_forged_file_with_a_valid_checksum_loads(parts, tmp_path):
 
 
 @needs_safetensors
-@pytest.mark.parametrize("metadata", [
-    "attnx-not-a-dict", ["attnx"], {"attnx": {"format": "attnx-kv-session/1"}, "attnx.checksum": "0" * 64},
-    {"attnx": ["x"], "attnx.checksum": "0" * 64}, {"attnx": 1, "attnx.checksum": "0" * 64},
-    {"attnx": None, "attnx.checksum": "0" * 64}, {"attnx": "{}", "attnx.checksum": 7},
-    {"attnx": "{}", "attnx.checksum": None}, {"attnx": "{}"}, {"attnx.checksum": "0" * 64}])
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        "attnx-not-a-dict",
+        ["attnx"],
+        {"attnx": {"format": "attnx-kv-session/1"}, "attnx.checksum": "0" * 64},
+        {"attnx": ["x"], "attnx.checksum": "0" * 64},
+        {"attnx": 1, "attnx.checksum": "0" * 64},
+        {"attnx": None, "attnx.checksum": "0" * 64},
+        {"attnx": "{}", "attnx.checksum": 7},
+        {"attnx": "{}", "attnx.checksum": None},
+        {"attnx": "{}"},
+        {"attnx.checksum": "0" * 64},
+    ],
+)
 def test_metadata_that_is_not_strings_is_refused(parts, tmp_path, metadata):
     c, _, _, tensors = parts
     path = tmp_path / "f"
@@ -696,8 +791,13 @@ def test_deeply_nested_headers_are_refused(parts, tmp_path, where, depth):
     deep = "[" * depth + "]" * depth
     path = tmp_path / "f"
     if where == "outer":
-        stored = {n: t for n, t in tensors.items()}
-        text = json.dumps({"__metadata__": {"attnx": "{}", "attnx.checksum": "0"}})[:-1] + ', "x": ' + deep + "}"
+        stored = dict(tensors.items())
+        text = (
+            json.dumps({"__metadata__": {"attnx": "{}", "attnx.checksum": "0"}})[:-1]
+            + ', "x": '
+            + deep
+            + "}"
+        )
         path.write_bytes(_raw_safetensors(stored, None, header_text=text))
     elif where == "attnx":
         _forge(path, deep, tensors)
@@ -718,9 +818,20 @@ def test_deeply_nested_headers_are_refused(parts, tmp_path, where, depth):
 
 def _wrong_tokens(value):
     """Token lists of the wrong type, length or range for a header whose tokens are ``value``."""
-    return [1, "0 1 2", {}, [[0]] * 10, [float(t) for t in value], [str(t) for t in value],
-            [bool(t % 2) for t in value], value[:-1], value + [0], [2**63] + value[1:],
-            [-2**63 - 1] + value[1:], [None] * 10]
+    return [
+        1,
+        "0 1 2",
+        {},
+        [[0]] * 10,
+        [float(t) for t in value],
+        [str(t) for t in value],
+        [bool(t % 2) for t in value],
+        value[:-1],
+        value + [0],
+        [2**63] + value[1:],
+        [-(2**63) - 1] + value[1:],
+        [None] * 10,
+    ]
 
 
 def _wrong_values(field, value):
@@ -731,10 +842,27 @@ def _wrong_values(field, value):
     if field == "linear_layers":  # (written by hybrid caches only)
         return [True, 1.0, "0", -1, None, [], 2]
     if field == "state_shape":
-        return [1, "x", [], [1, 2], [1, 2, 3.0], [True, 1, 1], [0, 1, 1], [1, 1, 1, 1], {}, [2, 4, 4]]
+        return [
+            1,
+            "x",
+            [],
+            [1, 2],
+            [1, 2, 3.0],
+            [True, 1, 1],
+            [0, 1, 1],
+            [1, 1, 1, 1],
+            {},
+            [2, 4, 4],
+        ]
     if field == "root":
-        return [v for v in others if v != ""] + ["00" * 31, "00" * 33, value.upper(), "zz" * 32,
-                                                  " " + value[1:], value[:-2] + "\u00e9\u00e9"]
+        return [v for v in others if v != ""] + [
+            "00" * 31,
+            "00" * 33,
+            value.upper(),
+            "zz" * 32,
+            " " + value[1:],
+            value[:-2] + "\u00e9\u00e9",
+        ]
     if field == "length":
         return [v for v in others if type(v) is not int] + [-1, 10.0]
     if field == "value_from_key":
@@ -745,9 +873,23 @@ def _wrong_values(field, value):
 
 
 @needs_safetensors
-@pytest.mark.parametrize("field", ["format", "num_layers", "num_kv_heads", "head_dim", "value_dim",
-                                   "dtype", "value_from_key", "length", "root", "tokens",
-                                   "linear_layers", "state_shape"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "format",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "value_dim",
+        "dtype",
+        "value_from_key",
+        "length",
+        "root",
+        "tokens",
+        "linear_layers",
+        "state_shape",
+    ],
+)
 def test_every_header_field_of_a_wrong_type_is_refused(parts, tmp_path, field):
     """A forger's file (valid checksum): every field of a wrong type, out of range or missing is
     refused by load and session_info alike, the cache unchanged; token ids that are floats,
@@ -775,8 +917,12 @@ def test_nan_surrogates_and_wrong_tensor_dtypes_are_refused(parts, tmp_path):
     path = tmp_path / "surrogate"
     path.write_bytes(_raw_safetensors(tensors, {"attnx": text, "attnx.checksum": "0" * 64}))
     _refused(c, path, "checksum")
-    for name, t in [("k", tensors["k"].view(np.int32)), ("k", tensors["k"].astype(np.float64)),
-                    ("v", tensors["v"].astype(np.float16)), ("v", tensors["v"][..., :4])]:
+    for name, t in [
+        ("k", tensors["k"].view(np.int32)),
+        ("k", tensors["k"].astype(np.float64)),
+        ("v", tensors["v"].astype(np.float16)),
+        ("v", tensors["v"][..., :4]),
+    ]:
         _refused(c, _forge(tmp_path / "t", header, dict(tensors, **{name: t})), f"tensor '{name}'")
 
 
@@ -796,21 +942,31 @@ def test_fuzzed_session_headers_raise_only_session_error(tmp_path_factory, data)
     want = seq_kv(c, a)
     raw = (tmp / "s").read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(json.loads(raw[8:8 + n])["__metadata__"]["attnx"])
-    tensors = {k: v for k, v in __import__("safetensors.numpy").numpy.load(raw).items()}
-    values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
-                          | st.text(max_size=8), lambda x: st.lists(x, max_size=3)
-                          | st.dictionaries(st.text(max_size=3), x, max_size=3), max_leaves=8)
+    header = json.loads(json.loads(raw[8 : 8 + n])["__metadata__"]["attnx"])
+    tensors = dict(__import__("safetensors.numpy").numpy.load(raw).items())
+    values = st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats(allow_nan=False)
+        | st.text(max_size=8),
+        lambda x: st.lists(x, max_size=3) | st.dictionaries(st.text(max_size=3), x, max_size=3),
+        max_leaves=8,
+    )
     how = data.draw(st.sampled_from(["field", "flip"]))
     path = tmp / "f"
     if how == "field":
         field = data.draw(st.sampled_from(sorted(header) + ["unknown"]))
-        near = _wrong_values(field, header[field]) if field in header and field != "meta" else [None]
+        near = (
+            _wrong_values(field, header[field]) if field in header and field != "meta" else [None]
+        )
         forged = dict(header, **{field: data.draw(values | st.sampled_from(near))})
         _forge(path, forged, tensors)
     else:
         at = data.draw(st.integers(0, 8 + n - 1))
-        path.write_bytes(raw[:at] + bytes([raw[at] ^ data.draw(st.integers(1, 255))]) + raw[at + 1:])
+        path.write_bytes(
+            raw[:at] + bytes([raw[at] ^ data.draw(st.integers(1, 255))]) + raw[at + 1 :]
+        )
     before = snapshot(c)
     try:
         b = c.load(path, expect={"model": "smol"})
@@ -818,8 +974,11 @@ def test_fuzzed_session_headers_raise_only_session_error(tmp_path_factory, data)
         assert snapshot(c) == before
     else:  # a forged field loads only where it is harmless: meta, an unknown field, the same value
         if how == "field":
-            assert (field in ("meta", "unknown") or json.dumps(forged[field]) == json.dumps(header[field])
-                    or field == "tokens" and forged[field] is None)  # (a file may hold no token ids)
+            assert (
+                field in ("meta", "unknown")
+                or json.dumps(forged[field]) == json.dumps(header[field])
+                or (field == "tokens" and forged[field] is None)
+            )  # (a file may hold no token ids)
         got = seq_kv(c, b)
         assert all(np.array_equal(bits(want[k]), bits(got[k])) for k in want)
         assert c._seqs[b].tokens is None or c._seqs[b].tokens.dtype == np.int64
@@ -864,16 +1023,21 @@ def test_a_hybrid_session_keeps_its_recurrent_states(tmp_path, rng):
     """A hybrid cache's session holds each linear layer's state beside the K/V: the loaded
     sequence continues exactly as the saved one. A step not run in every layer (attention and
     linear) is not saved, and a file loads only into a cache with the same linear layers."""
+
     def hybrid(block_size=4):
-        return attnx.PagedKVCache(2, 1, 8, num_blocks=16, block_size=block_size, linear_layers=2,
-                                  state_shape=(2, 4, 4))
+        return attnx.PagedKVCache(
+            2, 1, 8, num_blocks=16, block_size=block_size, linear_layers=2, state_shape=(2, 4, 4)
+        )
 
     def step(c, seqs, n, seed, linear=(0, 1)):
         r = np.random.default_rng(seed)
         st_ = c.begin_step(seqs, [n] * len(seqs))
         T = n * len(seqs)
         x = r.standard_normal((T, 1, 8)).astype(np.float32)
-        outs = [st_.attend(layer, r.standard_normal((T, 2, 8)).astype(np.float32), x, x) for layer in (0, 1)]
+        outs = [
+            st_.attend(layer, r.standard_normal((T, 2, 8)).astype(np.float32), x, x)
+            for layer in (0, 1)
+        ]
         q = r.standard_normal((T, 1, 4)).astype(np.float32)
         g = -r.random((T, 2)).astype(np.float32)
         beta = r.random((T, 2)).astype(np.float32)

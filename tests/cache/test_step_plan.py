@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BF16, make_rng
 from test_cache import assert_bits_equal, assert_unchanged, small_cache, snapshot
 
 import attnx
+
+from helpers import BF16, make_rng
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": BF16}
 
@@ -98,7 +99,9 @@ def test_model_layout_needs_one_token_count_per_sequence(counts, b, s):
     x = np.zeros((b, 4, s, 8), np.float32)
     kv = np.zeros((b, 2, s, 8), np.float32)
     snap = snapshot(cache)
-    with pytest.raises(ValueError, match=r"q: a \(B, H, S, D\) array needs B = 2 sequences with S new tokens each"):
+    with pytest.raises(
+        ValueError, match=r"q: a \(B, H, S, D\) array needs B = 2 sequences with S new tokens each"
+    ):
         step._attend(0, x, kv, kv)
     assert_unchanged(cache, snap)
 
@@ -122,15 +125,18 @@ def test_a_change_to_another_sequence_keeps_the_step_current():
         step.attend(1, x, kv, kv)
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    (dict(scale=True), TypeError, "scale: expected a float, got bool"),
-    (dict(softcap=False), TypeError, "softcap: expected a float, got bool"),
-    (dict(scale="0.5"), TypeError, "scale: expected a float, got str"),
-    (dict(softcap=[1.0]), TypeError, "softcap: expected a float, got list"),
-    (dict(layer=True), ValueError, r"layer: expected an int in \[0, 2\)"),
-    (dict(layer=2), ValueError, r"layer: expected an int in \[0, 2\)"),
-    (dict(layer=-1), ValueError, r"layer: expected an int in \[0, 2\)"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (dict(scale=True), TypeError, "scale: expected a float, got bool"),
+        (dict(softcap=False), TypeError, "softcap: expected a float, got bool"),
+        (dict(scale="0.5"), TypeError, "scale: expected a float, got str"),
+        (dict(softcap=[1.0]), TypeError, "softcap: expected a float, got list"),
+        (dict(layer=True), ValueError, r"layer: expected an int in \[0, 2\)"),
+        (dict(layer=2), ValueError, r"layer: expected an int in \[0, 2\)"),
+        (dict(layer=-1), ValueError, r"layer: expected an int in \[0, 2\)"),
+    ],
+)
 def test_plan_arguments(bad, exc, match):
     (cache, _), seqs = twins("float32")
     step = cache.begin_step(seqs, [1, 1])

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
+
 from helpers import BF16, check_delta_rule
 
 
@@ -59,9 +60,17 @@ def spots(T, min_size=1):
     """Strategy: min_size to 3 spots for `plant` at positions of a length-T sequence."""
     where = st.integers(0, T - 1)
     spot = st.one_of(
-        st.tuples(where, st.just("g"), st.sampled_from(GATE_VALUES), st.integers(0, 7),
-                  st.none() | st.integers(0, 1 << 16)),
-        st.tuples(where, st.just("beta"), st.sampled_from(BETA_VALUES), st.integers(0, 7), st.none()))
+        st.tuples(
+            where,
+            st.just("g"),
+            st.sampled_from(GATE_VALUES),
+            st.integers(0, 7),
+            st.none() | st.integers(0, 1 << 16),
+        ),
+        st.tuples(
+            where, st.just("beta"), st.sampled_from(BETA_VALUES), st.integers(0, 7), st.none()
+        ),
+    )
     return st.lists(spot, min_size=min_size, max_size=3)
 
 
@@ -74,8 +83,9 @@ def first_spot(planted):
 @pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 200])
 def test_matches_reference(isa, rng, mode, gate, T):
     q, k, v, g, beta = inputs(rng, 2, T, 2, 4, 40, 24, per_channel=gate == "channel")
-    check_delta_rule(q, k, v, g, beta, initial_state=state0(rng, 2, 4, 40, 24), qk_l2norm=True,
-                     _mode=mode)
+    check_delta_rule(
+        q, k, v, g, beta, initial_state=state0(rng, 2, 4, 40, 24), qk_l2norm=True, _mode=mode
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["float16", "bfloat16"])
@@ -83,8 +93,9 @@ def test_matches_reference(isa, rng, mode, gate, T):
 @pytest.mark.parametrize("mode", ["chunked", "recurrent"])
 def test_low_precision_storage(isa, rng, dtype, gate, mode):
     q, k, v, g, beta = inputs(rng, 1, 97, 1, 2, 48, 32, per_channel=gate == "channel", dtype=dtype)
-    o, _ = check_delta_rule(q, k, v, g, beta, initial_state=state0(rng, 1, 2, 48, 32),
-                            qk_l2norm=True, _mode=mode)
+    o, _ = check_delta_rule(
+        q, k, v, g, beta, initial_state=state0(rng, 1, 2, 48, 32), qk_l2norm=True, _mode=mode
+    )
     assert o.dtype == dtype
 
 
@@ -117,14 +128,29 @@ def test_prefill_then_decode_equals_one_recurrence(isa, rng):
     T0, steps = 130, 5
     q, k, v, g, beta = inputs(rng, 2, T0 + steps, 2, 4, 32, 48, per_channel=True)
     whole, whole_state = check_delta_rule(q, k, v, g, beta, qk_l2norm=True)
-    o, state = attnx.gated_delta_rule(q[:, :T0], k[:, :T0], v[:, :T0], g[:, :T0], beta[:, :T0],
-                                      qk_l2norm=True, output_final_state=True, _mode="chunked")
+    o, state = attnx.gated_delta_rule(
+        q[:, :T0],
+        k[:, :T0],
+        v[:, :T0],
+        g[:, :T0],
+        beta[:, :T0],
+        qk_l2norm=True,
+        output_final_state=True,
+        _mode="chunked",
+    )
     outs = [o]
     for t in range(T0, T0 + steps):
         sl = slice(t, t + 1)
-        o, state = attnx.gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
-                                          qk_l2norm=True, initial_state=state,
-                                          output_final_state=True)
+        o, state = attnx.gated_delta_rule(
+            q[:, sl],
+            k[:, sl],
+            v[:, sl],
+            g[:, sl],
+            beta[:, sl],
+            qk_l2norm=True,
+            initial_state=state,
+            output_final_state=True,
+        )
         outs.append(o)
     np.testing.assert_allclose(np.concatenate(outs, axis=1), whole, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(state, whole_state, rtol=1e-5, atol=1e-5)
@@ -138,9 +164,16 @@ def test_cu_seqlens_packed(isa, rng):
     assert np.all(o[:, 200:] == 0), "positions after the last sequence must stay zero"
     for n in range(5):  # each sequence alone gives the same
         a, b = cu[n], cu[n + 1]
-        one, one_state = attnx.gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
-                                                initial_state=s0[n:n + 1], qk_l2norm=True,
-                                                output_final_state=True)
+        one, one_state = attnx.gated_delta_rule(
+            q[:, a:b],
+            k[:, a:b],
+            v[:, a:b],
+            g[:, a:b],
+            beta[:, a:b],
+            initial_state=s0[n : n + 1],
+            qk_l2norm=True,
+            output_final_state=True,
+        )
         np.testing.assert_array_equal(o[:, a:b], one)
         np.testing.assert_array_equal(state[n], one_state[0])
 
@@ -177,13 +210,31 @@ def test_value_heads_sharing_a_key_head_match_each_head_alone(isa, rng, gate, th
     products shared): bit for bit what each value head gives alone, state included."""
     q, k, v, g, beta = inputs(rng, 2, 75, 1, 4, 32, 48, per_channel=gate == "channel")
     s0 = state0(rng, 2, 4, 32, 48)
-    o, state = attnx.gated_delta_rule(q, k, v, g, beta, initial_state=s0, qk_l2norm=True,
-                                      output_final_state=True, num_threads=threads, _mode="chunked")
+    o, state = attnx.gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=s0,
+        qk_l2norm=True,
+        output_final_state=True,
+        num_threads=threads,
+        _mode="chunked",
+    )
     for h in range(4):
         sl = slice(h, h + 1)
-        one, one_state = attnx.gated_delta_rule(q, k, v[:, :, sl], g[:, :, sl], beta[:, :, sl],
-                                                initial_state=s0[:, sl], qk_l2norm=True,
-                                                output_final_state=True, _mode="chunked")
+        one, one_state = attnx.gated_delta_rule(
+            q,
+            k,
+            v[:, :, sl],
+            g[:, :, sl],
+            beta[:, :, sl],
+            initial_state=s0[:, sl],
+            qk_l2norm=True,
+            output_final_state=True,
+            _mode="chunked",
+        )
         np.testing.assert_array_equal(o[:, :, sl], one)
         np.testing.assert_array_equal(state[:, sl], one_state)
 
@@ -193,7 +244,9 @@ def test_float64_and_inputs_untouched(rng):
     before = [x.copy() for x in (q, k, v, g, beta)]
     o = attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True)
     assert o.dtype == np.float64
-    np.testing.assert_allclose(o, ref.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        o, ref.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True), rtol=1e-4, atol=1e-5
+    )
     for x, x0 in zip((q, k, v, g, beta), before):
         np.testing.assert_array_equal(x, x0)
 
@@ -203,8 +256,9 @@ def test_reference_worked_example():
     q = np.array([[[[1.0, 2.0]]]])
     k = np.array([[[[0.6, 0.8]]]])
     v = np.array([[[[3.0, -1.0, 0.5]]]])
-    o, state = ref.gated_delta_rule(q, k, v, np.zeros((1, 1, 1)), np.ones((1, 1, 1)), scale=1.0,
-                                    output_final_state=True)
+    o, state = ref.gated_delta_rule(
+        q, k, v, np.zeros((1, 1, 1)), np.ones((1, 1, 1)), scale=1.0, output_final_state=True
+    )
     np.testing.assert_allclose(o[0, 0, 0], (0.6 + 1.6) * v[0, 0, 0])
     np.testing.assert_allclose(state[0, 0], np.outer(k[0, 0, 0], v[0, 0, 0]), rtol=1e-6)
     # A second write of the same key with beta = 1 replaces its value (the delta rule's point).
@@ -228,28 +282,59 @@ def test_torch_tensors_in_and_out(rng):
 
 
 def _bad(rng):
-    return dict(zip("q k v g beta".split(), inputs(rng, 2, 5, 2, 4, 8, 6)))
+    return dict(zip(["q", "k", "v", "g", "beta"], inputs(rng, 2, 5, 2, 4, 8, 6)))
 
 
-@pytest.mark.parametrize("change, error, match", [
-    (lambda a: a.update(q=a["q"][0]), ValueError, r"q: expected 4 dims"),
-    (lambda a: a.update(k=a["k"][:, :, :, :4]), ValueError, r"k: expected the shape of q"),
-    (lambda a: a.update(v=a["v"][:, :, :3]), ValueError, r"v: the value heads \(Hv=3\) must be a multiple"),
-    (lambda a: a.update(v=a["v"][:, :4]), ValueError, r"v: expected \(B=2, T=5"),
-    (lambda a: a.update(g=a["g"][:, :, :2]), ValueError, r"g: expected shape"),
-    (lambda a: a.update(g=np.zeros((2, 5, 4, 7), np.float32)), ValueError, r"g: expected shape"),
-    (lambda a: a.update(g=np.zeros((2, 5), np.float32)), ValueError, r"g: expected \(B, T, Hv\)"),
-    (lambda a: a.update(beta=a["beta"][..., :1]), ValueError, r"beta: expected shape"),
-    (lambda a: a.update(k=a["k"].astype(np.float16)), TypeError, r"q, k, v: expected one dtype"),
-    (lambda a: a.update(q=a["q"].astype(np.int32)), TypeError, r"q: expected a float array"),
-    (lambda a: a.update(layout="sbhd"), ValueError, r"layout: expected"),
-    (lambda a: a.update(cu_seqlens=[0, 2, 5]), ValueError, r"cu_seqlens: .* need B == 1"),
-    (lambda a: a.update(lengths=[1, 6]), ValueError, r"lengths: expected \(B=2,\) ints in \[0, T=5\]"),
-    (lambda a: a.update(lengths=[1, 2], cu_seqlens=[0, 1]), ValueError, r"cu_seqlens, lengths: give one"),
-    (lambda a: a.update(initial_state=np.zeros((2, 4, 8, 5), np.float32)), ValueError, r"initial_state: expected shape"),
-    (lambda a: a.update(scale=float("nan")), TypeError, r"scale: expected a finite float"),
-    (lambda a: a.update(num_threads=0), ValueError, r"num_threads: expected a positive int"),
-])
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda a: a.update(q=a["q"][0]), ValueError, r"q: expected 4 dims"),
+        (lambda a: a.update(k=a["k"][:, :, :, :4]), ValueError, r"k: expected the shape of q"),
+        (
+            lambda a: a.update(v=a["v"][:, :, :3]),
+            ValueError,
+            r"v: the value heads \(Hv=3\) must be a multiple",
+        ),
+        (lambda a: a.update(v=a["v"][:, :4]), ValueError, r"v: expected \(B=2, T=5"),
+        (lambda a: a.update(g=a["g"][:, :, :2]), ValueError, r"g: expected shape"),
+        (
+            lambda a: a.update(g=np.zeros((2, 5, 4, 7), np.float32)),
+            ValueError,
+            r"g: expected shape",
+        ),
+        (
+            lambda a: a.update(g=np.zeros((2, 5), np.float32)),
+            ValueError,
+            r"g: expected \(B, T, Hv\)",
+        ),
+        (lambda a: a.update(beta=a["beta"][..., :1]), ValueError, r"beta: expected shape"),
+        (
+            lambda a: a.update(k=a["k"].astype(np.float16)),
+            TypeError,
+            r"q, k, v: expected one dtype",
+        ),
+        (lambda a: a.update(q=a["q"].astype(np.int32)), TypeError, r"q: expected a float array"),
+        (lambda a: a.update(layout="sbhd"), ValueError, r"layout: expected"),
+        (lambda a: a.update(cu_seqlens=[0, 2, 5]), ValueError, r"cu_seqlens: .* need B == 1"),
+        (
+            lambda a: a.update(lengths=[1, 6]),
+            ValueError,
+            r"lengths: expected \(B=2,\) ints in \[0, T=5\]",
+        ),
+        (
+            lambda a: a.update(lengths=[1, 2], cu_seqlens=[0, 1]),
+            ValueError,
+            r"cu_seqlens, lengths: give one",
+        ),
+        (
+            lambda a: a.update(initial_state=np.zeros((2, 4, 8, 5), np.float32)),
+            ValueError,
+            r"initial_state: expected shape",
+        ),
+        (lambda a: a.update(scale=float("nan")), TypeError, r"scale: expected a finite float"),
+        (lambda a: a.update(num_threads=0), ValueError, r"num_threads: expected a positive int"),
+    ],
+)
 def test_errors_name_the_argument(rng, change, error, match):
     a = _bad(rng)
     change(a)
@@ -267,9 +352,19 @@ def test_cu_seqlens_must_increase(rng):
             attnx.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
 
 
-@given(B=st.integers(1, 2), T=st.integers(1, 140), Hk=st.integers(1, 2), group=st.integers(1, 3),
-       K=st.integers(1, 70), V=st.integers(1, 70), per_channel=st.booleans(), l2=st.booleans(),
-       with_state=st.booleans(), data=st.data(), seed=st.integers(0, 2**31))
+@given(
+    B=st.integers(1, 2),
+    T=st.integers(1, 140),
+    Hk=st.integers(1, 2),
+    group=st.integers(1, 3),
+    K=st.integers(1, 70),
+    V=st.integers(1, 70),
+    per_channel=st.booleans(),
+    l2=st.booleans(),
+    with_state=st.booleans(),
+    data=st.data(),
+    seed=st.integers(0, 2**31),
+)
 def test_hypothesis_shapes(isa, B, T, Hk, group, K, V, per_channel, l2, with_state, data, seed):
     """Shapes, and non-finite gates and betas (NaN, ±inf, resets) planted at random positions."""
     bad = data.draw(spots(T, min_size=0), label="spots")
@@ -282,7 +377,7 @@ def test_hypothesis_shapes(isa, B, T, Hk, group, K, V, per_channel, l2, with_sta
     s0 = state0(rng, B, Hk * group, K, V) if with_state else None
     o, _ = check_delta_rule(q, k, v, g, beta, initial_state=s0, qk_l2norm=l2)
     if bad:
-        assert np.isfinite(o[:, :first_spot(bad)]).all()
+        assert np.isfinite(o[:, : first_spot(bad)]).all()
 
 
 def test_bench_delta_rows_declared_with_their_work():
@@ -318,8 +413,9 @@ def test_state_read_in_place_of_a_copy(isa, rng, mode):
     q, k, v, g, beta = inputs(rng, 1, 71, 1, 2, 24, 32, per_channel=True)
     s0 = state0(rng, 3, 2, 24, 32)
     before = s0.copy()
-    o, state = check_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, qk_l2norm=True,
-                                _mode=mode)
+    o, state = check_delta_rule(
+        q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, qk_l2norm=True, _mode=mode
+    )
     np.testing.assert_array_equal(s0, before)
     np.testing.assert_array_equal(state[1], s0[1])
 
@@ -337,7 +433,10 @@ def test_nonfinite_gate_or_beta_at_every_position(isa, rng, gate, what, value):
     q, k, v, g, beta = inputs(rng, 1, T, 1, 2, 24, 16, per_channel=gate == "channel")
     s0 = state0(rng, 1, 2, 24, 16)
     kw = dict(initial_state=s0, qk_l2norm=True, output_final_state=True)
-    clean = {m: attnx.gated_delta_rule(q, k, v, g, beta, _mode=m, **kw)[0] for m in ("chunked", "recurrent")}
+    clean = {
+        m: attnx.gated_delta_rule(q, k, v, g, beta, _mode=m, **kw)[0]
+        for m in ("chunked", "recurrent")
+    }
     for t in range(T):
         gb, bb = plant(g, beta, [(t, what, value, 0, 5)])
         expected = delta_expected(q, k, v, gb, bb, initial_state=s0, qk_l2norm=True)
@@ -348,7 +447,9 @@ def test_nonfinite_gate_or_beta_at_every_position(isa, rng, gate, what, value):
             o, state = attnx.gated_delta_rule(q, k, v, gb, bb, _mode=mode, **kw)
             assert_delta_matches(o, state, expected)
             np.testing.assert_array_equal(o[:, :t], clean[mode][:, :t], err_msg=f"{mode}, t={t}")
-            np.testing.assert_array_equal(o[:, :, 1], clean[mode][:, :, 1], err_msg=f"{mode}, t={t}")
+            np.testing.assert_array_equal(
+                o[:, :, 1], clean[mode][:, :, 1], err_msg=f"{mode}, t={t}"
+            )
 
 
 def test_reset_gate_is_a_fresh_start(isa, rng):
@@ -360,15 +461,21 @@ def test_reset_gate_is_a_fresh_start(isa, rng):
         g[:, t] = -np.inf
         g_tail = g[:, t:].copy()
         g_tail[:, 0] = 0.0
-        tail = attnx.gated_delta_rule(q[:, t:], k[:, t:], v[:, t:], g_tail, beta[:, t:],
-                                      qk_l2norm=True, _mode="chunked")
+        tail = attnx.gated_delta_rule(
+            q[:, t:], k[:, t:], v[:, t:], g_tail, beta[:, t:], qk_l2norm=True, _mode="chunked"
+        )
         o = attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True, _mode="chunked")
         np.testing.assert_allclose(o[:, t:], tail, rtol=1e-5, atol=1e-6)
         check_delta_rule(q, k, v, g, beta, qk_l2norm=True, initial_state=state0(rng, 1, 2, 16, 16))
 
 
-@given(T=st.integers(1, 90), per_channel=st.booleans(), mode=st.sampled_from(["chunked", "recurrent"]),
-       data=st.data(), seed=st.integers(0, 2**31))
+@given(
+    T=st.integers(1, 90),
+    per_channel=st.booleans(),
+    mode=st.sampled_from(["chunked", "recurrent"]),
+    data=st.data(),
+    seed=st.integers(0, 2**31),
+)
 def test_hypothesis_nonfinite_packed_sequences(isa, T, per_channel, mode, data, seed):
     """Sequences packed with cu_seqlens, values planted anywhere: each sequence holds to the
     recurrence wherever it is finite, and a sequence with nothing planted in it is bit for bit
@@ -379,9 +486,21 @@ def test_hypothesis_nonfinite_packed_sequences(isa, T, per_channel, mode, data, 
     q, k, v, g, beta = inputs(rng, 1, T, 1, 2, 16, 8, per_channel=per_channel)
     gb, bb = plant(g, beta, bad)
     s0 = state0(rng, len(cu) - 1, 2, 16, 8)
-    o, state = check_delta_rule(q, k, v, gb, bb, cu_seqlens=cu, initial_state=s0, qk_l2norm=True, _mode=mode)
-    clean, clean_state = attnx.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0,
-                                                qk_l2norm=True, output_final_state=True, _mode=mode)
+    o, state = check_delta_rule(
+        q, k, v, gb, bb, cu_seqlens=cu, initial_state=s0, qk_l2norm=True, _mode=mode
+    )
+    clean, clean_state = attnx.gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens=cu,
+        initial_state=s0,
+        qk_l2norm=True,
+        output_final_state=True,
+        _mode=mode,
+    )
     hit = {t for t, *_ in bad}
     for n in range(len(cu) - 1):
         a, b = cu[n], cu[n + 1]
@@ -391,8 +510,12 @@ def test_hypothesis_nonfinite_packed_sequences(isa, T, per_channel, mode, data, 
             np.testing.assert_array_equal(state[n], clean_state[n])
 
 
-@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=3), per_channel=st.booleans(),
-       data=st.data(), seed=st.integers(0, 2**31))
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    per_channel=st.booleans(),
+    data=st.data(),
+    seed=st.integers(0, 2**31),
+)
 def test_hypothesis_nonfinite_through_step_linear(isa, lens, per_channel, data, seed):
     """The cache's linear layers: a prefill step with values planted, then two decode steps, per
     sequence against one recurrence over all of its tokens (finite wherever it is)."""
@@ -400,8 +523,15 @@ def test_hypothesis_nonfinite_through_step_linear(isa, lens, per_channel, data, 
 
     rng = np.random.default_rng(seed)
     Hv, K, V = 2, 16, 8
-    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=64, block_size=16,
-                               linear_layers=1, state_shape=(Hv, K, V))
+    cache = attnx.PagedKVCache(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        num_blocks=64,
+        block_size=16,
+        linear_layers=1,
+        state_shape=(Hv, K, V),
+    )
     seqs = [cache.new_sequence() for _ in lens]
     steps = [lens, [1] * len(lens), [1] * len(lens)]
     T = sum(map(sum, steps))
@@ -411,15 +541,30 @@ def test_hypothesis_nonfinite_through_step_linear(isa, lens, per_channel, data, 
     for counts in steps:
         n = sum(counts)
         sl = slice(at, at + n)
-        outs.append(cache.begin_step(seqs, counts).linear(0, q[0, sl], k[0, sl], v[0, sl], g[0, sl],
-                                                          beta[0, sl], qk_l2norm=True))
+        outs.append(
+            cache.begin_step(seqs, counts).linear(
+                0, q[0, sl], k[0, sl], v[0, sl], g[0, sl], beta[0, sl], qk_l2norm=True
+            )
+        )
         at += n
     # the same tokens regrouped by sequence, as one packed call to the reference
-    order = np.concatenate([np.arange(sum(lens[:i]), sum(lens[:i + 1])).tolist()
-                            + [sum(lens) + i, sum(lens) + len(lens) + i] for i in range(len(lens))])
+    order = np.concatenate(
+        [
+            np.arange(sum(lens[:i]), sum(lens[: i + 1])).tolist()
+            + [sum(lens) + i, sum(lens) + len(lens) + i]
+            for i in range(len(lens))
+        ]
+    )
     o = np.concatenate(outs)[order][None]
     cu = np.concatenate([[0], np.cumsum([n + 2 for n in lens])])
-    expected = delta_expected(q[:, order], k[:, order], v[:, order], g[:, order], beta[:, order],
-                              cu_seqlens=cu, qk_l2norm=True)
+    expected = delta_expected(
+        q[:, order],
+        k[:, order],
+        v[:, order],
+        g[:, order],
+        beta[:, order],
+        cu_seqlens=cu,
+        qk_l2norm=True,
+    )
     states = np.stack([cache._seq(s).state[0] for s in seqs])
     assert_delta_matches(o, states, expected)

@@ -25,9 +25,10 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import BF16, SEED, cache_stepper, finish_client
 
 import attnx
+
+from helpers import BF16, SEED, cache_stepper, finish_client
 
 THREADS = 8
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
@@ -77,9 +78,11 @@ def assert_same(parallel, serial):
 def _dense_inputs():
     rng = np.random.default_rng([SEED, 31])
     shared = []
-    for dtype, (B, Hq, Hkv, Sq, Sk, D) in ((np.float32, (2, 8, 2, 64, 300, 64)),
-                                           (np.float16, (1, 4, 4, 1, 700, 128)),
-                                           (BF16, (3, 6, 3, 17, 40, 32))):
+    for dtype, (B, Hq, Hkv, Sq, Sk, D) in (
+        (np.float32, (2, 8, 2, 64, 300, 64)),
+        (np.float16, (1, 4, 4, 1, 700, 128)),
+        (BF16, (3, 6, 3, 17, 40, 32)),
+    ):
         q = rng.standard_normal((B, Hq, Sq, D)).astype(dtype)
         k = rng.standard_normal((B, Hkv, Sk, D)).astype(dtype)
         v = rng.standard_normal((B, Hkv, Sk, D)).astype(dtype)
@@ -92,9 +95,12 @@ def _dense_work(shared, i, nt):
     outs = []
     for r in range(ROUNDS):
         for j, (q, k, v) in enumerate(shared):
-            kw = [dict(causal=True), dict(window=(16, 0), softcap=20.0),
-                  dict(sinks=np.linspace(-1, 1, q.shape[1]).astype(np.float32)),
-                  dict(kv_lens=np.full(q.shape[0], k.shape[2] // 2), causal=True)][(i + j + r) % 4]
+            kw = [
+                dict(causal=True),
+                dict(window=(16, 0), softcap=20.0),
+                dict(sinks=np.linspace(-1, 1, q.shape[1]).astype(np.float32)),
+                dict(kv_lens=np.full(q.shape[0], k.shape[2] // 2), causal=True),
+            ][(i + j + r) % 4]
             o, lse = attnx.attention(q, k, v, return_lse=True, num_threads=nt, **kw)
             outs += [o, lse]
         out = np.empty(shared[0][0].shape, shared[0][0].dtype)
@@ -103,7 +109,9 @@ def _dense_work(shared, i, nt):
     return outs
 
 
-@pytest.mark.parametrize("nt", [1, 2, 3], ids=["1-thread-calls", "2-thread-calls", "3-thread-calls"])
+@pytest.mark.parametrize(
+    "nt", [1, 2, 3], ids=["1-thread-calls", "2-thread-calls", "3-thread-calls"]
+)
 def test_attention_threads_match_serial(nt):
     shared = _dense_inputs()
     serial = [_dense_work(shared, i, nt) for i in range(THREADS)]
@@ -122,7 +130,7 @@ def _paged_inputs():
     tables = np.zeros((len(lens), int(need.max())), np.int32)
     at = 0
     for b, n in enumerate(need):
-        tables[b, :n] = perm[at:at + n]
+        tables[b, :n] = perm[at : at + n]
         at += n
     return kp, vp, tables, lens, rng.standard_normal((700, 8, D)).astype(np.float32)
 
@@ -132,12 +140,30 @@ def _paged_work(inp, i, nt):
     outs = []
     for r in range(ROUNDS):
         q_lens = np.minimum(lens, [1, 1 + i, 3, 1, 8 * r + 1, 1])
-        q = qbank[:int(q_lens.sum())]
-        o, lse = attnx.paged_attention(q, kp, vp, tables, lens, q_lens=q_lens, return_lse=True,
-                                       num_threads=nt, window=(None if i % 2 else (64, 0)))
+        q = qbank[: int(q_lens.sum())]
+        o, lse = attnx.paged_attention(
+            q,
+            kp,
+            vp,
+            tables,
+            lens,
+            q_lens=q_lens,
+            return_lse=True,
+            num_threads=nt,
+            window=(None if i % 2 else (64, 0)),
+        )
         outs += [o, lse]
-        outs.append(attnx.paged_attention(qbank[:6], kp, vp, tables, lens, num_threads=nt,
-                                          alibi_slopes=np.full(8, 0.01 * (i + 1), np.float32)))
+        outs.append(
+            attnx.paged_attention(
+                qbank[:6],
+                kp,
+                vp,
+                tables,
+                lens,
+                num_threads=nt,
+                alibi_slopes=np.full(8, 0.01 * (i + 1), np.float32),
+            )
+        )
     return outs
 
 
@@ -176,8 +202,15 @@ def _client(cache, i, nt):
 
 
 def _make_cache():
-    return attnx.PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=THREADS * 24,
-                              block_size=8, dtype="bfloat16", value_dim=16)
+    return attnx.PagedKVCache(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=32,
+        num_blocks=THREADS * 24,
+        block_size=8,
+        dtype="bfloat16",
+        value_dim=16,
+    )
 
 
 @pytest.mark.parametrize("nt", [1, 2], ids=["1-thread-calls", "2-thread-calls"])

@@ -7,9 +7,10 @@ import os
 
 import numpy as np
 import pytest
-from helpers import BF16
 
 import attnx
+
+from helpers import BF16
 
 SENTINEL = 1536.0
 B, HQ, HKV, SQ, SK, D = 1, 2, 2, 3, 5, 4
@@ -21,12 +22,17 @@ def f32(*shape, dtype=np.float32):
 
 def good():
     """A valid call: q, k, v and a sentinel-filled out of the right shape."""
-    return (f32(B, HQ, SQ, D), f32(B, HKV, SK, D), f32(B, HKV, SK, D),
-            {"out": np.full((B, HQ, SQ, D), SENTINEL, np.float32)})
+    return (
+        f32(B, HQ, SQ, D),
+        f32(B, HKV, SK, D),
+        f32(B, HKV, SK, D),
+        {"out": np.full((B, HQ, SQ, D), SENTINEL, np.float32)},
+    )
 
 
 def case(**changes):
     """A valid call with some arguments replaced (q/k/v by name, the rest as keywords)."""
+
     def build():
         q, k, v, kw = good()
         arrays = {"q": q, "k": k, "v": v}
@@ -37,6 +43,7 @@ def case(**changes):
             else:
                 kw[name] = val
         return arrays["q"], arrays["k"], arrays["v"], kw
+
     return build
 
 
@@ -47,8 +54,11 @@ def read_only(a):
 
 CASES = {
     # ranks
-    "q_rank_5": (case(q=f32(1, B, HQ, SQ, D), k=f32(1, B, HKV, SK, D), v=f32(1, B, HKV, SK, D)),
-                 ValueError, r"^q\b"),
+    "q_rank_5": (
+        case(q=f32(1, B, HQ, SQ, D), k=f32(1, B, HKV, SK, D), v=f32(1, B, HKV, SK, D)),
+        ValueError,
+        r"^q\b",
+    ),
     "q_rank_1": (case(q=f32(D), k=f32(D), v=f32(D)), ValueError, r"^q\b"),
     "k_rank_differs": (case(k=f32(HKV, SK, D)), ValueError, r"^k\b"),
     "v_rank_differs": (case(v=f32(HKV, SK, D)), ValueError, r"^v\b"),
@@ -58,8 +68,11 @@ CASES = {
     "v_sk": (case(v=f32(B, HKV, SK + 1, D)), ValueError, r"^v\b"),
     "k_dk": (case(k=f32(B, HKV, SK, D + 1)), ValueError, r"^k\b"),
     "v_heads": (case(v=f32(B, 1, SK, D)), ValueError, r"^v\b"),
-    "hq_not_multiple_of_hkv": (case(q=f32(B, 3, SQ, D), out=np.zeros((B, 3, SQ, D), np.float32)),
-                               ValueError, r"^k\b"),
+    "hq_not_multiple_of_hkv": (
+        case(q=f32(B, 3, SQ, D), out=np.zeros((B, 3, SQ, D), np.float32)),
+        ValueError,
+        r"^k\b",
+    ),
     "hkv_zero": (case(k=f32(B, 0, SK, D), v=f32(B, 0, SK, D)), ValueError, r"^k\b"),
     # masks
     "mask_not_broadcastable": (case(mask=np.ones((SQ + 1, SK), bool)), ValueError, "mask"),
@@ -74,9 +87,17 @@ CASES = {
     "kv_lens_negative": (case(kv_lens=np.array([-1])), ValueError, "kv_lens"),
     "kv_lens_too_big": (case(kv_lens=np.array([SK + 1])), ValueError, "kv_lens"),
     "kv_lens_float": (case(kv_lens=np.array([3.0])), TypeError, "kv_lens"),
-    "kv_lens_rank3_length": (case(q=f32(HQ, SQ, D), k=f32(HKV, SK, D), v=f32(HKV, SK, D),
-                                  out=np.zeros((HQ, SQ, D), np.float32), kv_lens=[2, 2]),
-                             ValueError, "kv_lens"),
+    "kv_lens_rank3_length": (
+        case(
+            q=f32(HQ, SQ, D),
+            k=f32(HKV, SK, D),
+            v=f32(HKV, SK, D),
+            out=np.zeros((HQ, SQ, D), np.float32),
+            kv_lens=[2, 2],
+        ),
+        ValueError,
+        "kv_lens",
+    ),
     "q_lens_length": (case(q_lens=[1, 2]), ValueError, "q_lens"),
     "q_lens_negative": (case(q_lens=[-2]), ValueError, "q_lens"),
     "q_lens_too_big": (case(q_lens=[SQ + 1]), ValueError, "q_lens"),
@@ -84,31 +105,58 @@ CASES = {
     # dtypes
     "k_float16": (case(k=f32(B, HKV, SK, D, dtype=np.float16)), TypeError, r"\bk\b.*float16"),
     "v_bfloat16": (case(v=f32(B, HKV, SK, D, dtype=BF16)), TypeError, r"\bv\b.*bfloat16"),
-    "int_inputs": (case(q=np.ones((B, HQ, SQ, D), np.int32), k=np.ones((B, HKV, SK, D), np.int32),
-                        v=np.ones((B, HKV, SK, D), np.int32)), TypeError, r"^q\b.*astype"),
+    "int_inputs": (
+        case(
+            q=np.ones((B, HQ, SQ, D), np.int32),
+            k=np.ones((B, HKV, SK, D), np.int32),
+            v=np.ones((B, HKV, SK, D), np.int32),
+        ),
+        TypeError,
+        r"^q\b.*astype",
+    ),
     # (float64 inputs are computed in float64: tests/kernels/test_float64.py; a wider float has no path)
-    "longdouble_inputs": (case(q=f32(B, HQ, SQ, D, dtype=np.longdouble),
-                               k=f32(B, HKV, SK, D, dtype=np.longdouble),
-                               v=f32(B, HKV, SK, D, dtype=np.longdouble)), TypeError, r"^q\b.*astype"),
+    "longdouble_inputs": (
+        case(
+            q=f32(B, HQ, SQ, D, dtype=np.longdouble),
+            k=f32(B, HKV, SK, D, dtype=np.longdouble),
+            v=f32(B, HKV, SK, D, dtype=np.longdouble),
+        ),
+        TypeError,
+        r"^q\b.*astype",
+    ),
     "float64_v": (case(v=f32(B, HKV, SK, D, dtype=np.float64)), TypeError, r"\bv\b"),
     "complex_q": (case(q=np.ones((B, HQ, SQ, D), np.complex64)), TypeError, r"^q\b"),
     # out
     "out_shape": (case(out=np.zeros((B, HQ, SQ, D + 1), np.float32)), ValueError, "out"),
     "out_rank": (case(out=np.zeros((HQ, SQ, D), np.float32)), ValueError, "out"),
-    "out_layout": (case(layout="bshd", q=f32(B, SQ, HQ, D), k=f32(B, SK, HKV, D),
-                        v=f32(B, SK, HKV, D)), ValueError, "out"),  # out is in bhsd order
+    "out_layout": (
+        case(layout="bshd", q=f32(B, SQ, HQ, D), k=f32(B, SK, HKV, D), v=f32(B, SK, HKV, D)),
+        ValueError,
+        "out",
+    ),  # out is in bhsd order
     "out_dtype": (case(out=np.zeros((B, HQ, SQ, D), np.float16)), TypeError, "out"),
     "out_float64": (case(out=np.zeros((B, HQ, SQ, D), np.float64)), TypeError, "out"),
-    "out_read_only": (case(out=lambda: read_only(np.full((B, HQ, SQ, D), SENTINEL, np.float32))),
-                      ValueError, "out"),
+    "out_read_only": (
+        case(out=lambda: read_only(np.full((B, HQ, SQ, D), SENTINEL, np.float32))),
+        ValueError,
+        "out",
+    ),
     "out_list": (case(out=[[0.0]]), TypeError, "out"),
-    "out_strided_shape": (case(out=np.full((B, HQ, SQ, 2 * D + 2), SENTINEL, np.float32)[..., ::2]),
-                          ValueError, "out"),
-    "out_strided_dtype": (case(out=np.full((B, HQ, SQ, 2 * D), SENTINEL, np.float16)[..., ::2]),
-                          TypeError, "out"),
+    "out_strided_shape": (
+        case(out=np.full((B, HQ, SQ, 2 * D + 2), SENTINEL, np.float32)[..., ::2]),
+        ValueError,
+        "out",
+    ),
+    "out_strided_dtype": (
+        case(out=np.full((B, HQ, SQ, 2 * D), SENTINEL, np.float16)[..., ::2]),
+        TypeError,
+        "out",
+    ),
     "out_strided_read_only": (
         case(out=lambda: read_only(np.full((B, HQ, SQ, 2 * D), SENTINEL, np.float32))[..., ::2]),
-        ValueError, "out"),
+        ValueError,
+        "out",
+    ),
     # scale
     "scale_zero": (case(scale=0.0), ValueError, "scale"),
     "scale_negative": (case(scale=-0.5), ValueError, "scale"),
@@ -147,8 +195,11 @@ CASES = {
     "sinks_nan": (case(sinks=np.array([0.0, np.nan], np.float32)), ValueError, "sinks"),
     "sinks_str": (case(sinks="none"), TypeError, "sinks"),
     "alibi_length": (case(alibi_slopes=np.ones(1, np.float32)), ValueError, "alibi_slopes"),
-    "alibi_inf": (case(alibi_slopes=np.array([1.0, np.inf], np.float32)), ValueError,
-                  "alibi_slopes"),
+    "alibi_inf": (
+        case(alibi_slopes=np.array([1.0, np.inf], np.float32)),
+        ValueError,
+        "alibi_slopes",
+    ),
     # threads
     "num_threads_zero": (case(num_threads=0), ValueError, "num_threads"),
     "num_threads_negative": (case(num_threads=-1), ValueError, "num_threads"),
@@ -161,8 +212,10 @@ CASES = {
 def test_bad_argument(name):
     build, exc, match = CASES[name]
     q, k, v, kw = build()
-    saved = [np.array(x, copy=True) if isinstance(x, np.ndarray) else None
-             for x in (q, k, v, kw.get("out"))]
+    saved = [
+        np.array(x, copy=True) if isinstance(x, np.ndarray) else None
+        for x in (q, k, v, kw.get("out"))
+    ]
     with pytest.raises(exc, match=match):
         attnx.attention(q, k, v, **kw)
     for x, x0 in zip((q, k, v, kw.get("out")), saved):
@@ -170,8 +223,16 @@ def test_bad_argument(name):
             np.testing.assert_array_equal(x, x0, err_msg="a failed call wrote into an array")
 
 
-@pytest.mark.parametrize("bad", [dict(scale=0.0), dict(num_threads=-1), dict(window=(-1, 0)),
-                                 dict(kv_lens=[9]), dict(mask=np.ones((2, 2), bool))])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(scale=0.0),
+        dict(num_threads=-1),
+        dict(window=(-1, 0)),
+        dict(kv_lens=[9]),
+        dict(mask=np.ones((2, 2), bool)),
+    ],
+)
 def test_failed_call_with_out_aliasing_q_writes_nothing(bad):
     q, k, v, _ = good()
     q0 = q.copy()
@@ -236,8 +297,11 @@ def small_problem():
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("bad", [np.array([]), np.array(["bhsd"]), ["bshd"], b"bhsd", 0],
-                         ids=["empty_array", "array_of_it", "list", "bytes", "int"])
+@pytest.mark.parametrize(
+    "bad",
+    [np.array([]), np.array(["bhsd"]), ["bshd"], b"bhsd", 0],
+    ids=["empty_array", "array_of_it", "list", "bytes", "int"],
+)
 def test_every_string_choice_refuses_what_is_not_one_of_its_strings(bad):
     """One rule (``_validate.choice``) for every argument that picks among strings: a value that
     is not one of them, arrays included (which ``in`` would compare element by element), is a
@@ -245,11 +309,13 @@ def test_every_string_choice_refuses_what_is_not_one_of_its_strings(bad):
     q, k, v, g, beta = small_problem()
     lse = np.zeros((1, 2, 3), np.float32)
     calls = {
-        "layout": [lambda: attnx.attention(q, k, v, layout=bad),
-                   lambda: attnx.reference.attention(q, k, v, layout=bad),
-                   lambda: attnx.merge_attention([q], [lse], layout=bad),
-                   lambda: attnx.reference.merge_attention([q], [lse], layout=bad),
-                   lambda: attnx.gated_delta_rule(q, k, v, g, beta, layout=bad)],
+        "layout": [
+            lambda: attnx.attention(q, k, v, layout=bad),
+            lambda: attnx.reference.attention(q, k, v, layout=bad),
+            lambda: attnx.merge_attention([q], [lse], layout=bad),
+            lambda: attnx.reference.merge_attention([q], [lse], layout=bad),
+            lambda: attnx.gated_delta_rule(q, k, v, g, beta, layout=bad),
+        ],
         "_mode": [lambda: attnx.gated_delta_rule(q, k, v, g, beta, _mode=bad)],
     }
     for name, fns in calls.items():
@@ -272,11 +338,15 @@ def test_every_flag_refuses_what_has_no_truth_value(bad):
         "enable_gqa": lambda: attnx.scaled_dot_product_attention(q, k, v, enable_gqa=bad),
         "return_weights": lambda: attnx.MultiHeadAttention(8, 2)(x, return_weights=bad),
         "bias": lambda: attnx.MultiHeadAttention(8, 2, bias=bad),
-        "value_from_key": lambda: attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4,
-                                                     num_blocks=2, block_size=4, value_from_key=bad),
-        "prefix_caching": lambda: attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4,
-                                                     num_blocks=2, block_size=4, prefix_caching=bad),
-        "output_final_state": lambda: attnx.gated_delta_rule(q, k, v, g, beta, output_final_state=bad),
+        "value_from_key": lambda: attnx.PagedKVCache(
+            num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=4, value_from_key=bad
+        ),
+        "prefix_caching": lambda: attnx.PagedKVCache(
+            num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=4, prefix_caching=bad
+        ),
+        "output_final_state": lambda: attnx.gated_delta_rule(
+            q, k, v, g, beta, output_final_state=bad
+        ),
         "qk_l2norm": lambda: attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=bad),
     }
     for name, fn in calls.items():

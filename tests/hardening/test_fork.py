@@ -185,16 +185,27 @@ print(json.dumps({"parent": PARENT, "children": children}))
 # The fuzz class "forked children" (issue 18): drawn shapes, thread counts and entry points, each
 # call made in a fresh fork()ed child after the parent made its own threaded calls, must equal the
 # parent's same call bit for bit.
-@settings(max_examples=6, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.sampled_from(["dense", "paged"]), st.integers(1, 3),
-                          st.integers(1, 300), st.sampled_from([1, 16, 64, 97]),
-                          st.integers(1, 4)), min_size=1, max_size=4),
-       st.integers(1, 3))
+@settings(
+    max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["dense", "paged"]),
+            st.integers(1, 3),
+            st.integers(1, 300),
+            st.sampled_from([1, 16, 64, 97]),
+            st.integers(1, 4),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(1, 3),
+)
 def test_forked_children_fuzz(cases, parent_threads):
-    res = run_scenario(r"""
-CASES = %r
-
+    res = run_scenario(
+        f"CASES = {cases!r}\nPARENT_THREADS = {parent_threads}\n"
+        + r"""
 def call(kind, batch, length, dim, threads):
     g = np.random.default_rng([kind == "dense", batch, length, dim])
     if kind == "dense":
@@ -210,9 +221,10 @@ def call(kind, batch, length, dim, threads):
 def digests():
     return [hashlib.sha256(call(*c).tobytes()).hexdigest() for c in CASES]
 
-attnx.attention(Q, Q, Q, causal=True, num_threads=%d)  # the parent's pool, before the fork
+attnx.attention(Q, Q, Q, causal=True, num_threads=PARENT_THREADS)  # the parent's pool, before the fork
 parent = digests()
 print(json.dumps({"parent": parent, "child": in_child(digests), "grandchild":
                   in_child(lambda: in_child(digests))}))
-""" % (cases, parent_threads))
+"""
+    )
     assert res["child"] == res["parent"] and res["grandchild"] == res["parent"]

@@ -42,18 +42,26 @@ import os
 
 import numpy as np
 import pytest
-from helpers import BF16, ISAS, SEED, check_dense, check_paged, from4, scramble_tables
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import attnx
 
+from helpers import BF16, ISAS, SEED, check_dense, check_paged, from4, scramble_tables
+
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
 FUZZ_EXAMPLES = int(os.environ.get("ATTNX_FUZZ_EXAMPLES", "3000")) * (40 if SOAK else 1)
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
+)
 PAGED_FUZZ = settings(FUZZ, max_examples=max(1, FUZZ_EXAMPLES // 2))
 
 
@@ -75,12 +83,34 @@ class on_isa:
 # memory layouts: the same values, stored differently
 # ---------------------------------------------------------------------------------------------
 
-VIEWS = ["c", "c", "fortran", "permuted", "step", "negative", "offset", "swapped", "field",
-         "broadcast"]
-INT_DTYPES = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
-                                    np.int64, np.uint64)]
+VIEWS = [
+    "c",
+    "c",
+    "fortran",
+    "permuted",
+    "step",
+    "negative",
+    "offset",
+    "swapped",
+    "field",
+    "broadcast",
+]
+INT_DTYPES = [
+    np.dtype(t)
+    for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)
+]
 INT_DTYPES += [t.newbyteorder(">") for t in INT_DTYPES if t.itemsize > 1]  # byte-swapped too
-INT_SCALARS = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, int]
+INT_SCALARS = [
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.uint32,
+    np.int64,
+    np.uint64,
+    int,
+]
 F32_TINY = float(np.finfo(np.float32).tiny)
 
 
@@ -98,8 +128,11 @@ def every_other(x, rng, last):
     ax = int(rng.integers(x.ndim if last else max(1, x.ndim - 1)))
     shape = list(x.shape)
     shape[ax] *= 2
-    buf = np.full(shape, np.nan, x.dtype) if x.dtype.kind == "f" or x.dtype == BF16 else \
-        np.zeros(shape, x.dtype)
+    buf = (
+        np.full(shape, np.nan, x.dtype)
+        if x.dtype.kind == "f" or x.dtype == BF16
+        else np.zeros(shape, x.dtype)
+    )
     idx = [slice(None)] * x.ndim
     idx[ax] = slice(None, None, 2)
     buf[tuple(idx)] = x
@@ -110,8 +143,9 @@ def broadcast_view(x):
     """``x`` as a zero-stride view along the first axis where it is constant (a copy where
     there is none)."""
     for ax in range(x.ndim):
-        if x.shape[ax] > 1 and np.array_equal(x, np.take(x, [0], axis=ax).repeat(x.shape[ax], ax),
-                                              equal_nan=True):
+        if x.shape[ax] > 1 and np.array_equal(
+            x, np.take(x, [0], axis=ax).repeat(x.shape[ax], ax), equal_nan=True
+        ):
             return np.broadcast_to(np.take(x, [0], axis=ax), x.shape)
     return np.ascontiguousarray(x)
 
@@ -134,17 +168,20 @@ def present(x, how, rng, last=True):
     if how == "negative":  # a reversed view of a reversed copy: negative stride on one axis
         ax = int(rng.integers(x.ndim if last else max(1, x.ndim - 1)))
         return np.ascontiguousarray(np.flip(x, ax)).__getitem__(
-            tuple(slice(None, None, -1) if a == ax else slice(None) for a in range(x.ndim)))
+            tuple(slice(None, None, -1) if a == ax else slice(None) for a in range(x.ndim))
+        )
     if how == "offset":  # rows of a wider buffer: unit last axis, padded row stride, offset start
         shape = list(x.shape)
         shape[-1] += 3
         buf = np.zeros(shape, x.dtype)
-        buf[..., 1:1 + x.shape[-1]] = x
-        return buf[..., 1:1 + x.shape[-1]]
+        buf[..., 1 : 1 + x.shape[-1]] = x
+        return buf[..., 1 : 1 + x.shape[-1]]
     if how == "swapped":  # the same values in the other byte order (converted: never misread)
         return x.astype(x.dtype.newbyteorder("S")) if x.dtype.itemsize > 1 else x
     if how == "field":  # (misaligned: not handed to a sanitized build, see test_misaligned_arrays)
-        return np.ascontiguousarray(x) if SANITIZED else structured_field(x, int(rng.integers(1, 4)))
+        return (
+            np.ascontiguousarray(x) if SANITIZED else structured_field(x, int(rng.integers(1, 4)))
+        )
     if how == "broadcast":
         return broadcast_view(x)
     raise AssertionError(how)
@@ -167,8 +204,9 @@ def any_strides(shape, dtype, r, unit_last=False):
         strides[ax] = int(r.choice([0, r.integers(1, strides[ax] + 1)]))
     span = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if 0 not in shape else 1
     buf = np.full(span, 7.0, dtype)
-    out = np.lib.stride_tricks.as_strided(buf, shape, [s * buf.itemsize for s in strides],
-                                          writeable=True)
+    out = np.lib.stride_tricks.as_strided(
+        buf, shape, [s * buf.itemsize for s in strides], writeable=True
+    )
     return out, buf
 
 
@@ -218,7 +256,9 @@ def dense_problems(draw):
     Dk = draw(st.sampled_from([1, 2, 3, 4, 7, 8, 16, 17, 33]))
     Dv = draw(st.sampled_from([Dk, 1, 5, 8, 16, 19]))
     spec = dict(
-        rank=rank, layout=layout, shape=(B, Hq, Hkv, Sq, Sk, Dk, Dv),
+        rank=rank,
+        layout=layout,
+        shape=(B, Hq, Hkv, Sq, Sk, Dk, Dv),
         dtype=draw(st.sampled_from(DTYPES)),
         views=[draw(st.sampled_from(VIEWS)) for _ in range(3)],
         bcast_kv=draw(st.sampled_from([None, None, None, 0, 1, 2])),  # kv constant along an axis
@@ -230,16 +270,21 @@ def dense_problems(draw):
         mask_ndim=draw(st.integers(1, rank)),
         mask_view=draw(st.sampled_from(VIEWS[:-1])),
         causal=draw(st.booleans()),
-        kv_lens=draw(st.booleans()), q_lens=draw(st.booleans()),
+        kv_lens=draw(st.booleans()),
+        q_lens=draw(st.booleans()),
         lens_form=draw(st.sampled_from(["array", "list", "scalar"] + INT_DTYPES)),
         window=draw(st.one_of(st.none(), st.tuples(window_sides(), window_sides()))),
         softcap=draw(st.sampled_from([None, None, 0.3, 2.0, 50.0, F32_TINY, 1e-30, 1e30])),
-        sinks=draw(st.booleans()), alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
+        alibi=draw(st.booleans()),
         scale=draw(st.sampled_from([None, None, 0.05, 1.0, 2.5, F32_TINY, 1e-30, 1e12])),
         scalar_type=draw(st.sampled_from([float, np.float64, np.float32])),
         num_threads=draw(st.sampled_from([None, 1, 2, 3])),
-        out=draw(st.sampled_from([None, None, "fresh", "strided", "field", "alias_q", "overlap",
-                                  "any_strides"])),
+        out=draw(
+            st.sampled_from(
+                [None, None, "fresh", "strided", "field", "alias_q", "overlap", "any_strides"]
+            )
+        ),
         overlap_with=draw(st.sampled_from(["q", "k", "v", "mask"])),
         isa=draw(st.sampled_from(ISAS)),
         data_seed=draw(st.integers(0, 2**32 - 1)),
@@ -249,8 +294,8 @@ def dense_problems(draw):
 
 def _mask(r, spec, logical):
     rank = spec["rank"]
-    dims = [s if full else 1 for s, full in zip(logical, spec["mask_dims"][4 - rank:])]
-    dims = dims[rank - spec["mask_ndim"]:]  # fewer leading axes broadcast too
+    dims = [s if full else 1 for s, full in zip(logical, spec["mask_dims"][4 - rank :])]
+    dims = dims[rank - spec["mask_ndim"] :]  # fewer leading axes broadcast too
     if spec["mask"] == "bool":
         m = r.random(dims) < 0.75
     else:
@@ -278,10 +323,10 @@ def _overlapping(x, out_shape, dtype, r):
     """``x``'s values stored in a buffer that an ``out`` of ``out_shape`` overlaps: (x', out)."""
     size = int(np.prod(out_shape))
     buf = np.full(x.size + size, 7.0, dtype)
-    x2 = buf[:x.size].reshape(x.shape)
+    x2 = buf[: x.size].reshape(x.shape)
     x2[...] = x
     start = int(r.integers(0, x.size + 1))
-    return x2, buf[start:start + size].reshape(out_shape)
+    return x2, buf[start : start + size].reshape(out_shape)
 
 
 def _plant(r, spec, k4, v4, kw):
@@ -298,7 +343,11 @@ def _plant(r, spec, k4, v4, kw):
     target = k4 if spec["planted"] == "seen" or r.random() < 0.5 else v4
     b, h = int(r.integers(B)), int(r.integers(Hkv))
     if spec["planted"] == "unseen":
-        kvl = np.full(B, Sk) if "kv_lens" not in kw else np.asarray(kw["kv_lens"], np.int64).reshape(-1)
+        kvl = (
+            np.full(B, Sk)
+            if "kv_lens" not in kw
+            else np.asarray(kw["kv_lens"], np.int64).reshape(-1)
+        )
         if kvl[b] < Sk:
             target[b, h, int(r.integers(kvl[b], Sk)), int(r.integers(target.shape[3]))] = bad
         return False
@@ -348,10 +397,14 @@ def test_dense_fuzz(spec):
     k4 = np.broadcast_to(r.standard_normal(kshape) * mag, (B, Hkv, Sk, Dk)).copy()
     v4 = np.broadcast_to(r.standard_normal(vshape), (B, Hkv, Sk, Dv)).copy()
     as_type = spec["scalar_type"]  # (a NumPy float scalar: the same value, another type)
-    kw = dict(causal=spec["causal"], window=spec["window"], num_threads=spec["num_threads"],
-              scale=None if spec["scale"] is None else as_type(spec["scale"]),
-              softcap=None if spec["softcap"] is None else as_type(spec["softcap"]))
-    logical = (B, Hq, Sq, Sk)[4 - rank:]
+    kw = dict(
+        causal=spec["causal"],
+        window=spec["window"],
+        num_threads=spec["num_threads"],
+        scale=None if spec["scale"] is None else as_type(spec["scale"]),
+        softcap=None if spec["softcap"] is None else as_type(spec["softcap"]),
+    )
+    logical = (B, Hq, Sq, Sk)[4 - rank :]
     if spec["kv_lens"]:
         kw["kv_lens"] = _lens(r, spec, Sk, B)
     if spec["q_lens"]:
@@ -373,13 +426,17 @@ def test_dense_fuzz(spec):
     elif spec["out"] == "any_strides":
         out, buf = any_strides(out_shape, dtype, r)
         with on_isa(spec["isa"]):
-            if refused_untouched(lambda: attnx.attention(q, k, v, layout=layout, out=out, **kw),
-                                 out, buf):
+            if refused_untouched(
+                lambda: attnx.attention(q, k, v, layout=layout, out=out, **kw), out, buf
+            ):
                 return
     with on_isa(spec["isa"]):
         o, _ = check_dense(q, k, v, layout=layout, out=out, **kw)
-    if not expect_nan and spec["planted"] != "seen" and not (
-            spec["mask"] == "additive" and np.isnan(np.asarray(kw["mask"], np.float64)).any()):
+    if (
+        not expect_nan
+        and spec["planted"] != "seen"
+        and not (spec["mask"] == "additive" and np.isnan(np.asarray(kw["mask"], np.float64)).any())
+    ):
         assert not np.isnan(o.astype(np.float64)).any(), "NaN from finite inputs"
 
 
@@ -392,30 +449,48 @@ def test_dense_fuzz(spec):
 def paged_problems(draw):
     B = draw(st.integers(1, 5))
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
-    seq_lens = draw(st.lists(st.one_of(st.sampled_from([0, 1, 2, block_size, block_size + 1]),
-                                       st.integers(0, 60)), min_size=B, max_size=B))
-    q_mode = draw(st.lists(st.sampled_from(["zero", "one", "one", "chunk", "all"]), min_size=B,
-                           max_size=B))
+    seq_lens = draw(
+        st.lists(
+            st.one_of(st.sampled_from([0, 1, 2, block_size, block_size + 1]), st.integers(0, 60)),
+            min_size=B,
+            max_size=B,
+        )
+    )
+    q_mode = draw(
+        st.lists(st.sampled_from(["zero", "one", "one", "chunk", "all"]), min_size=B, max_size=B)
+    )
     Hkv = draw(st.integers(1, 3))
     return dict(
-        B=B, block_size=block_size, seq_lens=seq_lens, q_mode=q_mode, decode_only=draw(st.booleans()),
-        Hkv=Hkv, Hq=Hkv * draw(st.sampled_from([1, 2, 3, 4])),
-        Dk=draw(st.sampled_from([1, 3, 4, 8, 16, 17, 32])), Dv=draw(st.sampled_from([None, 1, 6, 16])),
-        kv_dtype=draw(st.sampled_from(DTYPES)), q_dtype=draw(st.sampled_from(DTYPES)),
+        B=B,
+        block_size=block_size,
+        seq_lens=seq_lens,
+        q_mode=q_mode,
+        decode_only=draw(st.booleans()),
+        Hkv=Hkv,
+        Hq=Hkv * draw(st.sampled_from([1, 2, 3, 4])),
+        Dk=draw(st.sampled_from([1, 3, 4, 8, 16, 17, 32])),
+        Dv=draw(st.sampled_from([None, 1, 6, 16])),
+        kv_dtype=draw(st.sampled_from(DTYPES)),
+        q_dtype=draw(st.sampled_from(DTYPES)),
         page_view=draw(st.sampled_from(["c", "c", "slot_major", "step", "reversed", "field"])),
         q_view=draw(st.sampled_from(VIEWS[:-1])),
-        spare=draw(st.integers(0, 4)), extra_cols=draw(st.integers(0, 3)),
+        spare=draw(st.integers(0, 4)),
+        extra_cols=draw(st.integers(0, 3)),
         junk=draw(st.sampled_from(["big", "negative", "zero"])),
         table_dtype=draw(st.sampled_from([np.int32, np.int64, np.uint32] + INT_DTYPES[2:])),
         lens_dtype=draw(st.sampled_from(INT_DTYPES)),
         causal=draw(st.sampled_from([True, True, False])),
         window=draw(st.one_of(st.none(), st.tuples(window_sides(), window_sides()))),
         softcap=draw(st.sampled_from([None, None, 1.0, 30.0, F32_TINY, 1e30])),
-        sinks=draw(st.booleans()), alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
+        alibi=draw(st.booleans()),
         scale=draw(st.sampled_from([None, None, 0.1, 1.5, 1e-30, np.float32(0.3)])),
         num_threads=draw(st.sampled_from([None, 1, 2, 3])),
-        out=draw(st.sampled_from([None, None, "fresh", "strided", "alias_q", "overlap_pages",
-                                  "any_strides"])),
+        out=draw(
+            st.sampled_from(
+                [None, None, "fresh", "strided", "alias_q", "overlap_pages", "any_strides"]
+            )
+        ),
         planted=draw(st.booleans()),
         isa=draw(st.sampled_from(ISAS)),
         data_seed=draw(st.integers(0, 2**32 - 1)),
@@ -442,7 +517,8 @@ def _pages(r, spec):
         # a non-finite value in an owned slot: NaN reaches exactly the rows that see it
         blk, slot = np.argwhere(owned)[int(r.integers(owned.sum()))]
         (k if r.random() < 0.5 else v)[blk, int(r.integers(Hkv)), slot, 0] = r.choice(
-            [np.nan, np.inf, -np.inf])
+            [np.nan, np.inf, -np.inf]
+        )
     kd = spec["kv_dtype"]
     k, v = k.astype(kd), v.astype(kd)
     view = spec["page_view"]
@@ -469,8 +545,13 @@ def _pages(r, spec):
         else:
             q_lens.append(n)
     ld = spec["lens_dtype"]
-    return (k, v, tables.astype(spec["table_dtype"]), seq_lens.astype(ld),
-            np.asarray(q_lens, np.int64).astype(ld))
+    return (
+        k,
+        v,
+        tables.astype(spec["table_dtype"]),
+        seq_lens.astype(ld),
+        np.asarray(q_lens, np.int64).astype(ld),
+    )
 
 
 @seed(SEED)
@@ -482,8 +563,9 @@ def test_paged_fuzz(spec):
     Hq, Dk = spec["Hq"], spec["Dk"]
     N = int(q_lens.sum())
     q = present(r.standard_normal((N, Hq, Dk)).astype(spec["q_dtype"]), spec["q_view"], r)
-    kw = dict(causal=spec["causal"], scale=spec["scale"], window=spec["window"],
-              softcap=spec["softcap"])
+    kw = dict(
+        causal=spec["causal"], scale=spec["scale"], window=spec["window"], softcap=spec["softcap"]
+    )
     if spec["sinks"]:
         kw["sinks"] = (r.standard_normal(Hq) * 2).astype(np.float32)
     if spec["alibi"]:
@@ -495,22 +577,48 @@ def test_paged_fuzz(spec):
         out = np.full((N, Hq, Dv), 7.0, q.dtype.newbyteorder("="))  # (out is never byte-swapped)
     elif spec["out"] == "strided":
         # (paged_attention refuses an out whose last axis is strided: tests/paged/test_paged.py)
-        out = present(np.full((N, Hq, Dv), 7.0, q.dtype.newbyteorder("=")), r.choice(["step", "negative"]), r,
-                      last=False)
-    elif (spec["out"] == "alias_q" and Dv == Dk and q.dtype.isnative and q.flags.writeable
-          and q.flags.aligned and (q.strides[-1] == q.itemsize or Dk == 1)):
+        out = present(
+            np.full((N, Hq, Dv), 7.0, q.dtype.newbyteorder("=")),
+            r.choice(["step", "negative"]),
+            r,
+            last=False,
+        )
+    elif (
+        spec["out"] == "alias_q"
+        and Dv == Dk
+        and q.dtype.isnative
+        and q.flags.writeable
+        and q.flags.aligned
+        and (q.strides[-1] == q.itemsize or Dk == 1)
+    ):
         out = q
     elif spec["out"] == "overlap_pages" and q.dtype == kp.dtype:  # out inside the pool it reads
         kp, out = _overlapping(kp, (N, Hq, Dv), q.dtype, r)
     elif spec["out"] == "any_strides":
         out, buf = any_strides((N, Hq, Dv), q.dtype.newbyteorder("="), r, unit_last=True)
         with on_isa(spec["isa"]):
-            if refused_untouched(lambda: attnx.paged_attention(q, kp, vp, tables, seq_lens, out=out,
-                                                               **lens_kw, **kw), out, buf):
+            if refused_untouched(
+                lambda: attnx.paged_attention(
+                    q, kp, vp, tables, seq_lens, out=out, **lens_kw, **kw
+                ),
+                out,
+                buf,
+            ):
                 return
     with on_isa(spec["isa"]):
-        check_paged(q, kp, vp, tables, seq_lens, q_lens, out=out, num_threads=spec["num_threads"],
-                    poisoned=not spec["planted"], decode=not lens_kw, **kw)
+        check_paged(
+            q,
+            kp,
+            vp,
+            tables,
+            seq_lens,
+            q_lens,
+            out=out,
+            num_threads=spec["num_threads"],
+            poisoned=not spec["planted"],
+            decode=not lens_kw,
+            **kw,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,8 +672,13 @@ def run_isolated(code, args, tmp_path, timeout=300):
         for var, name in (("ASAN_OPTIONS", "asan"), ("UBSAN_OPTIONS", "ubsan")):
             opts = [o for o in env.get(var, "").split(":") if o and not o.startswith("log_path=")]
             env[var] = ":".join(opts + [f"log_path={tmp_path / name}"])
-    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                       timeout=timeout, env=env)
+    p = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     reports = "".join(f.read_text() for f in sorted(tmp_path.glob("*san*")))
     return p.returncode, p.stdout, p.stderr + reports
 

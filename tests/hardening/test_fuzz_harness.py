@@ -60,16 +60,29 @@ def test_corpus_in_process():
             except fz.Finding as e:
                 pytest.fail(f"input {i} ({data!r}): {e}")
     entries = {entry for entry, _ in fz.STATS}
-    for needed in ("attention", "paged_attention", "PagedKVCache", "cache.begin_step", "Step.attend",
-                   "cache.fork", "cache.truncate", "cache.free", "scaled_dot_product_attention",
-                   "MultiHeadAttention", "MultiHeadAttention.__call__", "set_num_threads"):
+    for needed in (
+        "attention",
+        "paged_attention",
+        "PagedKVCache",
+        "cache.begin_step",
+        "Step.attend",
+        "cache.fork",
+        "cache.truncate",
+        "cache.free",
+        "scaled_dot_product_attention",
+        "MultiHeadAttention",
+        "MultiHeadAttention.__call__",
+        "set_num_threads",
+    ):
         assert needed in entries, f"the corpus never reached {needed}"
     for entry in ("attention", "paged_attention", "Step.attend", "cache.begin_step"):
         outcomes = {o for e, o in fz.STATS if e == entry}
         assert "result" in outcomes and len(outcomes) > 1, (entry, outcomes)
     total = sum(fz.STATS.values())
-    print(f"\nharness: {n} inputs, {total} calls: " +
-          ", ".join(f"{e}/{o} {c}" for (e, o), c in sorted(fz.STATS.items())))
+    print(
+        f"\nharness: {n} inputs, {total} calls: "
+        + ", ".join(f"{e}/{o} {c}" for (e, o), c in sorted(fz.STATS.items()))
+    )
     assert attnx.cpu_features()["isa"] in fz.ISAS
 
 
@@ -85,9 +98,23 @@ def test_atheris_runs(tmp_path):
     """The real fuzzer, briefly, in a subprocess (a crash there must not take pytest down)."""
     runs = 3000 if SOAK else 300
     env = dict(os.environ, ATTNX_FUZZ_UNALIGNED="0" if os.environ.get("ATTNX_SANITIZED") else "1")
-    p = subprocess.run([sys.executable, str(HARNESS), "--runs", str(runs), "-seed=1",
-                        f"-artifact_prefix={tmp_path}/", "-rss_limit_mb=8192", "-timeout=60"],
-                       capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(HARNESS),
+            "--runs",
+            str(runs),
+            "-seed=1",
+            f"-artifact_prefix={tmp_path}/",
+            "-rss_limit_mb=8192",
+            "-timeout=60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     assert f"Done {runs} runs" in p.stderr, p.stderr[-2000:]
 
@@ -102,10 +129,17 @@ CLEAN = (ValueError, TypeError)
 @pytest.mark.parametrize("window", [(2**63, 0), (0, 2**70), (2**100, None)])
 def test_known_window_past_int64(window):
     q = np.ones((1, 2, 3, 4), np.float32)
-    for call in (lambda: attnx.attention(q, q, q, window=window),
-                 lambda: attnx.paged_attention(q[0].transpose(1, 0, 2), np.ones((1, 2, 4, 4), np.float32),
-                                               np.ones((1, 2, 4, 4), np.float32), np.zeros((3, 1), int),
-                                               np.array([3, 3, 3]), window=window)):
+    for call in (
+        lambda: attnx.attention(q, q, q, window=window),
+        lambda: attnx.paged_attention(
+            q[0].transpose(1, 0, 2),
+            np.ones((1, 2, 4, 4), np.float32),
+            np.ones((1, 2, 4, 4), np.float32),
+            np.zeros((3, 1), int),
+            np.array([3, 3, 3]),
+            window=window,
+        ),
+    ):
         try:
             call()
         except CLEAN:
@@ -114,8 +148,14 @@ def test_known_window_past_int64(window):
 
 def test_known_sliding_window_past_int64():
     try:
-        cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=4,
-                                   block_size=2, sliding_window=2**64)
+        cache = attnx.PagedKVCache(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=4,
+            num_blocks=4,
+            block_size=2,
+            sliding_window=2**64,
+        )
     except CLEAN:
         return  # refused up front: fixed
     a = cache.new_sequence()
@@ -154,8 +194,9 @@ print("ok")
 
 def test_known_mha_empty_giant_batch():
     try:
-        p = subprocess.run([sys.executable, "-c", MHA_EMPTY_GIANT], capture_output=True, text=True,
-                           timeout=8)
+        p = subprocess.run(
+            [sys.executable, "-c", MHA_EMPTY_GIANT], capture_output=True, text=True, timeout=8
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("MultiHeadAttention did not return within 8 s")
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]

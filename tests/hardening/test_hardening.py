@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import SEED
 
 import attnx
 from attnx import reference as ref
+
+from helpers import SEED
 
 F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 F32_MAX = float(np.finfo(np.float32).max)
@@ -32,7 +33,9 @@ def qkv():
 
 
 def close(a, b, tol=2e-6):
-    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=0, atol=tol)
+    np.testing.assert_allclose(
+        np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=0, atol=tol
+    )
 
 
 def swapped(a):
@@ -78,7 +81,10 @@ def test_dense_byteswapped_inputs_are_converted(qkv, which, dtype):
 def test_dense_byteswapped_additive_mask(qkv, dt):
     q, k, v = qkv
     m = np.random.default_rng(SEED).standard_normal((SQ, SK))
-    close(attnx.attention(q, k, v, mask=m.astype(dt)), attnx.attention(q, k, v, mask=m.astype(dt).astype(np.float32)))
+    close(
+        attnx.attention(q, k, v, mask=m.astype(dt)),
+        attnx.attention(q, k, v, mask=m.astype(dt).astype(np.float32)),
+    )
 
 
 @pytest.mark.parametrize("dt", [">i4", ">i8", ">u2", ">u8", "<i2"])
@@ -132,7 +138,9 @@ def test_paged_byteswapped_tables_and_lengths(dt):
 
 
 def _step_cache():
-    return attnx.PagedKVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, num_blocks=8, block_size=4)
+    return attnx.PagedKVCache(
+        num_layers=1, num_kv_heads=HKV, head_dim=D, num_blocks=8, block_size=4
+    )
 
 
 def test_step_byteswapped_keys_and_values_are_stored_right():
@@ -163,8 +171,14 @@ def test_dense_field_views_everywhere(qkv):
     sinks = np.linspace(-1, 1, HQ).astype(np.float32)
     want = attnx.attention(q, k, v, kv_lens=kv_lens, sinks=sinks)
     out = field_view(np.zeros_like(q), pad=3)
-    got = attnx.attention(field_view(q), field_view(k, 2), field_view(v, 3), out=out,
-                          kv_lens=field_view(kv_lens), sinks=field_view(sinks))
+    got = attnx.attention(
+        field_view(q),
+        field_view(k, 2),
+        field_view(v, 3),
+        out=out,
+        kv_lens=field_view(kv_lens),
+        sinks=field_view(sinks),
+    )
     assert got is out
     np.testing.assert_array_equal(out, want)
 
@@ -173,8 +187,9 @@ def test_paged_field_views():
     rng = np.random.default_rng(SEED)
     q, kp, vp, bt, sl = paged_setup(rng)
     want = attnx.paged_attention(q, kp, vp, bt, sl)
-    got = attnx.paged_attention(field_view(q), field_view(kp), field_view(vp), field_view(bt),
-                                field_view(sl))
+    got = attnx.paged_attention(
+        field_view(q), field_view(kp), field_view(vp), field_view(bt), field_view(sl)
+    )
     np.testing.assert_array_equal(got, want)
     # an out the kernel cannot address is refused by paged_attention (its contract), not misread
     with pytest.raises(ValueError, match=r"^out\b"):
@@ -185,10 +200,13 @@ def test_odd_stride_on_an_axis_of_extent_one_is_harmless(qkv):
     q, k, v = qkv
     q1 = q[:1]
     buf = np.zeros(q1.nbytes + 3, np.uint8)
-    odd = np.lib.stride_tricks.as_strided(buf[:q1.nbytes].view(np.float32).reshape(q1.shape),
-                                          strides=(3,) + q1.strides[1:])
+    odd = np.lib.stride_tricks.as_strided(
+        buf[: q1.nbytes].view(np.float32).reshape(q1.shape), strides=(3,) + q1.strides[1:]
+    )
     odd[...] = q1
-    np.testing.assert_array_equal(attnx.attention(odd, k[:1], v[:1]), attnx.attention(q1, k[:1], v[:1]))
+    np.testing.assert_array_equal(
+        attnx.attention(odd, k[:1], v[:1]), attnx.attention(q1, k[:1], v[:1])
+    )
 
 
 def test_binding_refuses_what_it_cannot_address(qkv):
@@ -217,7 +235,7 @@ def test_paged_out_overlapping_pages(which):
     q, kp, vp, bt, sl = paged_setup(rng)
     want = attnx.paged_attention(q, kp.copy(), vp.copy(), bt, sl)
     pages = kp if which == "k_pages" else vp
-    out = pages.reshape(-1)[7:7 + q.size].reshape(q.shape)  # the rows the call reads
+    out = pages.reshape(-1)[7 : 7 + q.size].reshape(q.shape)  # the rows the call reads
     got = attnx.paged_attention(q, kp, vp, bt, sl, out=out)
     assert got is out
     np.testing.assert_array_equal(out, want)
@@ -228,15 +246,21 @@ def test_dense_out_overlapping_any_input(qkv, which):
     q, k, v = qkv
     rng = np.random.default_rng(SEED + 1)
     buf = rnd(rng, q.size + 64)
-    out = buf[:q.size].reshape(q.shape)
-    args = dict(q=q.copy(), k=k.copy(), v=v.copy(), mask=rnd(rng, SQ, SK),
-                sinks=rnd(rng, HQ), kv_lens=np.array([4, 9], np.int32))
+    out = buf[: q.size].reshape(q.shape)
+    args = dict(
+        q=q.copy(),
+        k=k.copy(),
+        v=v.copy(),
+        mask=rnd(rng, SQ, SK),
+        sinks=rnd(rng, HQ),
+        kv_lens=np.array([4, 9], np.int32),
+    )
     if which == "kv_lens":
         args[which] = buf[-2:].view(np.int32)[:2]
         args[which][:] = [4, 9]
     else:
         shape = args[which].shape
-        args[which] = buf[5:5 + args[which].size].reshape(shape)
+        args[which] = buf[5 : 5 + args[which].size].reshape(shape)
     want = attnx.attention(**{n: np.array(a, copy=True) for n, a in args.items()})
     got = attnx.attention(**args, out=out)
     assert got is out
@@ -248,10 +272,14 @@ def test_step_keys_read_from_the_pool_itself():
     rng = np.random.default_rng(SEED)
     cache = _step_cache()
     s = cache.new_sequence()
-    cache.begin_step([s], [4]).attend(0, rnd(rng, 4, HQ, D), rnd(rng, 4, HKV, D), rnd(rng, 4, HKV, D))
+    cache.begin_step([s], [4]).attend(
+        0, rnd(rng, 4, HQ, D), rnd(rng, 4, HKV, D), rnd(rng, 4, HKV, D)
+    )
     cache.free(s)  # its block goes back to the pool with its contents, and is reused below
     # tokens 3, 2, 1, 0 of the freed sequence, as (T, Hkv, D) views into the pool
-    k_view, v_view = (pages[0].transpose(1, 0, 2)[::-1] for pages in (cache.k_pages(0), cache.v_pages(0)))
+    k_view, v_view = (
+        pages[0].transpose(1, 0, 2)[::-1] for pages in (cache.k_pages(0), cache.v_pages(0))
+    )
     assert np.shares_memory(k_view, cache.k_pages(0))
     k_copy, v_copy = k_view.copy(), v_view.copy()
     q = rnd(rng, 4, HQ, D)
@@ -305,8 +333,9 @@ def test_per_head_values_beyond_float32_are_refused(qkv, name):
         attnx.attention(q, k, v, **{name: bad})
 
 
-@pytest.mark.parametrize("t", [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
-                               np.int64, np.uint64])
+@pytest.mark.parametrize(
+    "t", [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
+)
 def test_numpy_integer_scalars_of_every_width(qkv, t):
     q, k, v = qkv
     want = attnx.attention(q[0], k[0], v[0], window=(2, 1), kv_lens=7, q_lens=4)
@@ -322,13 +351,17 @@ def test_numpy_integer_scalars_of_every_width(qkv, t):
 @pytest.mark.parametrize("t", [np.float16, np.float32, np.float64, int])
 def test_numpy_float_scalars_for_scale_and_softcap(qkv, t):
     q, k, v = qkv
-    np.testing.assert_array_equal(attnx.attention(q, k, v, scale=t(2), softcap=t(8)),
-                                  attnx.attention(q, k, v, scale=2.0, softcap=8.0))
+    np.testing.assert_array_equal(
+        attnx.attention(q, k, v, scale=t(2), softcap=t(8)),
+        attnx.attention(q, k, v, scale=2.0, softcap=8.0),
+    )
 
 
 # ---- scaled_dot_product_attention's scale follows torch -------------------------------------
-@pytest.mark.parametrize("scale", [0.0, -0.0, -0.4, -3.0, 1e-46, -1e-40, 1e39, -1e39,
-                                   float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize(
+    "scale",
+    [0.0, -0.0, -0.4, -3.0, 1e-46, -1e-40, 1e39, -1e39, float("nan"), float("inf"), -float("inf")],
+)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_sdpa_scale_like_torch(qkv, scale, dtype):
     q, k, v = (x.astype(dtype) for x in qkv)
@@ -352,8 +385,9 @@ def test_sdpa_scale_zero_is_uniform_attention(qkv):
 
 def test_sdpa_nan_scale_propagates(qkv):
     q, k, v = qkv
-    assert np.isnan(attnx.scaled_dot_product_attention(q, k, v, scale=float("nan"),
-                                                       enable_gqa=True)).all()
+    assert np.isnan(
+        attnx.scaled_dot_product_attention(q, k, v, scale=float("nan"), enable_gqa=True)
+    ).all()
 
 
 # ---- the keyword interface of the binding (issue 11 item 5) ---------------------------------
@@ -380,7 +414,8 @@ def test_core_takes_keywords_and_names_bad_ones(qkv):
     want = attnx.attention(q, k, v, causal=True, scale=0.3)
     np.testing.assert_array_equal(attnx._core.attention(q, k, v, causal=True, scale=0.3), want)
     np.testing.assert_array_equal(
-        attnx._core.attention(q, k, v, None, None, None, True, 0.3), want)  # positional too
+        attnx._core.attention(q, k, v, None, None, None, True, 0.3), want
+    )  # positional too
     with pytest.raises(TypeError, match="unexpected keyword argument 'scal'"):
         attnx._core.attention(q, k, v, scal=0.3)
     with pytest.raises(TypeError, match="multiple values for argument 'mask'"):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import SEED
 from numpy.lib.stride_tricks import as_strided
 
 import attnx
+
+from helpers import SEED
 
 B, HQ, HKV, SQ, SK, D = 2, 4, 2, 5, 9, 8
 OVERLAP = r"^out: elements of the array overlap"
@@ -48,7 +49,7 @@ def shares_elements(a):
 
 
 def contiguous_strides(shape):
-    return [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+    return [int(np.prod(shape[i + 1 :])) for i in range(len(shape))]
 
 
 # ---- broadcast and expanded views: the issue's examples --------------------------------------
@@ -130,8 +131,14 @@ def test_paged_torch_expanded_out():
     q, kp, vp, bt, sl = paged_setup(np.random.default_rng(SEED))
     base = torch.full((1, HQ, D), 7.0)
     with pytest.raises(ValueError, match=OVERLAP):
-        attnx.paged_attention(torch.from_numpy(q), torch.from_numpy(kp), torch.from_numpy(vp),
-                              torch.from_numpy(bt), torch.from_numpy(sl), out=base.expand(2, HQ, D))
+        attnx.paged_attention(
+            torch.from_numpy(q),
+            torch.from_numpy(kp),
+            torch.from_numpy(vp),
+            torch.from_numpy(bt),
+            torch.from_numpy(sl),
+            out=base.expand(2, HQ, D),
+        )
     assert (base == 7.0).all()
 
 
@@ -173,18 +180,21 @@ def test_interleaved_strides_that_do_not_overlap_work(qkv):
     np.testing.assert_array_equal(out, attnx.attention(q, k, v))
 
 
-@pytest.mark.parametrize("shape,strides,overlaps", [
-    ((3, 2), (2, 3), False),   # offsets 0 3 2 5 4 7: interleaved, distinct
-    ((2, 3), (3, 2), False),
-    ((3, 3), (2, 3), False),   # offsets 2i + 3j: 0 3 6 2 5 8 4 7 10
-    ((4, 3), (2, 3), True),    # 2*3 + 3*0 == 2*0 + 3*2
-    ((4, 2), (2, 5), False),
-    ((2, 2), (1, 1), True),
-    ((5, 1), (1, 0), False),   # a zero stride on an axis of extent 1 never repeats an element
-    ((0, 4), (0, 0), False),   # nothing written
-    ((1, 1), (0, 0), False),
-    ((3, 2), (0, 1), True),
-])
+@pytest.mark.parametrize(
+    "shape,strides,overlaps",
+    [
+        ((3, 2), (2, 3), False),  # offsets 0 3 2 5 4 7: interleaved, distinct
+        ((2, 3), (3, 2), False),
+        ((3, 3), (2, 3), False),  # offsets 2i + 3j: 0 3 6 2 5 8 4 7 10
+        ((4, 3), (2, 3), True),  # 2*3 + 3*0 == 2*0 + 3*2
+        ((4, 2), (2, 5), False),
+        ((2, 2), (1, 1), True),
+        ((5, 1), (1, 0), False),  # a zero stride on an axis of extent 1 never repeats an element
+        ((0, 4), (0, 0), False),  # nothing written
+        ((1, 1), (0, 0), False),
+        ((3, 2), (0, 1), True),
+    ],
+)
 def test_exactness_against_brute_force(shape, strides, overlaps):
     """The binding's rule on two-axis outs, held to the brute-force oracle (dense attention with
     Sq, Dv being the out's axes; Dv strides are allowed there: the result is copied in)."""

@@ -43,8 +43,13 @@ def rss_mb():
 
 
 def run_py(code, timeout=300, env=None):
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                       timeout=timeout, env=env)
+    p = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     return p.returncode, p.stdout, p.stderr
 
 
@@ -84,22 +89,32 @@ def huge(shape, dtype=np.float32, last=4):
 
 # outputs of 2**46..2**52 bytes: more than any machine's memory and than a 47-bit address space
 HUGE_CALLS = {
-    "dense_out_256TiB": lambda: attnx.attention(huge((2**24, 2**10, 2**10, 4)),
-                                                huge((2**24, 1, 1, 4)), huge((2**24, 1, 1, 4))),
-    "dense_huge_dv": lambda: attnx.attention(huge((1, 1, 2, 4)), huge((1, 1, 2, 4)),
-                                             huge((1, 1, 2, 2**50), last=1)),
-    "dense_lse_huge": lambda: attnx.attention(huge((2**20, 2**20, 2**10, 1), last=1),
-                                              huge((2**20, 1, 1, 1), last=1),
-                                              huge((2**20, 1, 1, 1), last=1), return_lse=True),
-    "dense_bshd_rank3": lambda: attnx.attention(huge((2**40, 2**10, 4)), huge((1, 1, 4)),
-                                                huge((1, 1, 4)), layout="bshd"),
-    "paged_out": lambda: attnx.paged_attention(huge((2**40, 2**8, 4)), np.ones((2, 1, 4, 4), np.float32),
-                                               np.ones((2, 1, 4, 4), np.float32),
-                                               np.zeros((1, 1), np.int64), np.array([1]),
-                                               q_lens=np.array([2**40])),
-    "sdpa_out": lambda: attnx.scaled_dot_product_attention(huge((2**24, 2**10, 2**10, 4)),
-                                                           huge((2**24, 2**10, 1, 4)),
-                                                           huge((2**24, 2**10, 1, 4))),
+    "dense_out_256TiB": lambda: attnx.attention(
+        huge((2**24, 2**10, 2**10, 4)), huge((2**24, 1, 1, 4)), huge((2**24, 1, 1, 4))
+    ),
+    "dense_huge_dv": lambda: attnx.attention(
+        huge((1, 1, 2, 4)), huge((1, 1, 2, 4)), huge((1, 1, 2, 2**50), last=1)
+    ),
+    "dense_lse_huge": lambda: attnx.attention(
+        huge((2**20, 2**20, 2**10, 1), last=1),
+        huge((2**20, 1, 1, 1), last=1),
+        huge((2**20, 1, 1, 1), last=1),
+        return_lse=True,
+    ),
+    "dense_bshd_rank3": lambda: attnx.attention(
+        huge((2**40, 2**10, 4)), huge((1, 1, 4)), huge((1, 1, 4)), layout="bshd"
+    ),
+    "paged_out": lambda: attnx.paged_attention(
+        huge((2**40, 2**8, 4)),
+        np.ones((2, 1, 4, 4), np.float32),
+        np.ones((2, 1, 4, 4), np.float32),
+        np.zeros((1, 1), np.int64),
+        np.array([1]),
+        q_lens=np.array([2**40]),
+    ),
+    "sdpa_out": lambda: attnx.scaled_dot_product_attention(
+        huge((2**24, 2**10, 2**10, 4)), huge((2**24, 2**10, 1, 4)), huge((2**24, 2**10, 1, 4))
+    ),
 }
 
 
@@ -124,7 +139,9 @@ def vm():
                 return int(line.split()[1]) * 1024
 """
 
-ADDRESS_LIMITED = VM_PRELUDE + r"""
+ADDRESS_LIMITED = (
+    VM_PRELUDE
+    + r"""
 GiB = 2**30
 attnx.attention(np.ones((1, 2, 300, 64), np.float32), np.ones((1, 2, 300, 64), np.float32),
                 np.ones((1, 2, 300, 64), np.float32), num_threads=2)  # the team's threads exist
@@ -167,10 +184,12 @@ for name, call in calls.items():
         print(name, "-> ValueError", e)
 print("done")
 """
+)
 
 
-@pytest.mark.skipif(not LINUX or SANITIZED, reason="RLIMIT_AS (ASan needs terabytes of shadow "
-                                                   "address space)")
+@pytest.mark.skipif(
+    not LINUX or SANITIZED, reason="RLIMIT_AS (ASan needs terabytes of shadow address space)"
+)
 def test_every_entry_point_under_an_address_space_limit():
     """1 GiB of address space above what the interpreter holds: each call either completes or
     raises MemoryError/ValueError; the process never dies."""
@@ -212,16 +231,19 @@ def test_dense_keys_past_2_31(isa, tmp_path):
     pass too.)"""
     Sk = 2**31 + 64
     kv = sparse_memmap(tmp_path, "kv.bin", (1, 1, Sk, 4))
-    rows = np.array([[1.0, 2.0, 0.5, -1.0], [0.0, -1.0, 2.0, 1.0], [3.0, 0.0, -2.0, 0.5]], np.float32)
-    kv[0, 0, Sk - 3:] = rows
+    rows = np.array(
+        [[1.0, 2.0, 0.5, -1.0], [0.0, -1.0, 2.0, 1.0], [3.0, 0.0, -2.0, 0.5]], np.float32
+    )
+    kv[0, 0, Sk - 3 :] = rows
     q = np.array([[[[0.3, -0.2, 0.5, 0.1]]]], np.float32)
     try:
         o, lse = attnx.attention(q, kv, kv, causal=True, window=(2, 0), return_lse=True)
     except ValueError as e:  # lengths past int32 refused outright: a consistent contract too
         assert "2147483" in str(e) or "int32" in str(e), e
         return
-    want, want_lse = softmax_rows(q[0, 0, 0].astype(np.float64), rows.astype(np.float64),
-                                  rows.astype(np.float64), 0.5)
+    want, want_lse = softmax_rows(
+        q[0, 0, 0].astype(np.float64), rows.astype(np.float64), rows.astype(np.float64), 0.5
+    )
     np.testing.assert_allclose(o[0, 0, 0], want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse[0, 0, 0], want_lse, rtol=1e-5)
     # two threads: split-KV across a range that starts past 2**31
@@ -249,12 +271,19 @@ def test_paged_pages_past_2_32_elements(isa, tmp_path):
     pages[nb - 1, 0, :5] = rows1
     q = rng.standard_normal((2, 2, 4)).astype(np.float32)  # one decode query each, Hq = 2
     seq_lens = np.array([L0, 5])
-    o, lse = attnx.paged_attention(q, pages, pages, tables, seq_lens, window=(2, 0), return_lse=True)
+    o, lse = attnx.paged_attention(
+        q, pages, pages, tables, seq_lens, window=(2, 0), return_lse=True
+    )
     for h in range(2):
-        w0, l0 = softmax_rows(q[0, h].astype(np.float64), rows0.astype(np.float64),
-                              rows0.astype(np.float64), 0.5)
-        w1, l1 = softmax_rows(q[1, h].astype(np.float64), rows1[2:].astype(np.float64),
-                              rows1[2:].astype(np.float64), 0.5)
+        w0, l0 = softmax_rows(
+            q[0, h].astype(np.float64), rows0.astype(np.float64), rows0.astype(np.float64), 0.5
+        )
+        w1, l1 = softmax_rows(
+            q[1, h].astype(np.float64),
+            rows1[2:].astype(np.float64),
+            rows1[2:].astype(np.float64),
+            0.5,
+        )
         np.testing.assert_allclose(o[0, h], w0, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(o[1, h], w1, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(lse[:, h], [l0, l1], rtol=1e-5)
@@ -270,14 +299,15 @@ def test_kv_lens_past_int32_are_not_wrapped(tmp_path):
     kv = sparse_memmap(tmp_path, "kv.bin", (1, 1, Sk, 4))
     rows = np.array([[1.0, 2.0, 0.5, -1.0], [3.0, 0.0, -2.0, 0.5]], np.float32)
     n = 2**32 + 3
-    kv[0, 0, n - 2:n] = rows
+    kv[0, 0, n - 2 : n] = rows
     q = np.array([[[[0.3, -0.2, 0.5, 0.1]]]], np.float32)
     try:
         o = attnx.attention(q, kv, kv, causal=True, window=(1, 0), kv_lens=np.array([n]))
     except ValueError:
         return  # refused: fine
-    want, _ = softmax_rows(q[0, 0, 0].astype(np.float64), rows.astype(np.float64),
-                           rows.astype(np.float64), 0.5)
+    want, _ = softmax_rows(
+        q[0, 0, 0].astype(np.float64), rows.astype(np.float64), rows.astype(np.float64), 0.5
+    )
     np.testing.assert_allclose(o[0, 0, 0], want, rtol=1e-5, atol=1e-6)
 
 
@@ -294,9 +324,17 @@ def _workload(rng, cache, pool):
         k = rng.standard_normal((2, 2, 70, 64)).astype(dtype)
         attnx.attention(q, k, k, causal=True)
         attnx.attention(q, k, k, mask=rng.random((33, 70)) < 0.7, return_lse=True, num_threads=2)
-        attnx.attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
-                        layout="bshd", kv_lens=[70, 12], q_lens=[33, 3], window=(8, None),
-                        sinks=np.zeros(4, np.float32), alibi_slopes=np.ones(4, np.float32))
+        attnx.attention(
+            q.transpose(0, 2, 1, 3),
+            k.transpose(0, 2, 1, 3),
+            k.transpose(0, 2, 1, 3),
+            layout="bshd",
+            kv_lens=[70, 12],
+            q_lens=[33, 3],
+            window=(8, None),
+            sinks=np.zeros(4, np.float32),
+            alibi_slopes=np.ones(4, np.float32),
+        )
         out = np.empty((2, 4, 33, 64), dtype)
         attnx.attention(q, k, k, out=out, softcap=5.0)
         attnx.attention(q, k, k, out=out[..., ::-1])  # copy-back path
@@ -358,8 +396,9 @@ def _pool(rng):
 @pytest.mark.skipif(not LINUX or SANITIZED, reason="VmRSS (ASan quarantines freed memory)")
 def test_long_loop_keeps_memory_flat():
     rng = np.random.default_rng(20)
-    cache = attnx.PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64,
-                               block_size=8)
+    cache = attnx.PagedKVCache(
+        num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64, block_size=8
+    )
     pool = _pool(rng)
     for _ in range(3):  # warm-up: thread scratch, allocator arenas, lazily touched pool pages
         _workload(rng, cache, pool)
@@ -412,8 +451,9 @@ def test_reference_counts_are_unchanged():
     pq, kp, vp, tables, sl = _pool(rng)
     objs = (q, k, out, mask, lens, sinks, pq, kp, vp, tables, sl)
     calls = [
-        lambda: attnx.attention(q, k, k, out=out, mask=mask, kv_lens=lens, sinks=sinks,
-                                return_lse=True),
+        lambda: attnx.attention(
+            q, k, k, out=out, mask=mask, kv_lens=lens, sinks=sinks, return_lse=True
+        ),
         lambda: attnx.attention(q, k, k, out=out, mask=mask, kv_lens=lens, scale=-1.0),
         lambda: attnx.attention(q, k, k, out=out, mask=mask, kv_lens=lens + 5),
         lambda: attnx.attention(q, k, k, out=out.astype(np.float16), sinks=sinks[:1]),
@@ -441,8 +481,9 @@ def test_reference_counts_are_unchanged():
 def test_cache_bookkeeping_is_proportionate():
     gc.collect()
     r0 = rss_mb()
-    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=2**22,
-                               block_size=1, dtype="float16")
+    cache = attnx.PagedKVCache(
+        num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=2**22, block_size=1, dtype="float16"
+    )
     grown = rss_mb() - r0
     assert cache.num_free_blocks == 2**22
     assert grown < 2**22 * 8 / 2**20 + 8, f"{grown:.0f} MB committed for an untouched 8 MB pool"
@@ -452,7 +493,9 @@ def test_cache_bookkeeping_is_proportionate():
 # error paths leave outputs unchanged
 # ---------------------------------------------------------------------------------------------
 
-PARTIAL_WRITE = VM_PRELUDE + r"""
+PARTIAL_WRITE = (
+    VM_PRELUDE
+    + r"""
 Dk, NB = 2**21, 2_000_000
 # a thread's scratch is ~1 GiB (the row of Dk, two K tiles of 64 x Dk): room for one thread only
 q = np.broadcast_to(np.full((1, 1, 1, Dk), 1e-4, np.float32), (NB, 1, 1, Dk))
@@ -468,10 +511,13 @@ try:
 except MemoryError:
     print("MemoryError, rows written:", int(np.sum(out[:, 0, 0, 0] != 7.0)))
 """
+)
 
 
-@pytest.mark.skipif(not LINUX or SANITIZED or (os.cpu_count() or 1) < 2,
-                    reason="RLIMIT_AS; needs two cores for the race")
+@pytest.mark.skipif(
+    not LINUX or SANITIZED or (os.cpu_count() or 1) < 2,
+    reason="RLIMIT_AS; needs two cores for the race",
+)
 def test_memory_error_mid_call_leaves_out_unchanged():
     for _ in range(6):  # a race: the thread without scratch usually skips all items first
         rc, out, err = run_py(PARTIAL_WRITE, timeout=300)

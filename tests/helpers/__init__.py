@@ -13,24 +13,84 @@
 
 from helpers.cache import cache_stepper, finish_client
 from helpers.checks import check_attention, check_dense, check_paged, dense_views, native, same_bits
-from helpers.data import (BF16, F32_EPS, RISES, SEED, climbing_scores, make_rng, pool_from_sequences,
-                          rand, scramble_tables)
-from helpers.delta import (DELTA_ERR_FACTOR, DELTA_ULPS, DELTA_ULPS_STATE, assert_delta_matches,
-                           check_delta_rule, delta_expected, delta_tolerance)
-from helpers.isa import (BF16_DOT_GAIN, BF16_PRODUCT_ISAS, ISAS, best_isa, has_amx, has_avx512bf16,
-                         supported_isas)
+from helpers.data import (
+    BF16,
+    F32_EPS,
+    RISES,
+    SEED,
+    climbing_scores,
+    make_rng,
+    pool_from_sequences,
+    rand,
+    scramble_tables,
+)
+from helpers.delta import (
+    DELTA_ERR_FACTOR,
+    DELTA_ULPS,
+    DELTA_ULPS_STATE,
+    assert_delta_matches,
+    check_delta_rule,
+    delta_expected,
+    delta_tolerance,
+)
+from helpers.isa import (
+    BF16_DOT_GAIN,
+    BF16_PRODUCT_ISAS,
+    ISAS,
+    best_isa,
+    has_amx,
+    has_avx512bf16,
+    supported_isas,
+)
 from helpers.layouts import from4, lse4, to4
 from helpers.processes import run_isolated
-from helpers.tolerance import (assert_matches, attention_tolerance, bf16_rounds_p, conditioning,
-                               lowp_attention)
+from helpers.tolerance import (
+    assert_matches,
+    attention_tolerance,
+    bf16_rounds_p,
+    conditioning,
+    lowp_attention,
+)
 
 __all__ = [
-    "BF16", "BF16_DOT_GAIN", "BF16_PRODUCT_ISAS", "DELTA_ERR_FACTOR", "DELTA_ULPS",
-    "DELTA_ULPS_STATE", "F32_EPS", "ISAS", "RISES", "SEED", "assert_delta_matches",
-    "assert_matches", "attention_tolerance", "best_isa", "bf16_rounds_p", "cache_stepper",
-    "check_attention", "check_delta_rule", "check_dense", "check_paged", "climbing_scores",
-    "conditioning", "delta_expected", "delta_tolerance", "dense_views", "finish_client",
-    "from4", "has_amx", "has_avx512bf16", "lowp_attention", "lse4", "make_rng", "native",
-    "pool_from_sequences", "rand", "run_isolated", "same_bits", "scramble_tables",
-    "supported_isas", "to4",
+    "BF16",
+    "BF16_DOT_GAIN",
+    "BF16_PRODUCT_ISAS",
+    "DELTA_ERR_FACTOR",
+    "DELTA_ULPS",
+    "DELTA_ULPS_STATE",
+    "F32_EPS",
+    "ISAS",
+    "RISES",
+    "SEED",
+    "assert_delta_matches",
+    "assert_matches",
+    "attention_tolerance",
+    "best_isa",
+    "bf16_rounds_p",
+    "cache_stepper",
+    "check_attention",
+    "check_delta_rule",
+    "check_dense",
+    "check_paged",
+    "climbing_scores",
+    "conditioning",
+    "delta_expected",
+    "delta_tolerance",
+    "dense_views",
+    "finish_client",
+    "from4",
+    "has_amx",
+    "has_avx512bf16",
+    "lowp_attention",
+    "lse4",
+    "make_rng",
+    "native",
+    "pool_from_sequences",
+    "rand",
+    "run_isolated",
+    "same_bits",
+    "scramble_tables",
+    "supported_isas",
+    "to4",
 ]

@@ -10,10 +10,16 @@ import numpy as np
 
 import attnx
 from attnx import reference as ref
+
 from helpers.data import F32_EPS
 from helpers.layouts import lse4, to4
-from helpers.tolerance import (assert_matches, attention_tolerance, bf16_rounds_p, conditioning,
-                               lowp_attention)
+from helpers.tolerance import (
+    assert_matches,
+    attention_tolerance,
+    bf16_rounds_p,
+    conditioning,
+    lowp_attention,
+)
 
 
 def _structure4(q4, k4, *, mask, kv_lens, q_lens, rank):
@@ -25,7 +31,7 @@ def _structure4(q4, k4, *, mask, kv_lens, q_lens, rank):
     pos = np.arange(Sq)[None, :] + (kvl - ql)[:, None]  # (B, Sq)
     additive = None
     if mask is not None and np.asarray(mask).dtype != np.bool_:
-        logical = (B, Hq, Sq, Sk)[4 - rank:]
+        logical = (B, Hq, Sq, Sk)[4 - rank :]
         additive = np.broadcast_to(np.asarray(mask).astype(np.float64), logical)
         additive = additive.reshape((B, Hq, Sq, Sk))
     return pos, additive
@@ -36,24 +42,58 @@ def dense_views(before, o, lse, ref_out, ref_lse, *, layout, rank, kw):
     kernel and reference outputs (o4, r4) and lse (l4, rl4), the visible (row, key) pairs, the
     scale, positions and additive mask, the same-precision twin (lp_out, lp_lse), and the largest
     finite |v| (v_max)."""
-    wkw = {key: kw[key] for key in ("causal", "mask", "kv_lens", "q_lens", "scale", "window",
-                                    "softcap", "sinks", "alibi_slopes") if key in kw}
+    wkw = {
+        key: kw[key]
+        for key in (
+            "causal",
+            "mask",
+            "kv_lens",
+            "q_lens",
+            "scale",
+            "window",
+            "softcap",
+            "sinks",
+            "alibi_slopes",
+        )
+        if key in kw
+    }
     weights = ref.attention_weights(before[0], before[1], layout=layout, **wkw)
     q4, k4, v4 = (to4(x, layout, rank).astype(np.float64) for x in before)
     visible = lse4(weights, rank) != 0
     scale = kw.get("scale") or 1.0 / np.sqrt(q4.shape[3])
-    pos, additive = _structure4(q4, k4, mask=kw.get("mask"), kv_lens=kw.get("kv_lens"),
-                                q_lens=kw.get("q_lens"), rank=rank)
-    lp_out, lp_lse = lowp_attention(q4, k4, v4, visible, scale=scale, softcap=kw.get("softcap"),
-                                    alibi=kw.get("alibi_slopes"), additive=additive,
-                                    sinks=kw.get("sinks"), pos=pos, storage=before[0].dtype,
-                                    round_p=bf16_rounds_p(*before))
+    pos, additive = _structure4(
+        q4, k4, mask=kw.get("mask"), kv_lens=kw.get("kv_lens"), q_lens=kw.get("q_lens"), rank=rank
+    )
+    lp_out, lp_lse = lowp_attention(
+        q4,
+        k4,
+        v4,
+        visible,
+        scale=scale,
+        softcap=kw.get("softcap"),
+        alibi=kw.get("alibi_slopes"),
+        additive=additive,
+        sinks=kw.get("sinks"),
+        pos=pos,
+        storage=before[0].dtype,
+        round_p=bf16_rounds_p(*before),
+    )
     return types.SimpleNamespace(
-        q4=q4, k4=k4, v4=v4, o4=to4(o, layout, rank).astype(np.float64),
-        r4=to4(ref_out, layout, rank), l4=lse4(lse, rank).astype(np.float64),
-        rl4=lse4(ref_lse, rank).astype(np.float64), visible=visible, scale=scale, pos=pos,
-        additive=additive, lp_out=lp_out, lp_lse=lp_lse,
-        v_max=float(np.max(np.abs(v4[np.isfinite(v4)]), initial=0.0)))
+        q4=q4,
+        k4=k4,
+        v4=v4,
+        o4=to4(o, layout, rank).astype(np.float64),
+        r4=to4(ref_out, layout, rank),
+        l4=lse4(lse, rank).astype(np.float64),
+        rl4=lse4(ref_lse, rank).astype(np.float64),
+        visible=visible,
+        scale=scale,
+        pos=pos,
+        additive=additive,
+        lp_out=lp_out,
+        lp_lse=lp_lse,
+        v_max=float(np.max(np.abs(v4[np.isfinite(v4)]), initial=0.0)),
+    )
 
 
 def check_attention(q, k, v, *, layout="bhsd", out=None, expect_nan=False, **kw):
@@ -67,8 +107,9 @@ def check_attention(q, k, v, *, layout="bhsd", out=None, expect_nan=False, **kw)
     rank = q.ndim
     before = [x.copy() for x in (q, k, v)]
     num_threads = kw.pop("num_threads", None)  # kernel only
-    res = attnx.attention(q, k, v, layout=layout, return_lse=True, out=out,
-                          num_threads=num_threads, **kw)
+    res = attnx.attention(
+        q, k, v, layout=layout, return_lse=True, out=out, num_threads=num_threads, **kw
+    )
     assert isinstance(res, tuple) and len(res) == 2
     o, lse = res
     if out is not None:
@@ -77,8 +118,9 @@ def check_attention(q, k, v, *, layout="bhsd", out=None, expect_nan=False, **kw)
         if not (out is not None and np.may_share_memory(out, x)):
             np.testing.assert_array_equal(x, x0, err_msg="the kernel modified an input")
 
-    ref_out, ref_lse = ref.attention(*before, layout=layout, return_lse=True,
-                                     out_dtype=np.float64, **kw)
+    ref_out, ref_lse = ref.attention(
+        *before, layout=layout, return_lse=True, out_dtype=np.float64, **kw
+    )
     assert o.shape == ref_out.shape, (o.shape, ref_out.shape)
     assert o.dtype == q.dtype
     assert lse.dtype == np.float32 and lse.shape == ref_lse.shape, (lse.dtype, lse.shape)
@@ -96,8 +138,11 @@ def check_attention(q, k, v, *, layout="bhsd", out=None, expect_nan=False, **kw)
 
 def same_bits(a, b):
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8),
-                                                                        b.view(np.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    )
 
 
 def native(x):
@@ -114,22 +159,34 @@ def check_dense(q, k, v, *, layout, out=None, **kw):
     num_threads = kw.pop("num_threads", None)
     call_kw = kw  # (the reference gets copies in native byte order, taken before the call)
     kw = {n: native(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
-    o, lse = attnx.attention(q, k, v, layout=layout, return_lse=True, out=out,
-                             num_threads=num_threads, **call_kw)
+    o, lse = attnx.attention(
+        q, k, v, layout=layout, return_lse=True, out=out, num_threads=num_threads, **call_kw
+    )
     if out is not None:
         assert o is out
     for x, x0 in zip((q, k, v), before):
         if not (out is not None and np.may_share_memory(out, x)):
             assert same_bits(x, x0), "the kernel modified an input"
     before = [native(x) for x in before]
-    ref_out, ref_lse = ref.attention(*before, layout=layout, return_lse=True,
-                                     out_dtype=np.float64, **kw)
+    ref_out, ref_lse = ref.attention(
+        *before, layout=layout, return_lse=True, out_dtype=np.float64, **kw
+    )
     assert o.shape == ref_out.shape and o.dtype == q.dtype.newbyteorder("=")  # (native order)
     assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
     c = dense_views(before, o, lse, ref_out, ref_lse, layout=layout, rank=rank, kw=kw)
     cond = conditioning(c.q4, c.k4, c.visible, c.scale, kw.get("alibi_slopes"), c.pos, c.additive)
-    compare(c.o4, c.r4, c.l4, c.rl4, c.lp_out, c.lp_lse, c.visible, storage=before[0].dtype,
-            v_max=c.v_max, cond=cond)
+    compare(
+        c.o4,
+        c.r4,
+        c.l4,
+        c.rl4,
+        c.lp_out,
+        c.lp_lse,
+        c.visible,
+        storage=before[0].dtype,
+        v_max=c.v_max,
+        cond=cond,
+    )
     return o, lse
 
 
@@ -153,16 +210,30 @@ def _dense_twin(q, k_pages, v_pages, tables, seq_lens, q_lens, bs):
     start = np.concatenate([[0], np.cumsum(q_lens)])
     for b in range(B):
         n, L = int(q_lens[b]), int(seq_lens[b])
-        q4[b, :, :n] = q[start[b]:start[b] + n].astype(np.float64).transpose(1, 0, 2)
-        ids = np.asarray(tables[b, :-(-L // bs)], np.int64)
+        q4[b, :, :n] = q[start[b] : start[b] + n].astype(np.float64).transpose(1, 0, 2)
+        ids = np.asarray(tables[b, : -(-L // bs)], np.int64)
         for kv4, pages in ((k4, k_pages), (v4, v_pages)):
-            rows = pages[ids].astype(np.float64).transpose(1, 0, 2, 3).reshape(Hkv, -1, pages.shape[3])
+            rows = (
+                pages[ids].astype(np.float64).transpose(1, 0, 2, 3).reshape(Hkv, -1, pages.shape[3])
+            )
             kv4[b, :, :L] = rows[:, :L]
     return q4, k4, v4, start
 
 
-def check_paged(q, kp, vp, tables, seq_lens, q_lens, *, out=None, num_threads=None, poisoned=True,
-                decode=False, **kw):
+def check_paged(
+    q,
+    kp,
+    vp,
+    tables,
+    seq_lens,
+    q_lens,
+    *,
+    out=None,
+    num_threads=None,
+    poisoned=True,
+    decode=False,
+    **kw,
+):
     """Runs ``attnx.paged_attention`` (with return_lse) and holds it to
     ``attnx.reference.paged_attention`` by the rules of ``check_dense``. ``poisoned``: the pool's
     NaNs are all in slots no sequence owns, so the reference must come out NaN-free.
@@ -177,8 +248,18 @@ def check_paged(q, kp, vp, tables, seq_lens, q_lens, *, out=None, num_threads=No
     kw.setdefault("scale", None)
     kw.setdefault("softcap", None)
     before = [x.copy() for x in (q, kp, vp, tables)]
-    o, lse = attnx.paged_attention(q, kp, vp, tables, call_lens[0], out=out, return_lse=True,
-                                   num_threads=num_threads, **call_lens[1], **kw)
+    o, lse = attnx.paged_attention(
+        q,
+        kp,
+        vp,
+        tables,
+        call_lens[0],
+        out=out,
+        return_lse=True,
+        num_threads=num_threads,
+        **call_lens[1],
+        **kw,
+    )
     if out is not None:
         assert o is out
     for x, x0 in zip((q, kp, vp, tables), before):
@@ -187,8 +268,9 @@ def check_paged(q, kp, vp, tables, seq_lens, q_lens, *, out=None, num_threads=No
     q, kp, vp, tables = (native(x) for x in before)  # what the call read, for the reference
     assert o.shape == (N, Hq, Dv) and o.dtype == q.dtype
     assert lse.shape == (N, Hq) and lse.dtype == np.float32
-    ro, rl = ref.paged_attention(q, kp, vp, tables, seq_lens, return_lse=True, out_dtype=np.float64,
-                                 **lens_kw, **kw)
+    ro, rl = ref.paged_attention(
+        q, kp, vp, tables, seq_lens, return_lse=True, out_dtype=np.float64, **lens_kw, **kw
+    )
     o64, l64 = o.astype(np.float64), lse.astype(np.float64)
     if poisoned:
         assert not np.isnan(ro).any(), "the reference read a poisoned slot"
@@ -196,22 +278,50 @@ def check_paged(q, kp, vp, tables, seq_lens, q_lens, *, out=None, num_threads=No
     q4, k4, v4, start = _dense_twin(q, kp, vp, tables, seq_lens, q_lens, kp.shape[2])
     scale = kw["scale"] or 1.0 / np.sqrt(Dk)
     wkw = {key: kw[key] for key in ("causal", "window", "softcap", "sinks") if key in kw}
-    w = ref.attention_weights(q4, k4, kv_lens=seq_lens, q_lens=q_lens, scale=scale,
-                              alibi_slopes=kw.get("alibi_slopes"), **wkw)
+    w = ref.attention_weights(
+        q4,
+        k4,
+        kv_lens=seq_lens,
+        q_lens=q_lens,
+        scale=scale,
+        alibi_slopes=kw.get("alibi_slopes"),
+        **wkw,
+    )
     visible4 = w != 0
     pos = np.arange(q4.shape[2])[None, :] + (seq_lens - q_lens)[:, None]
-    lp_o4, lp_l4 = lowp_attention(q4, k4, v4, visible4, scale=scale, softcap=kw["softcap"],
-                                  alibi=kw.get("alibi_slopes"), sinks=kw.get("sinks"), pos=pos,
-                                  storage=q.dtype, round_p=bf16_rounds_p(q, kp, vp))
+    lp_o4, lp_l4 = lowp_attention(
+        q4,
+        k4,
+        v4,
+        visible4,
+        scale=scale,
+        softcap=kw["softcap"],
+        alibi=kw.get("alibi_slopes"),
+        sinks=kw.get("sinks"),
+        pos=pos,
+        storage=q.dtype,
+        round_p=bf16_rounds_p(q, kp, vp),
+    )
 
     def packed(x4):  # (B, H, Sq, ...) -> (N, H, ...)
-        return np.concatenate([np.moveaxis(x4[b, :, :int(q_lens[b])], 1, 0)
-                               for b in range(len(seq_lens))] or [x4[:0, :, :0]])
+        return np.concatenate(
+            [np.moveaxis(x4[b, :, : int(q_lens[b])], 1, 0) for b in range(len(seq_lens))]
+            or [x4[:0, :, :0]]
+        )
 
     visible = packed(visible4) if N else np.zeros((0, Hq, 1), bool)
     cond = conditioning(q4, k4, visible4, scale, kw.get("alibi_slopes"), pos)
     v_max = float(np.max(np.abs(v4[np.isfinite(v4)]), initial=0.0))
-    compare(o64, ro, l64, rl.astype(np.float64), packed(lp_o4) if N else np.zeros_like(ro),
-            packed(lp_l4) if N else np.zeros_like(rl), visible, storage=q.dtype, v_max=v_max,
-            cond=cond)
+    compare(
+        o64,
+        ro,
+        l64,
+        rl.astype(np.float64),
+        packed(lp_o4) if N else np.zeros_like(ro),
+        packed(lp_l4) if N else np.zeros_like(rl),
+        visible,
+        storage=q.dtype,
+        v_max=v_max,
+        cond=cond,
+    )
     return o, lse

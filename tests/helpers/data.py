@@ -51,11 +51,11 @@ def scramble_tables(rng, seq_lens, block_size, num_blocks, width, fill, dtype=np
     tables = np.full((len(need), max(width, 1)), fill, dtype=dtype)
     at = 0
     for b, (n, length) in enumerate(zip(need, seq_lens)):
-        ids = perm[at:at + n]
+        ids = perm[at : at + n]
         at += n
         tables[b, :n] = ids
         for j, blk in enumerate(ids):
-            owned[blk, :min(block_size, length - j * block_size)] = True
+            owned[blk, : min(block_size, length - j * block_size)] = True
     return tables, owned
 
 
@@ -72,9 +72,9 @@ def pool_from_sequences(rng, ks, vs, block_size, *, spare=2, extra_cols=1):
     tables = np.full((len(ks), max(1, int(need.max(initial=0)) + extra_cols)), 1 << 30, np.int64)
     at = 0
     for b, (k, v) in enumerate(zip(ks, vs)):
-        ids = perm[at:at + need[b]]
+        ids = perm[at : at + need[b]]
         at += need[b]
-        tables[b, :need[b]] = ids
+        tables[b, : need[b]] = ids
         for t in range(len(k)):
             kp[ids[t // block_size], :, t % block_size] = k[t]
             vp[ids[t // block_size], :, t % block_size] = v[t]

@@ -6,6 +6,7 @@ import numpy as np
 
 import attnx
 from attnx import reference as ref
+
 from helpers.data import F32_EPS
 
 DELTA_ERR_FACTOR = 4.0  # x the float32 recurrence's own error
@@ -33,12 +34,25 @@ def delta_expected(q, k, v, g, beta, **kw):
     from attnx.reference.delta_rule import _delta_recurrence
 
     kw = {key: x for key, x in kw.items() if key not in ("_mode", "num_threads")}
-    ro, rs = ref.gated_delta_rule(q, k, v, g, beta, output_final_state=True, out_dtype=np.float64, **kw)
-    args = delta_args(q, k, v, g, beta, scale=kw.get("scale"), initial_state=kw.get("initial_state"),
-                      layout=kw.get("layout", "bshd"), cu_seqlens=kw.get("cu_seqlens"),
-                      lengths=kw.get("lengths"))
+    ro, rs = ref.gated_delta_rule(
+        q, k, v, g, beta, output_final_state=True, out_dtype=np.float64, **kw
+    )
+    args = delta_args(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=kw.get("scale"),
+        initial_state=kw.get("initial_state"),
+        layout=kw.get("layout", "bshd"),
+        cu_seqlens=kw.get("cu_seqlens"),
+        lengths=kw.get("lengths"),
+    )
     lo, ls = _delta_recurrence(args, qk_l2norm=kw.get("qk_l2norm", False), dtype=np.float32)
-    lo = from_bshd(round_to(lo.astype(np.float64), q.dtype).astype(np.float64), kw.get("layout", "bshd"))
+    lo = from_bshd(
+        round_to(lo.astype(np.float64), q.dtype).astype(np.float64), kw.get("layout", "bshd")
+    )
     return ro, rs.astype(np.float64), lo, ls.astype(np.float64)
 
 
@@ -69,7 +83,11 @@ def check_delta_rule(q, k, v, g, beta, **kw):
     ``assert_delta_matches``); returns the kernel's (o, state)."""
     o, state = attnx.gated_delta_rule(q, k, v, g, beta, output_final_state=True, **kw)
     expected = delta_expected(q, k, v, g, beta, **kw)
-    assert o.dtype == q.dtype and o.shape == expected[0].shape, (o.dtype, o.shape, expected[0].shape)
+    assert o.dtype == q.dtype and o.shape == expected[0].shape, (
+        o.dtype,
+        o.shape,
+        expected[0].shape,
+    )
     assert state.dtype == np.float32 and state.shape == expected[1].shape
     assert_delta_matches(o, state, expected)
     return o, state

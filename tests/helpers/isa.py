@@ -35,8 +35,19 @@ def supported_isas():
 def has_avx512bf16(f=None):
     """Whether the CPU can run the avx512bf16 path (AVX512_BF16, with AVX-512F/BW/VL/VNNI)."""
     f = attnx.cpu_features() if f is None else f
-    return all(f.get(k) for k in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                                  "avx512bf16", "avx512_vnni"))
+    return all(
+        f.get(k)
+        for k in (
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512vl",
+            "avx512bf16",
+            "avx512_vnni",
+        )
+    )
 
 
 def has_amx(f=None):

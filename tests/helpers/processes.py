@@ -14,8 +14,14 @@ import pytest
 def run_isolated(code, *, env=None, timeout=120):
     """Runs ``code`` in a fresh interpreter (its own session) and returns the JSON it prints last.
     A hang kills the whole process group, forked children included, and fails the test."""
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -8,12 +8,26 @@ import ml_dtypes
 import numpy as np
 
 import attnx
+
 from helpers.data import BF16, F32_EPS
 from helpers.isa import BF16_PRODUCT_ISAS
 
 
-def lowp_attention(q4, k4, v4, visible, *, scale, softcap=None, alibi=None, additive=None,
-                   sinks=None, pos=None, storage=np.float32, round_p=False):
+def lowp_attention(
+    q4,
+    k4,
+    v4,
+    visible,
+    *,
+    scale,
+    softcap=None,
+    alibi=None,
+    additive=None,
+    sinks=None,
+    pos=None,
+    storage=np.float32,
+    round_p=False,
+):
     """Textbook attention in float32 (no tiling, no online softmax), rounded to ``storage``.
     With ``round_p``, the probabilities exp(s - max) are rounded to bfloat16 before P V (their
     sum is not): what the avx512bf16 path does on bf16 inputs (``bf16_rounds_p``).
@@ -108,8 +122,9 @@ def bf16_rounds_p(q, k, v):
     """Whether the active path may round P to bf16 before P V on these inputs: avx512bf16 or amx
     with q, k and v all bf16 (their prefill-shaped calls do, as FlashAttention and torch's bf16
     SDPA do; README "dtypes"). Its same-precision twin then rounds P too."""
-    return (attnx.cpu_features()["isa"] in BF16_PRODUCT_ISAS
-            and all(np.asarray(x).dtype == BF16 for x in (q, k, v)))
+    return attnx.cpu_features()["isa"] in BF16_PRODUCT_ISAS and all(
+        np.asarray(x).dtype == BF16 for x in (q, k, v)
+    )
 
 
 def conditioning(q4, k4, visible, scale, alibi=None, pos=None, additive=None):

@@ -26,6 +26,7 @@ def case(*suites):
         for s in suites:
             CASES.setdefault(s, []).append((fn.__name__, fn))
         return fn
+
     return register
 
 
@@ -34,6 +35,7 @@ def names(suite):
 
 
 # ---- data -----------------------------------------------------------------------------------------
+
 
 def data(seed, shape, dtype):
     import numpy as np
@@ -82,13 +84,18 @@ def assert_close(got, want, *, lse=False):
     import numpy as np
 
     got, want = to_numpy(got), to_numpy(want)
-    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
+    assert got.shape == want.shape and got.dtype == want.dtype, (
+        got.shape,
+        want.shape,
+        got.dtype,
+        want.dtype,
+    )
     g, w = got.astype(np.float64), want.astype(np.float64)
     np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
     np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w))
     fin = np.isfinite(w)
     scale = max(1.0, float(np.max(np.abs(w[fin]), initial=0.0)))
-    eps = 2.0 ** -23 if lse else float(ml_dtypes.finfo(got.dtype).eps)
+    eps = 2.0**-23 if lse else float(ml_dtypes.finfo(got.dtype).eps)
     tol = 4 * eps * scale + (2e-6 if got.dtype == np.float32 else 0)
     err = float(np.max(np.abs(g[fin] - w[fin]), initial=0.0))
     assert err <= tol, f"{'lse' if lse else 'out'}: max error {err:.3g} > {tol:.3g}"
@@ -112,23 +119,87 @@ def same_on_every_rank(x):
 DENSE = [
     # name, batch, (Hq, Hkv), Sq, (Dk, Dv), shard sizes by world, causal, kv_lens(total), dtype,
     # layout, rank, torch tensors
-    dict(name="decode_gqa_causal", B=2, heads=(4, 2), sq=1, dims=(16, 8),
-         sizes={2: [9, 0], 4: [5, 0, 9, 3]}, causal=True),
-    dict(name="noncausal_kv_lens", B=3, heads=(2, 1), sq=4, dims=(8, 8),
-         sizes={2: [6, 7], 4: [4, 3, 0, 6]}, kv_lens=lambda t: [0, 7, t]),
-    dict(name="causal_prefill_kv_lens", B=3, heads=(4, 1), sq=6, dims=(8, 4),
-         sizes={2: [8, 5], 4: [3, 4, 2, 4]}, causal=True, kv_lens=lambda t: [t, t - 2, 3]),
-    dict(name="causal_more_queries_than_keys", B=1, heads=(2, 2), sq=12, dims=(8, 8),
-         sizes={2: [3, 5], 4: [2, 0, 5, 1]}, causal=True),
-    dict(name="bshd_float16", B=2, heads=(6, 3), sq=3, dims=(16, 16),
-         sizes={2: [10, 4], 4: [1, 6, 4, 3]}, causal=True, dtype="float16", layout="bshd"),
-    dict(name="rank3_bshd_bfloat16_tensors", B=1, heads=(4, 2), sq=2, dims=(8, 8),
-         sizes={2: [5, 6], 4: [0, 5, 6, 1]}, causal=True, dtype="bfloat16", layout="bshd", rank=3,
-         torch=True),
-    dict(name="rank2_tensors", B=1, heads=(1, 1), sq=3, dims=(8, 8),
-         sizes={2: [4, 4], 4: [2, 2, 2, 2]}, causal=True, rank=2, torch=True),
-    dict(name="every_shard_empty", B=1, heads=(2, 1), sq=2, dims=(4, 4),
-         sizes={2: [0, 0], 4: [0, 0, 0, 0]}, causal=True),
+    dict(
+        name="decode_gqa_causal",
+        B=2,
+        heads=(4, 2),
+        sq=1,
+        dims=(16, 8),
+        sizes={2: [9, 0], 4: [5, 0, 9, 3]},
+        causal=True,
+    ),
+    dict(
+        name="noncausal_kv_lens",
+        B=3,
+        heads=(2, 1),
+        sq=4,
+        dims=(8, 8),
+        sizes={2: [6, 7], 4: [4, 3, 0, 6]},
+        kv_lens=lambda t: [0, 7, t],
+    ),
+    dict(
+        name="causal_prefill_kv_lens",
+        B=3,
+        heads=(4, 1),
+        sq=6,
+        dims=(8, 4),
+        sizes={2: [8, 5], 4: [3, 4, 2, 4]},
+        causal=True,
+        kv_lens=lambda t: [t, t - 2, 3],
+    ),
+    dict(
+        name="causal_more_queries_than_keys",
+        B=1,
+        heads=(2, 2),
+        sq=12,
+        dims=(8, 8),
+        sizes={2: [3, 5], 4: [2, 0, 5, 1]},
+        causal=True,
+    ),
+    dict(
+        name="bshd_float16",
+        B=2,
+        heads=(6, 3),
+        sq=3,
+        dims=(16, 16),
+        sizes={2: [10, 4], 4: [1, 6, 4, 3]},
+        causal=True,
+        dtype="float16",
+        layout="bshd",
+    ),
+    dict(
+        name="rank3_bshd_bfloat16_tensors",
+        B=1,
+        heads=(4, 2),
+        sq=2,
+        dims=(8, 8),
+        sizes={2: [5, 6], 4: [0, 5, 6, 1]},
+        causal=True,
+        dtype="bfloat16",
+        layout="bshd",
+        rank=3,
+        torch=True,
+    ),
+    dict(
+        name="rank2_tensors",
+        B=1,
+        heads=(1, 1),
+        sq=3,
+        dims=(8, 8),
+        sizes={2: [4, 4], 4: [2, 2, 2, 2]},
+        causal=True,
+        rank=2,
+        torch=True,
+    ),
+    dict(
+        name="every_shard_empty",
+        B=1,
+        heads=(2, 1),
+        sq=2,
+        dims=(4, 4),
+        sizes={2: [0, 0], 4: [0, 0, 0, 0]},
+        causal=True,
+    ),
 ]
 
 
@@ -140,7 +211,11 @@ def dense_case(spec):
         import attnx
         import attnx.distributed as ad
 
-        dtype = np.dtype(ml_dtypes.bfloat16) if spec.get("dtype") == "bfloat16" else np.dtype(spec.get("dtype", "float32"))
+        dtype = (
+            np.dtype(ml_dtypes.bfloat16)
+            if spec.get("dtype") == "bfloat16"
+            else np.dtype(spec.get("dtype", "float32"))
+        )
         layout, r = spec.get("layout", "bhsd"), spec.get("rank", 4)
         sizes = spec["sizes"][world]
         total, (hq, hkv), (dk, dv), B = sum(sizes), spec["heads"], spec["dims"], spec["B"]
@@ -152,16 +227,28 @@ def dense_case(spec):
         q = seq_slice(q4, 0, spec["sq"], layout, r)
         a, b = offsets(sizes)[rank], offsets(sizes)[rank + 1]
         use_torch = spec.get("torch", False)
-        out, lse = ad.attention(as_kind(q, use_torch), as_kind(seq_slice(k4, a, b, layout, r), use_torch),
-                                as_kind(seq_slice(v4, a, b, layout, r), use_torch), return_lse=True, **kw)
+        out, lse = ad.attention(
+            as_kind(q, use_torch),
+            as_kind(seq_slice(k4, a, b, layout, r), use_torch),
+            as_kind(seq_slice(v4, a, b, layout, r), use_torch),
+            return_lse=True,
+            **kw,
+        )
         if use_torch:
             import torch
+
             assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
-        want, want_lse = attnx.attention(q, seq_slice(k4, 0, total, layout, r),
-                                         seq_slice(v4, 0, total, layout, r), return_lse=True, **kw)
+        want, want_lse = attnx.attention(
+            q,
+            seq_slice(k4, 0, total, layout, r),
+            seq_slice(v4, 0, total, layout, r),
+            return_lse=True,
+            **kw,
+        )
         assert_close(out, want)
         assert_close(lse, want_lse, lse=True)
         same_on_every_rank(out)
+
     run.__name__ = spec["name"]
     return run
 
@@ -174,13 +261,38 @@ for _spec in DENSE:
 
 RING = [
     dict(name="ring_zigzag_causal_gqa", B=1, heads=(4, 2), S=37, dims=(16, 8), causal=True),
-    dict(name="ring_zigzag_noncausal_bshd_float16", B=2, heads=(2, 2), S=20, dims=(8, 8),
-         dtype="float16", layout="bshd"),
-    dict(name="ring_contiguous_uneven_causal", B=2, heads=(2, 1), sizes={2: [11, 0], 4: [6, 0, 13, 2]},
-         dims=(8, 8), causal=True, sharding="contiguous"),
-    dict(name="ring_zigzag_kv_lens_bfloat16_tensors", B=2, heads=(4, 1), S=26, dims=(8, 8),
-         causal=True, kv_lens=lambda t: [t, 17], dtype="bfloat16", torch=True),
-    dict(name="ring_zigzag_rank3_float32", B=1, heads=(3, 3), S=9, dims=(4, 4), causal=True, rank=3),
+    dict(
+        name="ring_zigzag_noncausal_bshd_float16",
+        B=2,
+        heads=(2, 2),
+        S=20,
+        dims=(8, 8),
+        dtype="float16",
+        layout="bshd",
+    ),
+    dict(
+        name="ring_contiguous_uneven_causal",
+        B=2,
+        heads=(2, 1),
+        sizes={2: [11, 0], 4: [6, 0, 13, 2]},
+        dims=(8, 8),
+        causal=True,
+        sharding="contiguous",
+    ),
+    dict(
+        name="ring_zigzag_kv_lens_bfloat16_tensors",
+        B=2,
+        heads=(4, 1),
+        S=26,
+        dims=(8, 8),
+        causal=True,
+        kv_lens=lambda t: [t, 17],
+        dtype="bfloat16",
+        torch=True,
+    ),
+    dict(
+        name="ring_zigzag_rank3_float32", B=1, heads=(3, 3), S=9, dims=(4, 4), causal=True, rank=3
+    ),
 ]
 
 
@@ -192,14 +304,20 @@ def ring_case(spec):
         import attnx
         import attnx.distributed as ad
 
-        dtype = np.dtype(ml_dtypes.bfloat16) if spec.get("dtype") == "bfloat16" else np.dtype(spec.get("dtype", "float32"))
+        dtype = (
+            np.dtype(ml_dtypes.bfloat16)
+            if spec.get("dtype") == "bfloat16"
+            else np.dtype(spec.get("dtype", "float32"))
+        )
         layout, r = spec.get("layout", "bhsd"), spec.get("rank", 4)
         sharding = spec.get("sharding", "zigzag")
         sizes = spec["sizes"][world] if "sizes" in spec else None
         S = sum(sizes) if sizes else spec["S"]
         (hq, hkv), (dk, dv), B = spec["heads"], spec["dims"], spec["B"]
-        whole = [seq_slice(data(10 + i, (B, h, S, d), dtype), 0, S, layout, r)
-                 for i, (h, d) in enumerate(((hq, dk), (hkv, dk), (hkv, dv)))]
+        whole = [
+            seq_slice(data(10 + i, (B, h, S, d), dtype), 0, S, layout, r)
+            for i, (h, d) in enumerate(((hq, dk), (hkv, dk), (hkv, dv)))
+        ]
         kw = dict(causal=spec.get("causal", False), layout=layout)
         if "kv_lens" in spec:
             kw["kv_lens"] = np.array(spec["kv_lens"](S))
@@ -210,14 +328,17 @@ def ring_case(spec):
             axis = -3 if layout == "bshd" and r >= 3 else -2
             mine = [np.take(x, np.arange(a, b), axis=axis) for x in whole]
         use_torch = spec.get("torch", False)
-        out, lse = ad.ring_attention(*(as_kind(x, use_torch) for x in mine), sharding=sharding,
-                                     return_lse=True, **kw)
+        out, lse = ad.ring_attention(
+            *(as_kind(x, use_torch) for x in mine), sharding=sharding, return_lse=True, **kw
+        )
         want, want_lse = attnx.attention(*whole, return_lse=True, **kw)
         if sharding == "zigzag":
             want = ad.zigzag_shard(want, rank, world, layout=layout)
             want_lse = ad.zigzag_shard(want_lse[..., None], rank, world)[..., 0]
             pos = ad.zigzag_positions(S, rank, world)
-            np.testing.assert_array_equal(ad.zigzag_shard(np.arange(S)[:, None], rank, world)[:, 0], pos)
+            np.testing.assert_array_equal(
+                ad.zigzag_shard(np.arange(S)[:, None], rank, world)[:, 0], pos
+            )
         else:
             axis = -3 if layout == "bshd" and r >= 3 else -2
             want = np.take(want, np.arange(a, b), axis=axis)
@@ -226,10 +347,12 @@ def ring_case(spec):
         assert_close(lse, want_lse, lse=True)
         # the shards put back together are the whole output
         import torch.distributed as dist
+
         if sharding == "zigzag":
             shards = [None] * world
             dist.all_gather_object(shards, to_numpy(out))
             assert_close(ad.zigzag_unshard(shards, layout=layout), attnx.attention(*whole, **kw))
+
     run.__name__ = spec["name"]
     return run
 
@@ -240,8 +363,10 @@ for _spec in RING:
 
 # ---- the sharded paged cache ----------------------------------------------------------------------
 
-def run_cache(rank, world, *, dtype, steps, layers=2, hq=4, hkv=2, dim=8, block=4, ops=None,
-              use_torch=False):
+
+def run_cache(
+    rank, world, *, dtype, steps, layers=2, hq=4, hkv=2, dim=8, block=4, ops=None, use_torch=False
+):
     """Drive a ShardedPagedKVCache and a single PagedKVCache through the same steps (``ops``: at
     step i, ("fork", a) or ("truncate", a, n) first) and compare every attend."""
     import numpy as np
@@ -280,6 +405,7 @@ def run_cache(rank, world, *, dtype, steps, layers=2, hq=4, hkv=2, dim=8, block=
         assert sharded.local.length(s) == int(sharded.local_length(single.length(s)))
     # each rank holds its share: together exactly the tokens of the single cache
     import torch.distributed as dist
+
     held = [None] * world
     dist.all_gather_object(held, sum(sharded.local.length(s) for s in seqs))
     assert sum(held) == sum(single.length(s) for s in seqs), held
@@ -288,13 +414,24 @@ def run_cache(rank, world, *, dtype, steps, layers=2, hq=4, hkv=2, dim=8, block=
 
 @case("w2", "w4")
 def cache_prefill_then_decode(rank, world):
-    run_cache(rank, world, dtype="float32", steps=[[11, 6], [1, 1], [3, 0], [1, 1], [0, 2], [1, 1], [1, 1]])
+    run_cache(
+        rank,
+        world,
+        dtype="float32",
+        steps=[[11, 6], [1, 1], [3, 0], [1, 1], [0, 2], [1, 1], [1, 1]],
+    )
 
 
 @case("w2", "w4")
 def cache_float16_fork_and_truncate_tensors(rank, world):
-    run_cache(rank, world, dtype="float16", steps=[[9, 13], [1, 1], [1, 1], [2, 1], [1, 1], [1, 1]],
-              ops={2: [("fork", 0)], 4: [("truncate", 1, 5)]}, use_torch=True)
+    run_cache(
+        rank,
+        world,
+        dtype="float16",
+        steps=[[9, 13], [1, 1], [1, 1], [2, 1], [1, 1], [1, 1]],
+        ops={2: [("fork", 0)], 4: [("truncate", 1, 5)]},
+        use_torch=True,
+    )
 
 
 @case("w2", "w4")
@@ -323,6 +460,7 @@ def cache_full_is_all_or_nothing(rank, world):
 
 
 # ---- failures: every rank raises, none hangs ------------------------------------------------------
+
 
 @case("w2")
 def bad_input_names_the_rank(rank, world):
@@ -442,14 +580,20 @@ def a_rank_that_never_arrives_times_out(rank, world):
 
 # ---- main -----------------------------------------------------------------------------------------
 
+
 def main(suite, world, rank, init_file, out_dir, timeout_s):
     import datetime
 
     import torch.distributed as dist
 
     os.environ["ATTNX_DIST_TIMEOUT"] = str(timeout_s)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     results = []
     path = os.path.join(out_dir, f"rank{rank}.json")
     for name, fn in CASES[suite]:

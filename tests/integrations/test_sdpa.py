@@ -8,15 +8,14 @@ L > S, ``enable_gqa`` and ``scale``.
 
 from __future__ import annotations
 
-
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import BF16, make_rng
 
 import attnx
 from attnx import reference as ref
 
+from helpers import BF16, make_rng
 
 
 def close(got, want, v, tol=1e-5):
@@ -61,8 +60,11 @@ def random_case(rng):
     q = rng.standard_normal(q_lead + [L, E]).astype(np.float32)
     k = rng.standard_normal(k_lead + [S, E]).astype(np.float32)
     v = rng.standard_normal(v_lead + [S, Ev]).astype(np.float32)
-    out_lead = list(np.broadcast_shapes(tuple(q_lead), tuple(k_lead[:-1] + [q_lead[-1]]) if gqa
-                                        else tuple(k_lead)))
+    out_lead = list(
+        np.broadcast_shapes(
+            tuple(q_lead), tuple(k_lead[:-1] + [q_lead[-1]]) if gqa else tuple(k_lead)
+        )
+    )
     kw = dict(is_causal=bool(rng.random() < 0.5), enable_gqa=gqa)
     if rng.random() < 0.3:
         kw["scale"] = float(rng.uniform(0.05, 1.0))
@@ -70,7 +72,7 @@ def random_case(rng):
     if kind != "none":
         shape = out_lead + [L, S]
         shape = [d if rng.random() < 0.6 else 1 for d in shape]
-        shape = shape[int(rng.integers(0, len(shape) - 1)):]  # maybe fewer leading axes
+        shape = shape[int(rng.integers(0, len(shape) - 1)) :]  # maybe fewer leading axes
         if kind == "bool":
             kw["attn_mask"] = rng.random(shape) < 0.7
         else:
@@ -93,8 +95,10 @@ def test_random_against_reference(i):
 
 
 def _torch_sdpa(torch, q, k, v, **kw):
-    t = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in
-         (("query", q), ("key", k), ("value", v))}
+    t = {
+        name: torch.from_numpy(np.ascontiguousarray(a))
+        for name, a in (("query", q), ("key", k), ("value", v))
+    }
     mask = kw.pop("attn_mask", None)
     if mask is not None:
         kw["attn_mask"] = torch.from_numpy(np.ascontiguousarray(mask))
@@ -113,8 +117,11 @@ def _torch_sdpa_combined(torch, q, k, v, **kw):
         L, S = q.shape[-2], k.shape[-2]
         tri = np.tril(np.ones((L, S), bool))
         m = kw["attn_mask"]
-        kw = dict(kw, is_causal=False,
-                  attn_mask=(m & tri) if m.dtype == bool else np.where(tri, m, -np.inf))
+        kw = dict(
+            kw,
+            is_causal=False,
+            attn_mask=(m & tri) if m.dtype == bool else np.where(tri, m, -np.inf),
+        )
         return _torch_sdpa(torch, q, k, v, **kw)
 
 
@@ -154,8 +161,11 @@ def test_top_left_causal_keys_beyond_L_are_never_read():
     v[..., 3:, :] = np.inf
     out = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert np.isfinite(out).all()
-    close(out, ref.scaled_dot_product_attention(q, k[..., :3, :], v[..., :3, :], is_causal=True),
-          v[..., :3, :])
+    close(
+        out,
+        ref.scaled_dot_product_attention(q, k[..., :3, :], v[..., :3, :], is_causal=True),
+        v[..., :3, :],
+    )
 
 
 def test_fully_masked_rows_are_zero_like_torch():
@@ -170,8 +180,11 @@ def test_fully_masked_rows_are_zero_like_torch():
         close(out, ref.scaled_dot_product_attention(q, k, v, attn_mask=m), v)
     torch = pytest.importorskip("torch")
     for m in (mask, fmask):
-        close(attnx.scaled_dot_product_attention(q, k, v, attn_mask=m),
-              _torch_sdpa(torch, q, k, v, attn_mask=m), v)
+        close(
+            attnx.scaled_dot_product_attention(q, k, v, attn_mask=m),
+            _torch_sdpa(torch, q, k, v, attn_mask=m),
+            v,
+        )
 
 
 def test_plus_inf_in_float_mask_gives_nan_like_torch():
@@ -202,8 +215,9 @@ def test_gqa_reads_the_right_kv_head():
     k = rng.standard_normal((2, 2, 7, 8)).astype(np.float32)
     v = rng.standard_normal((2, 2, 7, 4)).astype(np.float32)
     got = attnx.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
-    rep = attnx.scaled_dot_product_attention(q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1),
-                                             is_causal=True)  # torch's repeat_interleave
+    rep = attnx.scaled_dot_product_attention(
+        q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1), is_causal=True
+    )  # torch's repeat_interleave
     close(got, rep, v, 1e-6)
 
 
@@ -254,8 +268,7 @@ def test_low_precision(dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("L, S, causal", [(0, 5, True), (0, 5, False), (4, 0, True),
-                                          (4, 0, False)])
+@pytest.mark.parametrize("L, S, causal", [(0, 5, True), (0, 5, False), (4, 0, True), (4, 0, False)])
 def test_empty(L, S, causal):
     q = np.ones((2, 3, L, 4), np.float32)
     k = np.ones((2, 3, S, 4), np.float32)
@@ -268,10 +281,13 @@ def test_empty(L, S, causal):
 def test_default_scale_and_explicit_scale():
     rng = make_rng("scale")
     q, k, v = (rng.standard_normal((4, n, 16)).astype(np.float32) for n in (3, 5, 5))
-    close(attnx.scaled_dot_product_attention(q, k, v),
-          attnx.attention(q, k, v), v, 1e-6)
-    close(attnx.scaled_dot_product_attention(q, k, v, scale=0.3),
-          attnx.attention(q, k, v, scale=0.3), v, 1e-6)
+    close(attnx.scaled_dot_product_attention(q, k, v), attnx.attention(q, k, v), v, 1e-6)
+    close(
+        attnx.scaled_dot_product_attention(q, k, v, scale=0.3),
+        attnx.attention(q, k, v, scale=0.3),
+        v,
+        1e-6,
+    )
 
 
 def test_exported():
@@ -287,8 +303,11 @@ def test_exported():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [attnx.scaled_dot_product_attention,
-                                ref.scaled_dot_product_attention], ids=["attnx", "reference"])
+@pytest.mark.parametrize(
+    "fn",
+    [attnx.scaled_dot_product_attention, ref.scaled_dot_product_attention],
+    ids=["attnx", "reference"],
+)
 @pytest.mark.parametrize("p", [0.1, 1.0, float("nan")])
 def test_dropout_raises(fn, p):
     q = np.ones((2, 3, 4), np.float32)
@@ -305,26 +324,48 @@ def _bad_cases():
         ("E mismatch", (q, np.ones((2, 2, 6, 7), f), v, {}), ValueError, "key"),
         ("S mismatch", (q, k, np.ones((2, 2, 7, 4), f), {}), ValueError, "value"),
         ("heads without gqa", (q, k, v, {}), ValueError, "broadcast"),
-        ("gqa heads", (q, np.ones((2, 3, 6, 8), f), np.ones((2, 3, 6, 4), f),
-                       {"enable_gqa": True}), ValueError, "enable_gqa"),
+        (
+            "gqa heads",
+            (q, np.ones((2, 3, 6, 8), f), np.ones((2, 3, 6, 4), f), {"enable_gqa": True}),
+            ValueError,
+            "enable_gqa",
+        ),
         ("gqa 2-D", (q[0, 0], k[0, 0], v[0, 0], {"enable_gqa": True}), ValueError, "enable_gqa"),
         ("rank 1", (np.ones(8, f), k, v, {}), ValueError, "query"),
         ("dtype mix", (q, k.astype(np.float16), v, {"enable_gqa": True}), TypeError, "key"),
-        ("int dtype", (q.astype(np.int32), k.astype(np.int32), v.astype(np.int32),
-                       {"enable_gqa": True}), TypeError, "query"),
-        ("mask shape", (q, k, v, {"enable_gqa": True, "attn_mask": np.ones((5, 7), bool)}),
-         ValueError, "attn_mask"),
-        ("mask rank", (q, k, v, {"enable_gqa": True, "attn_mask": np.ones((1, 2, 4, 5, 6), bool)}),
-         ValueError, "attn_mask"),
-        ("int mask", (q, k, v, {"enable_gqa": True, "attn_mask": np.ones((5, 6), np.int64)}),
-         TypeError, "attn_mask"),
-        ("dropout type", (q, k, v, {"enable_gqa": True, "dropout_p": "0"}), TypeError,
-         "dropout_p"),
+        (
+            "int dtype",
+            (q.astype(np.int32), k.astype(np.int32), v.astype(np.int32), {"enable_gqa": True}),
+            TypeError,
+            "query",
+        ),
+        (
+            "mask shape",
+            (q, k, v, {"enable_gqa": True, "attn_mask": np.ones((5, 7), bool)}),
+            ValueError,
+            "attn_mask",
+        ),
+        (
+            "mask rank",
+            (q, k, v, {"enable_gqa": True, "attn_mask": np.ones((1, 2, 4, 5, 6), bool)}),
+            ValueError,
+            "attn_mask",
+        ),
+        (
+            "int mask",
+            (q, k, v, {"enable_gqa": True, "attn_mask": np.ones((5, 6), np.int64)}),
+            TypeError,
+            "attn_mask",
+        ),
+        ("dropout type", (q, k, v, {"enable_gqa": True, "dropout_p": "0"}), TypeError, "dropout_p"),
     ]
 
 
-@pytest.mark.parametrize("fn", [attnx.scaled_dot_product_attention,
-                                ref.scaled_dot_product_attention], ids=["attnx", "reference"])
+@pytest.mark.parametrize(
+    "fn",
+    [attnx.scaled_dot_product_attention, ref.scaled_dot_product_attention],
+    ids=["attnx", "reference"],
+)
 @pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
 def test_bad_inputs(fn, case):
     _, (q, k, v, kw), exc, match = case

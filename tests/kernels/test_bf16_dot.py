@@ -23,8 +23,19 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
-from helpers import (BF16, BF16_PRODUCT_ISAS, BF16_DOT_GAIN, F32_EPS, ISAS, best_isa, check_attention,
-                     has_amx, has_avx512bf16, rand)
+
+from helpers import (
+    BF16,
+    BF16_DOT_GAIN,
+    BF16_PRODUCT_ISAS,
+    F32_EPS,
+    ISAS,
+    best_isa,
+    check_attention,
+    has_amx,
+    has_avx512bf16,
+    rand,
+)
 
 # Bounds measured on this path (Zen 4, random shapes below): the kernel's max error is 1.0x the
 # emulation's (median; at most 1.05x), its mean error 1.0x; against torch's bf16 SDPA 1.0x max
@@ -102,8 +113,9 @@ def _isa_in_child(env_isa):
     if env_isa is not None:
         env["ATTNX_ISA"] = env_isa
     code = "import attnx; print(attnx.cpu_features()['isa'])"
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     return res.returncode, res.stdout.strip(), res.stderr
 
 
@@ -140,8 +152,16 @@ def test_set_isa_rejects_missing_amx():
 
 def test_cpu_features_reports_matrix_engines():
     f = attnx.cpu_features()
-    for key in ("avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
-                "amx_fp16", "amx_permitted"):
+    for key in (
+        "avx512_vnni",
+        "avx_vnni",
+        "avx512_fp16",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+        "amx_fp16",
+        "amx_permitted",
+    ):
         assert isinstance(f[key], bool), key
     assert not f["amx_permitted"] or f["amx_tile"]
     assert f["isa"] != "amx" or has_amx(f)
@@ -171,8 +191,12 @@ def test_avx512_keeps_fp32_widening(rng, causal):
     """ATTNX_ISA=avx512 computes bf16 exactly as float32 inputs of the same values (rounded to
     bf16 at the end); avx512bf16 gives a different (bf16 P) result on the same call."""
     q, k, v = (rand(rng, (1, 4, 130, 64), BF16) for _ in range(3))
-    want = on_isa("avx512", lambda: attnx.attention(*(x.astype(np.float32) for x in (q, k, v)),
-                                                     causal=causal, return_lse=True))
+    want = on_isa(
+        "avx512",
+        lambda: attnx.attention(
+            *(x.astype(np.float32) for x in (q, k, v)), causal=causal, return_lse=True
+        ),
+    )
     got = on_isa("avx512", lambda: attnx.attention(q, k, v, causal=causal, return_lse=True))
     np.testing.assert_array_equal(got[0], want[0].astype(BF16))
     np.testing.assert_array_equal(got[1], want[1])
@@ -225,13 +249,27 @@ def problems(draw):
     kw = {}
     if draw(st.booleans()):
         kw["causal"] = True
-    extra = draw(st.sampled_from(["none", "bool_mask", "add_mask", "lens", "window", "softcap",
-                                  "sinks", "alibi", "scale"]))
+    extra = draw(
+        st.sampled_from(
+            [
+                "none",
+                "bool_mask",
+                "add_mask",
+                "lens",
+                "window",
+                "softcap",
+                "sinks",
+                "alibi",
+                "scale",
+            ]
+        )
+    )
     if extra == "bool_mask":
         kw["mask"] = r.random((B, 1, sq, sk)) < 0.8
     elif extra == "add_mask":
-        kw["mask"] = np.where(r.random((1, hkv * g, sq, sk)) < 0.2, -np.inf,
-                              r.standard_normal((1, hkv * g, sq, sk))).astype(np.float32)
+        kw["mask"] = np.where(
+            r.random((1, hkv * g, sq, sk)) < 0.2, -np.inf, r.standard_normal((1, hkv * g, sq, sk))
+        ).astype(np.float32)
     elif extra == "lens":
         kw["kv_lens"] = r.integers(0, sk + 1, B)
         kw["q_lens"] = r.integers(0, sq + 1, B)
@@ -256,8 +294,16 @@ def test_flash_rule_hypothesis(bf16_isa, problem):
     check_attention(q, k, v, **kw)  # the tolerance every ISA meets (helpers), lse included
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 8, 256, 64, 64), (1, 8, 2, 200, 128, 128),
-                                   (2, 4, 4, 97, 63, 33), (1, 2, 1, 130, 576, 512)], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 8, 8, 256, 64, 64),
+        (1, 8, 2, 200, 128, 128),
+        (2, 4, 4, 97, 63, 33),
+        (1, 2, 1, 130, 576, 512),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_rule_shapes(bf16_isa, rng, shape, causal):
     B, hq, hkv, s, dk, dv = shape
@@ -271,15 +317,20 @@ def test_against_torch_bf16_sdpa(bf16_isa, rng):
     """Against torch's own bf16 SDPA (same precision), both measured against float64."""
     torch = pytest.importorskip("torch")
     F = torch.nn.functional
-    for hq, hkv, s, d, causal in [(8, 8, 256, 64, False), (8, 2, 200, 128, True),
-                                  (4, 4, 77, 40, False)]:
+    for hq, hkv, s, d, causal in [
+        (8, 8, 256, 64, False),
+        (8, 2, 200, 128, True),
+        (4, 4, 77, 40, False),
+    ]:
         q = rand(rng, (1, hq, s, d), BF16)
         k, v = (rand(rng, (1, hkv, s, d), BF16) for _ in range(2))
         r = ref.attention(q, k, v, causal=causal, out_dtype=np.float64)
         tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) for x in (q, k, v))
         t = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=hq != hkv)
-        (km, ka), (tm, ta) = errors(attnx.attention(q, k, v, causal=causal), r), \
-            errors(t.float().numpy(), r)
+        (km, ka), (tm, ta) = (
+            errors(attnx.attention(q, k, v, causal=causal), r),
+            errors(t.float().numpy(), r),
+        )
         assert km <= TORCH_RATIO * tm and ka <= TORCH_RATIO * ta, (km, tm, ka, ta)
 
 
@@ -313,7 +364,9 @@ def test_lse_keeps_float32_accuracy_where_returned(bf16_isa, rng):
     # with or without it, the output keeps the flash rule (and the two differ by a bf16 ulp at most)
     assert_flash_rule(q, k, v, scale=1.0)
     short = attnx.attention(q, k, v, scale=1.0)
-    np.testing.assert_allclose(o.astype(np.float64), short.astype(np.float64), rtol=2**-7, atol=2**-9)
+    np.testing.assert_allclose(
+        o.astype(np.float64), short.astype(np.float64), rtol=2**-7, atol=2**-9
+    )
 
 
 def test_nonfinite_values_stay_in_their_rows(bf16_isa, rng):
@@ -339,12 +392,16 @@ def test_paged_prefill_chunk(bf16_isa, rng):
     q = rand(rng, (Sq, hq, d), BF16)
     args = (pages_k, pages_v, table, np.array([L]))
     got = attnx.paged_attention(q, *args, q_lens=np.array([Sq])).astype(np.float64)
-    dense = [p[table[0]].transpose(1, 0, 2, 3).reshape(hkv, nblk * bs, d)[None, :, :L]
-             for p in (pages_k, pages_v)]
+    dense = [
+        p[table[0]].transpose(1, 0, 2, 3).reshape(hkv, nblk * bs, d)[None, :, :L]
+        for p in (pages_k, pages_v)
+    ]
     qq = q.transpose(1, 0, 2)[None]
     want = ref.attention(qq, *dense, causal=True, out_dtype=np.float64)
-    (km, _), (em, _) = errors(got.transpose(1, 0, 2)[None], want), \
-        errors(emulate_bf16_p(qq, *dense, causal=True), want)
+    (km, _), (em, _) = (
+        errors(got.transpose(1, 0, 2)[None], want),
+        errors(emulate_bf16_p(qq, *dense, causal=True), want),
+    )
     assert km <= EMUL_MAX_RATIO * em + 1e-6, (km, em)
     q32 = q.astype(np.float32)
     a = on_isa("avx512", lambda: attnx.paged_attention(q32, *args, q_lens=np.array([Sq])))
@@ -363,10 +420,17 @@ def test_nonfinite_value_past_an_items_keys_in_a_shared_tile(bf16_isa, rng):
     check_attention(q, k, v, causal=True, expect_nan=True)
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 1, 80, 900, 64, 64), (1, 2, 2, 70, 1100, 128, 96),
-                                   (2, 8, 2, 33, 700, 40, 72), (1, 1, 1, 64, 1400, 576, 512),
-                                   (1, 8, 1, 50, 1030, 64, 64)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 4, 1, 80, 900, 64, 64),
+        (1, 2, 2, 70, 1100, 128, 96),
+        (2, 8, 2, 33, 700, 40, 72),
+        (1, 1, 1, 64, 1400, 576, 512),
+        (1, 8, 1, 50, 1030, 64, 64),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("lse", [False, True])
 def test_flash_rule_long_keys(bf16_isa, rng, shape, lse):
     """Long key ranges: the amx path takes 256 keys at once where every row sees them (one
@@ -396,13 +460,16 @@ def test_long_keys_nonfinite_value(bf16_isa, rng):
     check_attention(q, k, v, causal=True, expect_nan=True)
 
 
-@pytest.mark.skipif(not has_amx(), reason="CPU lacks AMX-BF16, or the OS did not grant the tile state")
+@pytest.mark.skipif(
+    not has_amx(), reason="CPU lacks AMX-BF16, or the OS did not grant the tile state"
+)
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # 3.12+: fork with threads
 def test_amx_in_forked_children_and_threads(rng):
     """The tile state's permission is the process's (asked once, at the first choice of path): a
     fork()ed child and Python threads running at once compute on the tiles too, and agree with
     the parent's result."""
     import threading
+
     q, k, v = (rand(rng, (1, 4, 300, 64), BF16) for _ in range(3))
     want = on_isa("amx", lambda: attnx.attention(q, k, v, causal=True))
     pid = os.fork()
@@ -411,7 +478,7 @@ def test_amx_in_forked_children_and_threads(rng):
             attnx._core.set_isa("amx")
             got = attnx.attention(q, k, v, causal=True, num_threads=2)
             os._exit(0 if np.array_equal(got, want) else 3)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 (the forked child must exit, whatever it raised)
             os._exit(4)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
@@ -419,6 +486,7 @@ def test_amx_in_forked_children_and_threads(rng):
 
     def work(i):
         results[i] = attnx.attention(q, k, v, causal=True, num_threads=1)
+
     previous = attnx.cpu_features()["isa"]
     attnx._core.set_isa("amx")
     try:

@@ -18,12 +18,13 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import BF16, RISES, SEED, assert_matches, climbing_scores, from4, lse4, make_rng, to4
 from hypothesis import given
 from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
+
+from helpers import BF16, RISES, SEED, assert_matches, climbing_scores, from4, lse4, make_rng, to4
 
 TOL = 1e-12  # relative to max(1, the largest |v|) for out, max(1, the largest |lse|) for lse
 
@@ -76,11 +77,12 @@ def problems(draw):
     Dv = draw(st.sampled_from([Dk, draw(st.integers(1, 40))]))
     rng = make_rng("float64", draw(st.integers(0, 2**32 - 1)))
     mag = draw(st.sampled_from([0.5, 1.0, 3.0]))
-    q4, k4, v4 = (mag * rng.standard_normal(s) for s in
-                  ((B, Hq, Sq, Dk), (B, Hkv, Sk, Dk), (B, Hkv, Sk, Dv)))
+    q4, k4, v4 = (
+        mag * rng.standard_normal(s) for s in ((B, Hq, Sq, Dk), (B, Hkv, Sk, Dk), (B, Hkv, Sk, Dv))
+    )
     q, k, v = (from4(x, layout, rank) for x in (q4, k4, v4))
     kw = {"num_threads": draw(st.sampled_from([1, 2, 4]))}
-    logical = (B, Hq, Sq, Sk)[4 - rank:]
+    logical = (B, Hq, Sq, Sk)[4 - rank :]
     kind = draw(st.sampled_from(["none", "none", "bool", "additive"]))
     if kind != "none":
         shape = tuple(n if draw(st.booleans()) else 1 for n in logical)
@@ -97,7 +99,10 @@ def problems(draw):
         lens = rng.integers(0, Sq + 1, B)
         kw["q_lens"] = lens if rank == 4 else int(lens[0])
     if draw(st.booleans()):
-        kw["window"] = (draw(st.sampled_from([None, 0, 3, 40])), draw(st.sampled_from([None, 0, 5])))
+        kw["window"] = (
+            draw(st.sampled_from([None, 0, 3, 40])),
+            draw(st.sampled_from([None, 0, 5])),
+        )
     if draw(st.booleans()):
         kw["softcap"] = draw(st.sampled_from([2.0, 30.0]))
     if draw(st.booleans()):
@@ -150,10 +155,18 @@ def test_driver_paths(rng, case):
         "packed_prefill": (1, 2, 3, 200, 260, 40, 12, "bhsd"),
     }[case]
     Hq = Hkv * G
-    q, k, v = (from4(rng.standard_normal(s), layout, 4) for s in
-               ((B, Hq, Sq, Dk), (B, Hkv, Sk, Dk), (B, Hkv, Sk, Dv)))
-    kw = dict(causal=True, softcap=20.0, sinks=rng.standard_normal(Hq),
-              alibi_slopes=rng.random(Hq) * 0.01, kv_lens=np.full(B, Sk - 3), num_threads=4)
+    q, k, v = (
+        from4(rng.standard_normal(s), layout, 4)
+        for s in ((B, Hq, Sq, Dk), (B, Hkv, Sk, Dk), (B, Hkv, Sk, Dv))
+    )
+    kw = dict(
+        causal=True,
+        softcap=20.0,
+        sinks=rng.standard_normal(Hq),
+        alibi_slopes=rng.random(Hq) * 0.01,
+        kv_lens=np.full(B, Sk - 3),
+        num_threads=4,
+    )
     check_f64(q, k, v, layout=layout, **kw)
     check_f64(q, k, v, layout=layout, mask=rng.standard_normal((B, 1, Sq, Sk)), window=(100, 0))
 
@@ -180,12 +193,23 @@ def test_lists_and_scalars_convert_as_numpy_does():
     v = [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
     o = attnx.attention(q, q, v, causal=True, scale=1, softcap=5, sinks=[0.5])
     assert isinstance(o, np.ndarray) and o.dtype == np.float64
-    want = ref.attention(np.array(q), np.array(q), np.array(v), causal=True, scale=1.0, softcap=5.0,
-                         sinks=np.array([0.5]))
+    want = ref.attention(
+        np.array(q),
+        np.array(q),
+        np.array(v),
+        causal=True,
+        scale=1.0,
+        softcap=5.0,
+        sinks=np.array([0.5]),
+    )
     np.testing.assert_allclose(o, want, rtol=0, atol=TOL * 6)
     # the seed's worked example, typed in as lists
-    np.testing.assert_allclose(attnx.attention(q, q, v), ref.attention(np.array(q), np.array(q), np.array(v)),
-                               rtol=0, atol=TOL * 6)
+    np.testing.assert_allclose(
+        attnx.attention(q, q, v),
+        ref.attention(np.array(q), np.array(q), np.array(v)),
+        rtol=0,
+        atol=TOL * 6,
+    )
     with pytest.raises(TypeError, match=r"^q\b.*astype"):  # ints stay ints, as in NumPy
         attnx.attention([[1, 0]], [[1, 0]], [[1, 2]])
 
@@ -203,14 +227,17 @@ def test_out_is_written_in_place(rng, strided):
         attnx.attention(q, k, v, out=np.zeros((2, 5, 3, 8), np.float32), layout="bshd")
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.float16, BF16], ids=["float32", "float16", "bfloat16"]
+)
 def test_lse_stays_float32_for_other_dtypes(rng, dtype):
     dt = np.dtype(dtype)
     q = rng.standard_normal((1, 2, 4, 8)).astype(dt)
     o, lse = attnx.attention(q, q, q, return_lse=True)
     assert o.dtype == dt and lse.dtype == np.float32
-    _, lse64 = attnx.attention(q.astype(np.float64), q.astype(np.float64), q.astype(np.float64),
-                               return_lse=True)
+    _, lse64 = attnx.attention(
+        q.astype(np.float64), q.astype(np.float64), q.astype(np.float64), return_lse=True
+    )
     assert lse64.dtype == np.float64
 
 
@@ -258,10 +285,19 @@ def test_pages_refuse_float64(rng):
 
 def test_sdpa_float64(rng):
     """torch's semantics in float64 (scale held as a double, as torch does for float64)."""
-    q, k, v = rng.standard_normal((2, 4, 5, 8)), rng.standard_normal((2, 2, 7, 8)), rng.standard_normal((2, 2, 7, 6))
+    q, k, v = (
+        rng.standard_normal((2, 4, 5, 8)),
+        rng.standard_normal((2, 2, 7, 8)),
+        rng.standard_normal((2, 2, 7, 6)),
+    )
     mask = rng.standard_normal((5, 7))
-    for kw in (dict(is_causal=True), dict(attn_mask=mask, scale=0.1234567890123),
-               dict(scale=-0.3), dict(scale=1e-40), dict(scale=1e39)):
+    for kw in (
+        dict(is_causal=True),
+        dict(attn_mask=mask, scale=0.1234567890123),
+        dict(scale=-0.3),
+        dict(scale=1e-40),
+        dict(scale=1e39),
+    ):
         got = attnx.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
         want = ref.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
         assert got.dtype == np.float64
@@ -328,8 +364,14 @@ def test_memory_is_linear_in_sequence_length(tmp_path):
     the peak RSS of a fresh process grows by far less (K packed once per call, padded to 32
     features, is 16 MiB; ru_maxrss is a high-water mark, hence the subprocess)."""
     npz = tmp_path / "rows.npz"
-    res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(SEED), str(npz)],
-                         capture_output=True, text=True, timeout=600, check=True, env=dict(os.environ))
+    res = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(SEED), str(npz)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+        env=dict(os.environ),
+    )
     grown = int(res.stdout.split()[0])
     assert grown < 128 * 2**20, f"peak RSS grew by {grown / 2**20:.0f} MiB"
     d = np.load(npz)

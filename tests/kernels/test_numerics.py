@@ -18,11 +18,19 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import (BF16, F32_EPS, RISES, check_dense, check_paged, climbing_scores,
-                     pool_from_sequences)
 
 import attnx
 from attnx import reference as ref
+
+from helpers import (
+    BF16,
+    F32_EPS,
+    RISES,
+    check_dense,
+    check_paged,
+    climbing_scores,
+    pool_from_sequences,
+)
 
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
 DTYPES = [F32, F16, BF16]
@@ -40,9 +48,12 @@ def paged(rng, q, k4, v4, *, block_size=4, q_lens=None):
     Sk = k4.shape[2]
     ql = np.full(B, Sq) if q_lens is None else np.asarray(q_lens)
     kp, vp, tables, lens = pool_from_sequences(
-        rng, [k4[b].transpose(1, 0, 2) for b in range(B)], [v4[b].transpose(1, 0, 2) for b in range(B)],
-        block_size)
-    qp = np.concatenate([q[b, :, :ql[b]].transpose(1, 0, 2) for b in range(B)])
+        rng,
+        [k4[b].transpose(1, 0, 2) for b in range(B)],
+        [v4[b].transpose(1, 0, 2) for b in range(B)],
+        block_size,
+    )
+    qp = np.concatenate([q[b, :, : ql[b]].transpose(1, 0, 2) for b in range(B)])
     assert np.all(lens == Sk)
     return qp, kp, vp, tables, lens, ql
 
@@ -81,8 +92,9 @@ def test_huge_logits_saturate_to_one_key(isa, dtype, scale):
     np.testing.assert_allclose(lse[0, 0], want, rtol=4e-7)
     # the same through the paged kernel
     qp, kp, vp, tables, lens, ql = paged(r_(2), q, k, v, block_size=3)
-    po, plse = attnx.paged_attention(qp, kp, vp, tables, lens, q_lens=ql, causal=False,
-                                     scale=scale, return_lse=True)
+    po, plse = attnx.paged_attention(
+        qp, kp, vp, tables, lens, q_lens=ql, causal=False, scale=scale, return_lse=True
+    )
     np.testing.assert_array_equal(po[:, 0], v[0, 0, pick])
     np.testing.assert_allclose(plse[:, 0], want, rtol=4e-7)
 
@@ -124,20 +136,31 @@ def test_softcap_with_huge_logits(isa, softcap):
     v = r.standard_normal((1, 2, 11, 8)).astype(np.float32)
     for scale in (1e10, 1e30):
         o, lse = attnx.attention(q, k, v, scale=scale, softcap=softcap, return_lse=True)
-        ro, rl = ref.attention(q, k, v, scale=scale, softcap=softcap, return_lse=True,
-                               out_dtype=np.float64)
+        ro, rl = ref.attention(
+            q, k, v, scale=scale, softcap=softcap, return_lse=True, out_dtype=np.float64
+        )
         assert np.isfinite(o).all() and np.isfinite(lse).all()
         np.testing.assert_allclose(o, ro, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(lse, rl, rtol=1e-5, atol=1e-5)
-        po, pl = attnx.paged_attention(*paged(r, q, k, v)[:5], q_lens=np.array([7]), causal=False,
-                                       scale=scale, softcap=softcap, return_lse=True)
+        po, pl = attnx.paged_attention(
+            *paged(r, q, k, v)[:5],
+            q_lens=np.array([7]),
+            causal=False,
+            scale=scale,
+            softcap=softcap,
+            return_lse=True,
+        )
         np.testing.assert_allclose(po, ro[0].transpose(1, 0, 2), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kernel limitation: a logit beyond float32's range (q = k = 1e20: q.k = 4e40, finite in the "
-    "float64 reference) overflows the float32 score to inf and the row comes back NaN (and lse "
-    "NaN) instead of a finite softmax; the maths is finite"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "kernel limitation: a logit beyond float32's range (q = k = 1e20: q.k = 4e40, finite in the "
+        "float64 reference) overflows the float32 score to inf and the row comes back NaN (and lse "
+        "NaN) instead of a finite softmax; the maths is finite"
+    ),
+)
 def test_logits_beyond_float32_range(isa):
     q = np.full((1, 1, 1, 4), 1e20, np.float32)
     k = np.full((1, 1, 3, 4), 1e20, np.float32)
@@ -154,8 +177,9 @@ def test_logits_beyond_float32_range(isa):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mask_dtype", [F32, F16, BF16, np.dtype(np.float64)],
-                         ids=["f32", "f16", "bf16", "f64"])
+@pytest.mark.parametrize(
+    "mask_dtype", [F32, F16, BF16, np.dtype(np.float64)], ids=["f32", "f16", "bf16", "f64"]
+)
 def test_nonfinite_additive_mask_entries(isa, mask_dtype):
     r = r_(5)
     q = r.standard_normal((2, 2, 6, 8)).astype(np.float32)
@@ -163,11 +187,11 @@ def test_nonfinite_additive_mask_entries(isa, mask_dtype):
     v = r.standard_normal((2, 2, 9, 8)).astype(np.float32)
     m = r.standard_normal((2, 2, 6, 9))
     m[r.random(m.shape) < 0.3] = -np.inf
-    m[0, 0, 1, 3] = np.nan     # this row only: NaN
-    m[1, 1, 4, 0] = np.inf     # +inf: that row's max is inf, exp(inf - inf) = NaN (as the reference)
-    m[0, 1, 2, :] = -np.inf    # a fully masked row: 0 and lse -inf
+    m[0, 0, 1, 3] = np.nan  # this row only: NaN
+    m[1, 1, 4, 0] = np.inf  # +inf: that row's max is inf, exp(inf - inf) = NaN (as the reference)
+    m[0, 1, 2, :] = -np.inf  # a fully masked row: 0 and lse -inf
     m[1, 0, 5, :] = -np.inf
-    m[1, 0, 5, 2] = np.nan     # NaN in a row that sees nothing else: NaN
+    m[1, 0, 5, 2] = np.nan  # NaN in a row that sees nothing else: NaN
     m = m.astype(mask_dtype)
     for causal in (False, True):
         o, lse = check_dense(q, k, v, layout="bhsd", mask=m, causal=causal)
@@ -194,15 +218,25 @@ def test_nonfinite_inputs_reach_only_rows_that_see_them(isa, dtype, where, bad):
     from some rows. The NaN/inf pattern of the output must be the reference's."""
     r = r_(6, "qkv".index(where))
     B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 7, 12, 8
-    arrs = {"q": r.standard_normal((B, Hq, Sq, D)), "k": r.standard_normal((B, Hkv, Sk, D)),
-            "v": r.standard_normal((B, Hkv, Sk, D))}
+    arrs = {
+        "q": r.standard_normal((B, Hq, Sq, D)),
+        "k": r.standard_normal((B, Hkv, Sk, D)),
+        "v": r.standard_normal((B, Hkv, Sk, D)),
+    }
     a = arrs[where]
     idx = (1, 1, 3 if where == "q" else 8, 2)
     a[idx] = bad
     q, k, v = (arrs[n].astype(dtype) for n in ("q", "k", "v"))
     mask = r.random((B, 1, Sq, Sk)) < 0.85
-    for kw in (dict(), dict(causal=True), dict(window=(2, 1)), dict(kv_lens=np.array([12, 8])),
-               dict(q_lens=np.array([7, 3])), dict(mask=mask), dict(causal=True, sinks=np.zeros(Hq))):
+    for kw in (
+        dict(),
+        dict(causal=True),
+        dict(window=(2, 1)),
+        dict(kv_lens=np.array([12, 8])),
+        dict(q_lens=np.array([7, 3])),
+        dict(mask=mask),
+        dict(causal=True, sinks=np.zeros(Hq)),
+    ):
         o, lse = check_dense(q, k, v, layout="bhsd", **kw)
         o = o.astype(np.float64)
         if where != "q":  # the other batch never sees it
@@ -247,7 +281,9 @@ def test_all_visible_scores_minus_inf(isa):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf], ids=["finite", "nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "bad", [None, np.nan, np.inf, -np.inf], ids=["finite", "nan", "inf", "-inf"]
+)
 def test_running_max_raised_inside_fused_tiles(isa, bad, dtype):
     """Prefill rows (more than the dot path's 8) past their first tile update the online softmax
     inside the QK^T register blocks: keys that grow along the sequence raise each row's max
@@ -258,7 +294,9 @@ def test_running_max_raised_inside_fused_tiles(isa, bad, dtype):
     rng = r_(11)
     B, H, Sq, Sk, D = 1, 2, 24, 200, 16
     q = np.abs(rng.standard_normal((B, H, Sq, D))).astype(np.float32)
-    k = (np.abs(rng.standard_normal((B, H, Sk, D))) * (1 + np.arange(Sk) / 40)[:, None]).astype(np.float32)
+    k = (np.abs(rng.standard_normal((B, H, Sk, D))) * (1 + np.arange(Sk) / 40)[:, None]).astype(
+        np.float32
+    )
     v = rng.standard_normal((B, H, Sk, D)).astype(np.float32)
     if bad is not None:
         k[0, 1, 150, 3] = bad  # a fused tile (keys 128..191) of head 1
@@ -299,7 +337,9 @@ def test_float16_near_max(isa):
     # equal scores, every value at the maximum: the mean is the maximum, not inf
     vm = np.full((1, 1, 300, 8), top, np.float16)
     vm[..., 1::2] = -top
-    o = attnx.attention(np.zeros((1, 1, 3, 8), np.float16), np.zeros((1, 1, 300, 8), np.float16), vm)
+    o = attnx.attention(
+        np.zeros((1, 1, 3, 8), np.float16), np.zeros((1, 1, 300, 8), np.float16), vm
+    )
     np.testing.assert_array_equal(o[0, 0], np.broadcast_to(vm[0, 0, 0], (3, 8)))
     qp, kp, vp, tables, lens, ql = paged(r, q, k, v, block_size=3)
     po, _ = check_paged(qp, kp, vp, tables, lens, ql)
@@ -307,10 +347,10 @@ def test_float16_near_max(isa):
 
 
 NEAR_MAX_SHAPES = [  # (Hq, Hkv, Sq, Sk, causal): what each reaches in the driver
-    (1, 1, 2, 70, False),     # a few rows, one item
-    (4, 2, 1, 5000, False),   # decode with split KV: the parts merged, then the merged O overflows
-    (8, 2, 1, 300, False),    # grouped decode items (flash_group)
-    (2, 1, 200, 300, True),   # causal prefill: fused tiles, lazy max
+    (1, 1, 2, 70, False),  # a few rows, one item
+    (4, 2, 1, 5000, False),  # decode with split KV: the parts merged, then the merged O overflows
+    (8, 2, 1, 300, False),  # grouped decode items (flash_group)
+    (2, 1, 200, 300, True),  # causal prefill: fused tiles, lazy max
 ]
 
 
@@ -328,7 +368,7 @@ def test_values_near_float32_max(isa, dtype, shape):
     v[..., 1::2] = -top
     v *= r.uniform(0.5, 1.0, v.shape)
     v = v.astype(dtype)
-    small = (v.astype(np.float64) * 2.0 ** -100).astype(dtype)
+    small = (v.astype(np.float64) * 2.0**-100).astype(dtype)
     q = (r.standard_normal((1, Hq, Sq, 8)) * 0.3).astype(dtype)
     k = (r.standard_normal((1, Hkv, Sk, 8)) * 0.3).astype(dtype)
     want, want_lse = ref.attention(q, k, v, causal=causal, return_lse=True, out_dtype=np.float64)
@@ -336,15 +376,19 @@ def test_values_near_float32_max(isa, dtype, shape):
     floor = float(ml_dtypes.finfo(dtype).eps) * top  # one ulp of the storage dtype at the top
 
     def errors(o, lse, factor=1.0):
-        return (float(np.abs(o.astype(np.float64) * factor - want).max()),
-                float(np.abs(lse - want_lse).max()))
+        return (
+            float(np.abs(o.astype(np.float64) * factor - want).max()),
+            float(np.abs(lse - want_lse).max()),
+        )
 
     for threads in (1, 2):
         o, lse = attnx.attention(q, k, v, causal=causal, return_lse=True, num_threads=threads)
         assert np.isfinite(o.astype(np.float64)).all(), (threads, o[0, 0, 0])
         err, err_lse = errors(o, lse)
-        base, base_lse = errors(*attnx.attention(q, k, small, causal=causal, return_lse=True,
-                                                 num_threads=threads), 2.0 ** 100)
+        base, base_lse = errors(
+            *attnx.attention(q, k, small, causal=causal, return_lse=True, num_threads=threads),
+            2.0**100,
+        )
         assert err <= 2 * base + floor, (threads, err, base)
         assert err_lse <= 2 * base_lse + 4 * F32_EPS, (threads, err_lse, base_lse)
     qp, kp, vp, tables, lens, ql = paged(r, q, k, v, block_size=16)
@@ -398,8 +442,9 @@ def test_subnormal_inputs(isa, dtype):
     # subnormal queries and keys: the scores underflow towards 0 and the softmax is near uniform
     q_sub = (q.astype(np.float64) * tiny / 8).astype(dtype)
     k_sub = (k.astype(np.float64) * tiny / 8).astype(dtype)
-    check_dense(q_sub, k_sub, r.standard_normal((1, 2, 8, 16)).astype(dtype), layout="bhsd",
-                scale=1.0)
+    check_dense(
+        q_sub, k_sub, r.standard_normal((1, 2, 8, 16)).astype(dtype), layout="bhsd", scale=1.0
+    )
     check_paged(*paged(r, q, k, v_sub))
     # the process's floating-point mode is untouched (no FTZ/DAZ left behind)
     assert np.float32(1e-40) * np.float32(1.0) != 0
@@ -430,8 +475,9 @@ def test_length_zero_and_one(isa, dtype):
         assert o.shape == qq.shape
     # lengths 0 and 1 through kv_lens / q_lens
     k = r.standard_normal((2, 1, 5, 8)).astype(dtype)
-    check_dense(q, k, k, layout="bhsd", kv_lens=np.array([0, 1]), q_lens=np.array([1, 0]),
-                causal=True)
+    check_dense(
+        q, k, k, layout="bhsd", kv_lens=np.array([0, 1]), q_lens=np.array([1, 0]), causal=True
+    )
     # paged: sequences of length 0 and 1, decode and empty queries
     ks = [np.zeros((0, 1, 8), dtype), k1[0].transpose(1, 0, 2), k[1].transpose(1, 0, 2)]
     vs = [np.zeros((0, 1, 8), dtype), v1[0].transpose(1, 0, 2), k[1].transpose(1, 0, 2)]
@@ -473,8 +519,11 @@ def test_fully_masked_rows_are_zero(isa, dtype):
         o, lse = check_dense(q, k, v, layout="bhsd", sinks=sinks, **kw)
         assert np.all(o.astype(np.float64)[:, :, empty] == 0)
         # a row that sees nothing still has the sink in its denominator; a padding row has nothing
-        want = np.full(lse[:, :, empty].shape, -np.inf) if padding else \
-            np.broadcast_to(sinks[None, :, None], lse[:, :, empty].shape)
+        want = (
+            np.full(lse[:, :, empty].shape, -np.inf)
+            if padding
+            else np.broadcast_to(sinks[None, :, None], lse[:, :, empty].shape)
+        )
         np.testing.assert_allclose(lse[:, :, empty], want)
     # bottom-right causal with more queries than keys: the first Sq - Sk rows see nothing
     qq = r.standard_normal((1, 2, 5, D)).astype(dtype)

@@ -80,22 +80,30 @@ def in_threads(fn, n=4, times=3):
 
 
 def run(body, share=True, share_torch=True):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="2", ATTNX_SHARE_BLAS="1" if share else "0",
-               ATTNX_SHARE_TORCH="1" if share_torch else "0")
+    env = dict(
+        os.environ,
+        OPENBLAS_NUM_THREADS="2",
+        ATTNX_SHARE_BLAS="1" if share else "0",
+        ATTNX_SHARE_TORCH="1" if share_torch else "0",
+    )
     return run_isolated(PRELUDE + body, env=env, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def own_threads():
     """Digests and pool use with OpenBLAS on its own threads (ATTNX_SHARE_BLAS=0)."""
-    res = run("print(json.dumps([attnx.share_blas_threads(False), matmuls(), _core._pool_threads()]))",
-              share=False)
+    res = run(
+        "print(json.dumps([attnx.share_blas_threads(False), matmuls(), _core._pool_threads()]))",
+        share=False,
+    )
     return {"shared": res[0], "matmuls": res[1], "workers": res[2]}
 
 
 @pytest.fixture(scope="module")
 def shared():
-    res = run("n = attnx.share_blas_threads(); print(json.dumps([n, matmuls(), _core._pool_threads()]))")
+    res = run(
+        "n = attnx.share_blas_threads(); print(json.dumps([n, matmuls(), _core._pool_threads()]))"
+    )
     if res[0] == 0:
         pytest.skip("NumPy's BLAS takes no threading callback (OpenBLAS < 0.3.28, or not OpenBLAS)")
     return {"shared": res[0], "matmuls": res[1], "workers": res[2]}
@@ -108,22 +116,28 @@ def test_matmuls_run_on_attnx_workers_bit_for_bit(own_threads, shared):
 
 
 def test_giving_the_threads_back(shared, own_threads):
-    res = run("a = attnx.share_blas_threads(False); m = matmuls(); b = attnx.share_blas_threads(True); "
-              "print(json.dumps([a, m, _core._pool_threads(), b]))")
+    res = run(
+        "a = attnx.share_blas_threads(False); m = matmuls(); b = attnx.share_blas_threads(True); "
+        "print(json.dumps([a, m, _core._pool_threads(), b]))"
+    )
     assert res[0] == 0 and res[3] == shared["shared"]
     assert res[1] == own_threads["matmuls"]
     assert res[2] == 0, "after share_blas_threads(False) OpenBLAS used its own threads"
 
 
 def test_a_forked_child_runs_matmuls_and_attention(shared, own_threads):
-    parent, child = run("print(json.dumps(in_child(lambda: [matmuls(), attend(), _core._pool_threads()])))")
+    parent, child = run(
+        "print(json.dumps(in_child(lambda: [matmuls(), attend(), _core._pool_threads()])))"
+    )
     assert parent[0] == own_threads["matmuls"]
     assert child[:2] == parent[:2], "the child's matmul and attention match the parent's"
     assert child[2] == 1, "the child's matmul ran on its own fresh worker"
 
 
 def test_concurrent_python_threads(shared, own_threads):
-    want, (got, errors) = run("print(json.dumps([[matmuls(), attend()], in_threads(lambda: [matmuls(), attend()])]))")
+    want, (got, errors) = run(
+        "print(json.dumps([[matmuls(), attend()], in_threads(lambda: [matmuls(), attend()])]))"
+    )
     assert not errors
     assert len(got) == 12 and all(g == want for g in got)
     assert want[0] == own_threads["matmuls"]
@@ -144,8 +158,14 @@ attend_t()  # the first tensor: attnx.torch_ops is imported, which turns the sha
 @pytest.fixture(scope="module")
 def torch_team():
     pytest.importorskip("torch")
-    on = run(TORCH + "print(json.dumps([attnx.share_torch_threads(), attend_t(), attend(), _core._pool_threads()]))")
-    off = run(TORCH + "print(json.dumps([attend_t(), attend(), _core._pool_threads()]))", share_torch=False)
+    on = run(
+        TORCH
+        + "print(json.dumps([attnx.share_torch_threads(), attend_t(), attend(), _core._pool_threads()]))"
+    )
+    off = run(
+        TORCH + "print(json.dumps([attend_t(), attend(), _core._pool_threads()]))",
+        share_torch=False,
+    )
     return on, off
 
 
@@ -164,12 +184,18 @@ def test_import_attnx_alone_shares_nothing_with_torch():
 
 
 def test_a_forked_child_of_a_torch_sharing_process(torch_team):
-    parent, child = run(TORCH + "print(json.dumps(in_child(lambda: [attend(), attend_t(), _core._pool_threads()])))")
+    parent, child = run(
+        TORCH + "print(json.dumps(in_child(lambda: [attend(), attend_t(), _core._pool_threads()])))"
+    )
     assert child[0] == child[1] == parent[0] == parent[1]
     assert parent[2] == 0, "the parent ran on torch's team"
-    assert child[2] == 1, "the child ran its 2-thread calls on a fresh attnx pool, not the dead team"
+    assert child[2] == 1, (
+        "the child ran its 2-thread calls on a fresh attnx pool, not the dead team"
+    )
 
 
 def test_concurrent_python_threads_on_torchs_team(torch_team):
-    want, (got, errors) = run(TORCH + "print(json.dumps([attend(), in_threads(lambda: [attend(), attend_t()])]))")
+    want, (got, errors) = run(
+        TORCH + "print(json.dumps([attend(), in_threads(lambda: [attend(), attend_t()])]))"
+    )
     assert not errors and len(got) == 12 and all(g == [want, want] for g in got)

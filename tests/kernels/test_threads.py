@@ -52,8 +52,9 @@ def _calls():
     q = np.ones((1, 2, 300, 64), np.float32)
     kp = np.ones((4, 1, 16, 64), np.float32)
     bt = np.arange(4, dtype=np.int32).reshape(1, 4)
-    cache = attnx.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=4,
-                               block_size=4, dtype="float32")
+    cache = attnx.PagedKVCache(
+        num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4, dtype="float32"
+    )
 
     def attend(nt):
         st = cache.begin_step([cache.new_sequence()], [2])
@@ -62,9 +63,9 @@ def _calls():
 
     return {
         "attention": lambda nt: attnx.attention(q, q, q, num_threads=nt),
-        "paged_attention": lambda nt: attnx.paged_attention(q[0, :, :1].transpose(1, 0, 2), kp, kp,
-                                                            bt, np.array([64]),
-                                                            num_threads=nt),
+        "paged_attention": lambda nt: attnx.paged_attention(
+            q[0, :, :1].transpose(1, 0, 2), kp, kp, bt, np.array([64]), num_threads=nt
+        ),
         "Step.attend": attend,
     }
 
@@ -113,8 +114,18 @@ def test_set_num_threads_caps_with_a_warning():
         attnx.set_num_threads(0)
 
 
-@pytest.mark.parametrize("env, expected", [("3", 3), ("3,2", 3), (" 5 ", None), ("abc", None),
-                                           ("0", None), ("-2", None), ("100000", "cap")])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ("3", 3),
+        ("3,2", 3),
+        (" 5 ", None),
+        ("abc", None),
+        ("0", None),
+        ("-2", None),
+        ("100000", "cap"),
+    ],
+)
 def test_default_follows_omp_num_threads_at_call_time(monkeypatch, env, expected):
     cpus = min(len(os.sched_getaffinity(0)), _core._max_threads())
     monkeypatch.setenv("OMP_NUM_THREADS", env)
@@ -133,11 +144,14 @@ def test_default_follows_omp_num_threads_at_call_time(monkeypatch, env, expected
 
 
 def test_default_follows_the_affinity_mask():
-    code = ("import os, attnx; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "print(attnx.get_num_threads())")
+    code = (
+        "import os, attnx; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "print(attnx.get_num_threads())"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "1"
 
@@ -189,8 +203,9 @@ print(h.hexdigest())
     digests = set()
     for spin in ("0", "100", ""):
         env = dict(os.environ, ATTNX_SPIN_US=spin)
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                           timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        )
         assert r.returncode == 0, r.stderr
         digests.add(r.stdout.strip())
     assert len(digests) == 1
@@ -206,12 +221,15 @@ def clean_env(monkeypatch):
     attnx.set_num_threads(0)
 
 
-@pytest.mark.parametrize("env, expected", [("3", 3), (" 2 ", 2), ("+3", 3), ("", None), ("   ", None),
-                                           ("100000", "cap")])
+@pytest.mark.parametrize(
+    "env, expected", [("3", 3), (" 2 ", 2), ("+3", 3), ("", None), ("   ", None), ("100000", "cap")]
+)
 def test_attnx_num_threads_sets_the_default(clean_env, env, expected):
     cpus = min(len(os.sched_getaffinity(0)), _core._max_threads())
     clean_env.setenv("ATTNX_NUM_THREADS", env)
-    assert attnx.get_num_threads() == {None: cpus, "cap": _core._max_threads()}.get(expected, expected)
+    assert attnx.get_num_threads() == {None: cpus, "cap": _core._max_threads()}.get(
+        expected, expected
+    )
 
 
 def test_attnx_num_threads_precedence(clean_env):
@@ -223,7 +241,7 @@ def test_attnx_num_threads_precedence(clean_env):
     assert attnx.get_num_threads() == 1, "set_num_threads comes before ATTNX_NUM_THREADS"
     attnx.set_num_threads(0)
     clean_env.setenv("ATTNX_NUM_THREADS", "bad")
-    for entry, call in _calls().items():  # num_threads= comes first: the variable is not read
+    for call in _calls().values():  # num_threads= comes first: the variable is not read
         call(2)
 
 
@@ -233,14 +251,18 @@ BAD = ["abc", "0", "-1", "2.5", "3,2", "1e3", "4 threads", "0x4"]
 @pytest.mark.parametrize("env", BAD)
 def test_bad_attnx_num_threads_is_a_value_error_at_the_call(clean_env, env):
     clean_env.setenv("ATTNX_NUM_THREADS", env)
-    with pytest.raises(ValueError, match=f"^ATTNX_NUM_THREADS: expected a positive integer.*{env!r}"):
+    with pytest.raises(
+        ValueError, match=f"^ATTNX_NUM_THREADS: expected a positive integer.*{env!r}"
+    ):
         attnx.get_num_threads()
-    for entry, call in _calls().items():
+    for call in _calls().values():
         with pytest.raises(ValueError, match="^ATTNX_NUM_THREADS"):
             call(None)
     q = np.ones((1, 4, 1, 8), np.float32)  # (B, T, H, K)
     with pytest.raises(ValueError, match="^ATTNX_NUM_THREADS"):
-        attnx.gated_delta_rule(q, q, q, np.zeros((1, 4, 1), np.float32), np.ones((1, 4, 1), np.float32))
+        attnx.gated_delta_rule(
+            q, q, q, np.zeros((1, 4, 1), np.float32), np.ones((1, 4, 1), np.float32)
+        )
     clean_env.setenv("OMP_NUM_THREADS", "2")  # OpenMP's variable does not excuse attnx's
     with pytest.raises(ValueError, match="^ATTNX_NUM_THREADS"):
         attnx.get_num_threads()
@@ -267,15 +289,22 @@ def test_a_refused_call_writes_nothing(clean_env):
 
 def test_attnx_num_threads_changes_no_other_librarys_threads(tmp_path):
     """torch reads OMP_NUM_THREADS, not ATTNX_NUM_THREADS; NumPy's BLAS likewise."""
-    code = ("import attnx, numpy, sys; n = attnx.get_num_threads(); import torch; "
-            "print(n, torch.get_num_threads())")
+    code = (
+        "import attnx, numpy, sys; n = attnx.get_num_threads(); import torch; "
+        "print(n, torch.get_num_threads())"
+    )
     pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if k not in ("ATTNX_NUM_THREADS", "OMP_NUM_THREADS")}
     env["OMP_NUM_THREADS"] = "2"
     runs = []
     for extra in ({}, {"ATTNX_NUM_THREADS": "1"}):
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**env, **extra}, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**env, **extra},
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         runs.append(r.stdout.split())
     assert runs == [["2", "2"], ["1", "2"]]

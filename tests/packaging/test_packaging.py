@@ -32,8 +32,10 @@ def test_version_is_the_installed_metadata():
 
 def test_version_is_read_lazily():
     # importlib.metadata is only imported when someone asks for the version
-    code = ("import sys, attnx; assert 'importlib.metadata' not in sys.modules, 'eager'; "
-            "v = attnx.__version__; assert 'importlib.metadata' in sys.modules; print(v)")
+    code = (
+        "import sys, attnx; assert 'importlib.metadata' not in sys.modules, 'eager'; "
+        "v = attnx.__version__; assert 'importlib.metadata' in sys.modules; print(v)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == attnx.__version__
@@ -56,7 +58,9 @@ def _stub_functions():
     for node in ast.parse(STUB.read_text()).body:
         if isinstance(node, ast.FunctionDef):
             a = node.args
-            found.setdefault(node.name, []).append([p.arg for p in a.posonlyargs + a.args + a.kwonlyargs])
+            found.setdefault(node.name, []).append(
+                [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+            )
     for name, signatures in found.items():
         assert all(s == signatures[0] for s in signatures), f"{name}: overloads disagree"
     return {name: signatures[0] for name, signatures in found.items()}
@@ -65,7 +69,7 @@ def _stub_functions():
 def _binding_parameters(fn):
     """Parameter names from a pybind11 function's docstring signature ``name(a: T, b: U = x) -> R``."""
     first = fn.__doc__.splitlines()[0]
-    inside = first[first.index("(") + 1:first.rindex(")")]  # (the entry points give no "-> R")
+    inside = first[first.index("(") + 1 : first.rindex(")")]  # (the entry points give no "-> R")
     depth, names, current = 0, [], ""
     for ch in inside + ",":
         if ch in "[(":
@@ -82,8 +86,11 @@ def _binding_parameters(fn):
 
 def test_stub_lists_every_binding_with_its_keyword_names():
     stub = _stub_functions()
-    compiled = {name for name, obj in vars(_core).items()
-                if callable(obj) and not name.startswith("__") and not inspect.isclass(obj)}
+    compiled = {
+        name
+        for name, obj in vars(_core).items()
+        if callable(obj) and not name.startswith("__") and not inspect.isclass(obj)
+    }
     assert set(stub) == compiled, "attnx/_core.pyi and cpp/bind/ list different functions"
     for name in sorted(compiled):
         assert stub[name] == _binding_parameters(getattr(_core, name)), name
@@ -91,11 +98,20 @@ def test_stub_lists_every_binding_with_its_keyword_names():
 
 def test_stub_lists_the_module_attributes():
     tree = ast.parse(STUB.read_text())
-    variables = {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)
-                 and isinstance(n.target, ast.Name) and not n.target.id.startswith("_")}
+    variables = {
+        n.target.id
+        for n in tree.body
+        if isinstance(n, ast.AnnAssign)
+        and isinstance(n.target, ast.Name)
+        and not n.target.id.startswith("_")
+    }
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     assert variables == set()
-    compiled = {name for name, obj in vars(_core).items() if inspect.isclass(obj) and not name.startswith("_")}
+    compiled = {
+        name
+        for name, obj in vars(_core).items()
+        if inspect.isclass(obj) and not name.startswith("_")
+    }
     assert classes == compiled == {"InvalidArgument", "StepPlan"}
     assert issubclass(_core.InvalidArgument, ValueError)
 

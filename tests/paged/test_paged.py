@@ -17,10 +17,11 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import BF16, make_rng, scramble_tables
 
 import attnx
 from attnx import reference
+
+from helpers import BF16, make_rng, scramble_tables
 
 KV_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
 JUNK = 1 << 20  # a block id far outside every pool here: table columns past a sequence's end
@@ -34,8 +35,20 @@ JUNK = 1 << 20  # a block id far outside every pool here: table columns past a s
 class Pool:
     """A K/V pool with scrambled block tables; every slot no sequence owns is NaN."""
 
-    def __init__(self, rng, seq_lens, *, block_size, hkv, dk, dv, dtype="float32", spare=3,
-                 extra_cols=2, num_blocks=None):
+    def __init__(
+        self,
+        rng,
+        seq_lens,
+        *,
+        block_size,
+        hkv,
+        dk,
+        dv,
+        dtype="float32",
+        spare=3,
+        extra_cols=2,
+        num_blocks=None,
+    ):
         dt = KV_DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
         self.seq_lens = np.asarray(seq_lens, dtype=np.int64)
         self.block_size = block_size
@@ -48,8 +61,9 @@ class Pool:
         v = rng.standard_normal((nb, hkv, block_size, dv))
         self.k_pages = k.astype(dt)
         self.v_pages = v.astype(dt)
-        self.block_tables, owned = scramble_tables(rng, self.seq_lens, block_size, nb,
-                                                   int(need.max(initial=0)) + extra_cols, JUNK)
+        self.block_tables, owned = scramble_tables(
+            rng, self.seq_lens, block_size, nb, int(need.max(initial=0)) + extra_cols, JUNK
+        )
         # poison everything the kernel must not read
         self.k_pages.transpose(0, 2, 1, 3)[~owned] = np.nan
         self.v_pages.transpose(0, 2, 1, 3)[~owned] = np.nan
@@ -57,7 +71,7 @@ class Pool:
     def gather(self, b):
         """Sequence b's keys and values as contiguous float32 ``(L, Hkv, D)`` arrays."""
         n = int(self.seq_lens[b])
-        ids = self.block_tables[b, :-(-n // self.block_size)]
+        ids = self.block_tables[b, : -(-n // self.block_size)]
 
         def g(pages):
             x = pages[ids].astype(np.float32).transpose(0, 2, 1, 3)
@@ -95,8 +109,9 @@ def run_both(q, pool, q_lens=None, **kw):
     """Kernel and reference on the same arguments; checks lse too when asked."""
     args = (q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens)
     got = attnx.paged_attention(*args, q_lens=q_lens, **kw)
-    want = reference.paged_attention(*args, q_lens=q_lens, **{k: v for k, v in kw.items()
-                                                                if k not in ("out", "num_threads")})
+    want = reference.paged_attention(
+        *args, q_lens=q_lens, **{k: v for k, v in kw.items() if k not in ("out", "num_threads")}
+    )
     return got, want
 
 
@@ -158,13 +173,16 @@ def test_long_sequence_split_kv(isa):
     assert_close(o, ro, atol=3e-5, rtol=3e-5)
 
 
-@pytest.mark.parametrize("hq,hkv,dk,dv", [
-    (8, 2, 32, 32),     # GQA
-    (4, 1, 32, 32),     # MQA
-    (4, 4, 32, 32),     # MHA
-    (4, 2, 48, 16),     # Dk != Dv
-    (16, 1, 576, 512),  # MLA-like (absorbed): one latent kv head, Dk=576, Dv=512
-])
+@pytest.mark.parametrize(
+    "hq,hkv,dk,dv",
+    [
+        (8, 2, 32, 32),  # GQA
+        (4, 1, 32, 32),  # MQA
+        (4, 4, 32, 32),  # MHA
+        (4, 2, 48, 16),  # Dk != Dv
+        (16, 1, 576, 512),  # MLA-like (absorbed): one latent kv head, Dk=576, Dv=512
+    ],
+)
 def test_head_layouts(isa, hq, hkv, dk, dv):
     rng = make_rng(4, hq, hkv, dk, dv)
     seq_lens, q_lens = ([3, 5, 1], [3, 2, 1]) if dk > 100 else ([20, 33, 7, 16], [1, 5, 7, 16])
@@ -208,8 +226,13 @@ def test_variants(isa, variant):
     elif kw == "alibi":
         kw = dict(alibi_slopes=(2.0 ** -np.arange(1, hq + 1)).astype(np.float32))
     elif kw == "all":
-        kw = dict(window=(9, None), softcap=4.0, sinks=rng.standard_normal(hq).astype(np.float32),
-                  alibi_slopes=(2.0 ** -np.arange(1, hq + 1)).astype(np.float32), scale=0.2)
+        kw = dict(
+            window=(9, None),
+            softcap=4.0,
+            sinks=rng.standard_normal(hq).astype(np.float32),
+            alibi_slopes=(2.0 ** -np.arange(1, hq + 1)).astype(np.float32),
+            scale=0.2,
+        )
     seq_lens, q_lens = [0, 1, 23, 40, 64, 300], [0, 1, 23, 6, 1, 2]
     pool = Pool(rng, seq_lens, block_size=16, hkv=2, dk=32, dv=24, dtype="float16")
     q = packed_q(rng, q_lens, hq, 32)
@@ -223,8 +246,11 @@ def test_variants(isa, variant):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hkv,group", [(3, 4), (17, 1), (20, 2), (33, 1)],
-                         ids=["hkv3-g4", "hkv17-g1", "hkv20-g2", "hkv33-g1"])
+@pytest.mark.parametrize(
+    "hkv,group",
+    [(3, 4), (17, 1), (20, 2), (33, 1)],
+    ids=["hkv3-g4", "hkv17-g1", "hkv20-g2", "hkv33-g1"],
+)
 @pytest.mark.parametrize("variant", ["plain", "all"])
 def test_decode_groups(isa, hkv, group, variant):
     """Decode calls (<= 8 rows per kv head) run each sequence's kv heads as one interleaved group
@@ -234,14 +260,20 @@ def test_decode_groups(isa, hkv, group, variant):
     hq = hkv * group
     kw = {}
     if variant == "all":
-        kw = dict(window=(70, None), softcap=3.0, sinks=rng.standard_normal(hq).astype(np.float32),
-                  alibi_slopes=(2.0 ** -np.linspace(1, 8, hq)).astype(np.float32), scale=0.2)
+        kw = dict(
+            window=(70, None),
+            softcap=3.0,
+            sinks=rng.standard_normal(hq).astype(np.float32),
+            alibi_slopes=(2.0 ** -np.linspace(1, 8, hq)).astype(np.float32),
+            scale=0.2,
+        )
     seq_lens, q_lens = [1, 700, 0, 65, 130], [1, 2, 0, 1, 2]
     pool = Pool(rng, seq_lens, block_size=16, hkv=hkv, dk=32, dv=48, dtype="float16")
     q = packed_q(rng, q_lens, hq, 32)
     for threads in (1, 2, 3, 4):
-        (o, lse), (ro, rlse) = run_both(q, pool, q_lens=np.array(q_lens), return_lse=True,
-                                        num_threads=threads, **kw)
+        (o, lse), (ro, rlse) = run_both(
+            q, pool, q_lens=np.array(q_lens), return_lse=True, num_threads=threads, **kw
+        )
         assert_close(o, ro)
         assert_close(lse, rlse)
 
@@ -283,8 +315,9 @@ def test_batch_equals_alone_and_contiguous(isa, kv_dtype):
     hq, hkv, dk, dv = 6, 3, 24, 16
     pool = Pool(rng, seq_lens, block_size=16, hkv=hkv, dk=dk, dv=dv, dtype=kv_dtype)
     q = packed_q(rng, q_lens, hq, dk)
-    batched, lse = attnx.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables, seq_lens,
-                                         q_lens=q_lens, return_lse=True)
+    batched, lse = attnx.paged_attention(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, seq_lens, q_lens=q_lens, return_lse=True
+    )
     starts = np.concatenate([[0], np.cumsum(q_lens)])
 
     # 1. each request alone, with its own one-row table (and its own single-sequence work split)
@@ -293,8 +326,14 @@ def test_batch_equals_alone_and_contiguous(isa, kv_dtype):
             continue  # a call with no queries: covered by test_no_query_tokens
         sl = slice(starts[b], starts[b + 1])
         alone, alone_lse = attnx.paged_attention(
-            q[sl], pool.k_pages, pool.v_pages, pool.block_tables[b:b + 1], seq_lens[b:b + 1],
-            q_lens=q_lens[b:b + 1], return_lse=True)
+            q[sl],
+            pool.k_pages,
+            pool.v_pages,
+            pool.block_tables[b : b + 1],
+            seq_lens[b : b + 1],
+            q_lens=q_lens[b : b + 1],
+            return_lse=True,
+        )
         assert_close(batched[sl], alone, atol=1e-6, rtol=1e-6)
         assert_close(lse[sl], alone_lse, atol=1e-6, rtol=1e-6)
 
@@ -306,15 +345,15 @@ def test_batch_equals_alone_and_contiguous(isa, kv_dtype):
     v4 = np.zeros((B, hkv, sk, dv), np.float32)
     for b in range(B):
         kb, vb = pool.gather(b)
-        k4[b, :, :len(kb)] = kb.transpose(1, 0, 2)
-        v4[b, :, :len(vb)] = vb.transpose(1, 0, 2)
-        q4[b, :, :q_lens[b]] = q[starts[b]:starts[b + 1]].transpose(1, 0, 2)
+        k4[b, :, : len(kb)] = kb.transpose(1, 0, 2)
+        v4[b, :, : len(vb)] = vb.transpose(1, 0, 2)
+        q4[b, :, : q_lens[b]] = q[starts[b] : starts[b + 1]].transpose(1, 0, 2)
     dense = attnx.attention(q4, k4, v4, causal=True, kv_lens=seq_lens, q_lens=q_lens)
     dense_ref = reference.attention(q4, k4, v4, causal=True, kv_lens=seq_lens, q_lens=q_lens)
     for b in range(B):
-        rows = batched[starts[b]:starts[b + 1]].transpose(1, 0, 2)  # (Hq, q_len, Dv)
-        assert_close(rows, dense[b, :, :q_lens[b]])
-        assert_close(rows, dense_ref[b, :, :q_lens[b]])
+        rows = batched[starts[b] : starts[b + 1]].transpose(1, 0, 2)  # (Hq, q_len, Dv)
+        assert_close(rows, dense[b, :, : q_lens[b]])
+        assert_close(rows, dense_ref[b, :, : q_lens[b]])
 
 
 def test_out_argument(isa):
@@ -322,23 +361,27 @@ def test_out_argument(isa):
     pool = Pool(rng, [5, 40, 17], block_size=16, hkv=2, dk=16, dv=16)
     q = packed_q(rng, [1, 3, 2], 4, 16)
     ql = np.array([1, 3, 2])
-    want = reference.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens,
-                                     q_lens=ql)
+    want = reference.paged_attention(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens, q_lens=ql
+    )
     out = np.full((6, 4, 16), np.nan, np.float32)
-    res = attnx.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens,
-                                q_lens=ql, out=out)
+    res = attnx.paged_attention(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens, q_lens=ql, out=out
+    )
     assert res is out
     assert_close(out, want)
     # a strided (non-contiguous outer axes) out view
     big = np.full((6, 8, 16), np.nan, np.float32)
-    res = attnx.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens,
-                                q_lens=ql, out=big[:, ::2])
+    res = attnx.paged_attention(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens, q_lens=ql, out=big[:, ::2]
+    )
     assert_close(big[:, ::2], want)
     assert np.isnan(big[:, 1::2]).all()
     # out may be q itself (Dv == Dk): every query is read before its row is written
     qq = q.copy()
-    attnx.paged_attention(qq, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens,
-                          q_lens=ql, out=qq)
+    attnx.paged_attention(
+        qq, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens, q_lens=ql, out=qq
+    )
     assert_close(qq, want)
 
 
@@ -353,7 +396,9 @@ def test_strided_inputs(isa):
     q = rng.standard_normal((3, 8, 16)).astype(np.float32)[:, ::2]  # Hq=4 with a stride of 2
     kp, vp = kbig[..., 3:19], vbig[..., 5:13]
     got = attnx.paged_attention(q, kp, vp, pool.block_tables[:, :3].T.copy().T, pool.seq_lens)
-    want = reference.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens)
+    want = reference.paged_attention(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens
+    )
     assert_close(got, want)
 
 
@@ -362,9 +407,16 @@ def test_table_and_length_dtypes(table_dtype):
     rng = make_rng(10)
     pool = Pool(rng, [5, 20], block_size=8, hkv=1, dk=8, dv=8, extra_cols=0)
     q = packed_q(rng, [1, 1], 2, 8)
-    got = attnx.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables.astype(table_dtype),
-                                pool.seq_lens.astype(table_dtype))
-    want = reference.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens)
+    got = attnx.paged_attention(
+        q,
+        pool.k_pages,
+        pool.v_pages,
+        pool.block_tables.astype(table_dtype),
+        pool.seq_lens.astype(table_dtype),
+    )
+    want = reference.paged_attention(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens
+    )
     assert_close(got, want)
 
 
@@ -380,7 +432,9 @@ def test_strided_tables_and_lengths(table_dtype):
     lens[::2] = pool.seq_lens
     q = packed_q(rng, [1, 1, 1], 2, 8)
     got = attnx.paged_attention(q, pool.k_pages, pool.v_pages, wide[:, ::2], lens[::2])
-    want = reference.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens)
+    want = reference.paged_attention(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens
+    )
     assert_close(got, want)
     bad = wide[:, ::2].copy()
     bad[2, 1] = pool.num_blocks  # out of range, in use: refused, whatever the dtype
@@ -404,8 +458,9 @@ def test_no_query_tokens():
     rng = make_rng(12)
     pool = Pool(rng, [9, 3], block_size=4, hkv=1, dk=8, dv=8)
     q = np.zeros((0, 2, 8), np.float32)
-    o = attnx.paged_attention(q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens,
-                              q_lens=np.array([0, 0]))
+    o = attnx.paged_attention(
+        q, pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens, q_lens=np.array([0, 0])
+    )
     assert o.shape == (0, 2, 8) and o.dtype == np.float32
 
 
@@ -418,14 +473,21 @@ def _base():
     rng = make_rng(13)
     pool = Pool(rng, [5, 12, 1], block_size=4, hkv=2, dk=8, dv=6, extra_cols=0, spare=2)
     q = packed_q(rng, [2, 3, 1], 4, 8)
-    return dict(q=q, k_pages=pool.k_pages, v_pages=pool.v_pages,
-                block_tables=pool.block_tables.astype(np.int64), seq_lens=pool.seq_lens,
-                q_lens=np.array([2, 3, 1]), out=np.full((6, 4, 6), 7.0, np.float32))
+    return dict(
+        q=q,
+        k_pages=pool.k_pages,
+        v_pages=pool.v_pages,
+        block_tables=pool.block_tables.astype(np.int64),
+        seq_lens=pool.seq_lens,
+        q_lens=np.array([2, 3, 1]),
+        out=np.full((6, 4, 6), 7.0, np.float32),
+    )
 
 
 def _set(name, value):
     def f(a):
         a[name] = value(a) if callable(value) else value
+
     return f
 
 
@@ -434,6 +496,7 @@ def _table(row, col, value):
         bt = a["block_tables"].copy()
         bt[row, col] = value
         a["block_tables"] = bt
+
     return f
 
 
@@ -442,12 +505,22 @@ BAD = {
     "table_negative": (_table(1, 1, -1), ValueError, "block_tables"),
     "table_too_large": (_table(0, 0, 8), ValueError, "block_tables"),  # pool has 8 blocks
     "table_huge": (_table(2, 0, 10**12), ValueError, "block_tables"),
-    "table_float": (_set("block_tables", lambda a: a["block_tables"].astype(np.float32)), TypeError,
-                    "block_tables"),
-    "table_1d": (_set("block_tables", lambda a: a["block_tables"][:, 0]), ValueError, "block_tables"),
+    "table_float": (
+        _set("block_tables", lambda a: a["block_tables"].astype(np.float32)),
+        TypeError,
+        "block_tables",
+    ),
+    "table_1d": (
+        _set("block_tables", lambda a: a["block_tables"][:, 0]),
+        ValueError,
+        "block_tables",
+    ),
     "table_rows": (_set("block_tables", lambda a: a["block_tables"][:2]), ValueError, "seq_lens"),
-    "table_too_few_cols": (_set("block_tables", lambda a: a["block_tables"][:, :2]), ValueError,
-                           "block_tables"),
+    "table_too_few_cols": (
+        _set("block_tables", lambda a: a["block_tables"][:, :2]),
+        ValueError,
+        "block_tables",
+    ),
     "seq_needs_more_blocks": (_set("seq_lens", np.array([5, 13, 1])), ValueError, "seq_lens"),
     # lengths
     "seq_lens_negative": (_set("seq_lens", np.array([5, -12, 1])), ValueError, "seq_lens"),
@@ -466,11 +539,23 @@ BAD = {
     "q_dk": (_set("q", lambda a: a["q"][..., :7].copy()), ValueError, "q"),
     "q_heads_not_multiple": (_set("q", lambda a: a["q"][:, :3].copy()), ValueError, "kv heads"),
     "k_pages_rank": (_set("k_pages", lambda a: a["k_pages"][0]), ValueError, "k_pages"),
-    "k_pages_dtype": (_set("k_pages", lambda a: a["k_pages"].astype(np.float64)), TypeError, "k_pages"),
-    "v_pages_dtype": (_set("v_pages", lambda a: a["v_pages"].astype(np.float16)), TypeError, "v_pages"),
+    "k_pages_dtype": (
+        _set("k_pages", lambda a: a["k_pages"].astype(np.float64)),
+        TypeError,
+        "k_pages",
+    ),
+    "v_pages_dtype": (
+        _set("v_pages", lambda a: a["v_pages"].astype(np.float16)),
+        TypeError,
+        "v_pages",
+    ),
     "v_pages_blocks": (_set("v_pages", lambda a: a["v_pages"][:7]), ValueError, "v_pages"),
     "v_pages_heads": (_set("v_pages", lambda a: a["v_pages"][:, :1]), ValueError, "v_pages"),
-    "v_pages_block_size": (_set("v_pages", lambda a: a["v_pages"][:, :, :3]), ValueError, "v_pages"),
+    "v_pages_block_size": (
+        _set("v_pages", lambda a: a["v_pages"][:, :, :3]),
+        ValueError,
+        "v_pages",
+    ),
     "k_pages_str": (_set("k_pages", lambda a: "pages"), (TypeError, ValueError), "k_pages"),
     # options
     "scale_zero": (_set("scale", 0.0), ValueError, "scale"),
@@ -487,9 +572,16 @@ BAD = {
     "out_dtype": (_set("out", lambda a: a["out"].astype(np.float16)), TypeError, "out"),
     "out_shape": (_set("out", lambda a: np.zeros((6, 4, 8), np.float32)), ValueError, "out"),
     "out_list": (_set("out", lambda a: a["out"].tolist()), TypeError, "out"),
-    "out_readonly": (_set("out", lambda a: np.broadcast_to(a["out"][:1], (6, 4, 6))), ValueError, "out"),
-    "out_strided_last": (_set("out", lambda a: np.zeros((6, 4, 12), np.float32)[..., ::2]), ValueError,
-                         "out"),
+    "out_readonly": (
+        _set("out", lambda a: np.broadcast_to(a["out"][:1], (6, 4, 6))),
+        ValueError,
+        "out",
+    ),
+    "out_strided_last": (
+        _set("out", lambda a: np.zeros((6, 4, 12), np.float32)[..., ::2]),
+        ValueError,
+        "out",
+    ),
 }
 
 
@@ -528,7 +620,9 @@ def test_junk_past_a_sequence_is_not_read():
     a = _base()
     bt = np.concatenate([a["block_tables"], np.array([[-7], [JUNK], [2**31 - 1]])], axis=1)
     bt[2, 1:] = -1  # seq 2 has 1 token: one block
-    o = attnx.paged_attention(a["q"], a["k_pages"], a["v_pages"], bt, a["seq_lens"], q_lens=a["q_lens"])
+    o = attnx.paged_attention(
+        a["q"], a["k_pages"], a["v_pages"], bt, a["seq_lens"], q_lens=a["q_lens"]
+    )
     assert np.isfinite(o).all()
 
 
@@ -538,7 +632,9 @@ def test_block_table_entry_wrapping_to_int32(entry):
     bt = a["block_tables"].copy()
     bt[1, 0] = entry
     with pytest.raises(ValueError, match="block_tables"):
-        attnx.paged_attention(a["q"], a["k_pages"], a["v_pages"], bt, a["seq_lens"], q_lens=a["q_lens"])
+        attnx.paged_attention(
+            a["q"], a["k_pages"], a["v_pages"], bt, a["seq_lens"], q_lens=a["q_lens"]
+        )
 
 
 def test_zero_kv_heads_is_an_error_not_a_crash():

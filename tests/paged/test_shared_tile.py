@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import make_rng
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,15 +17,22 @@ import attnx
 import attnx.ops.cascade
 from attnx import reference
 
+from helpers import make_rng
+
 # Keys stored as float16 are exact in float32, so the kernel matches the reference to float32
 # rounding, as the shared-prefix tests ask.
 TOL = dict(rtol=2e-5, atol=2e-5)
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**16), dk=st.sampled_from([8, 40, 64, 136]),
-       sq=st.integers(9, 40), sk=st.integers(1, 203), causal=st.booleans(),
-       heads=st.sampled_from([(1, 1), (4, 2)]))
+@given(
+    seed=st.integers(0, 2**16),
+    dk=st.sampled_from([8, 40, 64, 136]),
+    sq=st.integers(9, 40),
+    sk=st.integers(1, 203),
+    causal=st.booleans(),
+    heads=st.sampled_from([(1, 1), (4, 2)]),
+)
 def test_many_query_fp16_tile_matches_the_reference(seed, dk, sq, sk, causal, heads):
     rng = make_rng(seed)
     hq, hkv = heads
@@ -42,9 +48,14 @@ def test_many_query_fp16_tile_matches_the_reference(seed, dk, sq, sk, causal, he
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**16), dk=st.sampled_from([40, 128, 136]), forks=st.integers(9, 20),
-       blocks=st.integers(1, 9), block_size=st.sampled_from([4, 16]),
-       tails=st.lists(st.integers(1, 20), min_size=20, max_size=20))
+@given(
+    seed=st.integers(0, 2**16),
+    dk=st.sampled_from([40, 128, 136]),
+    forks=st.integers(9, 20),
+    blocks=st.integers(1, 9),
+    block_size=st.sampled_from([4, 16]),
+    tails=st.lists(st.integers(1, 20), min_size=20, max_size=20),
+)
 def test_forks_over_fp16_pages_match_the_unshared_step(seed, dk, forks, blocks, block_size, tails):
     """Many forks of one prompt (more stacked queries than the dot path takes) with tails of
     different lengths, on scrambled fp16 pages: the shared step equals the plain one and the
@@ -60,7 +71,7 @@ def test_forks_over_fp16_pages_match_the_unshared_step(seed, dk, forks, blocks, 
     nxt = blocks
     for b in range(forks):
         tables[b, :blocks] = perm[:blocks]
-        tables[b, blocks:blocks + own[b]] = perm[nxt:nxt + own[b]]
+        tables[b, blocks : blocks + own[b]] = perm[nxt : nxt + own[b]]
         nxt += own[b]
     kp = rng.standard_normal((nb, 2, block_size, dk)).astype(np.float16)
     vp = rng.standard_normal((nb, 2, block_size, 32)).astype(np.float16)
@@ -91,9 +102,13 @@ def _prior(rng, n, hq, dv, dead, poison):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**16), lens=st.lists(st.integers(0, 700), min_size=1, max_size=4),
-       dtype=st.sampled_from(["float32", "float16"]), threads=st.sampled_from([1, 2]),
-       heads=st.sampled_from([(2, 2), (4, 1)]))
+@given(
+    seed=st.integers(0, 2**16),
+    lens=st.lists(st.integers(0, 700), min_size=1, max_size=4),
+    dtype=st.sampled_from(["float32", "float16"]),
+    threads=st.sampled_from([1, 2]),
+    heads=st.sampled_from([(2, 2), (4, 1)]),
+)
 def test_prior_parts_merge_in_the_call_as_merge_attention_does(seed, lens, dtype, threads, heads):
     """The tails' call with each row's shared part (prior_out, prior_lse) equals the call without
     it merged with that part by attnx.merge_attention: rows that see no key, parts that saw none
@@ -114,7 +129,9 @@ def test_prior_parts_merge_in_the_call_as_merge_attention_does(seed, lens, dtype
     poison = rng.random((n, hq)) < 0.1
     po, pl = _prior(rng, n, hq, dv, dead, poison)
     kw = dict(q_lens=q_lens, return_lse=True, num_threads=threads)
-    got, lse = attnx._core.paged_attention(q, kp, vp, tables, lens, prior_out=po, prior_lse=pl, **kw)
+    got, lse = attnx._core.paged_attention(
+        q, kp, vp, tables, lens, prior_out=po, prior_lse=pl, **kw
+    )
     o, ol = attnx._core.paged_attention(q, kp, vp, tables, lens, **kw)
     want, want_lse = attnx.merge_attention([o.astype(np.float32), po], [ol, pl])
     tol = TOL if dtype == "float32" else dict(rtol=2e-3, atol=2e-3)

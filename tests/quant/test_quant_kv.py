@@ -6,15 +6,16 @@ fork, copy-on-write, truncate and the sliding window."""
 
 from __future__ import annotations
 
-
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import make_rng, scramble_tables
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
+
+from helpers import make_rng, scramble_tables
 
 QDTYPES = list(ref.QUANTISED_DTYPES)
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32: the kernel computes on the dequantised values
@@ -30,13 +31,16 @@ class QPool:
         self.block_size = block_size
         need = -(-self.seq_lens // block_size)
         nb = int(need.sum()) + spare
-        k = rng.standard_normal((nb, hkv, block_size, dk)) * rng.uniform(0.1, 10, (nb, hkv, block_size, 1))
+        k = rng.standard_normal((nb, hkv, block_size, dk)) * rng.uniform(
+            0.1, 10, (nb, hkv, block_size, 1)
+        )
         v = rng.standard_normal((nb, hkv, block_size, dv))
         self.k_float, self.v_float = k.astype(np.float32), v.astype(np.float32)
         self.k_pages, self.k_scales = ref.quantize_kv(self.k_float, dtype)
         self.v_pages, self.v_scales = ref.quantize_kv(self.v_float, dtype)
-        self.block_tables, owned = scramble_tables(rng, self.seq_lens, block_size, nb,
-                                                   int(need.max(initial=0)) + 2, NEVER)
+        self.block_tables, owned = scramble_tables(
+            rng, self.seq_lens, block_size, nb, int(need.max(initial=0)) + 2, NEVER
+        )
         for s in (self.k_scales, self.v_scales):
             s.transpose(0, 2, 1)[~owned] = np.nan
 
@@ -51,8 +55,9 @@ def check_against_reference(q, pool, int8_query=False, **kw):
     """The kernel against the reference over the dequantised pages (with ``int8_query``: its
     twin that quantises the query too)."""
     got = attnx.paged_attention(q, *pool.args(), return_lse=True, **pool.scales(), **kw)
-    want = ref.paged_attention(q, *pool.args(), return_lse=True, **pool.scales(),
-                               int8_query=int8_query, **kw)
+    want = ref.paged_attention(
+        q, *pool.args(), return_lse=True, **pool.scales(), int8_query=int8_query, **kw
+    )
     for g, w in zip(got, want):
         assert np.isfinite(g).all() == np.isfinite(w).all()
         np.testing.assert_allclose(g, w, **TOL)
@@ -78,7 +83,10 @@ def test_decode_matches_reference_over_dequantised_pages(isa, dtype, dk, dv, hq,
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_chunked_prefill_and_mixed_batches(isa, dtype, block_size):
     rng = make_rng(2, block_size, len(dtype))
-    lens, q_lens = np.array([70, 33, 129]), np.array([70, 1, 20])  # > kDotRows rows: the packed path
+    lens, q_lens = (
+        np.array([70, 33, 129]),
+        np.array([70, 1, 20]),
+    )  # > kDotRows rows: the packed path
     pool = QPool(rng, lens, dtype=dtype, block_size=block_size, hkv=2, dk=64, dv=64)
     q = rng.standard_normal((int(q_lens.sum()), 8, 64)).astype(np.float32)
     check_against_reference(q, pool, q_lens=q_lens)
@@ -93,7 +101,9 @@ def test_low_precision_queries(isa, q_dtype):
     got = attnx.paged_attention(q, *pool.args(), **pool.scales())
     want = ref.paged_attention(q, *pool.args(), **pool.scales())
     assert got.dtype == q.dtype
-    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2
+    )
 
 
 def test_non_finite_rows_reach_only_the_queries_that_see_them(isa):
@@ -105,8 +115,17 @@ def test_non_finite_rows_reach_only_the_queries_that_see_them(isa):
     assert np.isnan(k_scales[1, 0, 1])
     bt = np.arange(10, dtype=np.int32)[None]
     q = rng.standard_normal((40, 2, 16)).astype(np.float32)
-    o = attnx.paged_attention(q, k_pages, v_pages, bt, np.array([40]), q_lens=np.array([40]), window=(3, None),
-                              k_scales=k_scales, v_scales=v_scales)
+    o = attnx.paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        bt,
+        np.array([40]),
+        q_lens=np.array([40]),
+        window=(3, None),
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )
     sees = (np.arange(40) >= 5) & (np.arange(40) <= 8)
     assert np.isnan(o[sees]).all() and np.isfinite(o[~sees]).all()
 
@@ -157,8 +176,9 @@ def check_against_twin(q, pool, **kw):
     return check_against_reference(q, pool, int8_query=True, **kw)
 
 
-@pytest.mark.parametrize("dk, dv, hq, hkv", [(64, 64, 8, 2), (40, 24, 4, 4), (128, 128, 32, 8),
-                                             (192, 64, 6, 1)])
+@pytest.mark.parametrize(
+    "dk, dv, hq, hkv", [(64, 64, 8, 2), (40, 24, 4, 4), (128, 128, 32, 8), (192, 64, 6, 1)]
+)
 def test_int8_query_decode_matches_its_twin(isa, int8_query, dk, dv, hq, hkv):
     """Decode (few rows: VNNI's integer dot products where the path has them, Dk a multiple of
     64) and every other path, against the reference that quantises the query the same way."""
@@ -187,6 +207,7 @@ def test_int8_query_vnni_gives_the_fma_scores(int8_query):
     avx512bf16 and amx paths) give the scores of avx512's FMAs over the same codes, and the
     same outputs, bit for bit."""
     from helpers import ISAS
+
     if "avx512" not in ISAS or not {"avx512bf16", "amx"} & set(ISAS):
         pytest.skip("CPU lacks AVX-512 with VNNI")
     rng = make_rng(13)
@@ -217,11 +238,23 @@ def test_int8_query_error_against_float32_kv(int8_query):
     doubles int8's error on random normal data (D = 128, GQA 4, 2048 keys)."""
     q, k, v, bt, lens, exact, rms = yardstick_problem()
     (kq, ks), (vq, vs) = ref.quantize_kv(k, "int8"), ref.quantize_kv(v, "int8")
-    err_q8 = float(np.abs(attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs)
-                          - exact).max()) / rms
+    err_q8 = (
+        float(
+            np.abs(
+                attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs) - exact
+            ).max()
+        )
+        / rms
+    )
     attnx.set_int8_query(False)
-    err_f = float(np.abs(attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs)
-                         - exact).max()) / rms
+    err_f = (
+        float(
+            np.abs(
+                attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs) - exact
+            ).max()
+        )
+        / rms
+    )
     print(f"max |int8 - float32| / rms: float query {err_f:.4f}, int8 query {err_q8:.4f}")
     assert err_f < err_q8 < 0.1
 
@@ -230,13 +263,15 @@ def test_int8_query_switch_from_the_environment():
     import os
     import subprocess
     import sys
+
     code = "import attnx; print(attnx._core.int8_query())"
     for value, want in (("1", "True"), ("0", "False"), (None, "False")):
         env = {k: v for k, v in os.environ.items() if k != "ATTNX_INT8_QUERY"}
         if value is not None:
             env["ATTNX_INT8_QUERY"] = value
-        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, timeout=60)
+        res = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
         assert res.stdout.strip() == want, res.stderr
 
 
@@ -253,7 +288,11 @@ def test_binding_refuses_bad_scales():
     ks, vs = pool.k_scales, pool.v_scales
     bad = [
         (dict(v_scales=vs), TypeError, "k_scales: pages of dtype int8 need"),
-        (dict(k_scales=ks.astype(np.float64), v_scales=vs), TypeError, "k_scales: expected float32"),
+        (
+            dict(k_scales=ks.astype(np.float64), v_scales=vs),
+            TypeError,
+            "k_scales: expected float32",
+        ),
         (dict(k_scales=ks.astype(">f4"), v_scales=vs), TypeError, "native byte order"),
         (dict(k_scales=ks, v_scales=vs[:, :1]), ValueError, "v_scales: expected shape"),
         (dict(k_scales=ks.tolist(), v_scales=vs), TypeError, "k_scales: expected float32"),
@@ -265,11 +304,23 @@ def test_binding_refuses_bad_scales():
     with pytest.raises(TypeError, match="only quantised pages"):
         attnx.paged_attention(*f32, k_scales=ks, v_scales=vs)
     with pytest.raises(TypeError, match="k_pages: expected dtype float32, float16, bfloat16, int8"):
-        attnx.paged_attention(q, pool.k_pages.view(np.uint8), pool.v_pages.view(np.uint8),
-                              *pool.args()[2:], k_scales=ks, v_scales=vs)
+        attnx.paged_attention(
+            q,
+            pool.k_pages.view(np.uint8),
+            pool.v_pages.view(np.uint8),
+            *pool.args()[2:],
+            k_scales=ks,
+            v_scales=vs,
+        )
     with pytest.raises(TypeError, match="v_pages: expected the dtype of k_pages"):
-        attnx.paged_attention(q, pool.k_pages, pool.v_pages.view(ml_dtypes.float8_e5m2),
-                              *pool.args()[2:], k_scales=ks, v_scales=vs)
+        attnx.paged_attention(
+            q,
+            pool.k_pages,
+            pool.v_pages.view(ml_dtypes.float8_e5m2),
+            *pool.args()[2:],
+            k_scales=ks,
+            v_scales=vs,
+        )
 
 
 def test_step_refuses_read_only_scales_and_writes_nothing():
@@ -280,9 +331,19 @@ def test_step_refuses_read_only_scales_and_writes_nothing():
     ks.flags.writeable = False
     x = np.ones((2, 1, 8), np.float32)
     with pytest.raises(ValueError, match="k_scales: array is not writable"):
-        attnx.ops.paged.paged_step(x, x, x, cache.k_pages(0), cache.v_pages(0), step.block_tables,
-                              step.seq_lens, step.q_lens, step.slots, k_scales=ks,
-                              v_scales=cache.v_scales(0))
+        attnx.ops.paged.paged_step(
+            x,
+            x,
+            x,
+            cache.k_pages(0),
+            cache.v_pages(0),
+            step.block_tables,
+            step.seq_lens,
+            step.q_lens,
+            step.slots,
+            k_scales=ks,
+            v_scales=cache.v_scales(0),
+        )
     assert (cache.k_pages(0) == 0).all() and (cache.v_scales(0) == 0).all()
 
 
@@ -301,9 +362,13 @@ class QShadow:
 
     def new(self):
         s = self.cache.new_sequence()
-        self.rows[s] = [(np.zeros((0, self.cache.num_kv_heads, self.cache.head_dim), np.float32),
-                         np.zeros((0, self.cache.num_kv_heads, self.cache.value_dim), np.float32))
-                        for _ in range(self.cache.num_layers)]
+        self.rows[s] = [
+            (
+                np.zeros((0, self.cache.num_kv_heads, self.cache.head_dim), np.float32),
+                np.zeros((0, self.cache.num_kv_heads, self.cache.value_dim), np.float32),
+            )
+            for _ in range(self.cache.num_layers)
+        ]
         return s
 
     def fork(self, s):
@@ -329,9 +394,12 @@ class QShadow:
             at = 0
             for s, n in zip(seqs, counts):
                 K, V = self.rows[s][layer]
-                newv = k[at:at + n, :, :c.value_dim] if c.value_from_key else v[at:at + n]
-                self.rows[s][layer] = (np.concatenate([K, k[at:at + n]]), np.concatenate([V, newv]))
-                self.check_output(s, layer, q[at:at + n], o[at:at + n], **kw)
+                newv = k[at : at + n, :, : c.value_dim] if c.value_from_key else v[at : at + n]
+                self.rows[s][layer] = (
+                    np.concatenate([K, k[at : at + n]]),
+                    np.concatenate([V, newv]),
+                )
+                self.check_output(s, layer, q[at : at + n], o[at : at + n], **kw)
                 at += n
         self.check_pages()
         return step
@@ -340,7 +408,11 @@ class QShadow:
         K, V = self.rows[s][layer]
         dt = self.cache.dtype
         kq = ref.dequantize_kv(*ref.quantize_kv(K, dt))
-        vq = kq[..., :self.cache.value_dim] if self.cache.value_from_key else ref.dequantize_kv(*ref.quantize_kv(V, dt))
+        vq = (
+            kq[..., : self.cache.value_dim]
+            if self.cache.value_from_key
+            else ref.dequantize_kv(*ref.quantize_kv(V, dt))
+        )
         return kq, vq
 
     def check_output(self, s, layer, q, o, **kw):
@@ -368,16 +440,21 @@ class QShadow:
                 np.testing.assert_array_equal(c.k_scales(layer)[blk[live], :, off[live]], ks[live])
                 if not c.value_from_key:
                     vq, vs = ref.quantize_kv(V, c.dtype)
-                    assert np.array_equal(c.v_pages(layer)[blk[live], :, off[live]].view(np.uint8),
-                                          vq[live].view(np.uint8))
-                    np.testing.assert_array_equal(c.v_scales(layer)[blk[live], :, off[live]], vs[live])
+                    assert np.array_equal(
+                        c.v_pages(layer)[blk[live], :, off[live]].view(np.uint8),
+                        vq[live].view(np.uint8),
+                    )
+                    np.testing.assert_array_equal(
+                        c.v_scales(layer)[blk[live], :, off[live]], vs[live]
+                    )
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
 def test_cache_prefill_decode_fork_copy_on_write_truncate(isa, dtype):
     rng = make_rng(7, len(dtype))
-    cache = attnx.PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64,
-                               block_size=8, dtype=dtype)
+    cache = attnx.PagedKVCache(
+        num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64, block_size=8, dtype=dtype
+    )
     assert cache.quantised and cache.k_pages(0).dtype == ref.quantised_dtype(dtype)
     sh = QShadow(cache, hq=8)
     a, b = sh.new(), sh.new()
@@ -402,8 +479,9 @@ def test_cache_sliding_window_and_latent_values(isa, dtype):
     for n in (9, 1, 1, 12, 1):
         sh.step(rng, [a], [n])
     assert (cache.block_table(a) == -1).any()
-    mla = attnx.PagedKVCache(1, 1, 24, num_blocks=16, block_size=4, dtype=dtype, value_dim=16,
-                             value_from_key=True)
+    mla = attnx.PagedKVCache(
+        1, 1, 24, num_blocks=16, block_size=4, dtype=dtype, value_dim=16, value_from_key=True
+    )
     assert np.shares_memory(mla.v_scales(0), mla.k_scales(0))
     sh = QShadow(mla, hq=4)
     m = sh.new()
@@ -434,7 +512,9 @@ def test_step_quantises_exactly_as_the_reference(src, dtype):
     a = cache.new_sequence()
     step = cache.begin_step([a], [8])
     lim = 3 if src is np.float16 else 30  # row magnitudes 10**-lim .. 10**lim
-    k = (rng.standard_normal((8, 3, 40)) * 10.0 ** rng.integers(-lim, lim, (8, 3, 1))).astype(np.float32)
+    k = (rng.standard_normal((8, 3, 40)) * 10.0 ** rng.integers(-lim, lim, (8, 3, 1))).astype(
+        np.float32
+    )
     k[0, 0], k[1, 1, 5], k[2, 2, 0] = 0.0, np.nan, -np.inf
     k[3, 0] = 1e-44 if src is np.float32 else 0.0
     k = k.astype(src)
@@ -452,22 +532,37 @@ def test_every_code_decodes_as_the_reference(isa, dtype):
     """One key, so the output is its value row exactly: a row holding all 256 codes (NaN and inf
     codes of fp8, -128 of int8 included) reads back as dequantize_kv says, on every ISA (vector
     body and scalar tail: D = 256 + 3)."""
-    codes = np.concatenate([np.arange(256), [1, 2, 255]]).astype(np.uint8).view(ref.quantised_dtype(dtype))
+    codes = (
+        np.concatenate([np.arange(256), [1, 2, 255]])
+        .astype(np.uint8)
+        .view(ref.quantised_dtype(dtype))
+    )
     v_pages = codes.reshape(1, 1, 1, -1)
     k_pages = np.zeros((1, 1, 1, 4), v_pages.dtype)
     for s in (1.0, 0.375, 3e-5):
         v_scales = np.full((1, 1, 1), s, np.float32)
         k_scales = np.zeros((1, 1, 1), np.float32)
-        o = attnx.paged_attention(np.ones((1, 1, 4), np.float32), k_pages, v_pages,
-                                  np.zeros((1, 1), np.int32), np.array([1]), k_scales=k_scales,
-                                  v_scales=v_scales)
+        o = attnx.paged_attention(
+            np.ones((1, 1, 4), np.float32),
+            k_pages,
+            v_pages,
+            np.zeros((1, 1), np.int32),
+            np.array([1]),
+            k_scales=k_scales,
+            v_scales=v_scales,
+        )
         want = ref.dequantize_kv(v_pages, v_scales)[0, 0]
         np.testing.assert_array_equal(o[0], want)
 
 
-@given(st.sampled_from(QDTYPES), st.sampled_from([1, 3, 16]), st.integers(1, 3),
-       st.sampled_from([(1, 1), (4, 2), (6, 3)]), st.sampled_from([8, 24, 64]),
-       st.integers(0, 2**31 - 1))
+@given(
+    st.sampled_from(QDTYPES),
+    st.sampled_from([1, 3, 16]),
+    st.integers(1, 3),
+    st.sampled_from([(1, 1), (4, 2), (6, 3)]),
+    st.sampled_from([8, 24, 64]),
+    st.integers(0, 2**31 - 1),
+)
 def test_property_any_pool_matches_reference(isa, dtype, block_size, batch, heads, d, seed):
     """Random pools (lengths, block sizes, GQA, widths with and without a vector tail, a decode
     row or a chunk per sequence): the active ISA attends over exactly the dequantised pages."""

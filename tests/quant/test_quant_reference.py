@@ -9,10 +9,12 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from attnx import reference as ref
+
 from helpers import make_rng
 
 QDTYPES = ["int8", "float8_e4m3fn", "float8_e5m2"]
@@ -31,19 +33,25 @@ def row_by_hand(x, name):
     codes = []
     for v in x:
         r = min(max(np.float32(v / s), -qmax), qmax)
-        codes.append(int(np.rint(r)) if name == "int8" else float(np.array(r, np.float32).astype(FP8[name])))
+        codes.append(
+            int(np.rint(r)) if name == "int8" else float(np.array(r, np.float32).astype(FP8[name]))
+        )
     return codes, s
 
 
 def test_int8_rounds_half_to_even_and_hits_127():
-    x_q, s = ref.quantize_kv(np.array([[127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5]], np.float32), "int8")
+    x_q, s = ref.quantize_kv(
+        np.array([[127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5]], np.float32), "int8"
+    )
     assert s.tolist() == [1.0]
     assert x_q.tolist() == [[127, 2, 4, -2, 0, 0, 2]]
 
 
 def test_int8_never_uses_minus_128_and_max_maps_to_127():
     rng = make_rng(0)
-    x = rng.standard_normal((2000, 64)).astype(np.float32) * rng.uniform(1e-3, 1e3, (2000, 1)).astype(np.float32)
+    x = rng.standard_normal((2000, 64)).astype(np.float32) * rng.uniform(
+        1e-3, 1e3, (2000, 1)
+    ).astype(np.float32)
     x_q, s = ref.quantize_kv(x, "int8")
     assert x_q.dtype == np.int8 and s.dtype == np.float32 and s.shape == (2000,)
     assert x_q.min() >= -127
@@ -95,9 +103,14 @@ def test_fp8_saturates_at_finfo_max_never_nan(name):
     assert (np.abs(codes[500:]).max(axis=1) == qmax).all()
 
 
-@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 40)),
-                  elements=st.floats(-2.0**100, 2.0**100, width=32)),
-       st.sampled_from(QDTYPES))
+@given(
+    hnp.arrays(
+        np.float32,
+        st.tuples(st.integers(1, 6), st.integers(1, 40)),
+        elements=st.floats(-(2.0**100), 2.0**100, width=32),
+    ),
+    st.sampled_from(QDTYPES),
+)
 def test_reads_back_within_half_a_step(x, name):
     x_q, s = ref.quantize_kv(x, name)
     back = ref.dequantize_kv(x_q, s).astype(np.float64)
@@ -106,8 +119,11 @@ def test_reads_back_within_half_a_step(x, name):
         bound = s[:, None].astype(np.float64) * 0.5 + m * 1e-6
     else:  # relative half-ulp of the format, or half its smallest subnormal step
         fi = ml_dtypes.finfo(FP8[name])
-        bound = np.maximum(np.abs(x) * float(fi.eps) / 2,
-                           s[:, None] * float(fi.smallest_subnormal) / 2) * (1 + 1e-5) + m * 1e-6
+        bound = (
+            np.maximum(np.abs(x) * float(fi.eps) / 2, s[:, None] * float(fi.smallest_subnormal) / 2)
+            * (1 + 1e-5)
+            + m * 1e-6
+        )
     tiny = m[:, 0] < 1e-30  # rows whose scale underflows read back zeros
     assert (np.abs(back - x)[~tiny] <= bound[~tiny]).all()
 

@@ -14,10 +14,11 @@ import types
 
 import numpy as np
 import pytest
-from helpers import BF16, SEED
-from helpers import make_rng as rng  # rng(*salt): this file's name for it
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
+
+from helpers import BF16, SEED
+from helpers import make_rng as rng  # rng(*salt): this file's name for it
 
 # the reference package under a parent of its own whose __init__ never runs (so the core is not loaded)
 _PKG = pathlib.Path(__file__).resolve().parents[2] / "python" / "attnx"
@@ -89,8 +90,21 @@ def _softmax(scores, sink):
     return top + math.log(total), {j: math.exp(s - top) / total for j, s in scores.items()}
 
 
-def naive(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None,
-          window=None, softcap=None, sinks=None, alibi=None):
+def naive(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    mask=None,
+    kv_lens=None,
+    q_lens=None,
+    scale=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi=None,
+):
     """Scalar attention on 4-D bhsd float64 arrays.
 
     ``mask`` is None or already broadcast to (B, Hq, Sq, Sk), bool or additive.
@@ -115,12 +129,18 @@ def naive(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=
                 mrow = None if M is None else M[b][h][i]
                 scores = {}
                 for j in range(Lk):
-                    if _sees(i + off, j, causal=causal, window=window, mask_row=mrow,
-                             is_bool=is_bool):
-                        scores[j] = _score(Q[b][h][i], K[b][g][j], scale=scale, softcap=softcap,
-                                           slope=None if alibi is None else alibi[h],
-                                           dist=abs(i + off - j),
-                                           additive=None if M is None or is_bool else mrow[j])
+                    if _sees(
+                        i + off, j, causal=causal, window=window, mask_row=mrow, is_bool=is_bool
+                    ):
+                        scores[j] = _score(
+                            Q[b][h][i],
+                            K[b][g][j],
+                            scale=scale,
+                            softcap=softcap,
+                            slope=None if alibi is None else alibi[h],
+                            dist=abs(i + off - j),
+                            additive=None if M is None or is_bool else mrow[j],
+                        )
                 row = _softmax(scores, None if sinks is None else float(sinks[h]))
                 if row is None:
                     continue
@@ -212,12 +232,47 @@ CASES = [
     ("sinks_fully_masked", 1, 2, 2, 4, 3, 4, 4, {"sinks": True, "causal": True}),
     ("alibi", 1, 2, 2, 3, 5, 4, 4, {"alibi": True, "causal": True}),
     ("scale", 1, 2, 2, 3, 4, 4, 4, {"scale": 0.3}),
-    ("everything", 2, 4, 2, 4, 6, 4, 3,
-     {"causal": True, "mask": ("add", (2, 1, 4, 6)), "kv_lens": [6, 4], "q_lens": [3, 4],
-      "window": (3, None), "softcap": 1.5, "sinks": True, "alibi": True}),
-    ("everything_bool", 1, 2, 1, 5, 5, 3, 2,
-     {"causal": True, "mask": ("bool", (5, 5)), "kv_lens": [4], "q_lens": [4],
-      "window": (2, 0), "softcap": 3.0, "sinks": True, "alibi": True, "scale": 0.8}),
+    (
+        "everything",
+        2,
+        4,
+        2,
+        4,
+        6,
+        4,
+        3,
+        {
+            "causal": True,
+            "mask": ("add", (2, 1, 4, 6)),
+            "kv_lens": [6, 4],
+            "q_lens": [3, 4],
+            "window": (3, None),
+            "softcap": 1.5,
+            "sinks": True,
+            "alibi": True,
+        },
+    ),
+    (
+        "everything_bool",
+        1,
+        2,
+        1,
+        5,
+        5,
+        3,
+        2,
+        {
+            "causal": True,
+            "mask": ("bool", (5, 5)),
+            "kv_lens": [4],
+            "q_lens": [4],
+            "window": (2, 0),
+            "softcap": 3.0,
+            "sinks": True,
+            "alibi": True,
+            "scale": 0.8,
+        },
+    ),
 ]
 
 
@@ -256,10 +311,19 @@ def naive_for(q, k, v, kw):
     mask = kw.get("mask")
     if mask is not None:
         mask = np.broadcast_to(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
-    nkw = {key: kw[key] for key in ("causal", "kv_lens", "q_lens", "scale", "window", "softcap",
-                                    "sinks") if key in kw}
-    return naive(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=mask,
-                 alibi=kw.get("alibi_slopes"), **nkw)
+    nkw = {
+        key: kw[key]
+        for key in ("causal", "kv_lens", "q_lens", "scale", "window", "softcap", "sinks")
+        if key in kw
+    }
+    return naive(
+        q.astype(np.float64),
+        k.astype(np.float64),
+        v.astype(np.float64),
+        mask=mask,
+        alibi=kw.get("alibi_slopes"),
+        **nkw,
+    )
 
 
 def user_kwargs(kw, rank, variant):
@@ -296,25 +360,37 @@ def test_matches_naive(case, rank, layout):
     q, k, v, kw = build(case)
     want_out, want_lse, want_w = naive_for(q, k, v, kw)
     ukw = user_kwargs(kw, rank, variant=(layout == "bshd"))
-    out, lse = ref.attention(to_user(q, layout, rank), to_user(k, layout, rank),
-                             to_user(v, layout, rank), layout=layout, return_lse=True, **ukw)
-    w = ref.attention_weights(to_user(q, layout, rank), to_user(k, layout, rank),
-                              layout=layout, **ukw)
+    out, lse = ref.attention(
+        to_user(q, layout, rank),
+        to_user(k, layout, rank),
+        to_user(v, layout, rank),
+        layout=layout,
+        return_lse=True,
+        **ukw,
+    )
+    w = ref.attention_weights(
+        to_user(q, layout, rank), to_user(k, layout, rank), layout=layout, **ukw
+    )
     assert out.dtype == np.float64 and lse.dtype == np.float64 and w.dtype == np.float64
     assert out.shape == to_user(want_out, layout, rank).shape
-    assert lse.shape == want_lse.shape[4 - rank:]
-    assert w.shape == want_w.shape[4 - rank:]
+    assert lse.shape == want_lse.shape[4 - rank :]
+    assert w.shape == want_w.shape[4 - rank :]
     np.testing.assert_allclose(from_user(out, layout, rank), want_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lead(lse, rank), want_lse, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lead(w, rank), want_w, rtol=1e-12, atol=1e-12)
     assert not np.isnan(out).any() and not np.isnan(lse).any() and not np.isnan(w).any()
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] in
-                                  ("plain", "gqa", "causal_sq_gt_sk", "lens_causal", "everything")],
-                         ids=lambda c: c[0])
-@pytest.mark.parametrize("dtype, tol", [(np.float16, 2e-3), (BF16, 1.6e-2), (np.float32, 1e-6)],
-                         ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if c[0] in ("plain", "gqa", "causal_sq_gt_sk", "lens_causal", "everything")],
+    ids=lambda c: c[0],
+)
+@pytest.mark.parametrize(
+    "dtype, tol",
+    [(np.float16, 2e-3), (BF16, 1.6e-2), (np.float32, 1e-6)],
+    ids=["f16", "bf16", "f32"],
+)
 def test_low_precision(case, dtype, tol):
     q, k, v, kw = build(case, dtype)
     want_out, want_lse, _ = naive_for(q, k, v, kw)  # naive on the exact upcast inputs
@@ -413,9 +489,13 @@ def test_nan_does_not_leak_from_absent_or_unseen_keys():
 # the seed's worked examples
 # ---------------------------------------------------------------------------
 
-X_BANK = np.array([[1, 0, 1, 0],    # river
-                   [0, 1, 0, 1],    # bank
-                   [1, 1, 0, 0.0]])  # flooded
+X_BANK = np.array(
+    [
+        [1, 0, 1, 0],  # river
+        [0, 1, 0, 1],  # bank
+        [1, 1, 0, 0.0],
+    ]
+)  # flooded
 
 
 def test_seed_two_head_river_bank_flooded():
@@ -472,8 +552,9 @@ def test_seed_aufgabe_context_vector():
     w = ref.attention_weights(q, k, scale=1.0)
     np.testing.assert_allclose(w[0], alphas, rtol=1e-14)
     out, lse = ref.attention(q, k, h, scale=1.0, return_lse=True)
-    np.testing.assert_allclose(out[0], .05 * h[0] + .10 * h[1] + .18 * h[2] + .67 * h[3],
-                               rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(
+        out[0], 0.05 * h[0] + 0.10 * h[1] + 0.18 * h[2] + 0.67 * h[3], rtol=1e-13, atol=1e-15
+    )
     np.testing.assert_allclose(lse, [0.0], atol=1e-15)  # the alphas already sum to 1
 
 
@@ -482,8 +563,20 @@ def test_seed_aufgabe_context_vector():
 # ---------------------------------------------------------------------------
 
 
-def make_paged(seq_lens, q_lens, *, Hq=4, Hkv=2, Dk=5, Dv=3, block_size=4, spare=3,
-               kv_dtype=np.float64, q_dtype=np.float64, salt=0):
+def make_paged(
+    seq_lens,
+    q_lens,
+    *,
+    Hq=4,
+    Hkv=2,
+    Dk=5,
+    Dv=3,
+    block_size=4,
+    spare=3,
+    kv_dtype=np.float64,
+    q_dtype=np.float64,
+    salt=0,
+):
     """Contiguous per-sequence kv scattered into NaN-filled pages by a random permutation."""
     r = rng(6, salt)
     n_blocks = [-(-L // block_size) for L in seq_lens]
@@ -514,7 +607,7 @@ def paged_expected(q, ks, vs, q_lens, **kw):
     for kb, vb, n in zip(ks, vs, q_lens):
         if n == 0:  # an idle sequence contributes no rows
             continue
-        qb = q[start:start + n].astype(np.float64).transpose(1, 0, 2)[None]  # (1, Hq, n, Dk)
+        qb = q[start : start + n].astype(np.float64).transpose(1, 0, 2)[None]  # (1, Hq, n, Dk)
         o, l, _ = naive(qb, kb[None], vb[None], **kw)
         outs.append(o[0].transpose(1, 0, 2))
         lses.append(l[0].T)
@@ -522,18 +615,23 @@ def paged_expected(q, ks, vs, q_lens, **kw):
     return np.concatenate(outs), np.concatenate(lses)
 
 
-@pytest.mark.parametrize("extra", [
-    {},
-    {"causal": False},
-    {"window": (3, 0), "softcap": 2.0},
-    {"sinks": [0.1, -0.5, 1.0, 0.0], "alibi_slopes": [0.5, 0.25, 0.125, 0.0625], "scale": 0.7},
-], ids=["causal", "noncausal", "window_softcap", "sinks_alibi_scale"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"causal": False},
+        {"window": (3, 0), "softcap": 2.0},
+        {"sinks": [0.1, -0.5, 1.0, 0.0], "alibi_slopes": [0.5, 0.25, 0.125, 0.0625], "scale": 0.7},
+    ],
+    ids=["causal", "noncausal", "window_softcap", "sinks_alibi_scale"],
+)
 def test_paged_matches_gathered(extra):
     seq_lens = [1, 7, 12, 9, 8, 5]
     q_lens = [1, 3, 1, 9, 0, 2]  # decode, prefill chunk, whole prompt, idle
     q, kp, vp, tables, ks, vs = make_paged(seq_lens, q_lens, salt=len(extra))
-    out, lse = ref.paged_attention(q, kp, vp, tables, np.array(seq_lens),
-                                   q_lens=np.array(q_lens), return_lse=True, **extra)
+    out, lse = ref.paged_attention(
+        q, kp, vp, tables, np.array(seq_lens), q_lens=np.array(q_lens), return_lse=True, **extra
+    )
     nkw = dict(extra)
     nkw.setdefault("causal", True)
     if "alibi_slopes" in nkw:
@@ -546,8 +644,9 @@ def test_paged_matches_gathered(extra):
 
 def test_paged_decode_default_and_mixed_dtypes():
     seq_lens = [5, 1, 8, 3]
-    q, kp, vp, tables, ks, vs = make_paged(seq_lens, [1] * 4, kv_dtype=np.float16,
-                                           q_dtype=np.float32, salt=9)
+    q, kp, vp, tables, ks, vs = make_paged(
+        seq_lens, [1] * 4, kv_dtype=np.float16, q_dtype=np.float32, salt=9
+    )
     out, lse = ref.paged_attention(q, kp, vp, tables, np.array(seq_lens), return_lse=True)
     assert out.dtype == np.float32 and lse.dtype == np.float32 and out.shape == (4, 4, 3)
     want_out, want_lse = paged_expected(q, ks, vs, [1] * 4, causal=True)
@@ -580,21 +679,24 @@ def test_paged_validation():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, exc, name", [
-    ({"layout": "sbhd"}, ValueError, "layout"),
-    ({"window": (-1, 0)}, ValueError, "window"),
-    ({"window": (1,)}, ValueError, "window"),
-    ({"softcap": 0.0}, ValueError, "softcap"),
-    ({"softcap": -1.0}, ValueError, "softcap"),
-    ({"sinks": np.zeros(3)}, ValueError, "sinks"),
-    ({"alibi_slopes": np.zeros(1)}, ValueError, "alibi_slopes"),
-    ({"mask": np.ones((2, 5), bool)}, ValueError, "mask"),
-    ({"mask": np.ones((3, 4), np.int64)}, TypeError, "mask"),
-    ({"kv_lens": [5, 1]}, ValueError, "kv_lens"),
-    ({"kv_lens": [1]}, ValueError, "kv_lens"),
-    ({"q_lens": [1.0, 2.0]}, TypeError, "q_lens"),
-    ({"out_dtype": np.int32}, TypeError, "out_dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, name",
+    [
+        ({"layout": "sbhd"}, ValueError, "layout"),
+        ({"window": (-1, 0)}, ValueError, "window"),
+        ({"window": (1,)}, ValueError, "window"),
+        ({"softcap": 0.0}, ValueError, "softcap"),
+        ({"softcap": -1.0}, ValueError, "softcap"),
+        ({"sinks": np.zeros(3)}, ValueError, "sinks"),
+        ({"alibi_slopes": np.zeros(1)}, ValueError, "alibi_slopes"),
+        ({"mask": np.ones((2, 5), bool)}, ValueError, "mask"),
+        ({"mask": np.ones((3, 4), np.int64)}, TypeError, "mask"),
+        ({"kv_lens": [5, 1]}, ValueError, "kv_lens"),
+        ({"kv_lens": [1]}, ValueError, "kv_lens"),
+        ({"q_lens": [1.0, 2.0]}, TypeError, "q_lens"),
+        ({"out_dtype": np.int32}, TypeError, "out_dtype"),
+    ],
+)
 def test_argument_errors_name_the_argument(kwargs, exc, name):
     r = rng(7)
     q = r.standard_normal((2, 2, 3, 4))
@@ -644,15 +746,20 @@ def problems(draw):
         shape = draw(st.sampled_from([(Sq, Sk), (B, 1, Sq, Sk), (1, Hq, 1, Sk), (Sk,)]))
         p = draw(st.floats(0.0, 1.0))
         blocked = r.random(shape) < p
-        kw["mask"] = ~blocked if mask_kind == "bool" else np.where(
-            blocked, -np.inf, r.standard_normal(shape))
+        kw["mask"] = (
+            ~blocked
+            if mask_kind == "bool"
+            else np.where(blocked, -np.inf, r.standard_normal(shape))
+        )
     if draw(st.booleans()):
         kw["kv_lens"] = r.integers(0, Sk + 1, B)
     if draw(st.booleans()):
         kw["q_lens"] = r.integers(0, Sq + 1, B)
     if draw(st.booleans()):
-        kw["window"] = (draw(st.one_of(st.none(), st.integers(0, 4))),
-                        draw(st.one_of(st.none(), st.integers(0, 4))))
+        kw["window"] = (
+            draw(st.one_of(st.none(), st.integers(0, 4))),
+            draw(st.one_of(st.none(), st.integers(0, 4))),
+        )
     if draw(st.booleans()):
         kw["softcap"] = draw(st.floats(0.1, 10.0))
     if draw(st.booleans()):

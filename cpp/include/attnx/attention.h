@@ -9,9 +9,9 @@
 
 namespace attnx {
 
-// Dense attention: q (B, Hq, Sq, Dk), k (B, Hkv, Sk, Dk), v (B, Hkv, Sk, Dv) -> out (B, Hq, Sq, Dv).
-// q, k, v and out share `dtype`. Semantics (bottom-right causal, padding, fully masked rows) are
-// those of attnx.reference.attention. T is the type everything is computed and accumulated in,
+// Dense attention: q (B, Hq, Sq, Dk), k (B, Hkv, Sk, Dk), v (B, Hkv, Sk, Dv) -> out (B, Hq, Sq,
+// Dv). q, k, v and out share `dtype`. Semantics (bottom-right causal, padding, fully masked rows)
+// are those of attnx.reference.attention. T is the type everything is computed and accumulated in,
 // and that of lse, scale, the modifiers and an additive mask: float for float32, float16 and
 // bfloat16 (AttentionParams), double for float64 (AttentionParams64, dtype f64).
 template <class T>
@@ -26,8 +26,8 @@ struct BasicAttentionParams {
   MaskKind mask_kind = MaskKind::none;
   const void* mask = nullptr;  // uint8 (boolean, nonzero = may attend) or T (additive)
   int64_t m_sb = 0, m_sh = 0, m_sq = 0, m_sk = 0;  // broadcast axes have stride 0
-  const int32_t* kv_lens = nullptr;  // optional (B,)
-  const int32_t* q_lens = nullptr;   // optional (B,)
+  const int32_t* kv_lens = nullptr;                // optional (B,)
+  const int32_t* q_lens = nullptr;                 // optional (B,)
   bool causal = false;
   T scale = 1;
   BasicVariants<T> var;

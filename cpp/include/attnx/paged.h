@@ -10,8 +10,8 @@
 namespace attnx {
 
 struct PagedParams {
-  int64_t B = 0;        // sequences
-  int64_t N = 0;        // packed query tokens, sum of q_lens
+  int64_t B = 0;  // sequences
+  int64_t N = 0;  // packed query tokens, sum of q_lens
   int64_t Hq = 0, Hkv = 0, Dk = 0, Dv = 0;
   DType q_dtype = DType::f32;   // q and out
   DType kv_dtype = DType::f32;  // the pages

@@ -29,10 +29,10 @@ struct InvalidArgument : std::invalid_argument {
 // scores are computed in: float (float32, float16 and bfloat16 storage), double (float64).
 template <class T>
 struct BasicVariants {
-  int64_t window_left = -1;      // keys j >= pos - window_left are visible; -1: unbounded
-  int64_t window_right = -1;     // keys j <= pos + window_right are visible; -1: unbounded
-  T softcap = 0;                 // > 0: s = softcap * tanh(s / softcap) before bias and mask
-  const T* sinks = nullptr;      // (Hq,) logits in the softmax denominator that carry no value
+  int64_t window_left = -1;         // keys j >= pos - window_left are visible; -1: unbounded
+  int64_t window_right = -1;        // keys j <= pos + window_right are visible; -1: unbounded
+  T softcap = 0;                    // > 0: s = softcap * tanh(s / softcap) before bias and mask
+  const T* sinks = nullptr;         // (Hq,) logits in the softmax denominator that carry no value
   const T* alibi_slopes = nullptr;  // (Hq,): s -= slope[h] * |pos - j|
 };
 using Variants = BasicVariants<float>;

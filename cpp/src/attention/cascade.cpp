@@ -20,7 +20,9 @@ namespace {
 class GroupFinder {
  public:
   GroupFinder(const PagedParams& t, int64_t min_saved_keys, CascadePlan& plan)
-      : t_(t), min_saved_(std::max<int64_t>(min_saved_keys, 1)), plan_(plan),
+      : t_(t),
+        min_saved_(std::max<int64_t>(min_saved_keys, 1)),
+        plan_(plan),
         shareable_(std::size_t(t.B)) {
     // the blocks of sequence b wholly before its first query (and inside its table)
     for (int64_t b = 0; b < t.B; ++b) {
@@ -106,7 +108,8 @@ void plan_tails(const PagedParams& t, CascadePlan& plan) {
   for (int64_t b = 0; b < t.B; ++b) {
     const int64_t d = depth[std::size_t(b)];
     for (int64_t j = 0; j < t.max_blocks; ++j)  // (entries past the tail are never read)
-      plan.tail_table[std::size_t(b * t.max_blocks + j)] = t.block_tables[b * t.bt_stride + std::min(j + d, t.max_blocks - 1)];
+      plan.tail_table[std::size_t(b * t.max_blocks + j)] =
+          t.block_tables[b * t.bt_stride + std::min(j + d, t.max_blocks - 1)];
     plan.tail_lens[std::size_t(b)] = int32_t(t.seq_lens[b] - d * t.block_size);
   }
 }
@@ -122,7 +125,8 @@ struct SharedProblem : detail::PagedProblem {
   float* part_lse;  // (N, Hq)
   bool nested;
 
-  SharedProblem(const PagedParams& level, const CascadeLevel& lv_, float* out, float* lse, bool nested_)
+  SharedProblem(const PagedParams& level, const CascadeLevel& lv_, float* out, float* lse,
+                bool nested_)
       : PagedProblem(level), lv(lv_), part_out(out), part_lse(lse), nested(nested_) {
     out_dtype = DType::f32;
   }
@@ -158,7 +162,8 @@ PagedParams level_params(const PagedParams& p, const CascadeLevel& lv) {
 void check_plan(const CascadePlan& plan, const PagedParams& p) {
   bool ok = plan.B == p.B && plan.block_size == p.block_size && plan.max_blocks <= p.max_blocks;
   for (int64_t b = 0; ok && b < p.B; ++b)
-    ok = plan.q_start[std::size_t(b + 1)] == p.q_start[b + 1] && plan.seq_lens[std::size_t(b)] == p.seq_lens[b];
+    ok = plan.q_start[std::size_t(b + 1)] == p.q_start[b + 1] &&
+         plan.seq_lens[std::size_t(b)] == p.seq_lens[b];
   if (!ok) throw InvalidArgument("cascade: the plan was made for other tables than this call's");
   auto in_pool = [&](int32_t blk) { return blk >= 0 && blk < p.num_blocks; };
   for (const CascadeLevel& lv : plan.levels)
@@ -167,7 +172,8 @@ void check_plan(const CascadePlan& plan, const PagedParams& p) {
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t n = (int64_t(plan.tail_lens[std::size_t(b)]) + p.block_size - 1) / p.block_size;
     const int32_t* row = plan.tail_table.data() + b * plan.max_blocks;
-    if (plan.tail_lens[std::size_t(b)] < 0 || n > plan.max_blocks || !std::all_of(row, row + n, in_pool))
+    if (plan.tail_lens[std::size_t(b)] < 0 || n > plan.max_blocks ||
+        !std::all_of(row, row + n, in_pool))
       throw InvalidArgument("cascade: block table entry out of range");
   }
 }

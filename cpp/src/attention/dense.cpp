@@ -31,19 +31,23 @@ struct DenseProblem : detail::BasicFlashProblem<T> {
   std::size_t es;  // bytes per element of q, k, v and out
 
   explicit DenseProblem(const BasicAttentionParams<T>& p)
-      : Base(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.dtype), a(p),
+      : Base(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.dtype),
+        a(p),
         es(dtype_size(p.dtype)) {
     this->mask_kind = p.mask_kind;
     this->mask_sk = p.m_sk * mask_elem();
   }
 
   // An additive mask is in T (float32, or float64 for float64 inputs).
-  int64_t mask_elem() const { return this->mask_kind == MaskKind::boolean ? 1 : int64_t(sizeof(T)); }
+  int64_t mask_elem() const {
+    return this->mask_kind == MaskKind::boolean ? 1 : int64_t(sizeof(T));
+  }
   int64_t rows(int64_t) const { return a.Sq; }
   int64_t lq(int64_t b) const { return a.q_lens ? a.q_lens[b] : a.Sq; }
   int64_t lk(int64_t b) const { return a.kv_lens ? a.kv_lens[b] : a.Sk; }
   const char* q_row(int64_t b, int64_t h, int64_t i) const {
-    return static_cast<const char*>(a.q.data) + (b * a.q.sb + h * a.q.sh + i * a.q.ss) * int64_t(es);
+    return static_cast<const char*>(a.q.data) +
+           (b * a.q.sb + h * a.q.sh + i * a.q.ss) * int64_t(es);
   }
   void* out_row(int64_t b, int64_t h, int64_t i) const {
     return static_cast<char*>(a.out) + (b * a.o_sb + h * a.o_sh + i * a.o_ss) * int64_t(es);
@@ -81,7 +85,8 @@ void attention(const AttentionParams& p) {
 }
 
 void attention(const AttentionParams64& p) {
-  if (p.dtype != DType::f64) throw InvalidArgument("AttentionParams64: q, k, v and out must be float64");
+  if (p.dtype != DType::f64)
+    throw InvalidArgument("AttentionParams64: q, k, v and out must be float64");
   run_dense(p);
 }
 

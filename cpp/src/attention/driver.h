@@ -1,9 +1,9 @@
 // driver.h: the scheduling shared by dense and paged attention. A problem adapter
 // (problem.h) says where each query row, output row and KV row lives; run_flash plans the work
 // (plan.h), runs the ISA's flash kernel on each unit of items (with split-KV, on a slice of its
-// keys), merges the split parts and finalises the rows (attention/state.h). Everything is a template on
-// the problem's compute type T (P::Real): float, or double for float64 inputs, with its own
-// kernels (flash_kernels<T>) and per-thread scratch.
+// keys), merges the split parts and finalises the rows (attention/state.h). Everything is a
+// template on the problem's compute type T (P::Real): float, or double for float64 inputs, with its
+// own kernels (flash_kernels<T>) and per-thread scratch.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -32,9 +32,13 @@ namespace detail {
 template <class T>
 const kern::FlashKernels<T>* flash_kernels();
 template <>
-inline const kern::FlashKernels<float>* flash_kernels<float>() { return active_tables()->flash; }
+inline const kern::FlashKernels<float>* flash_kernels<float>() {
+  return active_tables()->flash;
+}
 template <>
-inline const kern::FlashKernels<double>* flash_kernels<double>() { return kern::flash_f64(); }
+inline const kern::FlashKernels<double>* flash_kernels<double>() {
+  return kern::flash_f64();
+}
 
 // The K tiles packed once per call and shared by the items of a kv head (plan_packed_k), in the
 // calling thread's buffer; at most kPackKeep bytes of it outlive the call.
@@ -145,11 +149,13 @@ class FlashRun {
     kern::FlashStateT<T> st[kMaxGroup];
     for (int64_t g = 0; g < u.n; ++g) prepare(item(u.first + g), tb.slot(g), rs[g]);
     const KeyPart keys = unit_keys(u, rs, split);
-    for (int64_t g = 0; g < u.n; ++g) bind(u.first + g, split, tb.slot(g), rs[g].M, ks[g], vs[g], st[g]);
+    for (int64_t g = 0; g < u.n; ++g)
+      bind(u.first + g, split, tb.slot(g), rs[g].M, ks[g], vs[g], st[g]);
     const T softcap = p_.var.softcap;
     if (keys.end > keys.begin) {
       if (u.n == 1)
-        table_->flash(rs[0], ks[0], vs[0], keys.begin, keys.end, p_.Dk, p_.Dv, softcap, tb.sc, st[0]);
+        table_->flash(rs[0], ks[0], vs[0], keys.begin, keys.end, p_.Dk, p_.Dv, softcap, tb.sc,
+                      st[0]);
       else
         table_->flash_group(int(u.n), rs, ks, vs, keys.begin, keys.end, p_.Dk, p_.Dv, softcap,
                             tb.sc, st);
@@ -163,8 +169,8 @@ class FlashRun {
   }
 
   // Merges the split-KV parts of item ix's rows and finishes them. Rows whose merged O
-  // overflowed (attention/state.h "overflow") are computed again, the item's keys in one part, in this
-  // thread's slot; where that is still not finite, the merged row was right.
+  // overflowed (attention/state.h "overflow") are computed again, the item's keys in one part, in
+  // this thread's slot; where that is still not finite, the merged row was right.
   void merge_item(int64_t ix, const Buffers& tb) {
     const Item& it = item(ix);
     const int M = int(it.nh * it.ni);
@@ -233,8 +239,19 @@ class FlashRun {
         if (p_.mask_kind != MaskKind::none) s.mask_rows[r] = p_.mask_row(it.b, h, i);
       }
     }
-    rs = kern::RowSetT<T>{M, s.q, Dkp, lo, hi, pos, nullptr, p_.mask_kind, s.mask_rows, p_.mask_sk,
-                          p_.q_dtype, p_.scale, p_.lse_at(it.b, it.h0, it.i0) != nullptr};
+    rs = kern::RowSetT<T>{M,
+                          s.q,
+                          Dkp,
+                          lo,
+                          hi,
+                          pos,
+                          nullptr,
+                          p_.mask_kind,
+                          s.mask_rows,
+                          p_.mask_sk,
+                          p_.q_dtype,
+                          p_.scale,
+                          p_.lse_at(it.b, it.h0, it.i0) != nullptr};
     if (p_.var.alibi_slopes != nullptr) {
       for (int r = 0; r < M; ++r) s.slopes[r] = p_.var.alibi_slopes[it.h0 + r / it.ni];
       rs.slope = s.slopes;
@@ -295,9 +312,9 @@ class FlashRun {
     return {pb, std::min(all.end, pb + part)};
   }
 
-  // An item's rows whose O overflowed (attention/state.h "overflow") computed again, from the start,
-  // with their max moved up; rows whose O is then still not finite (an infinite or NaN value of
-  // their own) are computed a third time as they were the first, the others as in the second.
+  // An item's rows whose O overflowed (attention/state.h "overflow") computed again, from the
+  // start, with their max moved up; rows whose O is then still not finite (an infinite or NaN value
+  // of their own) are computed a third time as they were the first, the others as in the second.
   void rescue(const kern::RowSetT<T>& rs, const kern::KVSource& k, const kern::KVSource& v,
               const KeyPart& keys, const kern::FlashStateT<T>& st, const Buffers& tb) const {
     if (rs.M > kRowsPerItem) return;  // (never: an item has at most kRowsPerItem rows)
@@ -312,7 +329,8 @@ class FlashRun {
     again(rs, k, v, keys, st, m0, tb);
     bool own = false;
     for (int r = 0; r < rs.M; ++r)
-      if (m0[r] > row::neg_inf<T>() && row::overflowed(st.o + r * plan_.Dvp, st.m[r], st.l[r], p_.Dv)) {
+      if (m0[r] > row::neg_inf<T>() &&
+          row::overflowed(st.o + r * plan_.Dvp, st.m[r], st.l[r], p_.Dv)) {
         m0[r] = row::neg_inf<T>();
         own = true;
       }
@@ -321,7 +339,8 @@ class FlashRun {
 
   // Computes the rows of one item again from the start over keys, with running maxima m0.
   void again(const kern::RowSetT<T>& rs, const kern::KVSource& k, const kern::KVSource& v,
-             const KeyPart& keys, const kern::FlashStateT<T>& st, const T* m0, const Buffers& tb) const {
+             const KeyPart& keys, const kern::FlashStateT<T>& st, const T* m0,
+             const Buffers& tb) const {
     row::init(rs.M, st.o, plan_.Dvp, st.m, st.l);
     std::copy(m0, m0 + rs.M, st.m);
     if (keys.end > keys.begin)
@@ -329,8 +348,8 @@ class FlashRun {
   }
 
   // Item ix's sources, and its state (in the slot, or its split-KV part) initialised.
-  void bind(int64_t ix, int64_t split, const Slot<T>& s, int M, kern::KVSource& k, kern::KVSource& v,
-            kern::FlashStateT<T>& st) {
+  void bind(int64_t ix, int64_t split, const Slot<T>& s, int M, kern::KVSource& k,
+            kern::KVSource& v, kern::FlashStateT<T>& st) {
     const Item& it = item(ix);
     const bool parted = plan_.nsplit > 1;
     T* o = parted ? parts_.o(ix, split) : s.o;
@@ -353,7 +372,8 @@ class FlashRun {
     const typename P::Prior prior = p_.prior(it.b, h, i);
     if (prior.out != nullptr && i < p_.lq(it.b)) {
       const row::Part<T> parts[2] = {{m, l, o}, row::finished(prior.out, prior.lse)};
-      const row::MaxSum<T> ml = row::merge_parts<T>(2, [&](int64_t s) { return parts[s]; }, p_.Dv, tmp);
+      const row::MaxSum<T> ml =
+          row::merge_parts<T>(2, [&](int64_t s) { return parts[s]; }, p_.Dv, tmp);
       o = tmp;
       m = ml.m;
       l = ml.l;

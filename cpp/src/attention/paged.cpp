@@ -71,7 +71,8 @@ float quantise_row(const float* x, int64_t n, DType dtype, void* dst) {
     if (dtype == DType::i8)
       static_cast<int8_t*>(dst)[i] = int8_t(std::nearbyint(r));  // round half to even
     else
-      static_cast<uint8_t*>(dst)[i] = dtype == DType::e4m3 ? cvt::f32_to_e4m3(r) : cvt::f32_to_e5m2(r);
+      static_cast<uint8_t*>(dst)[i] =
+          dtype == DType::e4m3 ? cvt::f32_to_e4m3(r) : cvt::f32_to_e5m2(r);
   }
   return use || !finite ? s : 0.f;
 }
@@ -85,7 +86,8 @@ void paged_write(const PagedWrite& w) {
     const int64_t blk = w.slots[t] / w.block_size, off = w.slots[t] % w.block_size;
     for (int64_t h = 0; h < w.H; ++h) {
       const char* src = static_cast<const char*>(w.src) + (t * w.s_sn + h * w.s_sh) * int64_t(ses);
-      char* dst = static_cast<char*>(w.pages) + (blk * w.p_sblk + h * w.p_sh + off * w.p_ss) * int64_t(pes);
+      char* dst =
+          static_cast<char*>(w.pages) + (blk * w.p_sblk + h * w.p_sh + off * w.p_ss) * int64_t(pes);
       if (w.scales != nullptr) {
         table->load_row(src, w.src_dtype, w.D, row.data());
         w.scales[blk * w.sc_sblk + h * w.sc_sh + off * w.sc_ss] =

@@ -17,14 +17,17 @@ struct PagedProblem : FlashProblem {
   std::size_t qes, kes;  // bytes per element of q and out, and of the pages
 
   explicit PagedProblem(const PagedParams& p)
-      : FlashProblem(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.q_dtype), a(p),
-        qes(dtype_size(p.q_dtype)), kes(dtype_size(p.kv_dtype)) {}
+      : FlashProblem(p.B, p.Hq, p.Hkv, p.Dk, p.Dv, p.scale, p.causal, p.var, p.q_dtype),
+        a(p),
+        qes(dtype_size(p.q_dtype)),
+        kes(dtype_size(p.kv_dtype)) {}
 
   int64_t rows(int64_t b) const { return a.q_start[b + 1] - a.q_start[b]; }
   int64_t lq(int64_t b) const { return rows(b); }
   int64_t lk(int64_t b) const { return a.seq_lens[b]; }
   const char* q_row(int64_t b, int64_t h, int64_t i) const {
-    return static_cast<const char*>(a.q) + ((a.q_start[b] + i) * a.q_sn + h * a.q_sh) * int64_t(qes);
+    return static_cast<const char*>(a.q) +
+           ((a.q_start[b] + i) * a.q_sn + h * a.q_sh) * int64_t(qes);
   }
   void* out_row(int64_t b, int64_t h, int64_t i) const {
     return static_cast<char*>(a.out) + ((a.q_start[b] + i) * a.o_sn + h * a.o_sh) * int64_t(qes);
@@ -55,10 +58,12 @@ struct PagedProblem : FlashProblem {
     return s;
   }
   kern::KVSource k_src(int64_t b, int64_t kvh) const {
-    return src(a.k_pages, a.k_sblk, a.k_sh, a.k_ss, b, kvh, a.k_scales, a.ks_sblk, a.ks_sh, a.ks_ss);
+    return src(a.k_pages, a.k_sblk, a.k_sh, a.k_ss, b, kvh, a.k_scales, a.ks_sblk, a.ks_sh,
+               a.ks_ss);
   }
   kern::KVSource v_src(int64_t b, int64_t kvh) const {
-    return src(a.v_pages, a.v_sblk, a.v_sh, a.v_ss, b, kvh, a.v_scales, a.vs_sblk, a.vs_sh, a.vs_ss);
+    return src(a.v_pages, a.v_sblk, a.v_sh, a.v_ss, b, kvh, a.v_scales, a.vs_sblk, a.vs_sh,
+               a.vs_ss);
   }
 };
 

@@ -14,7 +14,7 @@
 namespace attnx {
 namespace detail {
 
-constexpr int kRowsPerItem = 64;      // query rows per work item: Q (64 x 128 fp32) is 32 KiB
+constexpr int kRowsPerItem = 64;        // query rows per work item: Q (64 x 128 fp32) is 32 KiB
 constexpr int64_t kMinSplitKeys = 256;  // a split-KV part covers at least this many keys
 constexpr int64_t kMaxGroup = 16;       // decode items run interleaved in groups of at most this
 constexpr int64_t kPackBudget = int64_t(64) << 20;  // bytes of shared packed K per call, at most
@@ -40,11 +40,11 @@ struct Unit {
 
 struct Plan {
   int64_t Hkv = 0, Dkp = 0, Dvp = 0;  // kv heads; Dk and Dv padded to kern::kPad
-  int64_t M_max = 0;       // rows of the largest item (nh * ni); rows are ordered head-major
-  int64_t max_group = 1;   // items per unit, at most (kMaxGroup where grouped, else 1)
+  int64_t M_max = 0;      // rows of the largest item (nh * ni); rows are ordered head-major
+  int64_t max_group = 1;  // items per unit, at most (kMaxGroup where grouped, else 1)
   std::vector<Item> items;
   std::vector<Unit> units;
-  int64_t nsplit = 1;      // parts each unit's key range is cut into (split-KV)
+  int64_t nsplit = 1;  // parts each unit's key range is cut into (split-KV)
   int num_threads = 1;
   // Packed K shared by the items of a kv head: per (b, kvh), the index of its first tile in the
   // call's buffer, or -1 (that head packs per item); n_tiles tiles of tile_elems elements (of
@@ -80,7 +80,8 @@ bool plan_grouped(const P& p, int64_t M_max) {
 inline void plan_add(Plan& plan, bool grouped, const Item& it) {
   plan.items.push_back(it);
   const int64_t ix = plan.n_items() - 1;
-  const Item* lead = plan.units.empty() ? nullptr : &plan.items[std::size_t(plan.units.back().first)];
+  const Item* lead =
+      plan.units.empty() ? nullptr : &plan.items[std::size_t(plan.units.back().first)];
   if (grouped && lead != nullptr && plan.units.back().n < kMaxGroup && lead->b == it.b &&
       lead->i0 == it.i0)
     ++plan.units.back().n;
@@ -120,10 +121,10 @@ int64_t plan_items(const P& p, int64_t hg, bool grouped, Plan& plan) {
 // buffer shared by the call and the others read it (kern::KVSource::kt): each K tile of a
 // 2048-token causal GQA prefill would otherwise be transposed by 128 items. An up-front packing
 // pass is worse where few items share a head (it reads K with no compute to hide behind). The
-// buffer, one copy of those K in the compute type (O(S * D)), is kept by the calling thread between calls, like
-// the per-thread scratch: a fresh allocation would pay its page faults on every call. At most
-// kPackBudget bytes (the kv heads beyond it pack per item), and at most kPackKeep
-// bytes are kept after the call: a long prefill's K would otherwise stay resident.
+// buffer, one copy of those K in the compute type (O(S * D)), is kept by the calling thread between
+// calls, like the per-thread scratch: a fresh allocation would pay its page faults on every call.
+// At most kPackBudget bytes (the kv heads beyond it pack per item), and at most kPackKeep bytes are
+// kept after the call: a long prefill's K would otherwise stay resident.
 template <class P>
 void plan_packed_k(const P& p, Plan& plan) {
   plan.tile_elems = plan.Dkp * kern::kTileK;

@@ -37,7 +37,7 @@ struct BasicFlashProblem {
   T scale;
   bool causal;
   BasicVariants<T> var;
-  DType q_dtype, out_dtype;    // q; out (the lse is T)
+  DType q_dtype, out_dtype;  // q; out (the lse is T)
   // No user mask unless an adapter sets one (and hides mask_row with its own).
   MaskKind mask_kind = MaskKind::none;
   int64_t mask_sk = 0;
@@ -50,8 +50,16 @@ struct BasicFlashProblem {
 
   BasicFlashProblem(int64_t B_, int64_t Hq_, int64_t Hkv_, int64_t Dk_, int64_t Dv_, T scale_,
                     bool causal_, const BasicVariants<T>& var_, DType dtype)
-      : B(B_), Hq(Hq_), Hkv(Hkv_), Dk(Dk_), Dv(Dv_), scale(scale_), causal(causal_), var(var_),
-        q_dtype(dtype), out_dtype(dtype) {}
+      : B(B_),
+        Hq(Hq_),
+        Hkv(Hkv_),
+        Dk(Dk_),
+        Dv(Dv_),
+        scale(scale_),
+        causal(causal_),
+        var(var_),
+        q_dtype(dtype),
+        out_dtype(dtype) {}
 };
 using FlashProblem = BasicFlashProblem<float>;
 
@@ -100,12 +108,9 @@ constexpr bool check_problem() {
   static_assert(returns<QRow, P, const char*>, "const char* P::q_row(b, h, i) const");
   static_assert(returns<OutRow, P, void*>, "void* P::out_row(b, h, i) const");
   static_assert(returns<LseAt, P, Real*>, "Real* P::lse_at(b, h, i) const");
-  static_assert(returns<MaskRow, P, const char*>,
-                "const char* P::mask_row(b, h, i) const");
-  static_assert(returns<KSrc, P, kern::KVSource>,
-                "kern::KVSource P::k_src(b, kvh) const");
-  static_assert(returns<VSrc, P, kern::KVSource>,
-                "kern::KVSource P::v_src(b, kvh) const");
+  static_assert(returns<MaskRow, P, const char*>, "const char* P::mask_row(b, h, i) const");
+  static_assert(returns<KSrc, P, kern::KVSource>, "kern::KVSource P::k_src(b, kvh) const");
+  static_assert(returns<VSrc, P, kern::KVSource>, "kern::KVSource P::v_src(b, kvh) const");
   return true;
 }
 

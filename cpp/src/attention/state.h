@@ -42,7 +42,9 @@ namespace attnx {
 namespace row {
 
 template <class T>
-constexpr T neg_inf() { return -std::numeric_limits<T>::infinity(); }
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
 
 // M rows (O rows ldo apart, zeroed over ldo) in the state of a row that has seen nothing.
 template <class T>
@@ -111,7 +113,9 @@ static inline MaxSum<T> merge(int64_t n, const T* m, const T* l, int64_t ml_stri
 // A finished part (a normalised output and its lse, -inf where it saw no key: what a call with
 // return_lse gives) as a part: O = out, m = lse, l = 1 (out = O / l, lse = m + log l).
 template <class T>
-static inline Part<T> finished(const T* out, T lse) { return {lse, T(1), out}; }
+static inline Part<T> finished(const T* out, T lse) {
+  return {lse, T(1), out};
+}
 
 // Finishes a row: folds in the sink (null: none), normalises O into `out` (Dv values; may be o)
 // and sets *lse. Returns false for a row with no visible key and no sink: the caller writes zeros
@@ -152,7 +156,9 @@ static inline bool overflowed(const T* o, T m, T l, int64_t Dv) {
 // the rows come out as accurate as the same problem with the values scaled down, which does not
 // overflow; tests/kernels/test_numerics.py).
 template <class T>
-static inline T restart_max(T m, int64_t n) { return m + T(5) + std::log(T(n > 1 ? n : 1)); }
+static inline T restart_max(T m, int64_t n) {
+  return m + T(5) + std::log(T(n > 1 ? n : 1));
+}
 
 }  // namespace row
 }  // namespace attnx

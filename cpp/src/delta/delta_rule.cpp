@@ -81,7 +81,8 @@ void prepare_state(const DeltaRuleParams& p, const DeltaPlan& pl, int64_t n, int
   d.lds = pl.Vp;
   std::memset(scratch, 0, sizeof(float) * p.K * pl.Vp);
   if (init)
-    for (int64_t c = 0; c < p.K; ++c) std::memcpy(scratch + c * pl.Vp, init + c * p.V, sizeof(float) * p.V);
+    for (int64_t c = 0; c < p.K; ++c)
+      std::memcpy(scratch + c * pl.Vp, init + c * p.V, sizeof(float) * p.V);
 }
 
 // The kernel's view of (sequence n, head h): pointers offset to its first position.
@@ -92,10 +93,18 @@ kern::DeltaHead head_view(const DeltaRuleParams& p, const DeltaPlan& pl, int64_t
     return static_cast<const char*>(s.data) + (b * s.sb + t0 * s.st + head * s.sh) * es;
   };
   kern::DeltaHead d;
-  d.T = p.seq_len[n]; d.K = p.K; d.V = p.V; d.Kp = pl.Kp; d.Vp = pl.Vp;
+  d.T = p.seq_len[n];
+  d.K = p.K;
+  d.V = p.V;
+  d.Kp = pl.Kp;
+  d.Vp = pl.Vp;
   d.dtype = p.dtype;
-  d.q = at(p.q, hk); d.k = at(p.k, hk); d.v = at(p.v, h);
-  d.q_st = p.q.st * es; d.k_st = p.k.st * es; d.v_st = p.v.st * es;
+  d.q = at(p.q, hk);
+  d.k = at(p.k, hk);
+  d.v = at(p.v, h);
+  d.q_st = p.q.st * es;
+  d.k_st = p.k.st * es;
+  d.v_st = p.v.st * es;
   d.g = p.g + b * p.g_sb + t0 * p.g_st + h * p.g_sh;
   d.g_st = p.g_st;
   d.g_per_channel = p.g_per_channel;
@@ -127,7 +136,8 @@ void run_item(const DeltaRuleParams& p, const DeltaPlan& pl, const kern::DeltaKe
       std::memcpy(d.S, d.S_in, sizeof(float) * p.K * p.V);
     if (!p.final_state || pl.in_place) continue;
     float* dst = p.final_state + (n * p.Hv + h0 + g) * p.K * p.V;
-    for (int64_t c = 0; c < p.K; ++c) std::memcpy(dst + c * p.V, d.S + c * d.lds, sizeof(float) * p.V);
+    for (int64_t c = 0; c < p.K; ++c)
+      std::memcpy(dst + c * p.V, d.S + c * d.lds, sizeof(float) * p.V);
   }
 }
 
@@ -140,13 +150,16 @@ void gated_delta_rule(const DeltaRuleParams& p) {
   // A thread per work item at most, and only for enough work: starting a team costs more than
   // a small decode step (a few (sequence, head) states of a few KiB) takes.
   double work = 0;
-  for (int64_t n = 0; n < p.N; ++n) work += double(std::max<int64_t>(p.seq_len[n], 1)) * p.Hv * p.K * p.V;
+  for (int64_t n = 0; n < p.N; ++n)
+    work += double(std::max<int64_t>(p.seq_len[n], 1)) * p.Hv * p.K * p.V;
   const int64_t by_work = std::max<int64_t>(1, int64_t(work / kWorkPerThread));
-  const int threads = int(std::min({int64_t(std::max(resolve_threads(p.num_threads), 1)), items, by_work}));
+  const int threads =
+      int(std::min({int64_t(std::max(resolve_threads(p.num_threads), 1)), items, by_work}));
   const DeltaPlan pl = plan(p, group_size(p, threads));
   // All scratch up front: a failed allocation throws here, before any thread starts.
   const std::size_t bytes = sizeof(float) * std::size_t(pl.work) * std::size_t(threads);
-  std::unique_ptr<float, FreeDeleter> scratch(static_cast<float*>(detail::aligned_malloc(64, bytes)));
+  std::unique_ptr<float, FreeDeleter> scratch(
+      static_cast<float*>(detail::aligned_malloc(64, bytes)));
   if (!scratch) throw std::bad_alloc();
   float* base = scratch.get();
   parallel(threads, [&](Team& team) {

@@ -1,8 +1,9 @@
 // amx-inl.h: the prefill tile loop on AMX tiles (AMX-BF16's tdpbf16ps: C[16 x 16] fp32 +=
 // A[16 x 32 bf16] B[32 bf16 x 16], B in pairs along its rows), for bf16 q, k and v.
-// isa_amx.cpp includes it after the flash stages (load-inl.h .. probes-inl.h) and bf16_dot-inl.h, inside the same namespace:
-// the packed layouts (Q, K and V as bf16 pairs: pack_q_bf16, pack_k_bf16, pack_v_bf16), the
-// masks, the online softmax and the P rounding are theirs; only the two products move to tiles.
+// isa_amx.cpp includes it after the flash stages (load-inl.h .. probes-inl.h) and bf16_dot-inl.h,
+// inside the same namespace: the packed layouts (Q, K and V as bf16 pairs: pack_q_bf16,
+// pack_k_bf16, pack_v_bf16), the masks, the online softmax and the P rounding are theirs; only the
+// two products move to tiles.
 //
 // Numerics: those of bf16_dot-inl.h (README "dtypes"): the same products, each exact in fp32,
 // summed in fp32 in the tiles' order; P rounded to bf16 before P V; O accumulated in fp32.
@@ -73,7 +74,8 @@ struct AmxScratch {
     const int64_t nq = kRowsPad * Dkp / 2, ns = kRowsPad * kTileK, no = 2 * kTileRows * Dvp;
     const int64_t nw = 2 * 2 * kTileRows * kWideKeys, nk = Dkp * kTileK, nv = kTileK * Dvp;
     raw.assign(std::size_t(nq + ns + no + nw + kSets * kWideTiles * (nk + nv) + 16), 0.f);
-    float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+    float* at =
+        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
     auto take = [&](int64_t count) {
       float* p = at;
       at += count;
@@ -99,7 +101,8 @@ static AmxScratch& amx_scratch() {
 
 // ---- The accumulator block: four float32 tiles (0..3) over 32 rows x 32 columns of C, where c is
 // its first element and ldc its floats a row; tiles 4..7 carry A's two 16-row blocks and B's two
-// 16-column halves through one 16-pair block of the reduction. -------------------------------------
+// 16-column halves through one 16-pair block of the reduction.
+// -------------------------------------
 static inline void c_tiles_zero() {
   _tile_zero(0);
   _tile_zero(1);
@@ -160,7 +163,8 @@ static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp
     float* orow = o + r * ldo;
     int64_t ld = ldo;
     if (rows < 2 * kTileRows) {  // a partial pair of row blocks: its rows, then zeros
-      for (int i = 0; i < rows; ++i) std::memcpy(stage + i * Dvp, orow + i * ldo, sizeof(float) * std::size_t(Dvp));
+      for (int i = 0; i < rows; ++i)
+        std::memcpy(stage + i * Dvp, orow + i * ldo, sizeof(float) * std::size_t(Dvp));
       std::memset(stage + rows * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - rows) * Dvp));
       orow = stage;
       ld = Dvp;
@@ -173,7 +177,8 @@ static void pv_amx(int M, const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp
       c_tiles_store(orow + c, ld);
     }
     if (orow == stage)
-      for (int i = 0; i < rows; ++i) std::memcpy(o + (r + i) * ldo, stage + i * Dvp, sizeof(float) * std::size_t(Dvp));
+      for (int i = 0; i < rows; ++i)
+        std::memcpy(o + (r + i) * ldo, stage + i * Dvp, sizeof(float) * std::size_t(Dvp));
   }
 }
 
@@ -222,7 +227,8 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   } else {
     const V f = set1(qscale);
     for (int r = 0; r < M; ++r)
-      for (int64_t j = 0; j < kTileK; j += W) store(s + r * kTileK + j, mul(load(s + r * kTileK + j), f));
+      for (int64_t j = 0; j < kTileK; j += W)
+        store(s + r * kTileK + j, mul(load(s + r * kTileK + j), f));
     partial = softmax_rows(rs, j0, n, bias, softcap, Dvp, s, st);
   }
   // Keys a row cannot see, with a non-finite value: as in flash_tile_bf16.
@@ -235,7 +241,8 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   if (!fused) pack_p_bf16(M, s, n2);
   const int64_t n2r = round_up(n2, kTilePairs);  // pairs past n2 must be zeros, not stale floats
   if (n2r > n2)
-    for (int r = 0; r < M; ++r) std::memset(s + r * kTileK + n2, 0, sizeof(float) * std::size_t(n2r - n2));
+    for (int r = 0; r < M; ++r)
+      std::memset(s + r * kTileK + n2, 0, sizeof(float) * std::size_t(n2r - n2));
   pv_amx(M, reinterpret_cast<const Pair*>(s), kv.vp, n2, Dvp, st.o, st.ldo, ax.ostage);
 }
 
@@ -255,7 +262,9 @@ static int64_t wide_run(const kern::RowSet& rs, int64_t j0, int64_t j_end, float
                         float qscale, const kern::FlashState& st) {
   if (!wide_block(rs, j0, j_end, softcap, qscale, st)) return 0;
   int64_t n = 1;
-  while (j0 + (n + 1) * kWideKeys <= j_end && sees_whole(rs, 0, rs.M, j0 + n * kWideKeys, kWideKeys)) ++n;
+  while (j0 + (n + 1) * kWideKeys <= j_end &&
+         sees_whole(rs, 0, rs.M, j0 + n * kWideKeys, kWideKeys))
+    ++n;
   return n;
 }
 
@@ -293,13 +302,15 @@ struct PvSteps {
   int step_ = 0;
   int steps() const { return int(Dvp / (2 * kTilePairs) * (kKbs / kKbStep)); }
   void step() {
-    const int64_t c = step_ / (kKbs / kKbStep) * 2 * kTilePairs, kb0 = step_ % (kKbs / kKbStep) * kKbStep;
+    const int64_t c = step_ / (kKbs / kKbStep) * 2 * kTilePairs,
+                  kb0 = step_ % (kKbs / kKbStep) * kKbStep;
     ++step_;
     float* oc = o + c;
     constexpr int64_t kTileBlocks = kTileK / 2 / kTilePairs;
     if (kb0 == 0) c_tiles_load(oc, ldo);
     for (int64_t kb = kb0; kb < kb0 + kKbStep; ++kb)
-      c_tiles_dp(p + kb * kTilePairs, kWideKeys, vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c, Dvp);
+      c_tiles_dp(p + kb * kTilePairs, kWideKeys,
+                 vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c, Dvp);
     if (kb0 + kKbStep == kKbs) c_tiles_store(oc, ldo);
   }
 };
@@ -399,7 +410,8 @@ struct PairRows {
     float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
     const int n = rows(p);
     if (n == 2 * kTileRows) return {o, st.ldo};
-    for (int r = 0; r < n; ++r) std::memcpy(stage + r * Dvp, o + r * st.ldo, sizeof(float) * std::size_t(Dvp));
+    for (int r = 0; r < n; ++r)
+      std::memcpy(stage + r * Dvp, o + r * st.ldo, sizeof(float) * std::size_t(Dvp));
     std::memset(stage + n * Dvp, 0, sizeof(float) * std::size_t((2 * kTileRows - n) * Dvp));
     return {stage, Dvp};
   }
@@ -407,7 +419,8 @@ struct PairRows {
     const int n = rows(p);
     if (n == 2 * kTileRows) return;
     float* o = st.o + int64_t(p) * 2 * kTileRows * st.ldo;
-    for (int r = 0; r < n; ++r) std::memcpy(o + r * st.ldo, stage + r * Dvp, sizeof(float) * std::size_t(Dvp));
+    for (int r = 0; r < n; ++r)
+      std::memcpy(o + r * st.ldo, stage + r * Dvp, sizeof(float) * std::size_t(Dvp));
   }
 };
 
@@ -443,7 +456,8 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
     // the next block's pairs before its first Q K^T (set blk + 1: neither this block's nor the
     // previous one's, whose last P V may still be ahead)
     if (i + 1 < items && (i + 1) % pairs == 0)
-      kv[set_of(blk + 1)] = pack_wide(ks, vs, j0 + (blk + 1) * kWideKeys, Dk, Dv, sc, ax, set_of(blk + 1));
+      kv[set_of(blk + 1)] =
+          pack_wide(ks, vs, j0 + (blk + 1) * kWideKeys, Dk, Dv, sc, ax, set_of(blk + 1));
     if (pv_due && pairs == 1) {
       // one row pair: the previous block's P V adds to the rows this softmax rescales, so it
       // runs first (only Q K^T runs beside the softmax)
@@ -489,8 +503,8 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
       flash_wide_amx(rs, ax.qb, qscale, ks, vs, j0, blocks, Dk, Dv, sc, st, ax);
       j0 += blocks * kWideKeys;
     } else {
-      flash_tile_amx(rs, ax.qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv, softcap,
-                     sc, st, ax);
+      flash_tile_amx(rs, ax.qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv, softcap, sc,
+                     st, ax);
       j0 += kTileK;
     }
   }

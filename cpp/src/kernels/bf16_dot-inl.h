@@ -1,20 +1,21 @@
 // bf16_dot-inl.h: the prefill tile loop (many query rows) with AVX512_BF16 dot products
 // (vdpbf16ps: 16 lanes, each adding two bf16 x bf16 products to an fp32 sum), for bf16 q, k and v.
-// isa_avx512bf16.cpp (and isa_amx.cpp) include it after the flash stages, inside the same namespace: it reuses that
-// file's masks, online-softmax update and shared packed tiles. Everything else (other dtypes, few
-// rows: decode) runs tile-inl.h's fp32-widening `flash`.
+// isa_avx512bf16.cpp (and isa_amx.cpp) include it after the flash stages, inside the same
+// namespace: it reuses that file's masks, online-softmax update and shared packed tiles. Everything
+// else (other dtypes, few rows: decode) runs tile-inl.h's fp32-widening `flash`.
 //
 // Numerics (the flash-attention rule; README "dtypes"):
 //   S = scale * (q . k): the bf16 q and k as they are (q is taken back from the driver's scaled
 //       fp32 copy: q * scale / scale rounds to the bf16 value exactly), each product exact in
 //       fp32, the sums in fp32 (vdpbf16ps flushes bf16 subnormals, |x| < 1.2e-38, to zero). This
 //       is the fp32 path's S up to the order of the additions.
-//   softcap, ALiBi, masks, max, exp, the row sums l and the rescaling of O: fp32, as in softmax-inl.h,
+//   softcap, ALiBi, masks, max, exp, the row sums l and the rescaling of O: fp32, as in
+//   softmax-inl.h,
 //       but for the exps of the fused tiles where no lse is returned: 2.9e-6 (Bf16P below).
 //   P V: P rounded to bf16 (round to nearest even) before the product, as FlashAttention and
 //       torch's bf16 SDPA do; O accumulated in fp32. This rounding (a relative 2^-9 per p) is the
-//       only error the path adds to the fp32-widening kernels: tests/kernels/test_bf16_dot.py holds its
-//       error against the float64 reference within a small multiple of a same-precision
+//       only error the path adds to the fp32-widening kernels: tests/kernels/test_bf16_dot.py holds
+//       its error against the float64 reference within a small multiple of a same-precision
 //       implementation's (a NumPy emulation that rounds P to bf16, and torch's bf16 SDPA).
 
 // The including file provides <cmath>, <cstring>, <limits>, <type_traits> and <immintrin.h>.
@@ -94,7 +95,8 @@ static void pack_k_bf16(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t
 // vp[t][d] = (v[2 t][d], v[2 t + 1][d]) (kTileK / 2 x Dvp pairs, zero past n and past Dv): one
 // vdpbf16ps multiplies a row's pair of probabilities by 16 features' pairs. Returns whether every
 // value is finite (no bf16 with an all-ones exponent).
-static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const float* zero, Pair* vp) {
+static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const float* zero,
+                        Pair* vp) {
   const int64_t Dvp = round_up(Dv, kPad);
   const __m256i expo = _mm256_set1_epi16(0x7f80);
   __mmask16 bad = 0;
@@ -105,11 +107,14 @@ static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const fl
     for (int64_t d = 0; d < Dvp; d += W) {
       // masked loads read only the row's own Dv elements (zeros past them)
       const int64_t left = Dv - d;
-      const __mmask16 m = left >= W ? __mmask16(0xffff) : left <= 0 ? 0 : __mmask16((1u << left) - 1);
+      const __mmask16 m = left >= W   ? __mmask16(0xffff)
+                          : left <= 0 ? 0
+                                      : __mmask16((1u << left) - 1);
       const __m256i x = _mm256_maskz_loadu_epi16(m, a + d), y = _mm256_maskz_loadu_epi16(m, b + d);
       bad |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(x, expo), expo) |
              _mm256_cmpeq_epi16_mask(_mm256_and_si256(y, expo), expo);
-      const __m512i lo = _mm512_cvtepu16_epi32(x), hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16);
+      const __m512i lo = _mm512_cvtepu16_epi32(x),
+                    hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16);
       _mm512_storeu_si512(vp + t * Dvp + d, _mm512_or_si512(lo, hi));
     }
   }
@@ -131,7 +136,8 @@ static ATTNX_INLINE void store_pairs(float* row, int64_t c, V a, V b) {
 static void pack_p_bf16(int M, float* s, int64_t n2) {
   for (int r = 0; r < M; ++r) {
     float* row = s + int64_t(r) * kTileK;
-    for (int64_t c = 0; c < 2 * n2; c += 2 * W) store_pairs(row, c, load(row + c), load(row + c + W));
+    for (int64_t c = 0; c < 2 * n2; c += 2 * W)
+      store_pairs(row, c, load(row + c), load(row + c + W));
   }
 }
 
@@ -299,7 +305,8 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
 // Whether an item takes the bf16 dot-product path: many rows (the packed, prefill-shaped QK^T;
 // every item of a kv head with a shared packed K decides alike, so they agree on its layout) and
 // q, k and v all bf16.
-static bool bf16_prefill(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs) {
+static bool bf16_prefill(const kern::RowSet& rs, const kern::KVSource& ks,
+                         const kern::KVSource& vs) {
   return rs.M > kDotRows && rs.q_dtype == DType::bf16 && ks.dtype == DType::bf16 &&
          vs.dtype == DType::bf16;
 }
@@ -325,8 +332,7 @@ static void flash_bf16(const kern::RowSet& rs, const kern::KVSource& ks, const k
   Pair* qb = reinterpret_cast<Pair*>(sc.qb);
   const float qscale = pack_query(rs, round_up(Dk, kPad), qb);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK)
-    flash_tile_bf16(rs, qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv,
-                    softcap, sc, st);
+    flash_tile_bf16(rs, qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv, softcap, sc, st);
 }
 
 }  // namespace

@@ -12,9 +12,8 @@
 // the gate summed from the chunk start through t and S0 the state before the chunk:
 //   A_ts = sum_c k_t[c] k_s[c] exp(G_t[c] - G_s[c])      (s < t)
 //   P_ts = sum_c q_t[c] k_s[c] exp(G_t[c] - G_s[c])      (s <= t)
-//   (I + diag(beta) A) U = diag(beta) (V - (exp(G) * K) S0)      lower triangular: forward substitution
-//   O = (exp(G) * Q) S0 + P U
-//   S = diag(exp(G_last)) S0 + (exp(G_last - G) * K)^T U
+//   (I + diag(beta) A) U = diag(beta) (V - (exp(G) * K) S0)      lower triangular: forward
+//   substitution O = (exp(G) * Q) S0 + P U S = diag(exp(G_last)) S0 + (exp(G_last - G) * K)^T U
 // Every exp() argument is a difference G_t - G_s with s <= t (<= 0 for decaying gates), never an
 // exp(-G_s) on its own, which overflows once a chunk's decays sum past -88. With one gate per
 // channel, A and P need exp(G_t[c] - G_s[c]) for every pair: pairs inside one sub-chunk of
@@ -195,9 +194,12 @@ static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int6
   for (int r = 0; r < MR; ++r) {
     const V sc = set1(st.scale ? st.scale[r] : 1.f);
     for (int v = 0; v < NR; ++v) {
-      if (!st.in) x[r][v] = zero();
-      else if (st.scale) x[r][v] = mul(sc, load(st.in + r * ldc + v * W));
-      else x[r][v] = load(st.in + r * ldc + v * W);
+      if (!st.in)
+        x[r][v] = zero();
+      else if (st.scale)
+        x[r][v] = mul(sc, load(st.in + r * ldc + v * W));
+      else
+        x[r][v] = load(st.in + r * ldc + v * W);
     }
   }
   for (int64_t p = 0; p < depth; ++p) {
@@ -227,11 +229,12 @@ static ATTNX_INLINE void gemm_block(const float* a, int64_t ai, int64_t ap, int6
 // i takes depth i in full and its own diagonal block as a triangle.
 template <int NR, bool Lower>
 static void gemm_panel(int64_t m, int64_t depth, const float* a, int64_t ai, int64_t ap,
-                       const float* b, int64_t ldb, float* c, int64_t ldc, CStart st, NextRows* pf) {
+                       const float* b, int64_t ldb, float* c, int64_t ldc, CStart st,
+                       NextRows* pf) {
   int64_t i = 0;
   for (; i + kGemmMR <= m; i += kGemmMR) {
-    gemm_block<kGemmMR, NR, Lower>(a + i * ai, ai, ap, Lower ? i : depth, b, ldb, c + i * ldc,
-                                   ldc, shifted(st, i, 0, ldc));
+    gemm_block<kGemmMR, NR, Lower>(a + i * ai, ai, ap, Lower ? i : depth, b, ldb, c + i * ldc, ldc,
+                                   shifted(st, i, 0, ldc));
     if (pf) pf->issue(kPrefetchLines);
   }
   const int64_t d = Lower ? i : depth;
@@ -262,13 +265,17 @@ static void gemm(int64_t m, int64_t nc, int64_t depth, const float* a, int64_t a
   int64_t j = 0;
   for (; j + kGemmNR * W <= nc; j += kGemmNR * W) {
     const CStart sj = shifted(st, 0, j, ldc);
-    if (lower) gemm_panel<kGemmNR, true>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
-    else gemm_panel<kGemmNR, false>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
+    if (lower)
+      gemm_panel<kGemmNR, true>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
+    else
+      gemm_panel<kGemmNR, false>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
   }
   for (; j < nc; j += 2 * W) {
     const CStart sj = shifted(st, 0, j, ldc);
-    if (lower) gemm_panel<2, true>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
-    else gemm_panel<2, false>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
+    if (lower)
+      gemm_panel<2, true>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
+    else
+      gemm_panel<2, false>(m, depth, a, ai, ap, b + j, ldb, c + j, ldc, sj, pf);
   }
 }
 
@@ -290,18 +297,40 @@ struct Chunk {
 
 // The group's scratch in the order of kern::delta_work_floats: the shared part, then each head's.
 static void carve(float* w, int64_t Kp, int64_t Vp, int G, Chunk* cs) {
-  auto take = [&w](int64_t n) { float* p = w; w += n; return p; };
+  auto take = [&w](int64_t n) {
+    float* p = w;
+    w += n;
+    return p;
+  };
   Chunk s;
-  s.q = take(kC * Kp); s.k = take(kC * Kp); s.zero = take(Kp);
-  s.kk = take(kC * kC); s.qk = take(kC * kC);
+  s.q = take(kC * Kp);
+  s.k = take(kC * Kp);
+  s.zero = take(Kp);
+  s.kk = take(kC * kC);
+  s.qk = take(kC * kC);
   for (int g = 0; g < G; ++g) {
     Chunk& c = cs[g];
-    c.q = s.q; c.k = s.k; c.zero = s.zero; c.kk = s.kk; c.qk = s.qk;
-    c.G = take(kC * Kp); c.kqg = take(2 * kC * Kp); c.kd = take(kC * Kp); c.lk = take(kC * Kp);
-    c.lq = take(kC * Kp); c.r = take(kDeltaSub * Kp); c.dec = take(Kp);
-    c.v = take(kC * Vp); c.x = take(2 * kC * Vp); c.u = take(kC * Vp); c.o = take(Vp);
-    c.a = take(kC * kC); c.p = take(kC * kC);
-    c.gs = take(kC); c.beta = take(kC); c.eg = take(kC);
+    c.q = s.q;
+    c.k = s.k;
+    c.zero = s.zero;
+    c.kk = s.kk;
+    c.qk = s.qk;
+    c.G = take(kC * Kp);
+    c.kqg = take(2 * kC * Kp);
+    c.kd = take(kC * Kp);
+    c.lk = take(kC * Kp);
+    c.lq = take(kC * Kp);
+    c.r = take(kDeltaSub * Kp);
+    c.dec = take(Kp);
+    c.v = take(kC * Vp);
+    c.x = take(2 * kC * Vp);
+    c.u = take(kC * Vp);
+    c.o = take(Vp);
+    c.a = take(kC * kC);
+    c.p = take(kC * kC);
+    c.gs = take(kC);
+    c.beta = take(kC);
+    c.eg = take(kC);
   }
 }
 
@@ -355,7 +384,8 @@ static int64_t load_head(const kern::DeltaHead& h, int64_t t0, int64_t n, const 
     }
     float* G = c.G + i * Kp;
     const float* prev = i ? G - Kp : nullptr;
-    for (int64_t ch = 0; ch < h.K; ++ch) G[ch] = (prev ? prev[ch] : 0.f) + (resets(g[ch]) ? 0.f : g[ch]);
+    for (int64_t ch = 0; ch < h.K; ++ch)
+      G[ch] = (prev ? prev[ch] : 0.f) + (resets(g[ch]) ? 0.f : g[ch]);
     for (int64_t ch = h.K; ch < Kp; ++ch) G[ch] = 0.f;
   }
   for (int64_t j = i; j < kC; ++j) c.gs[j] = 0.f;
@@ -383,8 +413,8 @@ static const float* reset_rows(const kern::DeltaHead& h, const float* src, int64
 // feeds two FMAs, where one x against 8 rows is load bound (9 loads for 8 FMAs).
 constexpr int kPairCols = W == 16 ? 8 : 4;  // 2 x kPairCols accumulators: 16 of AVX-512's 32
                                             // registers, 8 of AVX2's 16
-static ATTNX_INLINE void dots_x2(const float* x0, const float* x1, const float* const* y, int64_t np,
-                                 float* out0, float* out1) {
+static ATTNX_INLINE void dots_x2(const float* x0, const float* x1, const float* const* y,
+                                 int64_t np, float* out0, float* out1) {
   V acc[2 * kPairCols];
   for (int r = 0; r < 2 * kPairCols; ++r) acc[r] = zero();
   for (int64_t c = 0; c < np; c += W) {
@@ -521,8 +551,10 @@ static int64_t run_segment(const kern::DeltaHead& h, const float* src, int64_t t
   gemm(n, Vp, K, qx, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, {}, false, &next);
   std::memset(c.a, 0, sizeof(float) * kC * kC);
   std::memset(c.p, 0, sizeof(float) * kC * kC);
-  if (h.g_per_channel) pair_matrices_channel(n, Kp, c);
-  else pair_matrices_head(n, c);
+  if (h.g_per_channel)
+    pair_matrices_channel(n, Kp, c);
+  else
+    pair_matrices_head(n, c);
   for (int64_t i = 0; i < n; ++i) {  // U = diag(beta) (V - exp(G) K S0), then solved
     const V b = set1(c.beta[i]), e = set1(c.eg[i]);
     const float *vi = c.v + i * Vp, *xi = c.x + i * Vp;

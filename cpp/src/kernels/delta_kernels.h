@@ -10,12 +10,12 @@
 namespace attnx {
 namespace kern {
 
-constexpr int kDeltaChunk = 16;  // tokens per chunk of the chunked (WY / UT-transform) form. The
-                                 // chunk products cost 6 K V per token whatever C is; the pair
-                                 // matrices, the solve and P U add 2 C (K + V): a third more at
-                                 // C = 64, a twelfth at 16 (bench/NOTES.md)
-constexpr int kDeltaSub = 16;    // per-channel gates: sub-chunk whose end is the reference point
-                                 // that keeps every exp() of the chunk's decays <= 1
+constexpr int kDeltaChunk = 16;    // tokens per chunk of the chunked (WY / UT-transform) form. The
+                                   // chunk products cost 6 K V per token whatever C is; the pair
+                                   // matrices, the solve and P U add 2 C (K + V): a third more at
+                                   // C = 64, a twelfth at 16 (bench/NOTES.md)
+constexpr int kDeltaSub = 16;      // per-channel gates: sub-chunk whose end is the reference point
+                                   // that keeps every exp() of the chunk's decays <= 1
 constexpr int kDeltaGroupMax = 4;  // value heads run together on one key head's q and k (their
                                    // pair products are shared), at most
 constexpr int kDeltaRecurrentMax = 16;  // automatic mode: sequences up to this long run the

@@ -1,7 +1,7 @@
 // f64.cpp: the attention micro-kernels for float64 inputs: the flash stages every ISA shares
 // (load-inl.h .. tile-inl.h) over a one-lane double vocabulary, so that float64 runs the same
-// tiled online softmax (O(S * D) memory) in float64. Scalar on every CPU: float64 is asked for its precision
-// (NumPy's default dtype, the reference's), not its speed.
+// tiled online softmax (O(S * D) memory) in float64. Scalar on every CPU: float64 is asked for its
+// precision (NumPy's default dtype, the reference's), not its speed.
 #include <cmath>
 #include <cstring>
 #include <limits>

@@ -1,6 +1,7 @@
 // isa_avx2.cpp: every kernel of the avx2 instruction set: the flash-attention stages and the
 // gated delta rule, written once against the vector vocabulary (simd/vec_avx2.h) and compiled
-// here, and this ISA's tables (tables.h). CMake compiles this unit with -mavx2 -mfma -mf16c; dispatch.cpp uses it only on CPUs that have AVX2, FMA and F16C.
+// here, and this ISA's tables (tables.h). CMake compiles this unit with -mavx2 -mfma -mf16c;
+// dispatch.cpp uses it only on CPUs that have AVX2, FMA and F16C.
 #include <cmath>
 #include <cstring>
 #include <limits>

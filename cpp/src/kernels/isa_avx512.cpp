@@ -1,6 +1,7 @@
 // isa_avx512.cpp: every kernel of the avx512 instruction set: the flash-attention stages and the
 // gated delta rule, written once against the vector vocabulary (simd/vec_avx512.h) and compiled
-// here, and this ISA's tables (tables.h). CMake compiles this unit with the AVX-512F flags; dispatch.cpp uses it only on CPUs that have AVX-512F (and AVX2's set).
+// here, and this ISA's tables (tables.h). CMake compiles this unit with the AVX-512F flags;
+// dispatch.cpp uses it only on CPUs that have AVX-512F (and AVX2's set).
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,10 +27,11 @@ namespace delta {
 
 namespace kern {
 namespace {
-const FlashKernels<float> kFlash{&avx512::flash, &avx512::flash_group, &avx512::pack_k, &avx512::load_row,
-                                 &avx512::store_row};
+const FlashKernels<float> kFlash{&avx512::flash, &avx512::flash_group, &avx512::pack_k,
+                                 &avx512::load_row, &avx512::store_row};
 const DeltaKernels kDelta{&avx512::delta::delta_heads};
-const ProbeKernels kProbes{avx512::simd::W, &avx512::fma_probe, &avx512::read_probe, nullptr, nullptr};
+const ProbeKernels kProbes{avx512::simd::W, &avx512::fma_probe, &avx512::read_probe, nullptr,
+                           nullptr};
 const IsaTables kIsa{"avx512", &kFlash, &kDelta, &kProbes};
 }  // namespace
 

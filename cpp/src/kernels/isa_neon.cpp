@@ -1,6 +1,7 @@
 // isa_neon.cpp: every kernel of the neon instruction set: the flash-attention stages and the
 // gated delta rule, written once against the vector vocabulary (simd/vec_neon.h) and compiled
-// here, and this ISA's tables (tables.h). CMake compiles this unit on aarch64 only, where Advanced SIMD is baseline (no flags); dispatch.cpp picks it there.
+// here, and this ISA's tables (tables.h). CMake compiles this unit on aarch64 only, where Advanced
+// SIMD is baseline (no flags); dispatch.cpp picks it there.
 #include <cmath>
 #include <cstring>
 #include <limits>

@@ -1,6 +1,8 @@
 // isa_scalar.cpp: every kernel of the scalar instruction set: the flash-attention stages and the
 // gated delta rule, written once against the vector vocabulary (simd/vec_scalar.h) and compiled
-// here, and this ISA's tables (tables.h). the portable scalar kernels (one float lane), for every CPU: CMake compiles this unit without flags; it is the path where nothing wider is, and ATTNX_ISA=scalar.
+// here, and this ISA's tables (tables.h). the portable scalar kernels (one float lane), for every
+// CPU: CMake compiles this unit without flags; it is the path where nothing wider is, and
+// ATTNX_ISA=scalar.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,10 +28,11 @@ namespace delta {
 
 namespace kern {
 namespace {
-const FlashKernels<float> kFlash{&scalar::flash, &scalar::flash_group, &scalar::pack_k, &scalar::load_row,
-                                 &scalar::store_row};
+const FlashKernels<float> kFlash{&scalar::flash, &scalar::flash_group, &scalar::pack_k,
+                                 &scalar::load_row, &scalar::store_row};
 const DeltaKernels kDelta{&scalar::delta::delta_heads};
-const ProbeKernels kProbes{scalar::simd::W, &scalar::fma_probe, &scalar::read_probe, nullptr, nullptr};
+const ProbeKernels kProbes{scalar::simd::W, &scalar::fma_probe, &scalar::read_probe, nullptr,
+                           nullptr};
 const IsaTables kIsa{"scalar", &kFlash, &kDelta, &kProbes};
 }  // namespace
 

@@ -33,8 +33,11 @@ static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * 
 // Local twins of types.h's is_quantised and dtype_size: an inline function of a shared header,
 // compiled here with wide-instruction flags, could be the copy the linker keeps for baseline code
 // (see kernels/tables.h); these are static, inside this ISA's namespace.
-static inline bool quantised(DType t) { return t == DType::i8 || t == DType::e4m3 || t == DType::e5m2; }
-// (float64 only reaches the float64 kernels: in the float ones its test folds away at compile time.)
+static inline bool quantised(DType t) {
+  return t == DType::i8 || t == DType::e4m3 || t == DType::e5m2;
+}
+// (float64 only reaches the float64 kernels: in the float ones its test folds away at compile
+// time.)
 static inline int64_t elem_bytes(DType t) {
   if (sizeof(Real) == 8 && t == DType::f64) return 8;
   return t == DType::f32 ? 4 : (t == DType::f16 || t == DType::bf16) ? 2 : 1;
@@ -97,7 +100,8 @@ static void load_codes(const void* src, DType dtype, int64_t n, float scale, Rea
   const float mult = e4 ? 256.f * scale : scale;
   const V f = set1(mult);
   for (; i + W <= n; i += W) store(dst + i, mul(load_fp8(c + i, e4), f));
-  for (; i < n; ++i) dst[i] = cvt::f16_to_f32(e4 ? cvt::e4m3_as_f16(c[i]) : cvt::e5m2_as_f16(c[i])) * mult;
+  for (; i < n; ++i)
+    dst[i] = cvt::f16_to_f32(e4 ? cvt::e4m3_as_f16(c[i]) : cvt::e5m2_as_f16(c[i])) * mult;
 }
 
 static void load_row(const void* src, DType dtype, int64_t n, Real* dst) {
@@ -147,14 +151,14 @@ struct LinePrefetch {
   const char* const* rows = nullptr;
   int64_t lines_per_row = 0, lines = 0, calls = 1;
   // (always inlined: GCC's mod/ref analysis takes a call that only prefetches for one without
-  // effect and drops it, as it did for one added to the bf16 tile loop's register blocks: none was emitted)
+  // effect and drops it, as it did for one added to the bf16 tile loop's register blocks: none was
+  // emitted)
   ATTNX_INLINE void share(int64_t c) const { range(lines * c / calls, lines * (c + 1) / calls); }
   ATTNX_INLINE void range(int64_t l0, int64_t l1) const {
     for (int64_t l = l0; l < l1; ++l)
       __builtin_prefetch(rows[l / lines_per_row] + l % lines_per_row * 64, 0, 1);
   }
 };
-
 
 // Packs the n rows of a K tile transposed: kt[d][j], zero for j >= n (to a multiple of NR*W) and
 // for d >= Dk (to Dkp). `rows` holds kTileK Real row pointers padded with zero rows past n.
@@ -284,8 +288,8 @@ static const Real** key_rows(const kern::KVSource& ks, int64_t j0, int64_t n, in
 }
 
 // Keys [j0, j0 + n) transposed into kt (Dkp x kTileK), zero past n and past Dk.
-static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                   const Scratch& sc, Real* kt) {
+static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk, const Scratch& sc,
+                   Real* kt) {
   const int64_t Dkp = round_up(Dk, kPad);
   const bool inplace = (ks.dtype == kNative || ks.dtype == DType::f16) && Dk % 8 == 0;
   const int64_t dk = inplace ? Dk : Dkp;  // converted rows are already zero-padded
@@ -296,8 +300,8 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
     const uint16_t* rows[8];
     for (int64_t j = 0; j < n; j += 8) {
       for (int64_t t = 0; t < 8; ++t)
-        rows[t] = reinterpret_cast<const uint16_t*>(j + t < n ? sc.kaddr[j + t]
-                                                              : reinterpret_cast<const char*>(sc.zero));
+        rows[t] = reinterpret_cast<const uint16_t*>(
+            j + t < n ? sc.kaddr[j + t] : reinterpret_cast<const char*>(sc.zero));
       for (int64_t d = 0; d < Dk; d += 8) transpose8x8_f16(rows, d, kt + d * kTileK + j, kTileK);
     }
     zero_kt_tail(n, Dk, kt);
@@ -327,7 +331,7 @@ static void pack_k(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
 // returned in *flag.
 template <class Pack>
 static const Real* shared_tile(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
-                                const Scratch& sc, Pack&& pack, int* flag) {
+                               const Scratch& sc, Pack&& pack, int* flag) {
   if (ks.kt != nullptr && j0 % kTileK == 0) {
     Real* shared = static_cast<Real*>(ks.kt) + j0 / kTileK * round_up(Dk, kPad) * kTileK;
     int* ready = ks.kt_ready + j0 / kTileK;

@@ -83,7 +83,6 @@ static void pv(int M, const Real* p, const Real* const* vrow, int64_t n, int64_t
   }
 }
 
-
 static bool values_finite(const Real* const* vrow, int64_t n, int64_t Dv) {
   V acc = zero();
   for (int64_t j = 0; j < n; ++j)
@@ -99,7 +98,8 @@ static void pv_visible(const RowSet& rs, int64_t j0, const Real* bias, const Rea
       if (bias != nullptr && bias[r * kTileK + j] == kNegInf) continue;
       const Real pj = p[r * kTileK + j];
       const V pb = set1(pj);
-      for (int64_t d = 0; d < Dv; d += W) store(o + r * ldo + d, fmadd(pb, load(vrow[j] + d), load(o + r * ldo + d)));
+      for (int64_t d = 0; d < Dv; d += W)
+        store(o + r * ldo + d, fmadd(pb, load(vrow[j] + d), load(o + r * ldo + d)));
     }
 }
 

@@ -12,15 +12,15 @@ namespace {
 
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
 template <int MR, bool Fused>
-static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real* kt,
-                                         int64_t Dkp, Real* s, const LinePrefetch* pf,
-                                         int64_t l0, int64_t l1, const Online* on, int64_t j,
-                                         V* lsum) {
+static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real* kt, int64_t Dkp,
+                                         Real* s, const LinePrefetch* pf, int64_t l0, int64_t l1,
+                                         const Online* on, int64_t j, V* lsum) {
   V acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = zero();
   for (int64_t d = 0; d < Dkp; ++d) {
-    if (pf != nullptr && (d & 7) == 0) pf->range(l0 + (l1 - l0) * d / Dkp, l0 + (l1 - l0) * (d + 8) / Dkp);
+    if (pf != nullptr && (d & 7) == 0)
+      pf->range(l0 + (l1 - l0) * d / Dkp, l0 + (l1 - l0) * (d + 8) / Dkp);
     const Real* kd = kt + d * kTileK;
     V k0 = load(kd), k1 = load(kd + W);
     for (int r = 0; r < MR; ++r) {
@@ -94,7 +94,6 @@ static void qk_packed(int M, const Real* q, int64_t ldq, const Real* kt, int64_t
     qk_packed_as<false>(M, q, ldq, kt, Dkp, n, s, next, nn, bytes, nullptr);
 }
 
-
 // ---- QK^T, dot form for few rows: K rows read in place ---------------------------------------
 // Horizontal sums of an RB x KB register block (row r, key t at acc[r * KB + t]) into the RB rows
 // of S: 8 keys of a row, or 4 keys of two rows, per hsum8.
@@ -124,8 +123,8 @@ static ATTNX_INLINE void reduce_block(const V* acc, Real* s) {
 // A register block is RB rows x KB keys, so each K vector loaded is used RB times and the K tile
 // is streamed once per block of rows. The sums go straight to S.
 template <int RB, int KB, class T>
-static ATTNX_INLINE void qk_dot_block(const Real* q, int64_t ldq, const Real* const* kr,
-                                      int64_t Dk, Real* s) {
+static ATTNX_INLINE void qk_dot_block(const Real* q, int64_t ldq, const Real* const* kr, int64_t Dk,
+                                      Real* s) {
   V acc[RB * KB];
   for (int a = 0; a < RB * KB; ++a) acc[a] = zero();
   for (int64_t d = 0; d < Dk; d += W) {
@@ -199,8 +198,10 @@ static ATTNX_INLINE void qk_vnni_block(const int8_t* q8, int64_t ld, int64_t Dk,
     __m512i qv[RB];
     for (int r = 0; r < RB; ++r) qv[r] = _mm512_loadu_si512(q8 + r * ld + d);
     for (int t = 0; t < KB; ++t) {
-      const __m512i kv = _mm512_xor_si512(_mm512_loadu_si512(reinterpret_cast<const int8_t*>(kr[t]) + d), flip);
-      for (int r = 0; r < RB; ++r) acc[r * KB + t] = _mm512_dpbusd_epi32(acc[r * KB + t], kv, qv[r]);
+      const __m512i kv =
+          _mm512_xor_si512(_mm512_loadu_si512(reinterpret_cast<const int8_t*>(kr[t]) + d), flip);
+      for (int r = 0; r < RB; ++r)
+        acc[r * KB + t] = _mm512_dpbusd_epi32(acc[r * KB + t], kv, qv[r]);
     }
   }
   V f[RB * KB];
@@ -240,7 +241,8 @@ static void qk_vnni(const RowSet& rs, const Real* const* krow, int64_t n, int64_
   code_sums(rs, Dk, sum);
   for (int i = 0; i < M; ++i) {
     const V corr = set1(sum[i]);
-    for (int64_t j = 0; j < n; j += W) store(s + i * kTileK + j, sub(load(s + i * kTileK + j), corr));
+    for (int64_t j = 0; j < n; j += W)
+      store(s + i * kTileK + j, sub(load(s + i * kTileK + j), corr));
   }
 }
 #endif

@@ -94,7 +94,8 @@ static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s
     for (int r = 0; r < MR; ++r) {
       const V hi = row_max(r);
       if (any(greater(hi, bound(r))))
-        raise_max(hi, j, s + r * kTileK - j, on.m + r, on.l + r, on.o + r * on.ldo, on.Dvp, lsum + r);
+        raise_max(hi, j, s + r * kTileK - j, on.m + r, on.l + r, on.o + r * on.ldo, on.Dvp,
+                  lsum + r);
     }
   }
   for (int r = 0; r < MR; ++r) {
@@ -109,7 +110,6 @@ static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s
     lsum[r] = add(lsum[r], sum);
   }
 }
-
 
 // The online-softmax update of R rows of scores (row i at s + i * kTileK, -inf outside what it
 // sees, nw a whole number of vectors): m' = max(m, max_j s_j), s_j becomes p_j = exp(s_j - m'),
@@ -159,8 +159,8 @@ static inline bool online_update(Real* s, int64_t nw, Real* m, Real* l, Real* o,
 
 // ---- one tile row: modifiers, masks and the online-softmax update --------------------------
 static inline void softmax_row(Real* srow, const Real* brow, int64_t n, int64_t vlo, int64_t vhi,
-                               int64_t j0, Real softcap, Real slope, int64_t pos, Real* m,
-                               Real* l, Real* orow, int64_t Dvp) {
+                               int64_t j0, Real softcap, Real slope, int64_t pos, Real* m, Real* l,
+                               Real* orow, int64_t Dvp) {
   // 1. modifiers over the whole tile width (entries past n are overwritten below)
   if (softcap > 0.f) {
     const V cap = set1(softcap), inv = set1(Real(1) / softcap);
@@ -185,7 +185,6 @@ static inline void softmax_row(Real* srow, const Real* brow, int64_t n, int64_t 
     std::memset(srow, 0, sizeof(Real) * kTileK);
   }
 }
-
 
 // The user mask over keys [j0, j0 + n) as an additive bias tile (M rows of kTileK, zero past n to
 // a whole vector). Returns whether any row's visible range has a key the mask lets through.
@@ -223,17 +222,19 @@ static bool tile_open(const RowSet& rs, int64_t j0, int64_t n, const Scratch& sc
 // Whether rows [r, r + R) all see every key of [j0, j0 + n), without an ALiBi slope.
 static inline bool sees_whole(const RowSet& rs, int r, int R, int64_t j0, int64_t n) {
   for (int i = r; i < r + R; ++i)
-    if (rs.lo[i] > j0 || rs.hi[i] < j0 + n || (rs.slope != nullptr && rs.slope[i] != 0.f)) return false;
+    if (rs.lo[i] > j0 || rs.hi[i] < j0 + n || (rs.slope != nullptr && rs.slope[i] != 0.f))
+      return false;
   return true;
 }
 
 // Whether the packed QK^T of keys [j0, j0 + n) can do the online-softmax update itself
 // (qk_packed with Online): every row sees every key, no soft-cap or ALiBi (the mask is the
 // caller's test), every row has a finite running max (not its first visible tile: the update
-// is skipped while it has seen nothing, see attention/state.h) and the tile is whole register blocks
-// (zero keys past n would score 0).
+// is skipped while it has seen nothing, see attention/state.h) and the tile is whole register
+// blocks (zero keys past n would score 0).
 static bool fusable(const RowSet& rs, int64_t j0, int64_t n, Real softcap, const FlashState& st) {
-  if (softcap > 0.f || n % (NR * W) != 0 || rs.qfactor != nullptr || !sees_whole(rs, 0, rs.M, j0, n))
+  if (softcap > 0.f || n % (NR * W) != 0 || rs.qfactor != nullptr ||
+      !sees_whole(rs, 0, rs.M, j0, n))
     return false;
   for (int r = 0; r < rs.M; ++r)
     if (!(st.m[r] > kNegInf && st.m[r] < -kNegInf)) return false;
@@ -242,8 +243,8 @@ static bool fusable(const RowSet& rs, int64_t j0, int64_t n, Real softcap, const
 
 // The online-softmax update of the M rows of scores s over keys [j0, j0 + n) (bias: the mask tile
 // or null); s becomes the probabilities. Returns whether some row sees only part of the tile.
-static bool softmax_rows(const RowSet& rs, int64_t j0, int64_t n, const Real* bias,
-                         Real softcap, int64_t Dvp, Real* s, const FlashState& st) {
+static bool softmax_rows(const RowSet& rs, int64_t j0, int64_t n, const Real* bias, Real softcap,
+                         int64_t Dvp, Real* s, const FlashState& st) {
   bool partial = bias != nullptr;
   constexpr int R = W >= 16 ? 4 : 2;  // rows updated together (online_update)
   const bool plain = bias == nullptr && softcap <= 0.f;

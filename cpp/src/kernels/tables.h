@@ -1,6 +1,6 @@
 // tables.h: the contract between the drivers (attention/, delta/, runtime/) and the per-ISA
-// micro-kernels: one table of function pointers per operation, and one IsaTables per instruction set.
-// Plain structs only: no inline functions here, so that no code compiled with AVX flags can be
+// micro-kernels: one table of function pointers per operation, and one IsaTables per instruction
+// set. Plain structs only: no inline functions here, so that no code compiled with AVX flags can be
 // shared (through COMDAT folding) with code that must run on a baseline x86-64 CPU.
 #pragma once
 #include <cstdint>
@@ -28,7 +28,8 @@ constexpr int kDotRows = 8;  // up to this many query rows, QK^T is computed as 
 // (bytes). Feature elements within a row are contiguous.
 // Quantised dtypes (i8, e4m3, e5m2) read row j as code * scale, the scale at
 //   contiguous: scale + j * scale_row_stride
-//   paged:      scale + block_table[j / block_size] * scale_block_stride + (j % block_size) * scale_row_stride
+//   paged:      scale + block_table[j / block_size] * scale_block_stride + (j % block_size) *
+//   scale_row_stride
 // (floats); rows are converted with their scale as they are loaded into the fp32 tile buffers.
 struct KVSource {
   const char* base = nullptr;
@@ -59,10 +60,10 @@ struct RowSetT {
   int M = 0;
   const T* q = nullptr;  // (M, ldq) queries already multiplied by scale, zero-padded
   int64_t ldq = 0;
-  const int64_t* lo = nullptr;   // row r sees keys [lo[r], hi[r]) (causal, window, kv_lens)
+  const int64_t* lo = nullptr;  // row r sees keys [lo[r], hi[r]) (causal, window, kv_lens)
   const int64_t* hi = nullptr;
   const int64_t* pos = nullptr;  // the row's bottom-right aligned position i + (Lk - Lq)
-  const T* slope = nullptr;  // per-row ALiBi slope, or null
+  const T* slope = nullptr;      // per-row ALiBi slope, or null
   MaskKind mask_kind = MaskKind::none;
   const char* const* mask_row = nullptr;  // per row: address of mask element (row, key 0)
   int64_t mask_sk = 0;                    // bytes between consecutive keys of a mask row
@@ -85,13 +86,13 @@ using RowSet = RowSetT<float>;
 // Per-thread scratch, sized by the driver for M rows (all T buffers 64-byte aligned).
 template <class T>
 struct ScratchT {
-  T* kt = nullptr;    // (Dkp, kTileK) K tile, transposed
-  T* kf = nullptr;    // (kTileK, Dkp) K tile, converted to T
-  T* vf = nullptr;    // (kTileK, Dvp) V tile, converted to T
-  T* s = nullptr;     // (M, kTileK) scores, then probabilities
-  T* bias = nullptr;  // (M, kTileK) user mask as additive bias
-  T* zero = nullptr;  // max(Dkp, Dvp) zeros, a stand-in row past the end of a tile
-  T* qb = nullptr;    // (M, Dkp / 2) Q as bf16 pairs (the avx512bf16 kernels only)
+  T* kt = nullptr;           // (Dkp, kTileK) K tile, transposed
+  T* kf = nullptr;           // (kTileK, Dkp) K tile, converted to T
+  T* vf = nullptr;           // (kTileK, Dvp) V tile, converted to T
+  T* s = nullptr;            // (M, kTileK) scores, then probabilities
+  T* bias = nullptr;         // (M, kTileK) user mask as additive bias
+  T* zero = nullptr;         // max(Dkp, Dvp) zeros, a stand-in row past the end of a tile
+  T* qb = nullptr;           // (M, Dkp / 2) Q as bf16 pairs (the avx512bf16 kernels only)
   const T** krow = nullptr;  // kTileK row pointers (to T rows)
   const T** vrow = nullptr;
   const char** kaddr = nullptr;  // 2 x kTileK source row addresses (this tile and the next)

@@ -71,7 +71,8 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
     const Online on{st.m, st.l, st.o, st.ldo, Dvp};
     fused = bias == nullptr && fusable(rs, j0, n, softcap, st);
     qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s,
-              ks.kt == nullptr ? nx.k : nullptr, nx.n, Dk * elem_bytes(ks.dtype), fused ? &on : nullptr);
+              ks.kt == nullptr ? nx.k : nullptr, nx.n, Dk * elem_bytes(ks.dtype),
+              fused ? &on : nullptr);
   } else {
     const Real** krow = key_rows(ks, j0, n, Dk, rd.k_inplace, sc);
 #if defined(ATTNX_VNNI)
@@ -79,10 +80,10 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
       qk_vnni(rs, krow, n, Dk, sc.s, nx.k, nx.n, Dk);
     else
 #endif
-    with_type(rd.kdt, [&](auto t) {
-      qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, rd.k_inplace ? Dk : Dkp, sc.s, nx.k, nx.n,
-                          Dk * elem_bytes(ks.dtype));
-    });
+      with_type(rd.kdt, [&](auto t) {
+        qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, rd.k_inplace ? Dk : Dkp, sc.s, nx.k, nx.n,
+                            Dk * elem_bytes(ks.dtype));
+      });
     if (rd.k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
   }
   if (rs.qfactor != nullptr) scale_rows(M, sc.s, rs.qfactor, n);
@@ -93,8 +94,8 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
 // sees the tile only in part. A key that a row cannot see has p = 0 there, and 0 * inf or 0 * NaN
 // in its value would still leak into the row: such tiles are checked for non-finite values, and
 // where there are any, each row adds only the keys it sees.
-static void pv_tile(const RowSet& rs, const kern::KVSource& vs, int64_t j0, int64_t n,
-                    int64_t Dv, const Scratch& sc, const FlashState& st, const TileReads& rd,
+static void pv_tile(const RowSet& rs, const kern::KVSource& vs, int64_t j0, int64_t n, int64_t Dv,
+                    const Scratch& sc, const FlashState& st, const TileReads& rd,
                     const char* const* vaddr, const NextRows& nx, bool partial, const Real* bias) {
   const Real* const* vrow = real_rows(vs, j0, vaddr, n, Dv, rd.v_inplace, sc.vf, sc.vrow);
   if (partial) {
@@ -109,7 +110,8 @@ static void pv_tile(const RowSet& rs, const kern::KVSource& vs, int64_t j0, int6
   }
   if (rd.v_inplace && quantised(vs.dtype)) scale_keys(rs.M, sc.s, vs, j0, n);
   with_type(rd.vdt, [&](auto t) {
-    pv<decltype(t)>(rs.M, sc.s, vrow, n, rd.vw, st.o, st.ldo, nx.v, nx.n, Dv * elem_bytes(vs.dtype));
+    pv<decltype(t)>(rs.M, sc.s, vrow, n, rd.vw, st.o, st.ldo, nx.v, nx.n,
+                    Dv * elem_bytes(vs.dtype));
   });
 }
 
@@ -151,8 +153,7 @@ static void flash(const RowSet& rs, const kern::KVSource& ks, const kern::KVSour
 // (item, tile) steps ahead in this order.
 static void flash_group(int n_items, const RowSet* rs, const kern::KVSource* ks,
                         const kern::KVSource* vs, int64_t j_begin, int64_t j_end, int64_t Dk,
-                        int64_t Dv, Real softcap, const Scratch& sc,
-                        const FlashState* st) {
+                        int64_t Dv, Real softcap, const Scratch& sc, const FlashState* st) {
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
     for (int g = 0; g < n_items; ++g) {
       const int64_t step = g + kPrefetchSteps, pg = step % n_items;

@@ -52,9 +52,11 @@ static_assert(sizeof(WaitWord) == sizeof(uint32_t), "an address-wait word is 32 
 inline void atomic_wait(WaitWord& w, uint32_t expected) {
   void* addr = &w;
 #if defined(__linux__)
-  syscall(SYS_futex, static_cast<uint32_t*>(addr), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+  syscall(SYS_futex, static_cast<uint32_t*>(addr), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr,
+          0);
 #elif defined(__APPLE__)
-  constexpr uint32_t kCompareAndWait = 1, kNoErrno = 0x01000000;  // UL_COMPARE_AND_WAIT, ULF_NO_ERRNO
+  constexpr uint32_t kCompareAndWait = 1,
+                     kNoErrno = 0x01000000;  // UL_COMPARE_AND_WAIT, ULF_NO_ERRNO
   __ulock_wait(kCompareAndWait | kNoErrno, addr, expected, 0);
 #elif defined(_WIN32)
   WaitOnAddress(addr, &expected, sizeof expected, INFINITE);
@@ -69,7 +71,8 @@ inline void atomic_wait(WaitWord& w, uint32_t expected) {
 inline void atomic_wake_all(WaitWord& w) {
   void* addr = &w;
 #if defined(__linux__)
-  syscall(SYS_futex, static_cast<uint32_t*>(addr), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+  syscall(SYS_futex, static_cast<uint32_t*>(addr), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr,
+          0);
 #elif defined(__APPLE__)
   constexpr uint32_t kCompareAndWait = 1, kWakeAll = 0x100, kNoErrno = 0x01000000;
   __ulock_wake(kCompareAndWait | kWakeAll | kNoErrno, addr, 0);

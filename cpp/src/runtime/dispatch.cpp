@@ -172,7 +172,7 @@ double seconds_per_mac(Probe f, int64_t iters, double macs_per_iter) {
 double measure_bf16_dot_gain() {
   constexpr int64_t kIters = 4000;  // ~50k instructions of each: tens of microseconds
   const kern::ProbeKernels& p = *kern::isa_avx512bf16()->probes;
-  p.fma512(kIters);                 // (wakes the 512-bit units before either is timed)
+  p.fma512(kIters);  // (wakes the 512-bit units before either is timed)
   const double fma = seconds_per_mac(p.fma512, kIters, 12 * 16);
   const double dot = seconds_per_mac(p.bf16_dot, kIters, 12 * 32);
   return fma / dot;
@@ -180,7 +180,8 @@ double measure_bf16_dot_gain() {
 #else
 constexpr bool kWideKernels = false;
 const kern::IsaTables* wide_table(Wide) {
-  throw InvalidArgument("this build of attnx has only the portable scalar kernels (not an x86-64 build)");
+  throw InvalidArgument(
+      "this build of attnx has only the portable scalar kernels (not an x86-64 build)");
 }
 double measure_bf16_dot_gain() { return 0; }
 #endif
@@ -199,14 +200,16 @@ const kern::IsaTables* neon_table() { return kern::isa_neon(); }
 #else
 constexpr bool kNeonKernels = false;
 const kern::IsaTables* neon_table() {
-  throw InvalidArgument("ATTNX_ISA=neon: this build of attnx has no NEON kernels (not an aarch64 build)");
+  throw InvalidArgument(
+      "ATTNX_ISA=neon: this build of attnx has no NEON kernels (not an aarch64 build)");
 }
 #endif
 
 const kern::IsaTables* table_for(const std::string& name, const CpuFeatures& f) {
   if (name == "scalar") return kern::isa_scalar();
   if (name == "neon") {
-    if (kNeonKernels && !f.neon) throw InvalidArgument("ATTNX_ISA=neon: this CPU lacks Advanced SIMD");
+    if (kNeonKernels && !f.neon)
+      throw InvalidArgument("ATTNX_ISA=neon: this CPU lacks Advanced SIMD");
     return neon_table();
   }
   if (name == "avx2") {
@@ -219,7 +222,8 @@ const kern::IsaTables* table_for(const std::string& name, const CpuFeatures& f) 
   }
   if (name == "avx512bf16") {
     if (!has_avx512bf16(f))
-      throw InvalidArgument("ATTNX_ISA=avx512bf16: this CPU lacks AVX512_BF16 (or AVX-512BW/VL/VNNI)");
+      throw InvalidArgument(
+          "ATTNX_ISA=avx512bf16: this CPU lacks AVX512_BF16 (or AVX-512BW/VL/VNNI)");
     return wide_table(Wide::avx512bf16);
   }
   if (name == "amx") {
@@ -312,7 +316,8 @@ int attnx_num_threads_env() {
   while (end != p && (*end == ' ' || *end == '\t')) ++end;
   if (end == p || *end != '\0' || v < 1)
     throw InvalidArgument(std::string("ATTNX_NUM_THREADS: expected a positive integer (or unset), "
-                          "got '") + env + "'");
+                                      "got '") +
+                          env + "'");
   return int(std::min<long>(v, kThreadLimit));
 }
 

@@ -63,7 +63,8 @@ std::vector<std::string> loaded_libraries(bool (*match)(const char* path)) {
   dl_iterate_phdr(
       [](dl_phdr_info* info, std::size_t, void* arg) {
         const Search& s = *static_cast<Search*>(arg);
-        if (info->dlpi_name != nullptr && s.match(info->dlpi_name)) s.found->emplace_back(info->dlpi_name);
+        if (info->dlpi_name != nullptr && s.match(info->dlpi_name))
+          s.found->emplace_back(info->dlpi_name);
         return 0;
       },
       &search);
@@ -100,7 +101,8 @@ void close_loaded(void* lib) {
 }
 
 using DoJob = void (*)(int thread_num, void* jobdata, int tag);
-using Callback = void (*)(int sync, DoJob dojob, int numjobs, std::size_t elsize, void* jobdata, int tag);
+using Callback = void (*)(int sync, DoJob dojob, int numjobs, std::size_t elsize, void* jobdata,
+                          int tag);
 using SetCallback = void (*)(Callback);
 
 // OpenBLAS's per-thread buffer slots in use by running jobs, one bit each; g_slot_limit is the
@@ -120,7 +122,8 @@ uint64_t take_slots(int n, int limit) {
     if (__builtin_popcountll(mine) == n &&
         g_slots.compare_exchange_weak(used, used | mine, std::memory_order_acquire))
       return mine;
-    std::this_thread::yield();  // another call holds the slots (or the CAS raced): its jobs are short
+    std::this_thread::yield();  // another call holds the slots (or the CAS raced): its jobs are
+                                // short
   }
 }
 
@@ -149,7 +152,9 @@ void run_jobs(const Jobs& jobs, int numjobs, Team& team) {
     try {
       extra.emplace_back([&jobs, i] { jobs.run(i); });
     } catch (const std::system_error&) {
-      std::fputs("attnx: cannot start a thread for an OpenBLAS job (ATTNX_SHARE_BLAS=0 avoids this)\n", stderr);
+      std::fputs(
+          "attnx: cannot start a thread for an OpenBLAS job (ATTNX_SHARE_BLAS=0 avoids this)\n",
+          stderr);
       std::abort();  // as OpenBLAS itself does when its own pool cannot start
     }
   }
@@ -179,7 +184,8 @@ void blas_callback(int /*sync: always 1 (OpenBLAS waits for the call's return)*/
 // The loaded shared objects whose file name contains "openblas" (NumPy's and SciPy's wheels
 // carry renamed copies such as libscipy_openblas64_-<hash>.so).
 std::vector<std::string> loaded_openblas() {
-  return loaded_libraries([](const char* name) { return std::strstr(name, "openblas") != nullptr; });
+  return loaded_libraries(
+      [](const char* name) { return std::strstr(name, "openblas") != nullptr; });
 }
 
 // The setter's names in the builds people have: upstream, 64-bit-integer builds, and the
@@ -193,8 +199,8 @@ constexpr const char* kSetters[] = {
 
 // The library's MAX_THREADS (its per-thread buffers), from openblas_get_config(); 0 if unknown.
 int max_threads_of(void* lib) {
-  for (const char* name : {"openblas_get_config", "openblas_get_config64_", "scipy_openblas_get_config",
-                           "scipy_openblas_get_config64_"}) {
+  for (const char* name : {"openblas_get_config", "openblas_get_config64_",
+                           "scipy_openblas_get_config", "scipy_openblas_get_config64_"}) {
     if (auto config = reinterpret_cast<const char* (*)()>(find_symbol(lib, name))) {
       const char* at = std::strstr(config(), "MAX_THREADS=");
       return at != nullptr ? std::atoi(at + 12) : 0;
@@ -220,8 +226,8 @@ struct HostOmp {
   int (*num_threads)() = nullptr;
 };
 
-HostOmp g_omp;                          // the runtime found (written before g_omp_on is set)
-std::atomic<bool> g_omp_on{false};      // regions go to it
+HostOmp g_omp;                              // the runtime found (written before g_omp_on is set)
+std::atomic<bool> g_omp_on{false};          // regions go to it
 std::atomic<uint32_t> g_omp_generation{0};  // fork generation it was switched on in
 
 // The first loaded OpenMP runtime (libgomp, libiomp or libomp in its name; torch's first, e.g.
@@ -229,7 +235,8 @@ std::atomic<uint32_t> g_omp_generation{0};  // fork generation it was switched o
 // loaded (never unloaded once torch imported it).
 bool find_omp(HostOmp& out) {
   std::vector<std::string> libs = loaded_libraries([](const char* name) {
-    return std::strstr(name, "libgomp") || std::strstr(name, "libiomp") || std::strstr(name, "libomp");
+    return std::strstr(name, "libgomp") || std::strstr(name, "libiomp") ||
+           std::strstr(name, "libomp");
   });
   // torch's own runtime first, where another library loaded a second one
   std::stable_partition(libs.begin(), libs.end(),

@@ -14,7 +14,8 @@
 //   needs, runs member 0 itself, then waits until `pending` (workers still running) is 0.
 // * Waits (a worker for its next region, the owner for its workers, a team at a barrier) spin
 //   briefly, then sleep on the word (atomic_wait.h: a futex on Linux). See kDefaultSpinMicros.
-// * fork (POSIX): a pthread_atfork child handler bumps g_generation. A pool made in an older generation
+// * fork (POSIX): a pthread_atfork child handler bumps g_generation. A pool made in an older
+// generation
 //   is abandoned (its workers do not exist in the child: never joined, never woken, its memory
 //   deliberately leaked) and the next call makes fresh workers, so a child runs multi-threaded.
 //   Nothing a region touches is a process-wide lock, so a fork while another thread is inside a
@@ -325,7 +326,8 @@ TeamShared* new_team_shared() { return new TeamShared(); }
 void delete_team_shared(TeamShared* s) { delete s; }
 
 void run_team(int num_threads, void (*fn)(void*, Team&), void* ctx) {
-  if (num_threads > 1 && !t_in_region && run_on_host_omp(std::min(num_threads, kThreadLimit), fn, ctx))
+  if (num_threads > 1 && !t_in_region &&
+      run_on_host_omp(std::min(num_threads, kThreadLimit), fn, ctx))
     return;  // torch's team ran it (share_omp_threads)
   // A region inside a region (fn calling parallel) runs on its thread alone, as OpenMP does by
   // default: the pool is busy with the outer one.

@@ -82,10 +82,10 @@ constexpr int kThreadLimit = 1024;
 // Runs the region on the process's OpenMP team (torch's) when share_omp_threads(true) found one
 // and this process is not a fork of the one that turned it on; false: the caller runs it.
 bool run_on_host_omp(int num_threads, void (*fn)(void*, Team&), void* ctx);
-uint32_t fork_generation();         // bumped in a fork()ed child
-bool enter_region();                // marks this thread as inside a region; returns the old mark
-void leave_region(bool was);        // restores it
-TeamShared* new_team_shared();      // a region's shared state, for a team made elsewhere
+uint32_t fork_generation();     // bumped in a fork()ed child
+bool enter_region();            // marks this thread as inside a region; returns the old mark
+void leave_region(bool was);    // restores it
+TeamShared* new_team_shared();  // a region's shared state, for a team made elsewhere
 void delete_team_shared(TeamShared* s);
 
 }  // namespace attnx

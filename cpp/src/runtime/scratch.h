@@ -89,15 +89,15 @@ inline ThreadScratch<T>& thread_scratch() {
 // One slot per item of a unit: the item's query rows and their state while it runs.
 template <class T>
 struct Slot {
-  T* q;                     // (M_max, Dkp) queries, scaled and zero-padded
-  T* o;                     // (M_max, Dvp) unnormalised output
-  T* m;                     // M_max running maxima
-  T* l;                     // M_max running sums
-  int64_t* lo;              // 3 x M_max: each row's visible keys [lo, hi) and its position
-  const char** mask_rows;   // M_max mask row addresses
-  T* slopes;                // M_max ALiBi slopes
-  T* qfactor;               // M_max factors of int8 queries' scores (kern::RowSetT::qfactor)
-  int8_t* qcodes;           // (M_max, Dkp) their codes (kern::RowSetT::qcodes)
+  T* q;                    // (M_max, Dkp) queries, scaled and zero-padded
+  T* o;                    // (M_max, Dvp) unnormalised output
+  T* m;                    // M_max running maxima
+  T* l;                    // M_max running sums
+  int64_t* lo;             // 3 x M_max: each row's visible keys [lo, hi) and its position
+  const char** mask_rows;  // M_max mask row addresses
+  T* slopes;               // M_max ALiBi slopes
+  T* qfactor;              // M_max factors of int8 queries' scores (kern::RowSetT::qfactor)
+  int8_t* qcodes;          // (M_max, Dkp) their codes (kern::RowSetT::qcodes)
 };
 
 // A thread's buffers for one call: the kernels' tile scratch, a row to finish output rows in and
@@ -116,9 +116,9 @@ struct ThreadBuffers {
   int64_t M_max = 0, Dkp = 0, Dvp = 0;
 
   Slot<T> slot(int64_t g) const {
-    return {q + g * M_max * Dkp, o + g * M_max * Dvp,      m + g * M_max, l + g * M_max,
-            ints + g * 3 * M_max, mask_rows + g * M_max, slopes + g * M_max,
-            qfactors + g * M_max, qcodes + g * M_max * Dkp};
+    return {q + g * M_max * Dkp, o + g * M_max * Dvp,  m + g * M_max,
+            l + g * M_max,       ints + g * 3 * M_max, mask_rows + g * M_max,
+            slopes + g * M_max,  qfactors + g * M_max, qcodes + g * M_max * Dkp};
   }
 };
 
@@ -130,19 +130,19 @@ class ScratchLayout {
   ScratchLayout(int64_t group, int64_t M, int64_t Dkp, int64_t Dvp)
       : group_(group), M_(M), Dkp_(Dkp), Dvp_(Dvp) {
     const int64_t sizes[kParts] = {
-        group * M * Dkp,      // kQ
-        group * M * Dvp,      // kO
-        group * M,            // kM
-        group * M,            // kL
-        Dkp * kern::kTileK,   // kKt
-        kern::kTileK * Dkp,   // kKf
-        kern::kTileK * Dvp,   // kVf
-        M * kern::kTileK,     // kS
-        M * kern::kTileK,     // kBias
-        std::max(Dkp, Dvp),   // kZero
-        Dvp,                  // kTmp
-        Dvp,                  // kMerged
-        M * Dkp / 2,          // kQb
+        group * M * Dkp,     // kQ
+        group * M * Dvp,     // kO
+        group * M,           // kM
+        group * M,           // kL
+        Dkp * kern::kTileK,  // kKt
+        kern::kTileK * Dkp,  // kKf
+        kern::kTileK * Dvp,  // kVf
+        M * kern::kTileK,    // kS
+        M * kern::kTileK,    // kBias
+        std::max(Dkp, Dvp),  // kZero
+        Dvp,                 // kTmp
+        Dvp,                 // kMerged
+        M * Dkp / 2,         // kQb
     };
     int64_t at = 0;
     for (int i = 0; i < kParts; ++i) {
@@ -167,9 +167,17 @@ class ScratchLayout {
     ts.qcodes.resize(std::size_t(group_ * M_ * Dkp_));
     ThreadBuffers<T> tb;
     auto at = [&](Part part) { return base + offset_[part]; };
-    tb.sc = kern::ScratchT<T>{at(kKt),          at(kKf), at(kVf), at(kS), at(kBias), at(kZero), at(kQb),
-                          ts.ptrs.data(),   ts.ptrs.data() + kern::kTileK,
-                          ts.addrs.data(),  ts.addrs.data() + 2 * kern::kTileK};
+    tb.sc = kern::ScratchT<T>{at(kKt),
+                              at(kKf),
+                              at(kVf),
+                              at(kS),
+                              at(kBias),
+                              at(kZero),
+                              at(kQb),
+                              ts.ptrs.data(),
+                              ts.ptrs.data() + kern::kTileK,
+                              ts.addrs.data(),
+                              ts.addrs.data() + 2 * kern::kTileK};
     std::memset(at(kZero), 0, sizeof(T) * std::size_t(std::max(Dkp_, Dvp_)));
     tb.tmp = at(kTmp);
     tb.merged = at(kMerged);

@@ -20,7 +20,7 @@ import time
 import attnx
 
 from . import _cases, _peers, _report
-from ._machine import GiB, MiB, CpuShare, Limits, machine_info
+from ._machine import CpuShare, GiB, Limits, MiB, machine_info
 from ._suite import Bench, finalize, run_all
 from ._timing import HOW_TIMED, Progress
 
@@ -28,12 +28,16 @@ __all__ = ["run"]
 
 
 def _peer_versions(bench):
-    return {"torch": bench.torch[0].__version__ if bench.torch else None,
-            "onnxruntime": bench.ort[0].__version__ if bench.ort else None}
+    return {
+        "torch": bench.torch[0].__version__ if bench.torch else None,
+        "onnxruntime": bench.ort[0].__version__ if bench.ort else None,
+    }
 
 
 def _who(bench):
-    names = ["attnx"] + [n for n, mods in (("torch", bench.torch), ("onnxruntime", bench.ort)) if mods]
+    names = ["attnx"] + [
+        n for n, mods in (("torch", bench.torch), ("onnxruntime", bench.ort)) if mods
+    ]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
@@ -41,8 +45,12 @@ def _measure(cases, bench, log):
     """Limits, every case, limits again; returns (rows as JSON, limits, elapsed, others' share)."""
     t0 = time.perf_counter()
     share = CpuShare()
-    limits = Limits(bench.threads, secs=0.1 if bench.tiny else 0.2 if bench.quick else 0.4,
-                    nbytes=(256 * MiB) if bench.tiny else GiB, log=log)
+    limits = Limits(
+        bench.threads,
+        secs=0.1 if bench.tiny else 0.2 if bench.quick else 0.4,
+        nbytes=(256 * MiB) if bench.tiny else GiB,
+        log=log,
+    )
     limits.probe()
     rows = run_all(cases, bench)
     limits.probe(again=True)
@@ -51,17 +59,32 @@ def _measure(cases, bench, log):
 
 
 def _start_log(bench, log):
-    log(f"attnx {attnx.__version__} bench: {bench.threads} threads, ISA "
+    log(
+        f"attnx {attnx.__version__} bench: {bench.threads} threads, ISA "
         f"{attnx.cpu_features()['isa']}, repeat {bench.repeat}"
-        + (", quick" if bench.quick else "") + (", TINY shapes (numbers meaningless)" if bench.tiny else ""))
+        + (", quick" if bench.quick else "")
+        + (", TINY shapes (numbers meaningless)" if bench.tiny else "")
+    )
     if bench.torch is None:
         log("torch not installed: the torch column is skipped (pip install 'attnx[bench]')")
     if bench.ort is None:
         log("onnxruntime (and onnx) not installed: the onnxruntime column is skipped")
 
 
-def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, plot_path=None,
-        cases=None, in_loop=False, title=None, log=None, out=None):
+def run(
+    *,
+    threads=None,
+    repeat=None,
+    quick=False,
+    tiny=False,
+    json_path=None,
+    plot_path=None,
+    cases=None,
+    in_loop=False,
+    title=None,
+    log=None,
+    out=None,
+):
     """Runs the benchmark (the fixed suite, or ``cases`` from ``_cases.custom`` /
     ``_cases.from_config``), and with ``in_loop`` the in-loop rows (``_cases.in_loop``); prints
     the table; returns the result dict (what --json saves)."""
@@ -71,7 +94,9 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
     threads, repeat = _counts(threads, repeat, quick or tiny)
     if plot_path:  # fail before the minutes of measuring, not after
         _report.require_matplotlib()
-    bench = Bench(threads, repeat, quick, tiny, Progress(0), _peers.load_torch(), _peers.load_onnxruntime())
+    bench = Bench(
+        threads, repeat, quick, tiny, Progress(0), _peers.load_torch(), _peers.load_onnxruntime()
+    )
     if cases is None:
         cases = _cases.suite(tiny=tiny, quick=quick, threads=threads, repeat=repeat)
     if in_loop:
@@ -88,8 +113,13 @@ def run(*, threads=None, repeat=None, quick=False, tiny=False, json_path=None, p
     result = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "title": title,
-        "config": {"threads": threads, "repeat": repeat, "quick": quick, "tiny": tiny,
-                   "in_loop": in_loop},
+        "config": {
+            "threads": threads,
+            "repeat": repeat,
+            "quick": quick,
+            "tiny": tiny,
+            "in_loop": in_loop,
+        },
         "machine": machine_info(threads, _peer_versions(bench)),
         "limits": limits,
         "timing": HOW_TIMED.format(rounds=f"{repeat} round" + "s" * (repeat != 1), who=_who(bench)),

@@ -68,6 +68,7 @@ def _dims(**kw):
 class Dense:
     """``attnx.attention`` on contiguous (B, H, S, D) arrays. One query row (Sq == 1) is a decode
     step and is counted in bytes of K and V read; otherwise in FLOPs."""
+
     B: int
     Hq: int
     Hkv: int
@@ -97,8 +98,13 @@ class Dense:
         """The same shape on the first B batches and S positions (the reference's smaller run)."""
         B = min(B or self.B, self.B)
         S = min(S or self.Sk, self.Sk)
-        return replace(self, B=B, Sk=S, Sq=1 if self.Sq == 1 else S,
-                       kv_lens=None if self.kv_lens is None else tuple(min(n, S) for n in self.kv_lens[:B]))
+        return replace(
+            self,
+            B=B,
+            Sk=S,
+            Sq=1 if self.Sq == 1 else S,
+            kv_lens=None if self.kv_lens is None else tuple(min(n, S) for n in self.kv_lens[:B]),
+        )
 
     def describe(self):
         seq = {"S": self.Sk} if self.Sq == self.Sk else {"Sq": self.Sq, "Sk": self.Sk}
@@ -118,6 +124,7 @@ class Paged:
     of ``block`` tokens, scrambled through the block table. Counted in bytes of K and V read.
     With ``shared``, the sequences are forks of one prompt: their first ``shared`` tokens (whole
     blocks) are the same blocks, which need reading once (the bytes counted)."""
+
     B: int
     Hq: int
     Hkv: int
@@ -145,9 +152,12 @@ class Paged:
         return replace(self, B=min(B or self.B, self.B), L=L, shared=min(self.shared, L - 1))
 
     def describe(self):
-        return (_dims(B=self.B, Hq=self.Hq, Hkv=self.Hkv, L=self.L, D=self.D)
-                + f" block{self.block} {self.dtype} KV" + (f" window{self.window}" if self.window else "")
-                + (f", {self.B} forks sharing {self.shared}" if self.shared else ""))
+        return (
+            _dims(B=self.B, Hq=self.Hq, Hkv=self.Hkv, L=self.L, D=self.D)
+            + f" block{self.block} {self.dtype} KV"
+            + (f" window{self.window}" if self.window else "")
+            + (f", {self.B} forks sharing {self.shared}" if self.shared else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -155,6 +165,7 @@ class Chunk(Paged):
     """A chunked prefill through ``attnx.paged_attention``: ``new`` query tokens per sequence,
     the last ``new`` of its L positions (causal), against its L tokens in pages. Counted in FLOPs
     (every query sees the L - new earlier tokens and the new ones up to itself)."""
+
     new: int = 512
     kind = "flops"
 
@@ -169,8 +180,10 @@ class Chunk(Paged):
         return replace(self, B=min(B or self.B, self.B))
 
     def describe(self):
-        return (_dims(B=self.B, Hq=self.Hq, Hkv=self.Hkv, L=self.L, D=self.D)
-                + f", {self.new} new tokens, block{self.block} {self.dtype} KV")
+        return (
+            _dims(B=self.B, Hq=self.Hq, Hkv=self.Hkv, L=self.L, D=self.D)
+            + f", {self.new} new tokens, block{self.block} {self.dtype} KV"
+        )
 
 
 @dataclass(frozen=True)
@@ -181,6 +194,7 @@ class Delta:
     state cost (not counted: its 2·C·(K+V) more per token in the chunk's own matrices, a twelfth
     at K = V = 128 with C = 16 tokens per chunk, nor the recurrence's decay of S). Decode
     (T == 1) is counted in bytes of the float32 state read and written once."""
+
     B: int
     T: int
     Hk: int
@@ -205,13 +219,17 @@ class Delta:
 
     def describe(self):
         heads = {"H": self.Hv} if self.Hk == self.Hv else {"Hk": self.Hk, "Hv": self.Hv}
-        return (_dims(B=self.B, T=self.T, **heads, K=self.K, V=self.V) + f" gate/{self.gate}"
-                + ("" if self.dtype == "fp32" else f" {self.dtype}"))
+        return (
+            _dims(B=self.B, T=self.T, **heads, K=self.K, V=self.V)
+            + f" gate/{self.gate}"
+            + ("" if self.dtype == "fp32" else f" {self.dtype}")
+        )
 
 
 # ---- targets ---------------------------------------------------------------------------------
 # A goal names what it measures, the bound, and how it reads in the table. `value` gets the row
 # (see _suite.Row) and the rows measured so far by key; None means it could not be measured.
+
 
 @dataclass(frozen=True)
 class PctOfLimit:
@@ -284,6 +302,7 @@ class RateOver:
     base's call (the same shape in fp32) interleaved with this row's, sample by sample: rows
     minutes apart swing with the host by more than the target's margin. That ratio is the one
     judged; the base row's own is the fallback."""
+
     base: str
     x: float
     label: str
@@ -311,6 +330,7 @@ class OverPath:
     """This row's attnx call over the same call on another kernel path (``isa``: the vector path
     that a matrix engine replaces), timed interleaved with it sample by sample. None where that
     path or the row's own is not this CPU's (nothing to compare)."""
+
     isa: str
     x: float
     label: str
@@ -384,6 +404,7 @@ class PeakMemory:
 @dataclass(frozen=True)
 class InLoop:
     """attnx right after another library's matmul (as in a model's loop) vs the same call alone."""
+
     x: float
 
     def text(self, row):
@@ -403,6 +424,7 @@ class InLoop:
 class OverRow:
     """This row's speed over another row's (the same work without sharing), with the bound the
     machine's limits allow (see ``shared_bound``). ``x`` None: reported, not judged."""
+
     base: str
     x: float | None = None
 
@@ -465,9 +487,11 @@ def judge(row, rows):
     parts, ok, unknown = [], True, False
     for goal in goals:
         v = goal.value(row, rows)
-        parts.append(goal.show(v, row) if v is not None
-                     or isinstance(goal, (FasterThan, TokensOver, RateOver))
-                     else "n/a")
+        parts.append(
+            goal.show(v, row)
+            if v is not None or isinstance(goal, (FasterThan, TokensOver, RateOver))
+            else "n/a"
+        )
         if v is None:
             unknown = True
         else:
@@ -482,12 +506,14 @@ def target_text(row):
 
 # ---- cases -----------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Case:
     """One row of the table. ``ref`` cuts the shape for the NumPy reference (``Dense.cut``
     arguments; None: no reference), which runs ``ref_samples`` times; its time is scaled by the
     ratio of the work. ``kind`` is the shape's (flops / bytes) unless this row measures something
     else (latency, threads, memory)."""
+
     key: str
     name: str
     shape: Dense | Paged | Delta
@@ -514,61 +540,141 @@ def suite(*, tiny, quick, threads, repeat):
     """The fixed suite and the issue's targets. ``tiny`` shrinks every shape (smoke tests: the
     numbers then mean nothing); ``quick`` scales the reference down further."""
     big = not tiny
-    S_pre, S_gqa, S_enc, L_dec, L_long = (2048, 2048, 512, 2048, 32768) if big else (256, 256, 128, 256, 2048)
+    S_pre, S_gqa, S_enc, L_dec, L_long = (
+        (2048, 2048, 512, 2048, 32768) if big else (256, 256, 128, 256, 2048)
+    )
     H_pre, B_enc, H_enc = (8, 4, 12) if big else (2, 2, 2)
     Hq, Hkv, B_dec = (32, 8, 8) if big else (8, 2, 2)
     q_big = quick and big
     decode = Paged(B_dec, Hq, Hkv, L_dec, 128)
     cases = [
-        Case("prefill", "prefill", Dense(1, H_pre, H_pre, S_pre, S_pre, 64),
-             (PctOfLimit(70), FasterThan("torch", 1.5)), {"S": S_pre // (4 if q_big else 1)}, seed=1),
-        Case("gqa_causal", "causal GQA prefill", Dense(1, Hq, Hkv, S_gqa, S_gqa, 128, causal=True),
-             (FasterThan("torch", 1.5, "(enable_gqa)"),),
-             {"S": S_gqa // (1 if tiny else 8 if quick else 2)}, seed=2),
+        Case(
+            "prefill",
+            "prefill",
+            Dense(1, H_pre, H_pre, S_pre, S_pre, 64),
+            (PctOfLimit(70), FasterThan("torch", 1.5)),
+            {"S": S_pre // (4 if q_big else 1)},
+            seed=1,
+        ),
+        Case(
+            "gqa_causal",
+            "causal GQA prefill",
+            Dense(1, Hq, Hkv, S_gqa, S_gqa, 128, causal=True),
+            (FasterThan("torch", 1.5, "(enable_gqa)"),),
+            {"S": S_gqa // (1 if tiny else 8 if quick else 2)},
+            seed=2,
+        ),
     ]
     cases += bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, tiny=tiny, quick=quick)
     cases += [
-        Case("encoder", "encoder batch with padding",
-             Dense(B_enc, H_enc, H_enc, S_enc, S_enc, 64, kv_lens=_padding_lens(B_enc, S_enc, 3)),
-             (FasterThan("torch", 1.5, "(boolean mask)"),), {"B": 1 if quick else B_enc},
-             ref_samples=1 if quick else 2, seed=3),
+        Case(
+            "encoder",
+            "encoder batch with padding",
+            Dense(B_enc, H_enc, H_enc, S_enc, S_enc, 64, kv_lens=_padding_lens(B_enc, S_enc, 3)),
+            (FasterThan("torch", 1.5, "(boolean mask)"),),
+            {"B": 1 if quick else B_enc},
+            ref_samples=1 if quick else 2,
+            seed=3,
+        ),
     ]
     cases += _decode(decode, {"B": 2 if q_big else B_dec}, quick)
     cases += forks(big=big, quick=quick)
-    cases += _long_decode(Paged(1, Hq, Hkv, L_long, 128), {"S": L_long // (8 if q_big else 1)}, quick)
+    cases += _long_decode(
+        Paged(1, Hq, Hkv, L_long, 128), {"S": L_long // (8 if q_big else 1)}, quick
+    )
     cases += [
-        Case("small", "small call", Dense(1, 1, 1, 1, 16, 64), (AtMostLatency(5e-6),),
-             ref_samples=repeat, seed=7, kind="latency"),
-        Case("threads", "threads", Dense(1, H_pre, H_pre, S_pre, S_pre, 64), (ThreadScaling(0.9),),
-             None, seed=1, kind="threads"),
-        Case("memory", "memory", Dense(1, 1, 1, 32768 if big else 2048, 32768 if big else 2048, 64),
-             (PeakMemory(),), None, kind="memory"),
+        Case(
+            "small",
+            "small call",
+            Dense(1, 1, 1, 1, 16, 64),
+            (AtMostLatency(5e-6),),
+            ref_samples=repeat,
+            seed=7,
+            kind="latency",
+        ),
+        Case(
+            "threads",
+            "threads",
+            Dense(1, H_pre, H_pre, S_pre, S_pre, 64),
+            (ThreadScaling(0.9),),
+            None,
+            seed=1,
+            kind="threads",
+        ),
+        Case(
+            "memory",
+            "memory",
+            Dense(1, 1, 1, 32768 if big else 2048, 32768 if big else 2048, 64),
+            (PeakMemory(),),
+            None,
+            kind="memory",
+        ),
     ]
     return cases + delta_cases(tiny=tiny, quick=quick)
 
 
 def _decode(decode, ref, quick):
     """The paged decode rows: float32, fp16 and bf16 KV, and the quantised ones."""
-    cases = [Case("decode_f32", "paged decode", decode, (PctOfLimit(80), FasterThan("torch", 4.0)),
-                  ref, ref_samples=1 if quick else 3, seed=4)]
+    cases = [
+        Case(
+            "decode_f32",
+            "paged decode",
+            decode,
+            (PctOfLimit(80), FasterThan("torch", 4.0)),
+            ref,
+            ref_samples=1 if quick else 3,
+            seed=4,
+        )
+    ]
     for dt in ("fp16", "bf16"):
-        cases.append(Case(f"decode_{dt}", f"paged decode {dt} KV", replace(decode, dtype=dt),
-                          (TokensOver("decode_f32", 1.7),), ref,
-                          ref_samples=1 if quick else 3, seed=4))
-    return cases + _quantised_decode("decode", "decode_f32", "decode_fp16", "paged decode", decode,
-                                     ref, quick, 4)
+        cases.append(
+            Case(
+                f"decode_{dt}",
+                f"paged decode {dt} KV",
+                replace(decode, dtype=dt),
+                (TokensOver("decode_f32", 1.7),),
+                ref,
+                ref_samples=1 if quick else 3,
+                seed=4,
+            )
+        )
+    return cases + _quantised_decode(
+        "decode", "decode_f32", "decode_fp16", "paged decode", decode, ref, quick, 4
+    )
 
 
 def _long_decode(long, long_ref, quick):
     """The long-context decode rows: float32, fp16 KV and the quantised ones."""
     cases = [
-        Case("decode_long", "long-context decode", long, (PctOfLimit(80),),
-             long_ref, ref_samples=1 if quick else 3, seed=5),
-        Case("decode_long_fp16", "long-context decode fp16 KV", replace(long, dtype="fp16"),
-             (TokensOver("decode_long", 1.7),), long_ref, ref_samples=1 if quick else 3, seed=5),
+        Case(
+            "decode_long",
+            "long-context decode",
+            long,
+            (PctOfLimit(80),),
+            long_ref,
+            ref_samples=1 if quick else 3,
+            seed=5,
+        ),
+        Case(
+            "decode_long_fp16",
+            "long-context decode fp16 KV",
+            replace(long, dtype="fp16"),
+            (TokensOver("decode_long", 1.7),),
+            long_ref,
+            ref_samples=1 if quick else 3,
+            seed=5,
+        ),
     ]
-    return cases + _quantised_decode("decode_long", "decode_long", "decode_long_fp16",
-                                     "long-context decode", long, long_ref, quick, 5)
+    return cases + _quantised_decode(
+        "decode_long",
+        "decode_long",
+        "decode_long_fp16",
+        "long-context decode",
+        long,
+        long_ref,
+        quick,
+        5,
+    )
 
 
 def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
@@ -584,26 +690,56 @@ def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
     S_long = 4096 if not tiny else 256
     cut = 1 if tiny else 8 if quick else 2
     cases = [
-        Case("prefill_bf16", "prefill bf16", Dense(1, H_pre, H_pre, S_pre, S_pre, 64, dtype="bf16"),
-             (RateOver("prefill", over_fp32, "fp32 prefill"), FasterThan("torch", over_torch, "(bf16)")),
-             {"S": S_pre // (8 if quick and not tiny else 2)}, seed=1, isa=BF16_PRODUCTS),
-        Case("gqa_causal_bf16", "causal GQA prefill bf16",
-             Dense(1, Hq, Hkv, S_gqa, S_gqa, 128, causal=True, dtype="bf16"),
-             (RateOver("gqa_causal", over_fp32, "fp32 GQA prefill"),
-              FasterThan("torch", over_torch, "(bf16, enable_gqa)")),
-             {"S": S_gqa // cut}, seed=2, isa=BF16_PRODUCTS),
-        Case("causal_bf16", "causal prefill bf16",
-             Dense(1, 16, 16, S_long, S_long, 128, causal=True, dtype="bf16"),
-             (RateOver("causal_bf16", over_fp32, "fp32 prefill"),
-              FasterThan("torch", over_torch, "(bf16)")),
-             {"S": S_long // (4 * cut)}, seed=8, isa=BF16_PRODUCTS),
+        Case(
+            "prefill_bf16",
+            "prefill bf16",
+            Dense(1, H_pre, H_pre, S_pre, S_pre, 64, dtype="bf16"),
+            (
+                RateOver("prefill", over_fp32, "fp32 prefill"),
+                FasterThan("torch", over_torch, "(bf16)"),
+            ),
+            {"S": S_pre // (8 if quick and not tiny else 2)},
+            seed=1,
+            isa=BF16_PRODUCTS,
+        ),
+        Case(
+            "gqa_causal_bf16",
+            "causal GQA prefill bf16",
+            Dense(1, Hq, Hkv, S_gqa, S_gqa, 128, causal=True, dtype="bf16"),
+            (
+                RateOver("gqa_causal", over_fp32, "fp32 GQA prefill"),
+                FasterThan("torch", over_torch, "(bf16, enable_gqa)"),
+            ),
+            {"S": S_gqa // cut},
+            seed=2,
+            isa=BF16_PRODUCTS,
+        ),
+        Case(
+            "causal_bf16",
+            "causal prefill bf16",
+            Dense(1, 16, 16, S_long, S_long, 128, causal=True, dtype="bf16"),
+            (
+                RateOver("causal_bf16", over_fp32, "fp32 prefill"),
+                FasterThan("torch", over_torch, "(bf16)"),
+            ),
+            {"S": S_long // (4 * cut)},
+            seed=8,
+            isa=BF16_PRODUCTS,
+        ),
     ]
     if amx:  # the chunked prefill's own target is against the vector path AMX replaces
         L = 4096 if not tiny else 512
-        cases.append(Case("chunk_bf16", "chunked prefill bf16 KV",
-                          Chunk(1, Hq, Hkv, L, 128, dtype="bf16", new=512 if not tiny else 64),
-                          (OverPath("avx512", 3.0, "the vector path"),), None, seed=9,
-                          isa=BF16_PRODUCTS))
+        cases.append(
+            Case(
+                "chunk_bf16",
+                "chunked prefill bf16 KV",
+                Chunk(1, Hq, Hkv, L, 128, dtype="bf16", new=512 if not tiny else 64),
+                (OverPath("avx512", 3.0, "the vector path"),),
+                None,
+                seed=9,
+                isa=BF16_PRODUCTS,
+            )
+        )
     return cases
 
 
@@ -623,8 +759,10 @@ def isa_note(isa):
             return "CPU lacks AVX512_BF16 and AMX: bf16 runs on the fp32-widening kernels"
         gain = _core.bf16_dot_gain()
         if f["isa"] == "avx512" and gain < 1.25:
-            return (f"bf16 runs on the fp32-widening kernels: this CPU's bf16 dot products give "
-                    f"{gain:.2f}x the multiply-adds/s of fp32 FMAs (no AMX)")
+            return (
+                f"bf16 runs on the fp32-widening kernels: this CPU's bf16 dot products give "
+                f"{gain:.2f}x the multiply-adds/s of fp32 FMAs (no AMX)"
+            )
     return f"{isa} not active (ATTNX_ISA forced {f['isa']})"
 
 
@@ -633,11 +771,23 @@ def delta_cases(*, tiny, quick):
     recurrence, and one decode token per sequence from its state."""
     T, (Hk, Hv), KV = (4096, (4, 8), 128) if not tiny else (256, (1, 2), 32)
     return [
-        Case("delta_prefill", "gated delta rule prefill", Delta(1, T, Hk, Hv, KV, KV),
-             (PctOfLimit(40), FasterThan("torch", 10, "(loop over t)")),
-             {"S": T // (32 if quick else 8)}, seed=12),
-        Case("delta_decode", "gated delta rule decode", Delta(8 if not tiny else 2, 1, 2 * Hk, 2 * Hv, KV, KV),
-             (FasterThan("torch", 2, "(the same step)"),), {"B": 2}, ref_samples=1 if quick else 3, seed=13),
+        Case(
+            "delta_prefill",
+            "gated delta rule prefill",
+            Delta(1, T, Hk, Hv, KV, KV),
+            (PctOfLimit(40), FasterThan("torch", 10, "(loop over t)")),
+            {"S": T // (32 if quick else 8)},
+            seed=12,
+        ),
+        Case(
+            "delta_decode",
+            "gated delta rule decode",
+            Delta(8 if not tiny else 2, 1, 2 * Hk, 2 * Hv, KV, KV),
+            (FasterThan("torch", 2, "(the same step)"),),
+            {"B": 2},
+            ref_samples=1 if quick else 3,
+            seed=13,
+        ),
     ]
 
 
@@ -649,21 +799,45 @@ def forks(*, big, quick):
     for name, (hq, hkv), goal in (("mha", (8, 8), 4.0), ("gqa", (32, 8), None)):
         copies = Paged(B, hq, hkv, P + 1, 128, dtype="fp16")
         ref = {"B": 1 if quick else 2}
-        cases += [Case(f"fork_{name}_unshared", f"{B} unshared copies ({name.upper()})", copies,
-                       (PctOfLimit(80),),
-                       ref, seed=8),
-                  Case(f"fork_{name}", f"{B} forks, shared prefix ({name.upper()})",
-                       replace(copies, shared=P), (OverRow(f"fork_{name}_unshared", goal),), ref, seed=8)]
+        cases += [
+            Case(
+                f"fork_{name}_unshared",
+                f"{B} unshared copies ({name.upper()})",
+                copies,
+                (PctOfLimit(80),),
+                ref,
+                seed=8,
+            ),
+            Case(
+                f"fork_{name}",
+                f"{B} forks, shared prefix ({name.upper()})",
+                replace(copies, shared=P),
+                (OverRow(f"fork_{name}_unshared", goal),),
+                ref,
+                seed=8,
+            ),
+        ]
     return cases
 
 
 def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
     """int8 and fp8 (e4m3) KV rows of a decode shape (issue 13): tokens/s against the fp16 and
     fp32 KV rows of the same shape, in the same run; bytes read count the scales."""
-    return [Case(f"{key}_{dt}", f"{name} {dt} KV", replace(shape, dtype=dt),
-                 (TokensOver(f16_key, 1.8, "fp16", bounded=True), TokensOver(f32_key, 3.5, bounded=True)), ref,
-                 ref_samples=1 if quick else 3, seed=seed)
-            for dt in QUANTISED]
+    return [
+        Case(
+            f"{key}_{dt}",
+            f"{name} {dt} KV",
+            replace(shape, dtype=dt),
+            (
+                TokensOver(f16_key, 1.8, "fp16", bounded=True),
+                TokensOver(f32_key, 3.5, bounded=True),
+            ),
+            ref,
+            ref_samples=1 if quick else 3,
+            seed=seed,
+        )
+        for dt in QUANTISED
+    ]
 
 
 def in_loop(*, tiny):
@@ -673,9 +847,19 @@ def in_loop(*, tiny):
     rows come last in the suite."""
     S, H = (2048, 8) if not tiny else (256, 2)
     shape = Dense(1, H, H, S, S, 64)
-    return [Case(f"in_loop_{lib}", f"in-loop: prefill after a {name} matmul", shape, (InLoop(1.1),),
-                 None, seed=1, kind="in_loop", before=lib)
-            for lib, name in (("numpy", "NumPy"), ("torch", "torch"))]
+    return [
+        Case(
+            f"in_loop_{lib}",
+            f"in-loop: prefill after a {name} matmul",
+            shape,
+            (InLoop(1.1),),
+            None,
+            seed=1,
+            kind="in_loop",
+            before=lib,
+        )
+        for lib, name in (("numpy", "NumPy"), ("torch", "torch"))
+    ]
 
 
 # ---- your own model --------------------------------------------------------------------------
@@ -703,33 +887,63 @@ def parse_heads(text):
     except ValueError:
         parts = []
     if len(parts) not in (1, 2) or min(parts) < 1 or parts[0] % parts[-1]:
-        raise ValueError(f"--heads: expected HQ:HKV with HQ a multiple of HKV (or one H), got {text!r}")
+        raise ValueError(
+            f"--heads: expected HQ:HKV with HQ a multiple of HKV (or one H), got {text!r}"
+        )
     return parts[0], parts[-1]
 
 
 CASES = ("prefill", "decode", "paged-decode")
 
 
-def custom(case, *, batch, heads, seqs, contexts, head_dim, kv_dtype, block, window, causal,
-           quick, label=""):
+def custom(
+    case,
+    *,
+    batch,
+    heads,
+    seqs,
+    contexts,
+    head_dim,
+    kv_dtype,
+    block,
+    window,
+    causal,
+    quick,
+    label="",
+):
     """Rows for one user-chosen shape: ``case`` at every length of ``seqs`` (prefill: S) or
     ``contexts`` (decode, paged-decode: L). No targets: the table shows rates and ratios."""
     Hq, Hkv = heads
     if kv_dtype in QUANTISED and case != "paged-decode":
-        raise ValueError(f"--kv-dtype {kv_dtype}: quantised keys and values live in a paged cache; "
-                         f"use --case paged-decode (got --case {case})")
+        raise ValueError(
+            f"--kv-dtype {kv_dtype}: quantised keys and values live in a paged cache; "
+            f"use --case paged-decode (got --case {case})"
+        )
     lens = seqs if case == "prefill" else contexts
     rows = []
     for n in lens:
         if case == "prefill":
-            shape = Dense(batch, Hq, Hkv, n, n, head_dim, causal=causal, window=window, dtype=kv_dtype)
+            shape = Dense(
+                batch, Hq, Hkv, n, n, head_dim, causal=causal, window=window, dtype=kv_dtype
+            )
         elif case == "decode":
-            shape = Dense(batch, Hq, Hkv, 1, n, head_dim, causal=True, window=window, dtype=kv_dtype)
+            shape = Dense(
+                batch, Hq, Hkv, 1, n, head_dim, causal=True, window=window, dtype=kv_dtype
+            )
         else:
             shape = Paged(batch, Hq, Hkv, n, head_dim, block=block, dtype=kv_dtype, window=window)
         name = (f"{label} " if label else "") + f"{case} {'S' if case == 'prefill' else 'L'}={n}"
-        rows.append(Case(f"{case}_{n}".replace("-", "_"), name, shape, (),
-                         auto_ref(shape, quick), ref_samples=1 if quick else 2, seed=11))
+        rows.append(
+            Case(
+                f"{case}_{n}".replace("-", "_"),
+                name,
+                shape,
+                (),
+                auto_ref(shape, quick),
+                ref_samples=1 if quick else 2,
+                seed=11,
+            )
+        )
     return rows
 
 
@@ -751,8 +965,19 @@ def load_config(path):
 def from_config(m, *, batch, seqs, contexts, kv_dtype, block, quick):
     """A model's causal prefill at every --seq and paged decode at every --context; ``m``: its
     name, heads (Hq, Hkv), head_dim and window, checked (``attnx.__main__._model``)."""
-    common = dict(batch=batch, heads=m["heads"], seqs=seqs, contexts=contexts, head_dim=m["head_dim"],
-                  block=block, window=m["window"], causal=True, quick=quick, label=m["name"])
+    common = dict(
+        batch=batch,
+        heads=m["heads"],
+        seqs=seqs,
+        contexts=contexts,
+        head_dim=m["head_dim"],
+        block=block,
+        window=m["window"],
+        causal=True,
+        quick=quick,
+        label=m["name"],
+    )
     prefill_dtype = "fp32" if kv_dtype in QUANTISED else kv_dtype  # quantised KV: pages only
-    return (custom("prefill", kv_dtype=prefill_dtype, **common)
-            + custom("paged-decode", kv_dtype=kv_dtype, **common))
+    return custom("prefill", kv_dtype=prefill_dtype, **common) + custom(
+        "paged-decode", kv_dtype=kv_dtype, **common
+    )

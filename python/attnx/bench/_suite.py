@@ -14,26 +14,44 @@ import numpy as np
 import attnx
 
 from . import _peers
-from ._cases import (Case, Delta, Dense, OverPath, OverRow, RateOver, TokensOver, isa_note, judge, shared_bound, target_text,
-                     tokens_bound)
-from ._machine import MiB, CpuShare
+from ._cases import (
+    Case,
+    Delta,
+    Dense,
+    OverPath,
+    OverRow,
+    RateOver,
+    TokensOver,
+    isa_note,
+    judge,
+    shared_bound,
+    target_text,
+    tokens_bound,
+)
+from ._machine import CpuShare, MiB
 from ._timing import Progress, alone, clock, interleaved, median, spread
 
 PEERS = ("torch", "onnxruntime")
-TOLERANCE = {"fp32": 2e-3, "fp16": 5e-2, "bf16": 5e-2, "int8": 2e-3, "fp8": 2e-3}  # max |attnx - peer|, outputs of O(1)
+TOLERANCE = {
+    "fp32": 2e-3,
+    "fp16": 5e-2,
+    "bf16": 5e-2,
+    "int8": 2e-3,
+    "fp8": 2e-3,
+}  # max |attnx - peer|, outputs of O(1)
 
 
 @dataclass
 class Row:
     spec: Case
     attnx_s: float | None = None
-    numpy_s: float | None = None    # at the full shape (extrapolated when numpy_estimated)
+    numpy_s: float | None = None  # at the full shape (extrapolated when numpy_estimated)
     numpy_estimated: bool = False
     numpy_shape: str | None = None
-    peer_s: dict = field(default_factory=dict)   # peer -> median seconds
-    vs: dict = field(default_factory=dict)       # peer -> its time / attnx's
+    peer_s: dict = field(default_factory=dict)  # peer -> median seconds
+    vs: dict = field(default_factory=dict)  # peer -> its time / attnx's
     vs_numpy: float | None = None
-    rate: float | None = None       # GFLOP/s or GB/s
+    rate: float | None = None  # GFLOP/s or GB/s
     pct_of_limit: float | None = None
     limit_name: str = ""
     met: bool | None = None
@@ -55,26 +73,51 @@ class Row:
         return {"flops": "GFLOP/s", "bytes": "GB/s"}.get(self.spec.shape.kind, "")
 
     def to_json(self):
-        d = {k: getattr(self, k) for k in ("key", "kind", "attnx_s", "numpy_s", "numpy_estimated",
-                                           "numpy_shape", "vs_numpy", "rate", "rate_unit",
-                                           "pct_of_limit", "limit_name", "met", "met_text",
-                                           "extra", "notes", "samples")}
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "key",
+                "kind",
+                "attnx_s",
+                "numpy_s",
+                "numpy_estimated",
+                "numpy_shape",
+                "vs_numpy",
+                "rate",
+                "rate_unit",
+                "pct_of_limit",
+                "limit_name",
+                "met",
+                "met_text",
+                "extra",
+                "notes",
+                "samples",
+            )
+        }
         shape = self.spec.shape.describe()
         if self.kind == "threads":
             shape += f" 1 vs {self.extra['threads']} thr"
-        d.update(case=self.spec.name, shape=shape, target=target_text(self),
-                 torch_s=self.peer_s.get("torch"), vs_torch=self.vs.get("torch"),
-                 onnxruntime_s=self.peer_s.get("onnxruntime"), vs_onnxruntime=self.vs.get("onnxruntime"),
-                 work=self.spec.shape.work(),
-                 declaration={"shape": {"type": type(self.spec.shape).__name__,
-                                        **self.spec.shape.__dict__},
-                              "goals": [{"goal": type(g).__name__, **g.__dict__} for g in self.spec.goals]})
+        d.update(
+            case=self.spec.name,
+            shape=shape,
+            target=target_text(self),
+            torch_s=self.peer_s.get("torch"),
+            vs_torch=self.vs.get("torch"),
+            onnxruntime_s=self.peer_s.get("onnxruntime"),
+            vs_onnxruntime=self.vs.get("onnxruntime"),
+            work=self.spec.shape.work(),
+            declaration={
+                "shape": {"type": type(self.spec.shape).__name__, **self.spec.shape.__dict__},
+                "goals": [{"goal": type(g).__name__, **g.__dict__} for g in self.spec.goals],
+            },
+        )
         return d
 
 
 @dataclass
 class Bench:
     """What every case runs with: threads, repetitions, the peers found, the progress line."""
+
     threads: int
     repeat: int
     quick: bool
@@ -98,7 +141,11 @@ def _dense(case: Case) -> Dense:
 def _inputs(shape, seed):
     if isinstance(shape, Delta):
         return _peers.delta_inputs(shape, seed)
-    return _peers.paged_inputs(shape, seed) if not isinstance(shape, Dense) else _peers.dense_inputs(shape, seed)
+    return (
+        _peers.paged_inputs(shape, seed)
+        if not isinstance(shape, Dense)
+        else _peers.dense_inputs(shape, seed)
+    )
 
 
 def _impls(case, data, bench):
@@ -111,8 +158,10 @@ def _impls(case, data, bench):
     else:
         impls = {"attnx": _peers.attnx_paged(shape, data, nt)}
     skipped = {}
-    peers = {"torch": (bench.torch, _peers.torch_skip_reason, _peers.torch_impl),
-             "onnxruntime": (bench.ort, _peers.ort_skip_reason, _peers.ort_impl)}
+    peers = {
+        "torch": (bench.torch, _peers.torch_skip_reason, _peers.torch_impl),
+        "onnxruntime": (bench.ort, _peers.ort_skip_reason, _peers.ort_impl),
+    }
     for name, (mods, skip_reason, impl) in peers.items():
         if mods is None:
             continue
@@ -140,8 +189,11 @@ def _check_peers(row, impls):
 def _time_reference(row, case, data, bench):
     cut = case.shape.cut(**case.ref)
     bench.progress.phase("NumPy reference" + (f" on {cut.describe()}" if cut != case.shape else ""))
-    t = median(alone(_peers.reference_call(case.shape, data, cut), case.ref_samples,
-                     sample_s=bench.sample_s))
+    t = median(
+        alone(
+            _peers.reference_call(case.shape, data, cut), case.ref_samples, sample_s=bench.sample_s
+        )
+    )
     if cut != case.shape:
         row.numpy_estimated, row.numpy_shape = True, cut.describe()
         t *= case.shape.work() / cut.work()
@@ -180,6 +232,7 @@ def _interleaved_path(case, fn):
             fn()
         finally:
             _core.set_isa(mine)
+
     return on_path
 
 
@@ -199,8 +252,12 @@ def run_case(case: Case, bench: Bench) -> Row:
     path = _interleaved_path(case, fns["attnx"])
     if path is not None:
         fns[PATH] = path
-    s = interleaved(fns, bench.repeat, sample_s=bench.sample_s,
-                    on_round=lambda r, n: bench.progress.phase(f"{' / '.join(fns)} round {r}/{n}"))
+    s = interleaved(
+        fns,
+        bench.repeat,
+        sample_s=bench.sample_s,
+        on_round=lambda r, n: bench.progress.phase(f"{' / '.join(fns)} round {r}/{n}"),
+    )
     row.samples = s
     row.attnx_s = median(s["attnx"])
     if base is not None:
@@ -234,8 +291,10 @@ def threads_case(case: Case, bench: Bench) -> Row:
         return row
     q, k, v, _ = _peers.dense_inputs(_dense(case), case.seed)
     out = np.empty_like(q)
-    fns = {"attnx": lambda: attnx.attention(q, k, v, num_threads=nt, out=out),
-           "attnx_1": lambda: attnx.attention(q, k, v, num_threads=1, out=out)}
+    fns = {
+        "attnx": lambda: attnx.attention(q, k, v, num_threads=nt, out=out),
+        "attnx_1": lambda: attnx.attention(q, k, v, num_threads=1, out=out),
+    }
     if bench.torch is not None:
         torch = bench.torch[0]
         sdpa = _peers.torch_dense(bench.torch, case.shape, q, k, v, None, nt)
@@ -250,7 +309,9 @@ def threads_case(case: Case, bench: Bench) -> Row:
     row.samples = s
     row.attnx_s = median(s["attnx"])
     row.rate = case.shape.work() / row.attnx_s / 1e9
-    row.extra.update(attnx_1thread_s=median(s["attnx_1"]), speedup=median(s["attnx_1"]) / row.attnx_s)
+    row.extra.update(
+        attnx_1thread_s=median(s["attnx_1"]), speedup=median(s["attnx_1"]) / row.attnx_s
+    )
     row.limit_name = "FMA-peak scaling"
     return row
 
@@ -285,12 +346,20 @@ def memory_case(case: Case, bench: Bench) -> Row:
     S, D = dense.Sk, dense.D
     env = dict(os.environ)
     env.pop("PYTHONSTARTUP", None)
-    res = subprocess.run([sys.executable, "-c", _MEMORY_CHILD.format(S=S, D=D, threads=bench.threads)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", _MEMORY_CHILD.format(S=S, D=D, threads=bench.threads)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if res.returncode != 0:
         err = res.stderr.strip()
-        row.notes.append("subprocess failed: " + err.splitlines()[-1] if err
-                         else f"subprocess exit {res.returncode}")
+        row.notes.append(
+            "subprocess failed: " + err.splitlines()[-1]
+            if err
+            else f"subprocess exit {res.returncode}"
+        )
         return row
     m = json.loads(res.stdout.strip().splitlines()[-1])
     growth = m["hwm_after"] - m["rss_before"]
@@ -300,8 +369,15 @@ def memory_case(case: Case, bench: Bench) -> Row:
     row.rate = case.shape.work() / row.attnx_s / 1e9
     row.pct_of_limit = 100 * growth / scores
     row.limit_name = "S² fp32 score matrix"
-    row.extra.update({"rss_growth_bytes": growth, "score_matrix_bytes": scores,
-                      "inputs_outputs_bytes": io_bytes, "allowed_bytes": max(4 * io_bytes, 64 * MiB), **m})
+    row.extra.update(
+        {
+            "rss_growth_bytes": growth,
+            "score_matrix_bytes": scores,
+            "inputs_outputs_bytes": io_bytes,
+            "allowed_bytes": max(4 * io_bytes, 64 * MiB),
+            **m,
+        }
+    )
     row.notes.append("numpy/torch not run (numpy would need the S² matrix)")
     return row
 
@@ -393,9 +469,12 @@ def finalize(rows, limits):
     for r in rows:
         for goal in r.spec.goals:  # the bounds of rows judged against another need the limits
             if isinstance(goal, OverRow) and goal.base in by_key:
-                r.extra["bound_vs_unshared"] = shared_bound(r.spec.shape, by_key[goal.base].spec.shape,
-                                                            limits.values)
+                r.extra["bound_vs_unshared"] = shared_bound(
+                    r.spec.shape, by_key[goal.base].spec.shape, limits.values
+                )
             if isinstance(goal, TokensOver) and goal.bounded and goal.base in by_key:
-                r.extra[f"bound_vs_{goal.label}"] = tokens_bound(r.spec.shape, by_key[goal.base], limits.values)
+                r.extra[f"bound_vs_{goal.label}"] = tokens_bound(
+                    r.spec.shape, by_key[goal.base], limits.values
+                )
     for r in rows:
         judge(r, by_key)

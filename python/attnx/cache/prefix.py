@@ -7,15 +7,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["token_ids", "extra_bytes"]
+__all__ = ["extra_bytes", "token_ids"]
 
 
 def token_ids(tokens: Any, name: str, n: int | None = None) -> np.ndarray:
     """``tokens`` as an int64 array ``(len,)`` (of length ``n`` when given)."""
     a = np.asarray(tokens)
     if a.ndim != 1 or not (a.dtype.kind in "iu" or (a.size == 0 and a.dtype.kind == "f")):
-        raise TypeError(f"{name}: expected a 1-d sequence of integer token ids, got "
-                        f"{'shape ' + str(a.shape) if a.ndim != 1 else 'dtype ' + a.dtype.name}")
+        raise TypeError(
+            f"{name}: expected a 1-d sequence of integer token ids, got "
+            f"{'shape ' + str(a.shape) if a.ndim != 1 else 'dtype ' + a.dtype.name}"
+        )
     if n is not None and len(a) != n:
         raise ValueError(f"{name}: expected {n} token ids, got {len(a)}")
     if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:

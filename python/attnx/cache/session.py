@@ -29,18 +29,28 @@ import re
 import reprlib
 import struct
 import tempfile
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-__all__ = ["SessionError", "FORMAT", "info"]
+__all__ = ["FORMAT", "SessionError", "info"]
 
 FORMAT = "attnx-kv-session/1"
 _GEOMETRY = ("num_layers", "num_kv_heads", "head_dim", "value_dim", "dtype", "value_from_key")
 # every field of the attnx header but ``tokens`` (None or a list of ints) and ``meta`` (any JSON),
 # with its type (exactly: a bool is no int here, as 1.0 is none)
-_FIELDS = {"format": str, "num_layers": int, "num_kv_heads": int, "head_dim": int, "value_dim": int,
-           "dtype": str, "value_from_key": bool, "length": int, "root": str}
+_FIELDS = {
+    "format": str,
+    "num_layers": int,
+    "num_kv_heads": int,
+    "head_dim": int,
+    "value_dim": int,
+    "dtype": str,
+    "value_from_key": bool,
+    "length": int,
+    "root": str,
+}
 # geometry only a hybrid cache writes (its files also hold a tensor "state", the sequence's
 # recurrent states), and what a file without it means
 _HYBRID = {"linear_layers": 0, "state_shape": None}
@@ -55,17 +65,24 @@ def _safetensors_numpy() -> Any:
     try:
         import safetensors.numpy as stn
     except ImportError:
-        raise ImportError("sessions need the safetensors package: pip install 'attnx[sessions]' "
-                          "(or pip install safetensors)") from None
+        raise ImportError(
+            "sessions need the safetensors package: pip install 'attnx[sessions]' "
+            "(or pip install safetensors)"
+        ) from None
     return stn
 
 
 def geometry(cache: Any) -> dict[str, Any]:
     """The figures a session must share with the cache that loads it (those of linear layers
     only where the cache has some, so that other files stay as they were)."""
-    geom = {"num_layers": cache.num_layers, "num_kv_heads": cache.num_kv_heads,
-            "head_dim": cache.head_dim, "value_dim": cache.value_dim, "dtype": cache.dtype.name,
-            "value_from_key": cache.value_from_key}
+    geom = {
+        "num_layers": cache.num_layers,
+        "num_kv_heads": cache.num_kv_heads,
+        "head_dim": cache.head_dim,
+        "value_dim": cache.value_dim,
+        "dtype": cache.dtype.name,
+        "value_from_key": cache.value_from_key,
+    }
     if cache.linear_layers:
         geom.update(linear_layers=cache.linear_layers, state_shape=list(cache.state_shape))
     return geom
@@ -100,7 +117,9 @@ def _json(value: Any, name: str) -> str:
 def path_str(path: Any) -> str:
     """``path`` as ``open`` takes it (str, bytes or os.PathLike; not a file descriptor), as a str."""
     if not isinstance(path, (str, bytes, os.PathLike)):
-        raise TypeError(f"path: expected a str, bytes or os.PathLike path, got {type(path).__name__}")
+        raise TypeError(
+            f"path: expected a str, bytes or os.PathLike path, got {type(path).__name__}"
+        )
     return os.fsdecode(os.fspath(path))
 
 
@@ -133,12 +152,24 @@ def _write_atomic(path: str, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def encode(geom: dict[str, Any], tensors: dict[str, np.ndarray], length: int,
-           tokens: np.ndarray | None, root: bytes, meta: Any) -> bytes:
+def encode(
+    geom: dict[str, Any],
+    tensors: dict[str, np.ndarray],
+    length: int,
+    tokens: np.ndarray | None,
+    root: bytes,
+    meta: Any,
+) -> bytes:
     """The bytes of a session file (``root``: the prefix digest chain's start, which carries
     the sequence's extra key, so that a loaded sequence registers its blocks as the saved one)."""
-    header = dict(geom, format=FORMAT, length=length, root=root.hex(),
-                  tokens=None if tokens is None else [int(t) for t in tokens], meta=meta)
+    header = dict(
+        geom,
+        format=FORMAT,
+        length=length,
+        root=root.hex(),
+        tokens=None if tokens is None else [int(t) for t in tokens],
+        meta=meta,
+    )
     header_json = _json(header, "meta")
     stored = {name: _stored(t) for name, t in tensors.items()}
     metadata = {"attnx": header_json, "attnx.checksum": _checksum(header_json, stored)}
@@ -160,7 +191,9 @@ def _parse(text: str | bytes, path: str, what: str) -> Any:
     try:
         return json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError):
-        raise SessionError(f"{path}: {what} is corrupted (not JSON, or nested too deeply)") from None
+        raise SessionError(
+            f"{path}: {what} is corrupted (not JSON, or nested too deeply)"
+        ) from None
 
 
 def _metadata(data: bytes, path: str) -> dict[str, str]:
@@ -169,7 +202,7 @@ def _metadata(data: bytes, path: str) -> dict[str, str]:
     n = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else len(data)
     if 8 + n > len(data):
         raise SessionError(f"{path}: not a readable safetensors file (truncated or corrupted)")
-    header = _parse(data[8:8 + n], path, "the safetensors header")
+    header = _parse(data[8 : 8 + n], path, "the safetensors header")
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or "attnx" not in meta or "attnx.checksum" not in meta:
         raise SessionError(f"{path}: not an attnx session file (no attnx header in its metadata)")
@@ -191,43 +224,55 @@ def _header(meta: Mapping[str, str], path: str) -> dict[str, Any]:
     if wrong:
         raise SessionError(f"{path}: corrupted attnx header ({'; '.join(wrong)})")
     if header["length"] < 0 or not re.fullmatch("[0-9a-f]{64}", header["root"]):
-        raise SessionError(f"{path}: corrupted attnx header (length {header['length']}, "
-                           f"root digest {reprlib.repr(header['root'])})")
+        raise SessionError(
+            f"{path}: corrupted attnx header (length {header['length']}, "
+            f"root digest {reprlib.repr(header['root'])})"
+        )
     tokens = header.get("tokens")
     if tokens is not None and not _token_list(tokens, header["length"]):
-        raise SessionError(f"{path}: corrupted attnx header (token ids: expected null or "
-                           f"{header['length']} ints in int64)")
+        raise SessionError(
+            f"{path}: corrupted attnx header (token ids: expected null or "
+            f"{header['length']} ints in int64)"
+        )
     return header
 
 
 def _wrong_fields(header: dict[str, Any]) -> list[str]:
     """What is wrong with the header's fields' types (and the linear layers' values)."""
-    wrong = [f"{k} is {type(header.get(k)).__name__}, expected {kind.__name__}"
-             for k, kind in _FIELDS.items() if type(header.get(k)) is not kind]
+    wrong = [
+        f"{k} is {type(header.get(k)).__name__}, expected {kind.__name__}"
+        for k, kind in _FIELDS.items()
+        if type(header.get(k)) is not kind
+    ]
     if type(header.get("linear_layers", 0)) is not int or header.get("linear_layers", 0) < 0:
         wrong.append("linear_layers: expected an int >= 0")
     shape = header.get("state_shape")
-    if shape is not None and not (isinstance(shape, list) and len(shape) == 3
-                                  and all(type(d) is int and d > 0 for d in shape)):
+    if shape is not None and not (
+        isinstance(shape, list) and len(shape) == 3 and all(type(d) is int and d > 0 for d in shape)
+    ):
         wrong.append("state_shape: expected null or 3 ints > 0")
     return wrong
 
 
 def _token_list(tokens: Any, length: int) -> bool:
     """Whether ``tokens`` is a list of ``length`` ints in int64."""
-    return (isinstance(tokens, list) and len(tokens) == length
-            and all(type(t) is int and -2**63 <= t < 2**63 for t in tokens))
+    return (
+        isinstance(tokens, list)
+        and len(tokens) == length
+        and all(type(t) is int and -(2**63) <= t < 2**63 for t in tokens)
+    )
 
 
-def decode(data: bytes, path: str, cache: Any, expect: Mapping[str, Any] | None
-           ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None, bytes]:
+def decode(
+    data: bytes, path: str, cache: Any, expect: Mapping[str, Any] | None
+) -> tuple[dict[str, np.ndarray], int, np.ndarray | None, bytes]:
     """Checks session bytes against ``cache`` and ``expect``: the tensors (in the cache's
     dtype), the length, the token ids and the chain's root digest. Raises :class:`SessionError`."""
     meta = _metadata(data, path)
     header = _header(meta, path)
     try:
         stored = _safetensors_numpy().load(data)
-    except Exception as e:  # safetensors raises its own error type for a malformed file
+    except Exception as e:  # noqa: BLE001 (safetensors raises its own error type for a malformed file)
         raise SessionError(f"{path}: truncated or corrupted tensors ({e})") from None
     except BaseException as e:  # (a panic in its Rust code: pyo3's PanicException)
         if type(e).__name__ != "PanicException":
@@ -239,11 +284,15 @@ def decode(data: bytes, path: str, cache: Any, expect: Mapping[str, Any] | None
     return _tensors(header, stored, cache, path)
 
 
-def _check_model(header: dict[str, Any], geom: dict[str, Any], expect: Mapping[str, Any] | None,
-                 path: str) -> None:
-    fields = {k: None for k in _GEOMETRY} | _HYBRID
-    wrong = [f"{k}: file {reprlib.repr(header.get(k, d))}, cache {geom.get(k, d)!r}"
-             for k, d in fields.items() if header.get(k, d) != geom.get(k, d)]
+def _check_model(
+    header: dict[str, Any], geom: dict[str, Any], expect: Mapping[str, Any] | None, path: str
+) -> None:
+    fields = dict.fromkeys(_GEOMETRY) | _HYBRID
+    wrong = [
+        f"{k}: file {reprlib.repr(header.get(k, d))}, cache {geom.get(k, d)!r}"
+        for k, d in fields.items()
+        if header.get(k, d) != geom.get(k, d)
+    ]
     if wrong:
         raise SessionError(f"{path}: made for another cache geometry ({'; '.join(wrong)})")
     if expect is None:
@@ -255,16 +304,20 @@ def _check_model(header: dict[str, Any], geom: dict[str, Any], expect: Mapping[s
     # compared as canonical JSON, so that true is not 1 and 1.0 is not 1
     wanted = {k: _json(v, "expect") for k, v in expect.items()}
     try:
-        wrong = [f"{k}: file {reprlib.repr(user.get(k, '<missing>'))}, expected {v!r}"
-                 for k, v in expect.items() if k not in user or _json(user[k], "meta") != wanted[k]]
+        wrong = [
+            f"{k}: file {reprlib.repr(user.get(k, '<missing>'))}, expected {v!r}"
+            for k, v in expect.items()
+            if k not in user or _json(user[k], "meta") != wanted[k]
+        ]
     except RecursionError:
         raise SessionError(f"{path}: corrupted meta (nested too deeply)") from None
     if wrong:
         raise SessionError(f"{path}: made for another model ({'; '.join(wrong)})")
 
 
-def _tensors(header: dict[str, Any], stored: dict[str, np.ndarray], cache: Any, path: str
-             ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None, bytes]:
+def _tensors(
+    header: dict[str, Any], stored: dict[str, np.ndarray], cache: Any, path: str
+) -> tuple[dict[str, np.ndarray], int, np.ndarray | None, bytes]:
     n, tokens = header["length"], header.get("tokens")  # (checked by _header)
     root = bytes.fromhex(header["root"])
     ids = None if tokens is None else np.array(tokens, np.int64).reshape(n)
@@ -278,8 +331,11 @@ def _tensors(header: dict[str, Any], stored: dict[str, np.ndarray], cache: Any, 
     for name in names:
         t = stored.get(name)
         dtype = np.dtype(np.float32) if name in ("k_scales", "v_scales", "state") else cache.dtype
-        shape = ((cache.linear_layers,) + tuple(cache.state_shape) if name == "state"
-                 else (cache.num_layers, cache.num_kv_heads, n) + widths[name])
+        shape = (
+            (cache.linear_layers,) + tuple(cache.state_shape)
+            if name == "state"
+            else (cache.num_layers, cache.num_kv_heads, n) + widths[name]
+        )
         if t is None or t.shape != shape or t.dtype != _stored(np.empty(0, dtype)).dtype:
             raise SessionError(f"{path}: tensor {name!r} is not {shape} of {dtype.name}")
         out[name] = t.view(dtype)

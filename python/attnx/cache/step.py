@@ -18,7 +18,7 @@ from .blocks import stack_rows
 if TYPE_CHECKING:
     from . import PagedKVCache, SeqState
 
-__all__ = ["Step", "StaleStepError", "packed_tokens"]
+__all__ = ["StaleStepError", "Step", "packed_tokens"]
 
 
 class StaleStepError(RuntimeError):
@@ -41,8 +41,14 @@ class Step:
     num_tokens : int, ``T``
     """
 
-    def __init__(self, cache: PagedKVCache, ids: list[int], seqs: list[SeqState], starts: list[int],
-                 counts: list[int]) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        ids: list[int],
+        seqs: list[SeqState],
+        starts: list[int],
+        counts: list[int],
+    ) -> None:
         bs = cache.block_size
         self._cache = cache
         self._seqs = seqs
@@ -54,9 +60,11 @@ class Step:
         self.block_tables = stack_rows([s.row for s in seqs])
         self.num_tokens = sum(counts)
         seq_index = np.repeat(np.arange(len(seqs)), self.q_lens)
-        pos = np.arange(self.num_tokens, dtype=np.int64) - np.repeat(
-            np.cumsum(self.q_lens, dtype=np.int64) - self.q_lens, self.q_lens) + np.array(
-            starts, dtype=np.int64)[seq_index]
+        pos = (
+            np.arange(self.num_tokens, dtype=np.int64)
+            - np.repeat(np.cumsum(self.q_lens, dtype=np.int64) - self.q_lens, self.q_lens)
+            + np.array(starts, dtype=np.int64)[seq_index]
+        )
         self.positions = pos.astype(np.int32)
         self.slots = self.block_tables[seq_index, pos // bs].astype(np.int64) * bs + pos % bs
         self._starts = starts
@@ -88,23 +96,39 @@ class Step:
         if self._cache.sliding_window is not None:
             return []
         g = self._shared_groups()
-        return [([self.seq_ids[i] for i in rows], p0, p)
-                for rows, p0, p in zip(g.rows, g.starts, g.blocks)]
+        return [
+            ([self.seq_ids[i] for i in rows], p0, p)
+            for rows, p0, p in zip(g.rows, g.starts, g.blocks)
+        ]
 
     def _shared_groups(self) -> Any:
         """The groups of this step's sequences that share leading blocks (planned once, for
         every layer)."""
         if self._shared is None:
             from ..ops import cascade as _shared
-            self._shared = _shared.plan_groups(self.block_tables, self.seq_lens, self.q_lens,
-                                               self._cache.block_size)
+
+            self._shared = _shared.plan_groups(
+                self.block_tables, self.seq_lens, self.q_lens, self._cache.block_size
+            )
         return self._shared
 
     @_tensors.tensor_io
-    def attend(self, layer: int, q: Any, k: Any, v: Any = None, *, scale: float | None = None,
-               num_threads: int | None = None, return_lse: bool = False, window: Any = None,
-               softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-               shared_prefix: bool = True) -> Any:
+    def attend(
+        self,
+        layer: int,
+        q: Any,
+        k: Any,
+        v: Any = None,
+        *,
+        scale: float | None = None,
+        num_threads: int | None = None,
+        return_lse: bool = False,
+        window: Any = None,
+        softcap: float | None = None,
+        sinks: Any = None,
+        alibi_slopes: Any = None,
+        shared_prefix: bool = True,
+    ) -> Any:
         """Writes this step's new keys and values into layer ``layer`` and attends.
 
         Parameters
@@ -140,46 +164,127 @@ class Step:
         ValueError, TypeError
             A malformed argument. Nothing is written.
         """
-        return self._attend(layer, q, k, v, scale=scale, num_threads=num_threads,
-                            return_lse=return_lse, window=window, softcap=softcap, sinks=sinks,
-                            alibi_slopes=alibi_slopes, shared_prefix=shared_prefix)
+        return self._attend(
+            layer,
+            q,
+            k,
+            v,
+            scale=scale,
+            num_threads=num_threads,
+            return_lse=return_lse,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            alibi_slopes=alibi_slopes,
+            shared_prefix=shared_prefix,
+        )
 
-    def _attend(self, layer: int, q: Any, k: Any, v: Any, *, scale: float | None = None,
-                num_threads: int | None = None, return_lse: bool = False, window: Any = None,
-                softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-                shared_prefix: bool = True) -> Any:
+    def _attend(
+        self,
+        layer: int,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        scale: float | None = None,
+        num_threads: int | None = None,
+        return_lse: bool = False,
+        window: Any = None,
+        softcap: float | None = None,
+        sinks: Any = None,
+        alibi_slopes: Any = None,
+        shared_prefix: bool = True,
+    ) -> Any:
         """:meth:`attend` on NumPy arrays (no tensor conversion): what ``attnx.hf`` calls once
         per model layer, with NumPy views of the model's tensors."""
-        result = self._attend_layer(layer, q, k, v, scale=scale, num_threads=num_threads,
-                                    return_lse=return_lse, window=window, softcap=softcap,
-                                    sinks=sinks, alibi_slopes=alibi_slopes,
-                                    shared_prefix=shared_prefix)
-        if len(self._written) < self._layers:  # returned: its rows are written (a refusal writes none)
-            self._wrote(layer if type(layer) is int else _index(layer, "layer", self._cache.num_layers))
+        result = self._attend_layer(
+            layer,
+            q,
+            k,
+            v,
+            scale=scale,
+            num_threads=num_threads,
+            return_lse=return_lse,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            alibi_slopes=alibi_slopes,
+            shared_prefix=shared_prefix,
+        )
+        if (
+            len(self._written) < self._layers
+        ):  # returned: its rows are written (a refusal writes none)
+            self._wrote(
+                layer if type(layer) is int else _index(layer, "layer", self._cache.num_layers)
+            )
         return result
 
-    def _attend_layer(self, layer: int, q: Any, k: Any, v: Any, *, scale: float | None = None,
-                      num_threads: int | None = None, return_lse: bool = False, window: Any = None,
-                      softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-                      shared_prefix: bool = True) -> Any:
+    def _attend_layer(
+        self,
+        layer: int,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        scale: float | None = None,
+        num_threads: int | None = None,
+        return_lse: bool = False,
+        window: Any = None,
+        softcap: float | None = None,
+        sinks: Any = None,
+        alibi_slopes: Any = None,
+        shared_prefix: bool = True,
+    ) -> Any:
         cache = self._cache
         # is_current's first test inline (this runs once per model layer)
         if cache._epoch != self._epoch and not cache.is_current(self):
-            raise StaleStepError("attend: a sequence of this step was truncated, freed or "
-                                 "stepped again since begin_step")
+            raise StaleStepError(
+                "attend: a sequence of this step was truncated, freed or "
+                "stepped again since begin_step"
+            )
         step_plan = self._step_plan
         if step_plan is None:  # the tables, slots and shared-prefix groups, once for every layer
             from ..ops import cascade as _shared
-            step_plan = self._step_plan = _core.StepPlan(
-                cache._all_layer_pages(), self.block_tables, self.seq_lens, self.q_lens, self.slots,
-                cache.value_from_key, None if cache.sliding_window is None else cache.sliding_window - 1,
-                _shared.MIN_SAVED_KEYS)
-        return _api.step_call(step_plan, layer, q, k, v, scale, num_threads, return_lse, window, softcap,
-                              sinks, alibi_slopes, shared_prefix)
 
-    def linear(self, layer: int, q: Any, k: Any, v: Any, g: Any, beta: Any, *,
-               scale: float | None = None, qk_l2norm: bool = False,
-               num_threads: int | None = None) -> Any:
+            step_plan = self._step_plan = _core.StepPlan(
+                cache._all_layer_pages(),
+                self.block_tables,
+                self.seq_lens,
+                self.q_lens,
+                self.slots,
+                cache.value_from_key,
+                None if cache.sliding_window is None else cache.sliding_window - 1,
+                _shared.MIN_SAVED_KEYS,
+            )
+        return _api.step_call(
+            step_plan,
+            layer,
+            q,
+            k,
+            v,
+            scale,
+            num_threads,
+            return_lse,
+            window,
+            softcap,
+            sinks,
+            alibi_slopes,
+            shared_prefix,
+        )
+
+    def linear(
+        self,
+        layer: int,
+        q: Any,
+        k: Any,
+        v: Any,
+        g: Any,
+        beta: Any,
+        *,
+        scale: float | None = None,
+        qk_l2norm: bool = False,
+        num_threads: int | None = None,
+    ) -> Any:
         """Runs gated delta-rule layer ``layer`` (of the cache's ``linear_layers``) over this
         step's tokens, from each sequence's state, and stores the advanced states.
 
@@ -207,27 +312,50 @@ class Step:
 
         cache = self._cache
         if cache.linear_layers == 0:
-            raise ValueError("layer: this cache has no linear layers (PagedKVCache(..., linear_layers=n, state_shape=...))")
+            raise ValueError(
+                "layer: this cache has no linear layers (PagedKVCache(..., linear_layers=n, state_shape=...))"
+            )
         li = _index(layer, "layer", cache.linear_layers)
         if li in self._linear_done:
-            raise ValueError(f"layer: linear layer {li} already ran in this step (its states advance once per step)")
+            raise ValueError(
+                f"layer: linear layer {li} already ran in this step (its states advance once per step)"
+            )
         assert cache.state_shape is not None
         hv, kw, vw = cache.state_shape
         q, k, v, g, beta = (x if hasattr(x, "shape") else np.asarray(x) for x in (q, k, v, g, beta))
         for name, x, heads, width in (("q", q, None, kw), ("k", k, None, kw), ("v", v, hv, vw)):
             shape = tuple(x.shape)
-            if len(shape) != 3 or shape[0] != self.num_tokens or shape[2] != width or (heads and shape[1] != heads):
+            if (
+                len(shape) != 3
+                or shape[0] != self.num_tokens
+                or shape[2] != width
+                or (heads and shape[1] != heads)
+            ):
                 want = f"(T={self.num_tokens}, {'Hv=' + str(heads) if heads else 'Hk'}, {width})"
-                raise ValueError(f"{name}: expected {want} for this step and the cache's state_shape, got {shape}")
+                raise ValueError(
+                    f"{name}: expected {want} for this step and the cache's state_shape, got {shape}"
+                )
         if not cache.is_current(self):
-            raise StaleStepError("linear: a sequence of this step was truncated, freed or "
-                                 "stepped again since begin_step")
+            raise StaleStepError(
+                "linear: a sequence of this step was truncated, freed or "
+                "stepped again since begin_step"
+            )
         zero = np.zeros((hv, kw, vw), np.float32)
         init = np.stack([zero if s.state is None else s.state[li] for s in self._seqs])
         cu = np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)])
-        o, final = gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
-                                    initial_state=init, output_final_state=True, qk_l2norm=qk_l2norm,
-                                    cu_seqlens=cu, num_threads=num_threads)
+        o, final = gated_delta_rule(
+            q[None],
+            k[None],
+            v[None],
+            g[None],
+            beta[None],
+            scale=scale,
+            initial_state=init,
+            output_final_state=True,
+            qk_l2norm=qk_l2norm,
+            cu_seqlens=cu,
+            num_threads=num_threads,
+        )
         final = np.asarray(final)
         for i, s in enumerate(self._seqs):  # nothing above wrote anything: now the states advance
             if s.state is None:

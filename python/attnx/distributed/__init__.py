@@ -26,16 +26,26 @@ computes no gradients.
 from __future__ import annotations
 
 try:
-    import torch  # noqa: F401
+    import torch
     import torch.distributed  # noqa: F401
 except ImportError as _exc:  # pragma: no cover - the tests skip without torch
-    raise ImportError("attnx.distributed needs PyTorch, whose torch.distributed is its transport: "
-                      "pip install torch") from _exc
+    raise ImportError(
+        "attnx.distributed needs PyTorch, whose torch.distributed is its transport: "
+        "pip install torch"
+    ) from _exc
 
 from .collective import DistributedError
 from .ring import attention, ring_attention
 from .sharded_cache import ShardedPagedKVCache, ShardedStep
 from .zigzag import zigzag_positions, zigzag_shard, zigzag_unshard
 
-__all__ = ["attention", "ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions",
-           "ShardedPagedKVCache", "ShardedStep", "DistributedError"]
+__all__ = [
+    "DistributedError",
+    "ShardedPagedKVCache",
+    "ShardedStep",
+    "attention",
+    "ring_attention",
+    "zigzag_positions",
+    "zigzag_shard",
+    "zigzag_unshard",
+]

@@ -10,9 +10,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._validate import LAYOUTS as _LAYOUTS, as_array, choice, flag, from4, rank_lens, storage_dtype, to4
+from .._validate import LAYOUTS as _LAYOUTS
+from .._validate import as_array, choice, flag, from4, rank_lens, storage_dtype, to4
 
-__all__ = ["DistributedError", "rank_world", "comm", "gather", "agree", "digest", "as_numpy", "like", "check_dtype", "inputs4", "global_key_lens", "signature", "lens_array", "SIGNATURE", "result4", "pack", "DTYPES", "BF16"]
+__all__ = [
+    "BF16",
+    "DTYPES",
+    "SIGNATURE",
+    "DistributedError",
+    "agree",
+    "as_numpy",
+    "check_dtype",
+    "comm",
+    "digest",
+    "gather",
+    "global_key_lens",
+    "inputs4",
+    "lens_array",
+    "like",
+    "pack",
+    "rank_world",
+    "result4",
+    "signature",
+]
 
 BF16 = storage_dtype("bfloat16")
 DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16)
@@ -29,12 +49,14 @@ class DistributedError(RuntimeError):
 
 # ---- the group and its exchanges ---------------------------------------------------------------
 
+
 def rank_world(group):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "attnx.distributed: torch.distributed is not initialised: call "
             "torch.distributed.init_process_group(backend='gloo', timeout=datetime.timedelta("
-            "seconds=60)) in every process first (torchrun provides the rendezvous)")
+            "seconds=60)) in every process first (torchrun provides the rendezvous)"
+        )
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -46,7 +68,8 @@ def comm(what, fn, *args, **kw):
         raise DistributedError(
             f"{what}: communication failed: another rank raised, exited or did not arrive within "
             f"the process group's timeout (set by init_process_group(timeout=...)). "
-            f"torch.distributed says: {exc}") from exc
+            f"torch.distributed says: {exc}"
+        ) from exc
 
 
 def gather(what, buf, error, group, world):
@@ -72,7 +95,8 @@ def gather(what, buf, error, group, world):
     failures = {int(r): found[r] for r in failed}
     raise DistributedError(
         f"{what}: " + "; ".join(f"rank {r} raised {t}: {m}" for r, (t, m) in failures.items()),
-        failures)
+        failures,
+    )
 
 
 def agree(what, error, values, names, group, world, *, local=()):
@@ -84,8 +108,10 @@ def agree(what, error, values, names, group, world, *, local=()):
     table = gather(what, buf, error, group, world)[:, 1:]
     for c, name in enumerate(names):
         if name not in local and (table[:, c] != table[0, c]).any():
-            raise DistributedError(f"{what}: the ranks disagree on {name} (every rank must pass the "
-                                   f"same): by rank {table[:, c].tolist()}")
+            raise DistributedError(
+                f"{what}: the ranks disagree on {name} (every rank must pass the "
+                f"same): by rank {table[:, c].tolist()}"
+            )
     return table
 
 
@@ -97,6 +123,7 @@ def digest(x):
 
 
 # ---- arrays and tensors --------------------------------------------------------------------------
+
 
 def as_numpy(x, name):
     """A NumPy view of a NumPy array, a CPU tensor (bfloat16 through an int16 view) or anything
@@ -134,7 +161,9 @@ def inputs4(q, k, v, layout):
     q, k, v = as_numpy(q, "q"), as_numpy(k, "k"), as_numpy(v, "v")
     rank = q.ndim
     if rank not in (2, 3, 4):
-        raise ValueError(f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}")
+        raise ValueError(
+            f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}"
+        )
     check_dtype(q, "q")
     check_dtype(k, "k", q)
     check_dtype(v, "v", q)
@@ -143,9 +172,13 @@ def inputs4(q, k, v, layout):
     if k4.shape[0] != B or k4.shape[3] != Dk:
         raise ValueError(f"k: expected batch {B} and Dk {Dk} like q, got shape {k.shape}")
     if v4.shape[:3] != k4.shape[:3]:
-        raise ValueError(f"v: expected the batch, heads and length of k {k4.shape[:3]}, got shape {v.shape}")
+        raise ValueError(
+            f"v: expected the batch, heads and length of k {k4.shape[:3]}, got shape {v.shape}"
+        )
     if k4.shape[1] == 0 or Hq % k4.shape[1]:
-        raise ValueError(f"k: the query heads ({Hq}) must be a multiple of the kv heads ({k4.shape[1]})")
+        raise ValueError(
+            f"k: the query heads ({Hq}) must be a multiple of the kv heads ({k4.shape[1]})"
+        )
     return q4, k4, v4, rank
 
 
@@ -155,16 +188,28 @@ def global_key_lens(kv_lens, batch, total, rank):
     if a is None:
         return np.full(batch, total, np.int64)
     if (a < 0).any() or (a > total).any():
-        raise ValueError(f"kv_lens: values must lie in [0, {total}] (the keys of all ranks), got {a.tolist()}")
+        raise ValueError(
+            f"kv_lens: values must lie in [0, {total}] (the keys of all ranks), got {a.tolist()}"
+        )
     return a
 
 
 def signature(q4, k4, v4, rank, layout, causal, kv_lens, scale):
     """What every rank must agree on, as ints (names in SIGNATURE)."""
     B, Hq, _, Dk = q4.shape
-    return [B, Hq, Dk, k4.shape[1], v4.shape[3], DTYPES.index(q4.dtype), rank,
-            _LAYOUTS.index(layout), flag(causal, "causal"), digest(lens_array(kv_lens, B, rank)),
-            digest(np.float64(scale))]
+    return [
+        B,
+        Hq,
+        Dk,
+        k4.shape[1],
+        v4.shape[3],
+        DTYPES.index(q4.dtype),
+        rank,
+        _LAYOUTS.index(layout),
+        flag(causal, "causal"),
+        digest(lens_array(kv_lens, B, rank)),
+        digest(np.float64(scale)),
+    ]
 
 
 def lens_array(kv_lens, batch, rank):
@@ -177,8 +222,19 @@ def lens_array(kv_lens, batch, rank):
     return a.astype(np.int64)
 
 
-SIGNATURE = ["batch", "query heads", "Dk", "kv heads", "Dv", "dtype", "rank", "layout", "causal",
-              "kv_lens", "scale"]
+SIGNATURE = [
+    "batch",
+    "query heads",
+    "Dk",
+    "kv heads",
+    "Dv",
+    "dtype",
+    "rank",
+    "layout",
+    "causal",
+    "kv_lens",
+    "scale",
+]
 
 
 def result4(out4, lse4, dtype, rank, layout, as_torch, return_lse):

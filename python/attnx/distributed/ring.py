@@ -38,8 +38,19 @@ import torch.distributed as dist
 
 from .._validate import choice, optional_real
 from ..ops.merge import merge_attention
-from .collective import (SIGNATURE, DistributedError, agree, comm, gather, global_key_lens, inputs4, pack,
-                         rank_world, result4, signature)
+from .collective import (
+    SIGNATURE,
+    DistributedError,
+    agree,
+    comm,
+    gather,
+    global_key_lens,
+    inputs4,
+    pack,
+    rank_world,
+    result4,
+    signature,
+)
 from .segments import segment_attention
 from .zigzag import zigzag_segments
 
@@ -48,8 +59,18 @@ __all__ = ["attention", "ring_attention"]
 _SHARDINGS = ("zigzag", "contiguous")
 
 
-def attention(q, k_local, v_local, *, causal=False, kv_lens=None, scale=None, group=None,
-              layout="bhsd", return_lse=False):
+def attention(
+    q,
+    k_local,
+    v_local,
+    *,
+    causal=False,
+    kv_lens=None,
+    scale=None,
+    group=None,
+    layout="bhsd",
+    return_lse=False,
+):
     """Attention of the same queries on every rank against keys sharded over the group.
 
     Rank ``r`` holds the ``r``-th contiguous shard of the keys and values (any sizes, empty
@@ -87,10 +108,14 @@ def attention(q, k_local, v_local, *, causal=False, kv_lens=None, scale=None, gr
     try:
         q4, k4, v4, rank = inputs4(q, k_local, v_local, layout)
         scale = optional_real(scale, "scale")
-        values = [k4.shape[2], q4.shape[2]] + signature(q4, k4, v4, rank, layout, causal, kv_lens, scale)
+        values = [k4.shape[2], q4.shape[2]] + signature(
+            q4, k4, v4, rank, layout, causal, kv_lens, scale
+        )
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         error = exc
-    table = agree(what, error, values, ["keys", "queries"] + SIGNATURE, group, world, local=("keys",))
+    table = agree(
+        what, error, values, ["keys", "queries"] + SIGNATURE, group, world, local=("keys",)
+    )
     sizes = table[:, 0]
     B, Hq, Sq, Dv = q4.shape[0], q4.shape[1], q4.shape[2], v4.shape[3]
     key_lens = global_key_lens(kv_lens, B, int(sizes.sum()), rank)  # the same on every rank
@@ -98,14 +123,23 @@ def attention(q, k_local, v_local, *, causal=False, kv_lens=None, scale=None, gr
     buf = torch.zeros(1 + n_out + n_lse, dtype=torch.float32)
     error = None
     try:
-        part = segment_attention(q4, k4, v4, q_start=0, k_start=int(sizes[:me].sum()), q_total=Sq,
-                                 key_lens=key_lens, causal=causal, scale=scale)
+        part = segment_attention(
+            q4,
+            k4,
+            v4,
+            q_start=0,
+            k_start=int(sizes[:me].sum()),
+            q_total=Sq,
+            key_lens=key_lens,
+            causal=causal,
+            scale=scale,
+        )
         pack(buf.numpy()[1:], part, n_out)
     except Exception as exc:  # noqa: BLE001
         error = exc
     table = gather(what, buf, error, group, world)
-    outs = [row[1:1 + n_out].reshape(B, Hq, Sq, Dv) for row in table]
-    lses = [row[1 + n_out:].reshape(B, Hq, Sq) for row in table]
+    outs = [row[1 : 1 + n_out].reshape(B, Hq, Sq, Dv) for row in table]
+    lses = [row[1 + n_out :].reshape(B, Hq, Sq) for row in table]
     out4, lse4 = merge_attention(outs, lses)
     return result4(out4, lse4, q4.dtype, rank, layout, as_torch, return_lse)
 
@@ -119,9 +153,11 @@ def _segments(sizes, sharding, what):
     segs = [zigzag_segments(total, r, len(sizes)) for r in range(len(sizes))]
     held = [n + m for (_, n), (_, m) in segs]
     if held != sizes.tolist():
-        raise ValueError(f"{what}: sharding='zigzag' needs rank r to hold chunks r and 2W-1-r of the "
-                         f"sequence cut into 2W (zigzag_shard): {held} {what} by rank for {total} "
-                         f"in all, got {sizes.tolist()}")
+        raise ValueError(
+            f"{what}: sharding='zigzag' needs rank r to hold chunks r and 2W-1-r of the "
+            f"sequence cut into 2W (zigzag_shard): {held} {what} by rank for {total} "
+            f"in all, got {sizes.tolist()}"
+        )
     return segs
 
 
@@ -131,7 +167,7 @@ def _kv_block(k4, v4):
     kb = np.ascontiguousarray(k4).view(np.uint8).reshape(-1)
     vb = np.ascontiguousarray(v4).view(np.uint8).reshape(-1)
     block = np.empty(max(1, kb.size + vb.size), np.uint8)
-    block[:kb.size], block[kb.size:kb.size + vb.size] = kb, vb
+    block[: kb.size], block[kb.size : kb.size + vb.size] = kb, vb
     return torch.from_numpy(block)
 
 
@@ -139,11 +175,22 @@ def _kv_views(block, shape_k, shape_v, dtype):
     flat = block.numpy()
     nk = int(np.prod(shape_k)) * dtype.itemsize
     nv = int(np.prod(shape_v)) * dtype.itemsize
-    return (flat[:nk].view(dtype).reshape(shape_k), flat[nk:nk + nv].view(dtype).reshape(shape_v))
+    return (flat[:nk].view(dtype).reshape(shape_k), flat[nk : nk + nv].view(dtype).reshape(shape_v))
 
 
-def ring_attention(q_local, k_local, v_local, *, causal=False, kv_lens=None, scale=None, group=None,
-                   layout="bhsd", sharding="zigzag", return_lse=False):
+def ring_attention(
+    q_local,
+    k_local,
+    v_local,
+    *,
+    causal=False,
+    kv_lens=None,
+    scale=None,
+    group=None,
+    layout="bhsd",
+    sharding="zigzag",
+    return_lse=False,
+):
     """Attention with queries, keys and values all sharded over the group (prefill): returns
     this rank's query rows of ``attnx.attention(Q, K, V, ...)`` over the whole sequences.
     (Parameters, results and an example: :mod:`attnx.distributed.ring`.)"""
@@ -156,19 +203,38 @@ def ring_attention(q_local, k_local, v_local, *, causal=False, kv_lens=None, sca
         q4, k4, v4, rank = inputs4(q_local, k_local, v_local, layout)
         scale = optional_real(scale, "scale")
         values = [q4.shape[2], k4.shape[2], _SHARDINGS.index(sharding)] + signature(
-            q4, k4, v4, rank, layout, causal, kv_lens, scale)
+            q4, k4, v4, rank, layout, causal, kv_lens, scale
+        )
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         error = exc
-    table = agree(what, error, values, ["queries", "keys", "sharding"] + SIGNATURE, group, world,
-                   local=("queries", "keys"))
+    table = agree(
+        what,
+        error,
+        values,
+        ["queries", "keys", "sharding"] + SIGNATURE,
+        group,
+        world,
+        local=("queries", "keys"),
+    )
     q_segs = _segments(table[:, 0], sharding, "queries")
     k_segs = _segments(table[:, 1], sharding, "keys")
     key_lens = global_key_lens(kv_lens, q4.shape[0], int(table[:, 1].sum()), rank)
     q_total = int(table[:, 0].sum())
     acc, error = None, None
     try:
-        acc = _ring(q4, k4, v4, q_segs, k_segs, table[:, 1], dict(
-            q_total=q_total, key_lens=key_lens, causal=causal, scale=scale), group, me, world, what)
+        acc = _ring(
+            q4,
+            k4,
+            v4,
+            q_segs,
+            k_segs,
+            table[:, 1],
+            dict(q_total=q_total, key_lens=key_lens, causal=causal, scale=scale),
+            group,
+            me,
+            world,
+            what,
+        )
     except DistributedError:
         raise
     except Exception as exc:  # noqa: BLE001 - a local failure; the ring has completed
@@ -186,8 +252,10 @@ def _ring(q4, k4, v4, q_segs, k_segs, key_sizes, where, group, rank, world, what
     B, Hq, _, _ = q4.shape
     Hkv, Dk, Dv = k4.shape[1], k4.shape[3], v4.shape[3]
     dtype = q4.dtype
-    acc = [(np.zeros((B, Hq, n, Dv), np.float32), np.full((B, Hq, n), -np.inf, np.float32))
-           for _, n in q_segs[rank]]
+    acc = [
+        (np.zeros((B, Hq, n, Dv), np.float32), np.full((B, Hq, n), -np.inf, np.float32))
+        for _, n in q_segs[rank]
+    ]
     nxt_rank = rank + 1 if rank + 1 < world else 0
     prv_rank = rank - 1 if rank > 0 else world - 1
     peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
@@ -198,8 +266,10 @@ def _ring(q4, k4, v4, q_segs, k_segs, key_sizes, where, group, rank, world, what
         if step < world - 1:
             n_in = max(1, int(key_sizes[(src - 1) % world]) * B * Hkv * (Dk + Dv) * dtype.itemsize)
             incoming = torch.empty(n_in, dtype=torch.uint8)
-            reqs = [comm(what, dist.isend, block, peer(nxt_rank), group=group),
-                    comm(what, dist.irecv, incoming, peer(prv_rank), group=group)]
+            reqs = [
+                comm(what, dist.isend, block, peer(nxt_rank), group=group),
+                comm(what, dist.irecv, incoming, peer(prv_rank), group=group),
+            ]
         if failure is None:
             try:
                 n = int(key_sizes[src])
@@ -219,12 +289,18 @@ def _accumulate(acc, q4, k4, v4, q_runs, k_runs, where):
     """Merge the partials of this rank's query runs against one block's key runs into ``acc``."""
     q_off = 0
     for i, (qa, nq) in enumerate(q_runs):
-        qs = q4[:, :, q_off:q_off + nq]
+        qs = q4[:, :, q_off : q_off + nq]
         q_off += nq
         k_off = 0
         for ka, nk in k_runs:
-            part = segment_attention(qs, k4[:, :, k_off:k_off + nk], v4[:, :, k_off:k_off + nk],
-                                     q_start=qa, k_start=ka, **where)
+            part = segment_attention(
+                qs,
+                k4[:, :, k_off : k_off + nk],
+                v4[:, :, k_off : k_off + nk],
+                q_start=qa,
+                k_start=ka,
+                **where,
+            )
             k_off += nk
             if part is not None:
                 o, l = acc[i]

@@ -50,8 +50,15 @@ def segment_attention(q4, k4, v4, *, q_start, k_start, q_total, key_lens, causal
     """
     B, _, nq, _ = q4.shape
     nk = k4.shape[2]
-    K, r = segment_visibility(nq=nq, nk=nk, q_start=q_start, k_start=k_start, q_total=q_total,
-                              key_lens=key_lens, causal=causal)
+    K, r = segment_visibility(
+        nq=nq,
+        nk=nk,
+        q_start=q_start,
+        k_start=k_start,
+        q_total=q_total,
+        key_lens=key_lens,
+        causal=causal,
+    )
     if nq == 0 or not K.any():
         return None
     kw = {"kv_lens": K.astype(np.int64)}

@@ -11,7 +11,17 @@ import torch
 from ..cache import CacheFullError, PagedKVCache, StaleStepError
 from ..ops.merge import merge_attention
 from ..ops.paged import paged_attention
-from .collective import DistributedError, agree, as_numpy, check_dtype, digest, gather, like, pack, rank_world
+from .collective import (
+    DistributedError,
+    agree,
+    as_numpy,
+    check_dtype,
+    digest,
+    gather,
+    like,
+    pack,
+    rank_world,
+)
 
 __all__ = ["ShardedPagedKVCache", "ShardedStep"]
 
@@ -43,12 +53,23 @@ class ShardedPagedKVCache:
             o = step.attend(layer, q, k, v)              # the exact result, on every rank
     """
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size=16,
-                 dtype="float32", value_dim=None, *, group=None):
+    def __init__(
+        self,
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        num_blocks,
+        block_size=16,
+        dtype="float32",
+        value_dim=None,
+        *,
+        group=None,
+    ):
         self.rank, self.world = rank_world(group)
         self.group = group
-        self.local = PagedKVCache(num_layers, num_kv_heads, head_dim, num_blocks, block_size,
-                                  dtype, value_dim)
+        self.local = PagedKVCache(
+            num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, value_dim
+        )
         self.block_size = self.local.block_size
         self._lengths = {}  # sequence -> global length
         self._versions = {}  # sequence -> changes, to refuse a stale step
@@ -80,7 +101,11 @@ class ShardedPagedKVCache:
     def truncate(self, seq, length):
         """Keep the first ``length`` tokens (global) of ``seq``."""
         n = self.length(seq)
-        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or not 0 <= length <= n:
+        if (
+            isinstance(length, bool)
+            or not isinstance(length, numbers.Integral)
+            or not 0 <= length <= n
+        ):
             raise ValueError(f"length: expected an int in [0, {n}], got {length!r}")
         self.local.truncate(seq, int(self.local_length(length)))
         self._lengths[seq] = int(length)
@@ -110,18 +135,28 @@ class ShardedPagedKVCache:
         error, step, starts = None, None, None
         try:
             if len(ids) != len(counts):
-                raise ValueError(f"num_new_tokens: expected {len(ids)} counts (one per sequence), got {len(counts)}")
+                raise ValueError(
+                    f"num_new_tokens: expected {len(ids)} counts (one per sequence), got {len(counts)}"
+                )
             for n in counts:
                 if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
                     raise ValueError(f"num_new_tokens: expected ints >= 0, got {counts!r}")
             starts = np.array([self.length(s) for s in ids], np.int64)
             ends = starts + np.asarray(counts, np.int64)
-            step = self.local.begin_step(ids, (self.local_length(ends) - self.local_length(starts)).tolist())
+            step = self.local.begin_step(
+                ids, (self.local_length(ends) - self.local_length(starts)).tolist()
+            )
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
             error = exc
         try:
-            agree(what, error, [digest(np.array(ids + counts, np.int64))], ["sequences and counts"],
-                   self.group, self.world)
+            agree(
+                what,
+                error,
+                [digest(np.array(ids + counts, np.int64))],
+                ["sequences and counts"],
+                self.group,
+                self.world,
+            )
         except DistributedError as exc:
             if step is not None:  # another rank failed: undo this rank's reservation
                 for s, a in zip(ids, starts):
@@ -149,8 +184,11 @@ class ShardedStep:
         self.seq_lens = (starts + counts).astype(np.int32)
         self.num_tokens = int(counts.sum())
         seq_index = np.repeat(np.arange(len(ids)), counts)
-        self.positions = (np.arange(self.num_tokens) - np.repeat(np.cumsum(counts) - counts, counts)
-                          + starts[seq_index]).astype(np.int32)
+        self.positions = (
+            np.arange(self.num_tokens)
+            - np.repeat(np.cumsum(counts) - counts, counts)
+            + starts[seq_index]
+        ).astype(np.int32)
         self._versions = [cache._versions[s] for s in ids]
         self._mine = cache.owner(self.positions) == cache.rank
         # a token stored elsewhere sees this rank's tokens before it: a prefix of the local copy
@@ -159,7 +197,7 @@ class ShardedStep:
         tables = [cache.local.block_table(s) for s in ids]
         self._tables = np.zeros((len(ids), max([len(t) for t in tables] + [1])), np.int32)
         for row, t in zip(self._tables, tables):
-            row[:len(t)] = t
+            row[: len(t)] = t
 
     def attend(self, layer, q, k, v, *, scale=None, return_lse=False):
         """Store this rank's share of the new keys and values of layer ``layer`` and return the
@@ -189,8 +227,10 @@ class ShardedStep:
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
             error = exc
         table = gather(what, buf, error, cache.group, cache.world)
-        out, lse = merge_attention([row[1:1 + n_out].reshape(T, hq, Dv) for row in table],
-                                   [row[1 + n_out:].reshape(T, hq) for row in table])
+        out, lse = merge_attention(
+            [row[1 : 1 + n_out].reshape(T, hq, Dv) for row in table],
+            [row[1 + n_out :].reshape(T, hq) for row in table],
+        )
         out = like(out.astype(dtype, copy=False), as_torch)
         return (out, like(lse, as_torch)) if return_lse else out
 
@@ -207,21 +247,29 @@ class ShardedStep:
                 hq = shape[1]
             except Exception as exc:  # noqa: BLE001
                 error = exc
-            table = agree("ShardedStep.attend", error, [hq], ["query heads"], cache.group, cache.world)
+            table = agree(
+                "ShardedStep.attend", error, [hq], ["query heads"], cache.group, cache.world
+            )
             cache._num_q_heads = int(table[0, 0])
         return cache._num_q_heads
 
     def _check(self, q, k, v, hq):
         cache, T = self._cache.local, self.num_tokens
-        for name, x, want in (("q", q, (T, hq, cache.head_dim)),
-                              ("k", k, (T, cache.num_kv_heads, cache.head_dim)),
-                              ("v", v, (T, cache.num_kv_heads, cache.value_dim))):
+        for name, x, want in (
+            ("q", q, (T, hq, cache.head_dim)),
+            ("k", k, (T, cache.num_kv_heads, cache.head_dim)),
+            ("v", v, (T, cache.num_kv_heads, cache.value_dim)),
+        ):
             if x.shape != want:
-                raise ValueError(f"{name}: expected shape {want} (this step's tokens), got {x.shape}")
+                raise ValueError(
+                    f"{name}: expected shape {want} (this step's tokens), got {x.shape}"
+                )
         check_dtype(q, "q")
         if any(self._cache._versions.get(s) != ver for s, ver in zip(self.seq_ids, self._versions)):
-            raise StaleStepError("attend: a sequence of this step was truncated, freed or stepped "
-                                 "again since begin_step")
+            raise StaleStepError(
+                "attend: a sequence of this step was truncated, freed or stepped "
+                "again since begin_step"
+            )
 
     def _partial(self, layer, q, k, v, scale):
         """This rank's float32 partial over its own tokens: the queries of the tokens it stores
@@ -235,12 +283,20 @@ class ShardedStep:
         lse = np.full((T, hq), -np.inf, np.float32)
         mine = self._mine
         if mine.any():
-            out[mine], lse[mine] = self._local.attend(layer, q32[mine], k[mine], v[mine], scale=scale,
-                                                      return_lse=True)
+            out[mine], lse[mine] = self._local.attend(
+                layer, q32[mine], k[mine], v[mine], scale=scale, return_lse=True
+            )
         rest = ~mine & (self._seen > 0)
         if rest.any():
             out[rest], lse[rest] = paged_attention(
-                q32[rest], cache.k_pages(layer), cache.v_pages(layer),
-                self._tables[self._seq_index[rest]], self._seen[rest],
-                q_lens=np.ones(int(rest.sum()), np.int32), causal=True, scale=scale, return_lse=True)
+                q32[rest],
+                cache.k_pages(layer),
+                cache.v_pages(layer),
+                self._tables[self._seq_index[rest]],
+                self._seen[rest],
+                q_lens=np.ones(int(rest.sum()), np.int32),
+                causal=True,
+                scale=scale,
+                return_lse=True,
+            )
         return out, lse

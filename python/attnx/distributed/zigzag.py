@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .._validate import LAYOUTS as _LAYOUTS, choice, positive_int
+from .._validate import LAYOUTS as _LAYOUTS
+from .._validate import choice, positive_int
 
-__all__ = ["zigzag_shard", "zigzag_unshard", "zigzag_positions", "zigzag_segments"]
+__all__ = ["zigzag_positions", "zigzag_segments", "zigzag_shard", "zigzag_unshard"]
 
 
 def _chunk_edges(seq_len, world):
@@ -71,7 +72,9 @@ def zigzag_unshard(shards, *, layout="bhsd"):
     for r, s in enumerate(shards):
         (_, n), (_, m) = zigzag_segments(total, r, world)
         if s.shape[axis] != n + m:
-            raise ValueError(f"shards[{r}]: expected {n + m} rows for a zig-zag split of {total} "
-                             f"over {world} ranks, got {s.shape[axis]}")
+            raise ValueError(
+                f"shards[{r}]: expected {n + m} rows for a zig-zag split of {total} "
+                f"over {world} ranks, got {s.shape[axis]}"
+            )
         chunks[r], chunks[2 * world - 1 - r] = _slice(s, axis, 0, n), _slice(s, axis, n, n + m)
     return _cat(chunks, axis)

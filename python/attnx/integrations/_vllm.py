@@ -75,13 +75,23 @@ def _ints(t: Any) -> np.ndarray:
     return np.ascontiguousarray(_tensors.to_numpy(t, "metadata"), dtype=np.int64)
 
 
-def make_batch(query_start_loc: Any, seq_lens: Any, block_table: Any, slot_mapping: Any,
-               num_reqs: int, num_actual_tokens: int) -> Batch:
+def make_batch(
+    query_start_loc: Any,
+    seq_lens: Any,
+    block_table: Any,
+    slot_mapping: Any,
+    num_reqs: int,
+    num_actual_tokens: int,
+) -> Batch:
     """vLLM's batch tensors (CPU) as a :class:`Batch` of its first ``num_reqs`` requests and
     ``num_actual_tokens`` tokens."""
     qsl = _ints(query_start_loc[: num_reqs + 1])
-    return Batch(block_tables=_ints(block_table[:num_reqs]), seq_lens=_ints(seq_lens[:num_reqs]),
-                 q_lens=np.diff(qsl), slots=_ints(slot_mapping[:num_actual_tokens]))
+    return Batch(
+        block_tables=_ints(block_table[:num_reqs]),
+        seq_lens=_ints(seq_lens[:num_reqs]),
+        q_lens=np.diff(qsl),
+        slots=_ints(slot_mapping[:num_actual_tokens]),
+    )
 
 
 def pages(kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -93,10 +103,23 @@ def pages(kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
     return _tensors.to_numpy(kv[:, :, :bs], "k_pages"), _tensors.to_numpy(kv[:, :, bs:], "v_pages")
 
 
-def attend(query: Any, key: Any, value: Any, k_pages: np.ndarray, v_pages: np.ndarray,
-           batch: Batch, output: Any, *, causal: bool = True, scale: float | None = None,
-           sliding_window: int | None = None, softcap: float | None = None, sinks: Any = None,
-           alibi_slopes: Any = None, write: bool = True) -> None:
+def attend(
+    query: Any,
+    key: Any,
+    value: Any,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    batch: Batch,
+    output: Any,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+    write: bool = True,
+) -> None:
     """One layer: writes the batch's new keys and values (``write``) into their slots, then
     attends from its queries to each sequence's pages, into ``output`` ``(T, Hq, Dv)``.
     ``query`` ``(T, Hq, D)`` and ``key``, ``value`` ``(T, Hkv, D)`` hold exactly the batch's
@@ -104,13 +127,23 @@ def attend(query: Any, key: Any, value: Any, k_pages: np.ndarray, v_pages: np.nd
     t = batch.slots.shape[0]
     window = None if sliding_window is None or sliding_window <= 0 else (sliding_window - 1, None)
     _core.paged_attention(
-        _tensors.to_numpy(query[:t], "query"), k_pages, v_pages, batch.block_tables,
-        batch.seq_lens, q_lens=batch.q_lens, causal=causal, scale=scale,
-        out=_tensors.to_numpy(output[:t], "output"), window=window, softcap=softcap,
-        sinks=sinks, alibi_slopes=alibi_slopes,
+        _tensors.to_numpy(query[:t], "query"),
+        k_pages,
+        v_pages,
+        batch.block_tables,
+        batch.seq_lens,
+        q_lens=batch.q_lens,
+        causal=causal,
+        scale=scale,
+        out=_tensors.to_numpy(output[:t], "output"),
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
         k_new=_tensors.to_numpy(key[:t], "key") if write else None,
         v_new=_tensors.to_numpy(value[:t], "value") if write else None,
-        slots=batch.slots if write else None)
+        slots=batch.slots if write else None,
+    )
 
 
 def fallback_reason(attn_type: str, kv_cache_dtype: str) -> str | None:
@@ -129,39 +162,57 @@ class AttnxMetadata(CPUAttentionMetadata):
 
 
 class AttnxMetadataBuilder(CPUAttentionMetadataBuilder):
-    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
-                 device: torch.device) -> None:
+    def __init__(
+        self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
+    ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         # vLLM's scheduler metadata is built only where some layer of the group needs it
-        self._fallback = (self.is_cross_attention or self.is_encoder_only_attention
-                          or any(not getattr(layer.impl, "on_attnx", False)
-                                 for layer in layers.values()))
+        self._fallback = (
+            self.is_cross_attention
+            or self.is_encoder_only_attention
+            or any(not getattr(layer.impl, "on_attnx", False) for layer in layers.values())
+        )
 
-    def build(self, common_prefix_len: int, common_attn_metadata: Any,
-              fast_build: bool = False) -> AttnxMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
+    ) -> AttnxMetadata:
         cm = common_attn_metadata
         STATS["batches"] += 1
         if isinstance(cm.causal, torch.Tensor) and not self._fallback:
             raise NotImplementedError(
                 "attnx: this batch sets causality per request (dynamic_causal), which attnx's "
-                "vLLM backend does not support; run without ATTNX_VLLM=1")
+                "vLLM backend does not support; run without ATTNX_VLLM=1"
+            )
         if self._fallback:
             STATS["fallback"] += 1
             meta = super().build(common_prefix_len, cm, fast_build)
             return AttnxMetadata(**vars(meta), batch=None)
-        batch = make_batch(cm.query_start_loc, cm.seq_lens, cm.block_table_tensor,
-                           cm.slot_mapping, cm.num_reqs, cm.num_actual_tokens)
+        batch = make_batch(
+            cm.query_start_loc,
+            cm.seq_lens,
+            cm.block_table_tensor,
+            cm.slot_mapping,
+            cm.num_reqs,
+            cm.num_actual_tokens,
+        )
         ql = batch.q_lens
         multi = ql > 1
         if multi.any():
             STATS["mixed"] += int((ql == 1).any())
             STATS["context"] += int((batch.seq_lens[multi] > ql[multi]).any())
         return AttnxMetadata(
-            num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
-            query_start_loc=cm.query_start_loc, max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens,
-            block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
-            scheduler_metadata=None, causal=bool(cm.causal), batch=batch)
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=cm.max_query_len,
+            query_start_loc=cm.query_start_loc,
+            max_seq_len=cm.max_seq_len,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            scheduler_metadata=None,
+            causal=bool(cm.causal),
+            batch=batch,
+        )
 
 
 class AttnxAttentionImpl(CPUAttentionBackendImpl):
@@ -175,11 +226,14 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
             _log_once(reason)
         elif "attnx" not in _logged:
             _logged.add("attnx")
-            logger.info("attnx: decoder attention runs on attnx's paged kernels (ISA %s)",
-                        _core.active_isa())
+            logger.info(
+                "attnx: decoder attention runs on attnx's paged kernels (ISA %s)",
+                _core.active_isa(),
+            )
         self._np_sinks: np.ndarray | None = None
-        self._np_alibi = (None if self.alibi_slopes is None
-                          else np.asarray(self.alibi_slopes, dtype=np.float32))
+        self._np_alibi = (
+            None if self.alibi_slopes is None else np.asarray(self.alibi_slopes, dtype=np.float32)
+        )
         self._pages: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def _layer_pages(self, kv_cache: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -194,33 +248,57 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
             self._np_sinks = self.sinks.detach().to(torch.float32).numpy().copy()
         return self._np_sinks
 
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttnxMetadata | None, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None,
-                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttnxMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("attnx: fused output quantisation is not supported")
         if attn_metadata is None:  # warm-up
             return output
         if not self.on_attnx or attn_metadata.batch is None:  # (a whole group falls back)
             return self._vllm_forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        write = (self.kv_sharing_target_layer_name is None and key is not None
-                 and value is not None)
+        write = self.kv_sharing_target_layer_name is None and key is not None and value is not None
         k_pages, v_pages = self._layer_pages(kv_cache)
-        attend(query, key, value, k_pages, v_pages, attn_metadata.batch, output,
-               causal=attn_metadata.causal, scale=self.scale,
-               sliding_window=self.sliding_window,
-               softcap=self.logits_soft_cap or None, sinks=self._sinks(),
-               alibi_slopes=self._np_alibi, write=write)
+        attend(
+            query,
+            key,
+            value,
+            k_pages,
+            v_pages,
+            attn_metadata.batch,
+            output,
+            causal=attn_metadata.causal,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.logits_soft_cap or None,
+            sinks=self._sinks(),
+            alibi_slopes=self._np_alibi,
+            write=write,
+        )
         return output
 
-    def _vllm_forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor, kv_cache: torch.Tensor, meta: AttnxMetadata,
-                      output: torch.Tensor) -> torch.Tensor:
+    def _vllm_forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttnxMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
         # AttnxAttentionBackend takes the cache write into forward, so vLLM does not call
         # do_kv_cache_update: it happens here, as vLLM's layer would have done it.
-        if (self.kv_sharing_target_layer_name is None and key is not None
-                and value is not None):
+        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             n = meta.num_actual_tokens
             self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
         return super().forward(layer, query, key, value, kv_cache, meta, output)

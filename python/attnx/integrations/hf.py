@@ -39,17 +39,19 @@ try:
         sdpa_mask,
     )
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(f"attnx.hf needs torch and transformers (>= 5.24): pip install 'attnx[hf]' ({exc})") from exc
+    raise ImportError(
+        f"attnx.hf needs torch and transformers (>= 5.24): pip install 'attnx[hf]' ({exc})"
+    ) from exc
 
 import numpy as np
 
+from ..cache import PagedKVCache
+from ..cache.step import packed_tokens as _packed
 from ..ops import attention as _api
 from . import torch_ops  # noqa: F401  (torch.ops.attnx, and attnx's regions on torch's thread team)
 from .tensors import like, to_numpy
-from ..cache import PagedKVCache
-from ..cache.step import packed_tokens as _packed
 
-__all__ = ["register", "attention_forward", "mask_hook", "PagedCache", "NAME"]
+__all__ = ["NAME", "PagedCache", "attention_forward", "mask_hook", "register"]
 
 NAME = "attnx"
 
@@ -62,12 +64,13 @@ def register(name=NAME):
 
 # ---- masks ----------------------------------------------------------------------------------------
 
+
 class _Spec:
     """What a mask from :func:`mask_hook` is made of: ``causal`` (else bidirectional), a causal
     sliding ``window`` (keys ``kv > q - window``) or None, the padding row ``pad`` ``(B, Sk)``
     (None: nothing padded) and ``shift = q_offset - kv_offset``."""
 
-    __slots__ = ("causal", "window", "pad", "shift")
+    __slots__ = ("causal", "pad", "shift", "window")
 
     def __init__(self, causal, window, pad, shift):
         self.causal, self.window, self.pad, self.shift = causal, window, pad, shift
@@ -88,29 +91,57 @@ def _pattern(mask_function):
     # sliding_window_causal_mask_function(w) = and_masks(sliding_window_overlay(w), causal_mask_function)
     if getattr(mask_function, "__qualname__", "") == "and_masks.<locals>.and_mask":
         parts = _closure(mask_function).get("mask_functions", ())
-        if len(parts) == 2 and parts[1] is causal_mask_function and getattr(
-                parts[0], "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask":
+        if (
+            len(parts) == 2
+            and parts[1] is causal_mask_function
+            and getattr(parts[0], "__qualname__", "")
+            == "sliding_window_overlay.<locals>.inner_mask"
+        ):
             window = _closure(parts[0]).get("sliding_window")
             if isinstance(window, int) and window > 0:
                 return True, window
     return None
 
 
-def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
-              attention_mask=None, local_size=None, allow_is_causal_skip=True,
-              allow_is_bidirectional_skip=False, use_vmap=False, device="cpu", **kwargs):
+def mask_hook(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=causal_mask_function,
+    attention_mask=None,
+    local_size=None,
+    allow_is_causal_skip=True,
+    allow_is_bidirectional_skip=False,
+    use_vmap=False,
+    device="cpu",
+    **kwargs,
+):
     """transformers' mask hook for ``"attnx"``: ``sdpa``'s mask, tagged with what it is made of."""
-    mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
-                     allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap,
-                     device=device, **kwargs)
+    mask = sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=allow_is_causal_skip,
+        allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+        use_vmap=use_vmap,
+        device=device,
+        **kwargs,
+    )
     pattern = None if mask is None or use_vmap else _pattern(mask_function)
     if pattern is not None:
         pad = None
         if attention_mask is not None:
             kv_offset = int(kv_offset)
-            pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+            pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)[
+                :, kv_offset : kv_offset + kv_length
+            ]
             pad = None if bool(pad.all()) else pad.to(torch.bool)
         mask._attnx_spec = _Spec(pattern[0], pattern[1], pad, int(q_offset) - int(kv_offset))
     return mask
@@ -157,7 +188,11 @@ def _dense_plan(attention_mask, is_causal, batch, q_len, kv_len):
         keep = q_len if causal and kv_len > q_len else kv_len
         return dict(causal=causal, kv_lens=None, mask=None, window=None), keep
     spec = getattr(attention_mask, "_attnx_spec", None)
-    if spec is not None and attention_mask.shape[-2] == q_len and attention_mask.shape[-1] == kv_len:
+    if (
+        spec is not None
+        and attention_mask.shape[-2] == q_len
+        and attention_mask.shape[-1] == kv_len
+    ):
         plan = _plan(spec, batch, q_len, kv_len)
         if plan is not None:
             return plan, kv_len
@@ -175,12 +210,28 @@ def _with_position_bias(position_bias, attention_mask, is_causal, query, key, va
     q_len = query.shape[2]
     causal = bool(is_causal) and q_len > 1 and attention_mask is None
     if causal and key.shape[2] > q_len:  # sdpa's cut to the queries (an empty static cache)
-        key, value, position_bias = key[:, :, :q_len], value[:, :, :q_len], position_bias[..., :q_len]
+        key, value, position_bias = (
+            key[:, :, :q_len],
+            value[:, :, :q_len],
+            position_bias[..., :q_len],
+        )
     return create_position_bias_mask(position_bias, attention_mask, causal, query, key), key, value
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                      sliding_window=None, softcap=None, s_aux=None, **kwargs):
+def attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    sliding_window=None,
+    softcap=None,
+    s_aux=None,
+    **kwargs,
+):
     """transformers' attention interface for ``"attnx"``.
 
     ``query`` ``(B, Hq, Sq, D)``, ``key``/``value`` ``(B, Hkv, Sk, D)`` as the model made them (GQA
@@ -190,27 +241,41 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     read from the model's mask (``sliding_window`` is what built it).
     """
     if dropout and getattr(module, "training", False):
-        raise ValueError("dropout: attnx is inference only; call model.eval() (or use 'sdpa' to train)")
+        raise ValueError(
+            "dropout: attnx is inference only; call model.eval() (or use 'sdpa' to train)"
+        )
     paged = getattr(key, "_attnx_paged", None)
     if paged is not None:
-        return paged.attend(module, query, key, value, attention_mask, scaling, softcap, s_aux), None
+        return paged.attend(
+            module, query, key, value, attention_mask, scaling, softcap, s_aux
+        ), None
     batch, heads, q_len, _ = query.shape
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     if kwargs.get("position_bias") is not None:  # (T5 and kin) one additive mask, as sdpa makes it
-        attention_mask, key, value = _with_position_bias(kwargs["position_bias"], attention_mask, is_causal,
-                                                         query, key, value)
+        attention_mask, key, value = _with_position_bias(
+            kwargs["position_bias"], attention_mask, is_causal, query, key, value
+        )
         is_causal = False
     plan, keep = _dense_plan(attention_mask, is_causal, batch, q_len, key.shape[2])
     if keep != key.shape[2]:
         key, value = key[:, :, :keep], value[:, :, :keep]
     out = query.new_empty((batch, q_len, heads, value.shape[-1]))
-    _api.attention(query, key, value, scale=scaling, softcap=softcap, sinks=_sinks(s_aux),
-                   out=out.transpose(1, 2), **plan)
+    _api.attention(
+        query,
+        key,
+        value,
+        scale=scaling,
+        softcap=softcap,
+        sinks=_sinks(s_aux),
+        out=out.transpose(1, 2),
+        **plan,
+    )
     return out, None
 
 
 # ---- the paged cache ------------------------------------------------------------------------------
+
 
 class _PagedLayer(CacheLayerMixin):
     """One model layer's view of a :class:`PagedCache`: ``update`` hands the new keys and values to
@@ -297,25 +362,37 @@ class PagedCache(Cache):
     # -- the step protocol: update() hands over, attention_forward() stores and attends
     def _handoff(self, layer, key_states):
         if layer in self._pending:
-            raise RuntimeError("PagedCache: a layer's new keys were never attended; the model must "
-                               "run with attn_implementation='attnx' (attnx.hf.register() first)")
+            raise RuntimeError(
+                "PagedCache: a layer's new keys were never attended; the model must "
+                "run with attn_implementation='attnx' (attnx.hf.register() first)"
+            )
         self._pending.add(layer)
         key_states._attnx_paged = self
 
     def _begin(self, batch, q_len, dtype, attention_mask):
         if self.pool is None:
             layers, kv_heads, head_dim = self._shape
-            self.pool = PagedKVCache(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                                     num_blocks=self._num_blocks, block_size=self._block_size,
-                                     dtype=self._dtype or _storage(dtype))
+            self.pool = PagedKVCache(
+                num_layers=layers,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                num_blocks=self._num_blocks,
+                block_size=self._block_size,
+                dtype=self._dtype or _storage(dtype),
+            )
         if self.seq_ids is None:
             self.seq_ids = [self.pool.new_sequence() for _ in range(batch)]
         if len(self.seq_ids) != batch:
-            raise ValueError(f"PagedCache: holds {len(self.seq_ids)} sequences, the step has batch {batch}")
+            raise ValueError(
+                f"PagedCache: holds {len(self.seq_ids)} sequences, the step has batch {batch}"
+            )
         valid = _new_tokens(attention_mask, batch, q_len)
         counts = [q_len] * batch if valid is None else valid.sum(1).tolist()
         self._step = self.pool.begin_step(self.seq_ids, counts)
-        self._direct = dtype in (torch.float32, torch.float16)  # the model's tensors view as NumPy as they are
+        self._direct = dtype in (
+            torch.float32,
+            torch.float16,
+        )  # the model's tensors view as NumPy as they are
         self._valid = None if valid is None else valid.reshape(-1).nonzero().squeeze(1).numpy()
         self._attended = set()
         self.seen += q_len
@@ -344,11 +421,15 @@ class PagedCache(Cache):
         if not direct:
             q, k, v = to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value")
         if valid is None:
-            o = self._step._attend(layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window)
+            o = self._step._attend(
+                layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window
+            )
             return torch.from_numpy(o) if direct else like(o, query)
         # padded rows: only the real tokens are stored and attend, padding rows get zeros
         q, k, v = (_packed(x)[valid] for x in (q, k, v))
-        o = self._step._attend(layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window)
+        o = self._step._attend(
+            layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window
+        )
         full = np.zeros((batch * q_len,) + o.shape[1:], o.dtype)
         full[valid] = o
         return like(full.reshape(batch, q_len, heads, o.shape[-1]), query)
@@ -407,8 +488,10 @@ def _new_tokens(attention_mask, batch, q_len):
         return None
     spec = getattr(attention_mask, "_attnx_spec", None)
     if spec is None or not spec.causal:
-        raise ValueError("PagedCache: expected the model's causal mask (built by attnx.hf.mask_hook) or "
-                         "none; custom 4-D masks need the dense path (a DynamicCache)")
+        raise ValueError(
+            "PagedCache: expected the model's causal mask (built by attnx.hf.mask_hook) or "
+            "none; custom 4-D masks need the dense path (a DynamicCache)"
+        )
     if spec.pad is None:
         return None
     valid = spec.pad[:, -q_len:].expand(batch, q_len)

@@ -23,14 +23,17 @@ Columns ``h*head_dim : (h+1)*head_dim`` of W_Q belong to head ``h`` (torch's spl
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 
+from .. import reference as _reference
+from .._validate import flag as _flag
+from .._validate import positive_int as _positive
+from .._validate import rank_lens
+from .._validate import storage_dtype as _storage_dtype
 from ..ops import attention as _api
 from . import tensors as _tensors
-from .._validate import rank_lens, flag as _flag, positive_int as _positive, storage_dtype as _storage_dtype
-from .. import reference as _reference
 
 __all__ = ["MultiHeadAttention"]
 
@@ -49,10 +52,9 @@ def _layer_dtype(dtype):
     try:
         return _storage_dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype: expected 'float32', 'float16', 'bfloat16' or 'float64', got "
-                        f"{dtype!r}") from None
-
-
+        raise TypeError(
+            f"dtype: expected 'float32', 'float16', 'bfloat16' or 'float64', got {dtype!r}"
+        ) from None
 
 
 def _to_numpy(t, name):
@@ -85,10 +87,15 @@ def _param(name, doc):
             return
         a = _to_numpy(value, name)
         if a.shape != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got {a.shape}"
-                             + (" (attributes use x @ W, i.e. (in, out); torch's Linear stores "
-                                "(out, in): transpose it or use from_state_dict)"
-                                if a.shape == shape[::-1] and len(shape) == 2 else ""))
+            raise ValueError(
+                f"{name}: expected shape {shape}, got {a.shape}"
+                + (
+                    " (attributes use x @ W, i.e. (in, out); torch's Linear stores "
+                    "(out, in): transpose it or use from_state_dict)"
+                    if a.shape == shape[::-1] and len(shape) == 2
+                    else ""
+                )
+            )
         setattr(self, attr, np.array(a, dtype=self.dtype, copy=True))
 
     return property(fget, fset, doc=doc)
@@ -154,25 +161,39 @@ class MultiHeadAttention:
     b_V = _param("b_V", "Value bias ``(num_kv_heads*head_dim,)`` or None.")
     b_O = _param("b_O", "Output bias ``(d_model,)`` or None.")
 
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                 head_dim: Optional[int] = None, bias: bool = False, dtype: Any = np.float32, *,
-                 context_dim: Optional[int] = None, seed: Optional[int] = None,
-                 rng: Optional[np.random.Generator] = None) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = False,
+        dtype: Any = np.float32,
+        *,
+        context_dim: int | None = None,
+        seed: int | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
         self.d_model = _positive(d_model, "d_model")
         self.num_heads = _positive(num_heads, "num_heads")
-        self.num_kv_heads = (self.num_heads if num_kv_heads is None
-                             else _positive(num_kv_heads, "num_kv_heads"))
+        self.num_kv_heads = (
+            self.num_heads if num_kv_heads is None else _positive(num_kv_heads, "num_kv_heads")
+        )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads: must divide num_heads={self.num_heads}, got "
-                             f"{self.num_kv_heads}")
+            raise ValueError(
+                f"num_kv_heads: must divide num_heads={self.num_heads}, got {self.num_kv_heads}"
+            )
         if head_dim is None:
             if self.d_model % self.num_heads:
-                raise ValueError(f"head_dim: d_model={self.d_model} is not a multiple of "
-                                 f"num_heads={self.num_heads}; pass head_dim explicitly")
+                raise ValueError(
+                    f"head_dim: d_model={self.d_model} is not a multiple of "
+                    f"num_heads={self.num_heads}; pass head_dim explicitly"
+                )
             head_dim = self.d_model // self.num_heads
         self.head_dim = _positive(head_dim, "head_dim")
-        self.context_dim = self.d_model if context_dim is None else _positive(context_dim,
-                                                                              "context_dim")
+        self.context_dim = (
+            self.d_model if context_dim is None else _positive(context_dim, "context_dim")
+        )
         bias = _flag(bias, "bias")
         self.dtype = _layer_dtype(dtype)
         self._compute = _F64 if self.dtype == _F64 else _F32  # what x, Q, K, V and heads are in
@@ -198,15 +219,22 @@ class MultiHeadAttention:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         return {
-            "W_Q": (self.d_model, q), "W_K": (self.context_dim, kv),
-            "W_V": (self.context_dim, kv), "W_O": (q, self.d_model),
-            "b_Q": (q,), "b_K": (kv,), "b_V": (kv,), "b_O": (self.d_model,),
+            "W_Q": (self.d_model, q),
+            "W_K": (self.context_dim, kv),
+            "W_V": (self.context_dim, kv),
+            "W_O": (q, self.d_model),
+            "b_Q": (q,),
+            "b_K": (kv,),
+            "b_V": (kv,),
+            "b_O": (self.d_model,),
         }
 
     def __repr__(self) -> str:
-        return (f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"bias={self.b_Q is not None}, dtype={self.dtype.name})")
+        return (
+            f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"bias={self.b_Q is not None}, dtype={self.dtype.name})"
+        )
 
     # ---- forward ---------------------------------------------------------------------------
     def _proj(self, x, w, b):
@@ -219,10 +247,17 @@ class MultiHeadAttention:
         return y
 
     @_tensors.tensor_io
-    def __call__(self, x: Any, context: Optional[Any] = None, *, causal: bool = False,
-                 mask: Optional[Any] = None, kv_lens: Optional[Any] = None,
-                 q_lens: Optional[Any] = None,
-                 return_weights: bool = False) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+    def __call__(
+        self,
+        x: Any,
+        context: Any | None = None,
+        *,
+        causal: bool = False,
+        mask: Any | None = None,
+        kv_lens: Any | None = None,
+        q_lens: Any | None = None,
+        return_weights: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Self-attention (``context=None``) or cross-attention over ``context``.
 
         Parameters
@@ -274,11 +309,12 @@ class MultiHeadAttention:
             y = y[0]
         if not _flag(return_weights, "return_weights"):
             return y
-        w = _reference.attention_weights(q, k, causal=causal, mask=mask, kv_lens=kv_lens,
-                                         q_lens=q_lens, layout="bshd")
+        w = _reference.attention_weights(
+            q, k, causal=causal, mask=mask, kv_lens=kv_lens, q_lens=q_lens, layout="bshd"
+        )
         return y, (w[0] if unbatched else w)
 
-    def _inputs(self, x: Any, context: Any) -> Tuple[np.ndarray, np.ndarray, bool]:
+    def _inputs(self, x: Any, context: Any) -> tuple[np.ndarray, np.ndarray, bool]:
         """``(x, context, unbatched)`` as NumPy arrays, checked (context is x for self-attention)."""
         x = _to_numpy(x, "x")
         if x.ndim not in (2, 3):
@@ -288,21 +324,25 @@ class MultiHeadAttention:
         unbatched = x.ndim == 2
         if context is None:
             if self.context_dim != self.d_model:
-                raise ValueError(f"context: required, since context_dim={self.context_dim} "
-                                 f"differs from d_model={self.d_model}")
+                raise ValueError(
+                    f"context: required, since context_dim={self.context_dim} "
+                    f"differs from d_model={self.d_model}"
+                )
             return x, x, unbatched
         c = _to_numpy(context, "context")
         if c.ndim != x.ndim:
             raise ValueError(f"context: expected rank {x.ndim} like x, got shape {c.shape}")
         if c.shape[-1] != self.context_dim:
-            raise ValueError(f"context: last axis must be context_dim={self.context_dim}, "
-                             f"got shape {c.shape}")
+            raise ValueError(
+                f"context: last axis must be context_dim={self.context_dim}, got shape {c.shape}"
+            )
         if not unbatched and c.shape[0] != x.shape[0]:
             raise ValueError(f"context: batch {c.shape[0]} differs from x's batch {x.shape[0]}")
         return x, c, unbatched
 
-    def _attend(self, x32: np.ndarray, c32: np.ndarray, causal: bool, mask: Any, kv_lens: Any,
-                q_lens: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _attend(
+        self, x32: np.ndarray, c32: np.ndarray, causal: bool, mask: Any, kv_lens: Any, q_lens: Any
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(y, q, k)``: the layer's output over batched inputs in the compute dtype, and the
         projected queries and keys (``"bshd"``)."""
         B, Sq, _ = x32.shape
@@ -313,8 +353,17 @@ class MultiHeadAttention:
         k = self._proj(c32, "W_K", "b_K").reshape(B, Sk, G, D)
         v = self._proj(c32, "W_V", "b_V").reshape(B, Sk, G, D)
         heads = np.empty((B, Sq, H, D), self._compute)  # the kernel writes Concat(heads) in place
-        _api.attention(q, k, v, causal=causal, mask=mask, kv_lens=kv_lens, q_lens=q_lens,
-                       layout="bshd", out=heads)
+        _api.attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            mask=mask,
+            kv_lens=kv_lens,
+            q_lens=q_lens,
+            layout="bshd",
+            out=heads,
+        )
         y = self._proj(heads.reshape(B, Sq, H * D), "W_O", "b_O")
         if q_lens is not None:
             pad = np.arange(Sq)[None, :] >= np.asarray(q_lens)[:, None]
@@ -324,21 +373,32 @@ class MultiHeadAttention:
     forward = __call__
 
     # ---- state dicts -----------------------------------------------------------------------
-    def state_dict(self, prefix: str = "") -> Dict[str, np.ndarray]:
+    def state_dict(self, prefix: str = "") -> dict[str, np.ndarray]:
         """The weights under torch-style names and torch's ``(out, in)`` convention:
         ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``, ``out_proj.weight`` (and
         ``.bias``), as copies."""
         d = {}
-        for proj, w, b in (("q_proj", "W_Q", "b_Q"), ("k_proj", "W_K", "b_K"),
-                           ("v_proj", "W_V", "b_V"), ("out_proj", "W_O", "b_O")):
+        for proj, w, b in (
+            ("q_proj", "W_Q", "b_Q"),
+            ("k_proj", "W_K", "b_K"),
+            ("v_proj", "W_V", "b_V"),
+            ("out_proj", "W_O", "b_O"),
+        ):
             d[f"{prefix}{proj}.weight"] = np.ascontiguousarray(getattr(self, w).T)
             if getattr(self, b) is not None:
                 d[f"{prefix}{proj}.bias"] = getattr(self, b).copy()
         return d
 
     @classmethod
-    def from_state_dict(cls, d: Dict[str, Any], num_heads: int, num_kv_heads: Optional[int] = None,
-                        prefix: str = "", *, dtype: Any = np.float32) -> "MultiHeadAttention":
+    def from_state_dict(
+        cls,
+        d: dict[str, Any],
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+        *,
+        dtype: Any = np.float32,
+    ) -> MultiHeadAttention:
         """Builds a layer from a model's state dict (torch's ``(out, in)`` weights).
 
         Accepted names (after ``prefix``), NumPy arrays or torch tensors:
@@ -359,8 +419,16 @@ class MultiHeadAttention:
         head_dim, num_kv_heads = _head_shape(wq, wk, wv, wo, num_heads, num_kv_heads)
         d_model = wq.shape[1]
         has_bias = any(b is not None for b in (bq, bk, bv, bo))
-        layer = cls(d_model, num_heads, num_kv_heads, head_dim, bias=has_bias, dtype=dtype,
-                    context_dim=wk.shape[1], seed=0)
+        layer = cls(
+            d_model,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            bias=has_bias,
+            dtype=dtype,
+            context_dim=wk.shape[1],
+            seed=0,
+        )
         layer.W_Q, layer.W_K, layer.W_V, layer.W_O = wq.T, wk.T, wv.T, wo.T
         for name, b in (("b_Q", bq), ("b_K", bk), ("b_V", bv), ("b_O", bo)):
             if b is not None:
@@ -368,10 +436,11 @@ class MultiHeadAttention:
         return layer
 
 
-def _state_dict_weights(d: Dict[str, Any], prefix: str) -> Tuple[tuple, tuple]:
+def _state_dict_weights(d: dict[str, Any], prefix: str) -> tuple[tuple, tuple]:
     """``((W_Q, W_K, W_V, W_O), (b_Q, b_K, b_V, b_O))`` of a state dict in torch's ``(out, in)``
     convention, under any of the names :meth:`MultiHeadAttention.from_state_dict` accepts
     (biases None where absent)."""
+
     def get(name):
         return _to_numpy(d[prefix + name], prefix + name) if prefix + name in d else None
 
@@ -389,48 +458,65 @@ def _state_dict_weights(d: Dict[str, Any], prefix: str) -> Tuple[tuple, tuple]:
             bq = bk = bv = None
         else:
             nq, nk = wq.shape[0], wk.shape[0]
-            bq, bk, bv = bias[:nq], bias[nq:nq + nk], bias[nq + nk:]
+            bq, bk, bv = bias[:nq], bias[nq : nq + nk], bias[nq + nk :]
     else:
         wq, wk, wv = get("q_proj.weight"), get("k_proj.weight"), get("v_proj.weight")
         bq, bk, bv = get("q_proj.bias"), get("k_proj.bias"), get("v_proj.bias")
     out_name = "out_proj" if get("out_proj.weight") is not None else "o_proj"
     wo, bo = get(out_name + ".weight"), get(out_name + ".bias")
-    missing = [n for n, a in (("query", wq), ("key", wk), ("value", wv), ("output", wo))
-               if a is None]
+    missing = [
+        n for n, a in (("query", wq), ("key", wk), ("value", wv), ("output", wo)) if a is None
+    ]
     if missing:
-        raise KeyError(f"from_state_dict: no {', '.join(missing)} projection weight under "
-                       f"prefix {prefix!r}; expected q_proj.weight/k_proj.weight/"
-                       f"v_proj.weight/out_proj.weight (or o_proj.weight), or "
-                       f"in_proj_weight/out_proj.weight; got keys {sorted(d)[:12]}")
+        raise KeyError(
+            f"from_state_dict: no {', '.join(missing)} projection weight under "
+            f"prefix {prefix!r}; expected q_proj.weight/k_proj.weight/"
+            f"v_proj.weight/out_proj.weight (or o_proj.weight), or "
+            f"in_proj_weight/out_proj.weight; got keys {sorted(d)[:12]}"
+        )
     for name, a in (("query", wq), ("key", wk), ("value", wv), ("output", wo)):
         if a.ndim != 2:
-            raise ValueError(f"from_state_dict: {name} weight must be 2-D (out, in), got "
-                             f"{a.shape}")
+            raise ValueError(f"from_state_dict: {name} weight must be 2-D (out, in), got {a.shape}")
     return (wq, wk, wv, wo), (bq, bk, bv, bo)
 
 
-def _head_shape(wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, wo: np.ndarray, num_heads: int,
-                num_kv_heads: Optional[int]) -> Tuple[int, int]:
+def _head_shape(
+    wq: np.ndarray,
+    wk: np.ndarray,
+    wv: np.ndarray,
+    wo: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int | None,
+) -> tuple[int, int]:
     """``(head_dim, num_kv_heads)`` that the projection weights imply, checked against each
     other and against ``num_kv_heads`` where given."""
     if wq.shape[0] % num_heads:
-        raise ValueError(f"num_heads: W_Q has {wq.shape[0]} output rows, not a multiple of "
-                         f"num_heads={num_heads}")
+        raise ValueError(
+            f"num_heads: W_Q has {wq.shape[0]} output rows, not a multiple of num_heads={num_heads}"
+        )
     head_dim = wq.shape[0] // num_heads
     if wk.shape != wv.shape:
-        raise ValueError(f"from_state_dict: key weight {wk.shape} and value weight "
-                         f"{wv.shape} differ (the layer reads one context for both)")
+        raise ValueError(
+            f"from_state_dict: key weight {wk.shape} and value weight "
+            f"{wv.shape} differ (the layer reads one context for both)"
+        )
     if wk.shape[0] % head_dim:
-        raise ValueError(f"from_state_dict: key weight has {wk.shape[0]} rows, not a "
-                         f"multiple of head_dim={head_dim}")
+        raise ValueError(
+            f"from_state_dict: key weight has {wk.shape[0]} rows, not a "
+            f"multiple of head_dim={head_dim}"
+        )
     inferred = wk.shape[0] // head_dim
     if num_kv_heads is None:
         num_kv_heads = inferred
     elif _positive(num_kv_heads, "num_kv_heads") != inferred:
-        raise ValueError(f"num_kv_heads: {num_kv_heads} given, but the key weight has "
-                         f"{wk.shape[0]} rows = {inferred} heads of {head_dim}")
+        raise ValueError(
+            f"num_kv_heads: {num_kv_heads} given, but the key weight has "
+            f"{wk.shape[0]} rows = {inferred} heads of {head_dim}"
+        )
     d_model = wq.shape[1]
     if wo.shape != (d_model, wq.shape[0]):
-        raise ValueError(f"from_state_dict: output weight must be (d_model, "
-                         f"num_heads*head_dim) = {(d_model, wq.shape[0])}, got {wo.shape}")
+        raise ValueError(
+            f"from_state_dict: output weight must be (d_model, "
+            f"num_heads*head_dim) = {(d_model, wq.shape[0])}, got {wo.shape}"
+        )
     return head_dim, num_kv_heads

@@ -72,14 +72,17 @@ Examples
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional, Tuple, cast
+from typing import Any, cast
 
 import numpy as np
 
 from .. import reference as _reference
+from .._validate import as_array as _as_array
+from .._validate import check_broadcast as _check_broadcast
+from .._validate import flag as _flag
+from .._validate import native_order as _native_order
 from ..ops import attention as _api
 from . import tensors as _tensors
-from .._validate import as_array as _as_array, check_broadcast as _check_broadcast, flag as _flag, native_order as _native_order
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -90,7 +93,9 @@ try:  # bfloat16 storage is optional in the same way as in attnx.reference
 except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
     _BF16 = None
 
-_KERNEL_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float16), _BF16) if d is not None)
+_KERNEL_DTYPES = tuple(
+    d for d in (np.dtype(np.float32), np.dtype(np.float16), _BF16) if d is not None
+)
 _F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 _F32_MAX = float(np.finfo(np.float32).max)  # the binding takes scales in [_F32_TINY, _F32_MAX]
 
@@ -101,7 +106,8 @@ def _check_dropout(dropout_p):
     if dropout_p != 0:  # also NaN
         raise ValueError(
             f"dropout_p: attnx is inference only and does not apply dropout; expected 0.0, got "
-            f"{dropout_p!r}")
+            f"{dropout_p!r}"
+        )
 
 
 def _check_inputs(query, key, value, enable_gqa):
@@ -115,11 +121,15 @@ def _check_inputs(query, key, value, enable_gqa):
     q, k, v = arrays
     for name, a in (("key", k), ("value", v)):
         if a.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {a.dtype} differs from query's dtype {q.dtype} "
-                            "(query, key and value must share one dtype, as in torch)")
+            raise TypeError(
+                f"{name}: dtype {a.dtype} differs from query's dtype {q.dtype} "
+                "(query, key and value must share one dtype, as in torch)"
+            )
     if q.dtype not in _KERNEL_DTYPES and q.dtype != np.float64:
-        raise TypeError(f"query: dtype {q.dtype} is not supported; expected float32, float16, "
-                        "bfloat16 or float64")
+        raise TypeError(
+            f"query: dtype {q.dtype} is not supported; expected float32, float16, "
+            "bfloat16 or float64"
+        )
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"key: embedding size {k.shape[-1]} differs from query's {q.shape[-1]}")
     if v.shape[-2] != k.shape[-2]:
@@ -127,13 +137,16 @@ def _check_inputs(query, key, value, enable_gqa):
     if enable_gqa:
         for name, a in (("query", q), ("key", k), ("value", v)):
             if a.ndim < 3:
-                raise ValueError(f"{name}: enable_gqa needs a head axis (..., H, S, E), got shape "
-                                 f"{a.shape}")
+                raise ValueError(
+                    f"{name}: enable_gqa needs a head axis (..., H, S, E), got shape {a.shape}"
+                )
         hq = q.shape[-3]
         for name, a in (("key", k), ("value", v)):
             if a.shape[-3] == 0 or hq % a.shape[-3]:
-                raise ValueError(f"{name}: enable_gqa needs the query heads ({hq}) to be a multiple "
-                                 f"of the {name} heads ({a.shape[-3]})")
+                raise ValueError(
+                    f"{name}: enable_gqa needs the query heads ({hq}) to be a multiple "
+                    f"of the {name} heads ({a.shape[-3]})"
+                )
     return q, k, v
 
 
@@ -152,7 +165,8 @@ def _lead_shapes(q, k, v, enable_gqa):
     except ValueError:
         raise ValueError(
             f"key: leading shapes of query {q.shape[:-2]}, key {k.shape[:-2]} and value "
-            f"{v.shape[:-2]} do not broadcast") from None
+            f"{v.shape[:-2]} do not broadcast"
+        ) from None
     return leads, out_lead
 
 
@@ -174,7 +188,7 @@ def _scale_type(q: np.ndarray) -> type:
     return np.float64 if q.dtype == np.float64 else np.float32
 
 
-def _torch_scale(q: np.ndarray, scale: Optional[float]) -> Optional[Tuple[np.ndarray, Optional[float]]]:
+def _torch_scale(q: np.ndarray, scale: float | None) -> tuple[np.ndarray, float | None] | None:
     """``(q, scale)`` for the kernels, which take a positive scale within float32's normal range
     (or None for ``1/sqrt(E)``), giving what torch gives for any ``scale``; None when only the
     float64 reference can (an infinite scale).
@@ -202,10 +216,16 @@ def _torch_scale(q: np.ndarray, scale: Optional[float]) -> Optional[Tuple[np.nda
 
 
 @_tensors.tensor_io
-def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Optional[Any] = None,
-                                 dropout_p: float = 0.0, is_causal: bool = False,
-                                 scale: Optional[float] = None,
-                                 enable_gqa: bool = False) -> np.ndarray:
+def scaled_dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> np.ndarray:
     """``torch.nn.functional.scaled_dot_product_attention`` on NumPy arrays, on attnx's kernels:
     ``is_causal`` is top-left aligned, as torch's, where :func:`attnx.attention`'s ``causal`` is
     bottom-right. (Parameters, results and an example: :mod:`attnx.integrations.sdpa`.)"""
@@ -220,8 +240,14 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
         with np.errstate(over="ignore"):
             s_held = float(_scale_type(q)(scale))
         return _reference.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=s_held,
-            enable_gqa=enable_gqa).astype(out_dtype, copy=False)
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=s_held,
+            enable_gqa=enable_gqa,
+        ).astype(out_dtype, copy=False)
     q, scale = scaled
 
     (q_lead, k_lead, v_lead), out_lead = _lead_shapes(q, k, v, enable_gqa)
@@ -239,11 +265,23 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Op
         k, v, mask, causal, window = _top_left_causal(k, v, mask, L, S)
 
     if rank == 2:
-        out = cast(np.ndarray, _api.attention(q, k, v, causal=causal, mask=mask, scale=scale,
-                                              window=window))
+        out = cast(
+            np.ndarray,
+            _api.attention(q, k, v, causal=causal, mask=mask, scale=scale, window=window),
+        )
         return out.astype(out_dtype, copy=False)
-    out = _attend_heads(q, k, v, mask, (q_lead, k_lead, v_lead), out_lead, enable_gqa,
-                        causal=causal, scale=scale, window=window)
+    out = _attend_heads(
+        q,
+        k,
+        v,
+        mask,
+        (q_lead, k_lead, v_lead),
+        out_lead,
+        enable_gqa,
+        causal=causal,
+        scale=scale,
+        window=window,
+    )
     return out.astype(out_dtype, copy=False)
 
 
@@ -252,8 +290,9 @@ def _sdpa_mask(attn_mask, rank, logical):
     ``rank``."""
     m = _as_array(attn_mask, "attn_mask")
     if m.dtype != np.bool_ and m.dtype.kind != "f" and m.dtype != _BF16:
-        raise TypeError(f"attn_mask: expected a boolean (True = takes part) or float mask, "
-                        f"got dtype {m.dtype}")
+        raise TypeError(
+            f"attn_mask: expected a boolean (True = takes part) or float mask, got dtype {m.dtype}"
+        )
     _check_broadcast(m, "attn_mask", rank, logical)
     return m.reshape((1,) * (rank - m.ndim) + m.shape)
 
@@ -295,6 +334,7 @@ def _attend_heads(q, k, v, mask, leads, out_lead, enable_gqa, *, causal, scale, 
             m4 = mask.reshape((1,) + mask.shape[-3:])
         else:
             m4 = _to_bhsd(mask, mask.shape[:-2], out_batch, mask.shape[-3])
-    out = cast(np.ndarray, _api.attention(q4, k4, v4, causal=causal, mask=m4, scale=scale,
-                                          window=window))
+    out = cast(
+        np.ndarray, _api.attention(q4, k4, v4, causal=causal, mask=m4, scale=scale, window=window)
+    )
     return out.reshape(out_lead + out.shape[-2:])

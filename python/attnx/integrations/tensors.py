@@ -18,24 +18,27 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["tensor_io", "to_numpy", "like", "is_torch"]
+__all__ = ["is_torch", "like", "tensor_io", "to_numpy"]
 
 # argument types that are never tensors: checked by identity, so the NumPy path stays fast
 _PLAIN = frozenset({np.ndarray, type(None), bool, int, float, str, tuple, list})
 
-_TRAINING = ("attnx computes no gradients (inference only): call it under torch.no_grad() or "
-             "torch.inference_mode(), pass .detach()ed tensors, or use "
-             "torch.nn.functional.scaled_dot_product_attention to train")
+_TRAINING = (
+    "attnx computes no gradients (inference only): call it under torch.no_grad() or "
+    "torch.inference_mode(), pass .detach()ed tensors, or use "
+    "torch.nn.functional.scaled_dot_product_attention to train"
+)
 
 # What each argument type is, found once per type: a decode loop passes the same few types
 # (tensors, ints, a Step) three or four times per layer and step. Safe to keep: a torch.Tensor
 # subclass cannot exist before torch is imported, so no type's answer changes later.
 _PLAIN_KIND, _TORCH_KIND, _DLPACK_KIND = 0, 1, 2
-_kinds: dict = {t: _PLAIN_KIND for t in _PLAIN}
+_kinds: dict = dict.fromkeys(_PLAIN, _PLAIN_KIND)
 
 
 def _torch():
@@ -68,7 +71,7 @@ _registered = False
 # it is imported (it calls the ops, which sit above this module, so this module never imports it).
 # ``load_torch_ops`` imports it: set by ``attnx/__init__.py``, which knows both.
 TORCH_OPS: dict[str, Callable[..., Any]] = {}
-load_torch_ops: Optional[Callable[[], object]] = None
+load_torch_ops: Callable[[], object] | None = None
 
 
 def _register_ops():
@@ -91,9 +94,11 @@ def _torch_to_numpy(t, name):
         except (TypeError, RuntimeError):
             pass
     if not t.is_cpu:
-        raise ValueError(f"{name}: attnx runs on the CPU, got a tensor on {t.device}: move it with "
-                         f".cpu(), or use torch.nn.functional.scaled_dot_product_attention on "
-                         f"{t.device.type}")
+        raise ValueError(
+            f"{name}: attnx runs on the CPU, got a tensor on {t.device}: move it with "
+            f".cpu(), or use torch.nn.functional.scaled_dot_product_attention on "
+            f"{t.device.type}"
+        )
     if t.requires_grad:
         if torch.is_grad_enabled():
             raise ValueError(f"{name}: the tensor requires grad; {_TRAINING}")
@@ -110,8 +115,10 @@ def _torch_to_numpy(t, name):
     try:
         return t.numpy()
     except (TypeError, RuntimeError) as exc:
-        raise TypeError(f"{name}: cannot view a tensor of dtype {t.dtype} as a NumPy array; "
-                        "expected float32, float16 or bfloat16") from exc
+        raise TypeError(
+            f"{name}: cannot view a tensor of dtype {t.dtype} as a NumPy array; "
+            "expected float32, float16 or bfloat16"
+        ) from exc
 
 
 def to_numpy(x, name="x"):
@@ -126,8 +133,9 @@ def to_numpy(x, name="x"):
     try:
         return np.from_dlpack(x)
     except (TypeError, RuntimeError, BufferError, ValueError) as exc:
-        raise TypeError(f"{name}: cannot read a {type(x).__name__} through __dlpack__ on the "
-                        f"CPU: {exc}") from exc
+        raise TypeError(
+            f"{name}: cannot read a {type(x).__name__} through __dlpack__ on the CPU: {exc}"
+        ) from exc
 
 
 def like(a, template):

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from .. import _core
-from ..ops import attention as _attention, paged as _paged
+from ..ops import attention as _attention
+from ..ops import paged as _paged
 from . import tensors as _tensors
 
 __all__ = ["attention", "paged_attention"]
@@ -48,18 +49,41 @@ def _result(res, return_lse, template):
 
 
 @torch.library.custom_op("attnx::attention", mutates_args=(), device_types="cpu")
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  kv_lens: torch.Tensor | None, q_lens: torch.Tensor | None, causal: bool,
-                  scale: float | None, layout: str, return_lse: bool, window_left: int | None,
-                  window_right: int | None, softcap: float | None, sinks: torch.Tensor | None,
-                  alibi_slopes: torch.Tensor | None,
-                  num_threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    kv_lens: torch.Tensor | None,
+    q_lens: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    layout: str,
+    return_lse: bool,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    num_threads: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     res = _attention.attention(
-        _np(q, "q"), _np(k, "k"), _np(v, "v"), mask=_np(mask, "mask"), kv_lens=_np(kv_lens, "kv_lens"),
-        q_lens=_np(q_lens, "q_lens"), causal=causal, scale=scale, layout=layout,
-        return_lse=return_lse, window=_window(window_left, window_right), softcap=softcap,
-        sinks=_np(sinks, "sinks"), alibi_slopes=_np(alibi_slopes, "alibi_slopes"),
-        num_threads=num_threads)
+        _np(q, "q"),
+        _np(k, "k"),
+        _np(v, "v"),
+        mask=_np(mask, "mask"),
+        kv_lens=_np(kv_lens, "kv_lens"),
+        q_lens=_np(q_lens, "q_lens"),
+        causal=causal,
+        scale=scale,
+        layout=layout,
+        return_lse=return_lse,
+        window=_window(window_left, window_right),
+        softcap=softcap,
+        sinks=_np(sinks, "sinks"),
+        alibi_slopes=_np(alibi_slopes, "alibi_slopes"),
+        num_threads=num_threads,
+    )
     out, lse = _result(res, return_lse, q)
     # a fresh array of the expected layout: the op owns it, so it may be handed out as is
     return out, lse
@@ -91,8 +115,24 @@ def _lse_shape(q, layout):
 
 
 @_attention_op.register_fake
-def _(q, k, v, mask, kv_lens, q_lens, causal, scale, layout, return_lse, window_left, window_right,
-      softcap, sinks, alibi_slopes, num_threads):
+def _(
+    q,
+    k,
+    v,
+    mask,
+    kv_lens,
+    q_lens,
+    causal,
+    scale,
+    layout,
+    return_lse,
+    window_left,
+    window_right,
+    softcap,
+    sinks,
+    alibi_slopes,
+    num_threads,
+):
     out = _dense_out_like(q, v, layout)
     shape, dtype = (_lse_shape(q, layout), _lse_dtype(q)) if return_lse else (_EMPTY, torch.float32)
     lse = q.new_empty(shape, dtype=dtype)
@@ -100,29 +140,67 @@ def _(q, k, v, mask, kv_lens, q_lens, causal, scale, layout, return_lse, window_
 
 
 @torch.library.custom_op("attnx::paged_attention", mutates_args=(), device_types="cpu")
-def _paged_attention_op(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                        block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor | None,
-                        causal: bool, scale: float | None, return_lse: bool, window_left: int | None,
-                        window_right: int | None, softcap: float | None, sinks: torch.Tensor | None,
-                        alibi_slopes: torch.Tensor | None,
-                        num_threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged_attention_op(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    return_lse: bool,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    num_threads: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     res = _paged.paged_attention(
-        _np(q, "q"), _np(k_pages, "k_pages"), _np(v_pages, "v_pages"), _np(block_tables, "block_tables"),
-        _np(seq_lens, "seq_lens"), q_lens=_np(q_lens, "q_lens"), causal=causal, scale=scale,
-        return_lse=return_lse, window=_window(window_left, window_right), softcap=softcap,
-        sinks=_np(sinks, "sinks"), alibi_slopes=_np(alibi_slopes, "alibi_slopes"), num_threads=num_threads)
+        _np(q, "q"),
+        _np(k_pages, "k_pages"),
+        _np(v_pages, "v_pages"),
+        _np(block_tables, "block_tables"),
+        _np(seq_lens, "seq_lens"),
+        q_lens=_np(q_lens, "q_lens"),
+        causal=causal,
+        scale=scale,
+        return_lse=return_lse,
+        window=_window(window_left, window_right),
+        softcap=softcap,
+        sinks=_np(sinks, "sinks"),
+        alibi_slopes=_np(alibi_slopes, "alibi_slopes"),
+        num_threads=num_threads,
+    )
     return _result(res, return_lse, q)
 
 
 @_paged_attention_op.register_fake
-def _(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, scale, return_lse, window_left,
-      window_right, softcap, sinks, alibi_slopes, num_threads):
+def _(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    seq_lens,
+    q_lens,
+    causal,
+    scale,
+    return_lse,
+    window_left,
+    window_right,
+    softcap,
+    sinks,
+    alibi_slopes,
+    num_threads,
+):
     out = q.new_empty((*q.shape[:-1], v_pages.shape[-1]))
     lse = q.new_empty(tuple(q.shape[:-1]) if return_lse else _EMPTY, dtype=torch.float32)
     return out, lse
 
 
 # ---- the Python-signature front ends (what attnx.attention calls while torch.compile traces) ----
+
 
 def _tensor(x):
     """Array-like arguments as tensors (the op schema takes Tensor?); None stays None."""
@@ -145,29 +223,88 @@ def _finish(out_t, lse, out, return_lse):
     return (out_t, lse) if return_lse else out_t
 
 
-def attention(q, k, v, *, causal=False, mask=None, kv_lens=None, q_lens=None, scale=None, layout="bhsd",
-              return_lse=False, out=None, num_threads=None, window=None, softcap=None, sinks=None,
-              alibi_slopes=None):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    mask=None,
+    kv_lens=None,
+    q_lens=None,
+    scale=None,
+    layout="bhsd",
+    return_lse=False,
+    out=None,
+    num_threads=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
+):
     """:func:`attnx.attention` through ``torch.ops.attnx.attention`` (same arguments and results)."""
     wl, wr = _split_window(window)
     o, lse = torch.ops.attnx.attention(
-        q, k, v, _tensor(mask), _tensor(kv_lens), _tensor(q_lens), bool(causal),
-        None if scale is None else float(scale), layout, bool(return_lse), wl, wr,
-        None if softcap is None else float(softcap), _tensor(sinks), _tensor(alibi_slopes), num_threads)
+        q,
+        k,
+        v,
+        _tensor(mask),
+        _tensor(kv_lens),
+        _tensor(q_lens),
+        bool(causal),
+        None if scale is None else float(scale),
+        layout,
+        bool(return_lse),
+        wl,
+        wr,
+        None if softcap is None else float(softcap),
+        _tensor(sinks),
+        _tensor(alibi_slopes),
+        num_threads,
+    )
     return _finish(o, lse, out, return_lse)
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, q_lens=None, causal=True, scale=None,
-                    return_lse=False, out=None, num_threads=None, window=None, softcap=None, sinks=None,
-                    alibi_slopes=None, shared_prefix=True):
+def paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    seq_lens,
+    *,
+    q_lens=None,
+    causal=True,
+    scale=None,
+    return_lse=False,
+    out=None,
+    num_threads=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
+    shared_prefix=True,
+):
     """:func:`attnx.paged_attention` through ``torch.ops.attnx.paged_attention``. (The op always
     reads shared prefixes once where that pays, as the default does: ``shared_prefix`` is
     accepted for the same signature; the result is the same within fp32 tolerance.)"""
     wl, wr = _split_window(window)
     o, lse = torch.ops.attnx.paged_attention(
-        q, _tensor(k_pages), _tensor(v_pages), _tensor(block_tables), _tensor(seq_lens), _tensor(q_lens),
-        bool(causal), None if scale is None else float(scale), bool(return_lse), wl, wr,
-        None if softcap is None else float(softcap), _tensor(sinks), _tensor(alibi_slopes), num_threads)
+        q,
+        _tensor(k_pages),
+        _tensor(v_pages),
+        _tensor(block_tables),
+        _tensor(seq_lens),
+        _tensor(q_lens),
+        bool(causal),
+        None if scale is None else float(scale),
+        bool(return_lse),
+        wl,
+        wr,
+        None if softcap is None else float(softcap),
+        _tensor(sinks),
+        _tensor(alibi_slopes),
+        num_threads,
+    )
     return _finish(o, lse, out, return_lse)
 
 

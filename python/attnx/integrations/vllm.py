@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENV", "BACKEND", "enabled", "register"]
+__all__ = ["BACKEND", "ENV", "enabled", "register"]
 
 ENV = "ATTNX_VLLM"
 BACKEND = "attnx.integrations._vllm.AttnxAttentionBackend"
@@ -38,4 +38,6 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
-    init_logger("vllm.attnx").info("attnx: vLLM's CPU_ATTN attention backend is %s (%s=1)", BACKEND, ENV)
+    init_logger("vllm.attnx").info(
+        "attnx: vLLM's CPU_ATTN attention backend is %s (%s=1)", BACKEND, ENV
+    )

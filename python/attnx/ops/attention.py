@@ -63,41 +63,75 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 
 from .. import _core
-from .._validate import (LAYOUTS, as_array, choice, from4, kernel_array, mask4, out4, rank_lens, real,
-                         threads, to4, window_sides)
+from .._validate import (
+    LAYOUTS,
+    as_array,
+    choice,
+    from4,
+    kernel_array,
+    mask4,
+    out4,
+    rank_lens,
+    real,
+    threads,
+    to4,
+    window_sides,
+)
 from ..integrations import tensors as _tensors
 
 __all__ = ["attention"]
 
 ArrayLike = Any  # an ndarray, or anything np.asarray takes
-IntsLike = Union[int, np.integer, ArrayLike]  # one length (ranks 2 and 3) or an int array
-Window = Tuple[Optional[int], Optional[int]]
-Result = Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]  # out, or (out, lse)
+IntsLike = int | np.integer | ArrayLike  # one length (ranks 2 and 3) or an int array
+Window = tuple[int | None, int | None]
+Result = np.ndarray | tuple[np.ndarray, np.ndarray]  # out, or (out, lse)
 
 
 @_tensors.tensor_io(torch_op="attention")
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
-              mask: Optional[ArrayLike] = None, kv_lens: Optional[IntsLike] = None,
-              q_lens: Optional[IntsLike] = None, scale: Optional[float] = None,
-              layout: str = "bhsd", return_lse: bool = False, out: Optional[np.ndarray] = None,
-              num_threads: Optional[int] = None, window: Optional[Window] = None,
-              softcap: Optional[float] = None, sinks: Optional[ArrayLike] = None,
-              alibi_slopes: Optional[ArrayLike] = None) -> Result:
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    causal: bool = False,
+    mask: ArrayLike | None = None,
+    kv_lens: IntsLike | None = None,
+    q_lens: IntsLike | None = None,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    return_lse: bool = False,
+    out: np.ndarray | None = None,
+    num_threads: int | None = None,
+    window: Window | None = None,
+    softcap: float | None = None,
+    sinks: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
+) -> Result:
     """Exact scaled dot-product attention, ``softmax(q kᵀ · scale + M) v``, without ever forming
     the full score matrix. Parameters, results and an example: :mod:`attnx.ops.attention`."""
     # (the common case, 4-D "bhsd" NumPy arrays, takes the shortest path: a small call from
     # Python should cost a few microseconds, so defaults pass through without calls)
     rank, plain, q4, k4, v4 = _views(q, k, v, layout)
     if mask is not None:
-        mask = mask4(mask, rank, (q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])[4 - rank:],
-                     np.float64 if q4.dtype == np.float64 else np.float32)
+        mask = mask4(
+            mask,
+            rank,
+            (q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])[4 - rank :],
+            np.float64 if q4.dtype == np.float64 else np.float32,
+        )
     res = _core.attention(
-        q4, k4, v4, mask=mask, causal=causal, return_lse=return_lse, sinks=sinks,
+        q4,
+        k4,
+        v4,
+        mask=mask,
+        causal=causal,
+        return_lse=return_lse,
+        sinks=sinks,
         alibi_slopes=alibi_slopes,
         kv_lens=kv_lens if kv_lens is None else rank_lens(kv_lens, rank),
         q_lens=q_lens if q_lens is None else rank_lens(q_lens, rank),
@@ -105,7 +139,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
         out=out if out is None else out4(out, rank, layout),
         num_threads=0 if num_threads is None else threads(num_threads),
         window=window if window is None else window_sides(window),
-        softcap=softcap if softcap is None else real(softcap, "softcap"))
+        softcap=softcap if softcap is None else real(softcap, "softcap"),
+    )
     return _result(res, out, return_lse, plain, rank, layout)
 
 
@@ -121,7 +156,9 @@ def _views(q, k, v, layout):
         q4, k4, v4 = q, k, v
     else:
         if rank not in (2, 3, 4):
-            raise ValueError(f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}")
+            raise ValueError(
+                f"q: expected rank 2 (S, D), 3 (H, S, D) or 4 (B, H, S, D), got shape {q.shape}"
+            )
         choice(layout, LAYOUTS, "layout")
         q4, k4, v4 = to4(q, "q", rank, layout), to4(k, "k", rank, layout), to4(v, "v", rank, layout)
     return rank, plain, kernel_array(q4), kernel_array(k4), kernel_array(v4)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import _core
 
-__all__ = ["plan_groups", "MIN_SAVED_KEYS"]
+__all__ = ["MIN_SAVED_KEYS", "plan_groups"]
 
 # A group is split off only when it saves at least this many key reads per kv head (shared
 # tokens times the sharing sequences but one): below it, the extra pass and the merge cost more
@@ -38,7 +38,7 @@ class Groups:
     block ids ``[starts[g], blocks[g])`` (and every block before, in the enclosing groups);
     ``tokens[g]`` are their queries' indices in the packed batch."""
 
-    __slots__ = ("rows", "starts", "blocks", "tokens")
+    __slots__ = ("blocks", "rows", "starts", "tokens")
 
     def __init__(self) -> None:
         self.rows: list[np.ndarray] = []
@@ -50,8 +50,9 @@ class Groups:
         return bool(self.rows)
 
 
-def plan_groups(block_tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray,
-                block_size: int) -> Groups:
+def plan_groups(
+    block_tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, block_size: int
+) -> Groups:
     """The groups worth splitting, as the core plans them: sequences with the same first block
     share as many leading blocks as all of them hold equal and wholly before their queries;
     within a group, those with the same next block share a further run, and so on (a tree of

@@ -43,7 +43,9 @@ def _time_major(a, name, rank, layout):
     if a.ndim != rank:
         order = "(B, T, H" if layout == "bshd" else "(B, H, T"
         want = order + (", D)" if rank == 4 else ")")
-        raise ValueError(f"{name}: expected {rank} dims {want} for layout={layout!r}, got shape {a.shape}")
+        raise ValueError(
+            f"{name}: expected {rank} dims {want} for layout={layout!r}, got shape {a.shape}"
+        )
     return a if layout == "bshd" else a.swapaxes(1, 2)
 
 
@@ -68,7 +70,9 @@ def _sequences(B, T, cu_seqlens, lengths):
         if B != 1:
             raise ValueError(f"cu_seqlens: sequences packed along T need B == 1, got B={B}")
         if cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] > T:
-            raise ValueError(f"cu_seqlens: expected 0 = c[0] <= c[1] <= ... <= c[N] <= T={T}, got {cu.tolist()}")
+            raise ValueError(
+                f"cu_seqlens: expected 0 = c[0] <= c[1] <= ... <= c[N] <= T={T}, got {cu.tolist()}"
+            )
         n = cu.size - 1
         return np.stack([np.zeros(n, np.int64), cu[:-1], np.diff(cu)], axis=1)
     if lengths is not None:
@@ -76,7 +80,9 @@ def _sequences(B, T, cu_seqlens, lengths):
         if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > T):
             raise ValueError(f"lengths: expected (B={B},) ints in [0, T={T}], got {lens.tolist()}")
         return np.stack([np.arange(B, dtype=np.int64), np.zeros(B, np.int64), lens], axis=1)
-    return np.stack([np.arange(B, dtype=np.int64), np.zeros(B, np.int64), np.full(B, T, np.int64)], axis=1)
+    return np.stack(
+        [np.arange(B, dtype=np.int64), np.zeros(B, np.int64), np.full(B, T, np.int64)], axis=1
+    )
 
 
 def _scale(scale, K):
@@ -90,14 +96,18 @@ def _scale(scale, K):
 def _gates(g, beta, B, T, Hv, K, layout):
     g = _float(g, "g")
     if g.ndim not in (3, 4):
-        raise ValueError(f"g: expected (B, T, Hv) or per channel (B, T, Hv, K) for layout='bshd', got shape {g.shape}")
+        raise ValueError(
+            f"g: expected (B, T, Hv) or per channel (B, T, Hv, K) for layout='bshd', got shape {g.shape}"
+        )
     g = _time_major(g, "g", g.ndim, layout)
     if g.shape[:3] != (B, T, Hv) or (g.ndim == 4 and g.shape[3] != K):
         want = f"(B={B}, T={T}, Hv={Hv})" + ("" if g.ndim == 3 else f" + (K={K},)")
         raise ValueError(f"g: expected shape {want} (in (B, T, H) order), got {g.shape}")
     beta = _time_major(_float(beta, "beta"), "beta", 3, layout)
     if beta.shape != (B, T, Hv):
-        raise ValueError(f"beta: expected shape (B={B}, T={T}, Hv={Hv}) (in (B, T, H) order), got {beta.shape}")
+        raise ValueError(
+            f"beta: expected shape (B={B}, T={T}, Hv={Hv}) (in (B, T, H) order), got {beta.shape}"
+        )
     return g, beta
 
 
@@ -111,12 +121,16 @@ def delta_args(q, k, v, g, beta, *, scale, initial_state, layout, cu_seqlens, le
         raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     B, T, Hk, K = q.shape
     if k.shape != q.shape:
-        raise ValueError(f"k: expected the shape of q (B={B}, T={T}, Hk={Hk}, K={K}), got {k.shape}")
+        raise ValueError(
+            f"k: expected the shape of q (B={B}, T={T}, Hk={Hk}, K={K}), got {k.shape}"
+        )
     if v.shape[:2] != (B, T):
         raise ValueError(f"v: expected (B={B}, T={T}, Hv, V), got {v.shape}")
     Hv, V = v.shape[2], v.shape[3]
     if Hk < 1 or Hv % Hk != 0:
-        raise ValueError(f"v: the value heads (Hv={Hv}) must be a multiple of the key heads (Hk={Hk})")
+        raise ValueError(
+            f"v: the value heads (Hv={Hv}) must be a multiple of the key heads (Hk={Hk})"
+        )
     if K < 1 or V < 1:
         raise ValueError(f"q, v: feature widths must be >= 1, got K={K}, V={V}")
     g, beta = _gates(g, beta, B, T, Hv, K, layout)
@@ -126,5 +140,7 @@ def delta_args(q, k, v, g, beta, *, scale, initial_state, layout, cu_seqlens, le
         state = _float(initial_state, "initial_state")
         want = (seqs.shape[0], Hv, K, V)
         if state.shape != want:
-            raise ValueError(f"initial_state: expected shape (N={want[0]}, Hv={Hv}, K={K}, V={V}), got {state.shape}")
+            raise ValueError(
+                f"initial_state: expected shape (N={want[0]}, Hv={Hv}, K={K}, V={V}), got {state.shape}"
+            )
     return DeltaArgs(q, k, v, g, beta, seqs, state, _scale(scale, K))

@@ -70,9 +70,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _core
-from .delta_args import delta_args, from_bshd
-from ..integrations.tensors import tensor_io
 from .._validate import choice, flag, threads
+from ..integrations.tensors import tensor_io
+from .delta_args import delta_args, from_bshd
 
 __all__ = ["gated_delta_rule"]
 
@@ -89,23 +89,60 @@ def _storage(a, dtype):
 
 
 @tensor_io
-def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                     layout="bshd", qk_l2norm=False, cu_seqlens=None, lengths=None, num_threads=None,
-                     _mode="auto"):
+def gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    layout="bshd",
+    qk_l2norm=False,
+    cu_seqlens=None,
+    lengths=None,
+    num_threads=None,
+    _mode="auto",
+):
     """Gated delta-rule linear attention.
     (Parameters, results and an example: :mod:`attnx.ops.delta_rule`.)"""
     choice(_mode, tuple(_MODES), "_mode")
-    args = delta_args(q, k, v, g, beta, scale=scale, initial_state=initial_state, layout=layout,
-                      cu_seqlens=cu_seqlens, lengths=lengths)
+    args = delta_args(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        layout=layout,
+        cu_seqlens=cu_seqlens,
+        lengths=lengths,
+    )
     n_threads = threads(num_threads)
     in_dtype = args.q.dtype
     dtype = np.dtype(np.float32) if in_dtype == np.float64 else in_dtype
-    state = None if args.initial_state is None else np.ascontiguousarray(args.initial_state, dtype=np.float32)
+    state = (
+        None
+        if args.initial_state is None
+        else np.ascontiguousarray(args.initial_state, dtype=np.float32)
+    )
     o, final = _core.gated_delta_rule(
-        _storage(args.q, dtype), _storage(args.k, dtype), _storage(args.v, dtype),
-        _storage(args.g, np.float32), _storage(args.beta, np.float32), args.sequences, state,
-        flag(output_final_state, "output_final_state"), args.scale, flag(qk_l2norm, "qk_l2norm"),
-        _MODES[_mode], n_threads)
+        _storage(args.q, dtype),
+        _storage(args.k, dtype),
+        _storage(args.v, dtype),
+        _storage(args.g, np.float32),
+        _storage(args.beta, np.float32),
+        args.sequences,
+        state,
+        flag(output_final_state, "output_final_state"),
+        args.scale,
+        flag(qk_l2norm, "qk_l2norm"),
+        _MODES[_mode],
+        n_threads,
+    )
     if in_dtype == np.float64:
         o = o.astype(np.float64)
     o = from_bshd(o, layout)

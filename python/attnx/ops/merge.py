@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..integrations import tensors as _tensors
 from .._validate import LAYOUTS, as_array, choice
+from ..integrations import tensors as _tensors
 
 __all__ = ["merge_attention"]
 
@@ -63,8 +63,9 @@ def _accumulator(dtype, name):
         return np.dtype(np.float64)
     if dtype in (np.float32, np.float16) or dtype.name == "bfloat16":
         return np.dtype(np.float32)
-    raise TypeError(f"{name}: expected float32, float16, bfloat16 or float64, got dtype "
-                    f"{_dtype_name(dtype)}")
+    raise TypeError(
+        f"{name}: expected float32, float16, bfloat16 or float64, got dtype {_dtype_name(dtype)}"
+    )
 
 
 def lse_shape(out_shape, layout):
@@ -87,16 +88,19 @@ def _parts(xs, name):
     try:
         xs = list(xs)
     except TypeError:
-        raise TypeError(f"{name}: expected a sequence of arrays (one per part), got "
-                        f"{type(xs).__name__}") from None
+        raise TypeError(
+            f"{name}: expected a sequence of arrays (one per part), got {type(xs).__name__}"
+        ) from None
     return [as_array(x, f"{name}[{i}]") for i, x in enumerate(xs)]
 
 
 def _check(outs, lses, layout):
     choice(layout, LAYOUTS, "layout")
     if isinstance(outs, np.ndarray) or isinstance(lses, np.ndarray):
-        raise TypeError("outs, lses: expected sequences (one array per part), got a single array; "
-                        "use list(x) to merge along its first axis")
+        raise TypeError(
+            "outs, lses: expected sequences (one array per part), got a single array; "
+            "use list(x) to merge along its first axis"
+        )
     outs, lses = _parts(outs, "outs"), _parts(lses, "lses")
     if not outs:
         raise ValueError("outs: expected at least one partial result, got none")
@@ -104,18 +108,24 @@ def _check(outs, lses, layout):
         raise ValueError(f"lses: expected {len(outs)} arrays (one per output), got {len(lses)}")
     first = outs[0]
     if first.ndim < 1:
-        raise ValueError(f"outs[0]: expected an output with a feature axis, got shape {first.shape}")
+        raise ValueError(
+            f"outs[0]: expected an output with a feature axis, got shape {first.shape}"
+        )
     acc = _accumulator(first.dtype, "outs[0]")
     want = lse_shape(first.shape, layout)
     for i, (o, x) in enumerate(zip(outs, lses)):
         if o.shape != first.shape or o.dtype != first.dtype:
-            raise ValueError(f"outs[{i}]: expected shape {first.shape} and dtype "
-                             f"{_dtype_name(first.dtype)} like outs[0], got {o.shape} "
-                             f"{_dtype_name(o.dtype)}")
+            raise ValueError(
+                f"outs[{i}]: expected shape {first.shape} and dtype "
+                f"{_dtype_name(first.dtype)} like outs[0], got {o.shape} "
+                f"{_dtype_name(o.dtype)}"
+            )
         _accumulator(x.dtype, f"lses[{i}]")
         if x.shape != want:
-            raise ValueError(f"lses[{i}]: expected shape {want} for outputs of shape {first.shape} "
-                             f"(layout {layout!r}), got {x.shape}")
+            raise ValueError(
+                f"lses[{i}]: expected shape {want} for outputs of shape {first.shape} "
+                f"(layout {layout!r}), got {x.shape}"
+            )
     return outs, lses, acc
 
 

@@ -45,7 +45,7 @@ array([1., 1., 1.], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -59,16 +59,27 @@ __all__ = ["paged_attention", "paged_step", "step_call"]
 
 
 @_tensors.tensor_io(torch_op="paged_attention")
-def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
-                    block_tables: IntsLike, seq_lens: IntsLike, *,
-                    q_lens: Optional[IntsLike] = None, causal: bool = True,
-                    scale: Optional[float] = None, return_lse: bool = False,
-                    out: Optional[np.ndarray] = None, num_threads: Optional[int] = None,
-                    window: Optional[Window] = None, softcap: Optional[float] = None,
-                    sinks: Optional[ArrayLike] = None,
-                    alibi_slopes: Optional[ArrayLike] = None, shared_prefix: bool = True,
-                    k_scales: Optional[np.ndarray] = None,
-                    v_scales: Optional[np.ndarray] = None) -> Result:
+def paged_attention(
+    q: ArrayLike,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_tables: IntsLike,
+    seq_lens: IntsLike,
+    *,
+    q_lens: IntsLike | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    out: np.ndarray | None = None,
+    num_threads: int | None = None,
+    window: Window | None = None,
+    softcap: float | None = None,
+    sinks: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    shared_prefix: bool = True,
+    k_scales: np.ndarray | None = None,
+    v_scales: np.ndarray | None = None,
+) -> Result:
     """Attention of packed queries against KV stored in pages of a block pool, read in place.
     Parameters, results and an example: :mod:`attnx.ops.paged`."""
     q = kernel_array(as_array(q, "q"))
@@ -81,20 +92,50 @@ def paged_attention(q: ArrayLike, k_pages: np.ndarray, v_pages: np.ndarray,
     if shared_prefix and window is None and sinks is None and alibi_slopes is None:
         min_shared = _shared.MIN_SAVED_KEYS  # the core plans the groups (attnx.ops.cascade)
     return _core.paged_attention(
-        q, k_pages, v_pages, block_tables, seq_lens, q_lens=q_lens, causal=causal,
-        scale=optional_real(scale, "scale"), out=out, return_lse=return_lse, num_threads=threads(num_threads),
-        window=window_sides(window), softcap=optional_real(softcap, "softcap"), sinks=sinks, alibi_slopes=alibi_slopes,
-        k_scales=optional_array(k_scales, "k_scales"), v_scales=optional_array(v_scales, "v_scales"),
-        min_shared_keys=min_shared)
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        seq_lens,
+        q_lens=q_lens,
+        causal=causal,
+        scale=optional_real(scale, "scale"),
+        out=out,
+        return_lse=return_lse,
+        num_threads=threads(num_threads),
+        window=window_sides(window),
+        softcap=optional_real(softcap, "softcap"),
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        k_scales=optional_array(k_scales, "k_scales"),
+        v_scales=optional_array(v_scales, "v_scales"),
+        min_shared_keys=min_shared,
+    )
 
 
-def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np.ndarray,
-               block_tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, slots: np.ndarray,
-               *, values_from_keys: bool = False, max_left: int | None = None,
-               scale: float | None = None, num_threads: int | None = None, return_lse: bool = False,
-               window: Any = None, softcap: float | None = None, sinks: Any = None,
-               alibi_slopes: Any = None, k_scales: np.ndarray | None = None,
-               v_scales: np.ndarray | None = None) -> Result:
+def paged_step(
+    q: object,
+    k: object,
+    v: object,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    q_lens: np.ndarray,
+    slots: np.ndarray,
+    *,
+    values_from_keys: bool = False,
+    max_left: int | None = None,
+    scale: float | None = None,
+    num_threads: int | None = None,
+    return_lse: bool = False,
+    window: Any = None,
+    softcap: float | None = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+    k_scales: np.ndarray | None = None,
+    v_scales: np.ndarray | None = None,
+) -> Result:
     """One step of a paged KV cache (:meth:`attnx.Step.attend`): writes the new keys and values
     into their slots, then attends causally from the new queries to their whole sequences.
 
@@ -123,14 +164,47 @@ def paged_step(q: object, k: object, v: object, k_pages: np.ndarray, v_pages: np
     out : ndarray ``(T, Hq, Dv)`` of q's dtype (and lse ``(T, Hq)``). Every argument is checked
     before the first write.
     """
-    step_plan = _core.StepPlan([(k_pages, v_pages, k_scales, v_scales)], block_tables, seq_lens, q_lens,
-                          slots, values_from_keys, max_left)
-    return step_call(step_plan, 0, q, k, v, scale, num_threads, return_lse, window, softcap, sinks,
-                     alibi_slopes, False)
+    step_plan = _core.StepPlan(
+        [(k_pages, v_pages, k_scales, v_scales)],
+        block_tables,
+        seq_lens,
+        q_lens,
+        slots,
+        values_from_keys,
+        max_left,
+    )
+    return step_call(
+        step_plan,
+        0,
+        q,
+        k,
+        v,
+        scale,
+        num_threads,
+        return_lse,
+        window,
+        softcap,
+        sinks,
+        alibi_slopes,
+        False,
+    )
 
 
-def step_call(step_plan, layer, q, k, v, scale=None, num_threads=None, return_lse=False, window=None,
-              softcap=None, sinks=None, alibi_slopes=None, shared_prefix=True):
+def step_call(
+    step_plan,
+    layer,
+    q,
+    k,
+    v,
+    scale=None,
+    num_threads=None,
+    return_lse=False,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
+    shared_prefix=True,
+):
     """One layer of a cache step through its ``_core.StepPlan``: the Python-side conversions
     (window sides, thread counts) where given, then one binding call that checks the rest.
     ``attnx.Step`` calls it once per model layer, so the common case takes no Python step. With
@@ -140,5 +214,17 @@ def step_call(step_plan, layer, q, k, v, scale=None, num_threads=None, return_ls
         window = window_sides(window)
     if num_threads is not None:
         num_threads = threads(num_threads)
-    return step_plan.attend(layer, q, k, v, scale, softcap, window, sinks, alibi_slopes, num_threads,
-                            return_lse, shared_prefix)
+    return step_plan.attend(
+        layer,
+        q,
+        k,
+        v,
+        scale,
+        softcap,
+        window,
+        sinks,
+        alibi_slopes,
+        num_threads,
+        return_lse,
+        shared_prefix,
+    )

@@ -14,13 +14,23 @@ operation (float64, plain loops and explicit masks; NumPy only, never ``attnx._c
 from __future__ import annotations
 
 from ..quant import QUANTISED_DTYPES, dequantize_kv, quantised_dtype, quantize_kv
-from ..quant import quantised_max as quantised_max, quantize_query as quantize_query
+from ..quant import quantised_max as quantised_max
+from ..quant import quantize_query as quantize_query
 from .attention import attention, attention_weights
 from .delta_rule import gated_delta_rule
 from .merge import merge_attention
 from .paged import paged_attention
 from .sdpa import scaled_dot_product_attention
 
-__all__ = ["attention", "attention_weights", "paged_attention", "scaled_dot_product_attention",
-           "merge_attention", "gated_delta_rule", "quantize_kv", "dequantize_kv", "quantised_dtype",
-           "QUANTISED_DTYPES"]
+__all__ = [
+    "QUANTISED_DTYPES",
+    "attention",
+    "attention_weights",
+    "dequantize_kv",
+    "gated_delta_rule",
+    "merge_attention",
+    "paged_attention",
+    "quantised_dtype",
+    "quantize_kv",
+    "scaled_dot_product_attention",
+]

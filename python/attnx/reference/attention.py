@@ -95,17 +95,19 @@ lse : ndarray, (B, Hq, Sq) | (Hq, Sq) | (Sq,), only if ``return_lse``
 from __future__ import annotations
 
 import numbers
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..quant import BFLOAT16 as _BFLOAT16, FLOAT_DTYPES as _FLOAT_DTYPES, float_array as _float_array
+from ..quant import BFLOAT16 as _BFLOAT16
+from ..quant import FLOAT_DTYPES as _FLOAT_DTYPES
+from ..quant import float_array as _float_array
 
 # Types of the public signatures (a `window` side of None is unbounded).
 Array = npt.NDArray[Any]
-Window = Union[tuple[Union[int, None], Union[int, None]], None]
-Result = Union[Array, tuple[Array, Array]]  # out, or (out, lse) with return_lse
+Window = tuple[int | None, int | None] | None
+Result = Array | tuple[Array, Array]  # out, or (out, lse) with return_lse
 
 __all__ = ["attention", "attention_weights"]
 
@@ -117,7 +119,6 @@ def check_layout(layout: object) -> None:
     # and loads without it, tests/reference/test_reference.py)
     if not (isinstance(layout, str) and layout in LAYOUTS):
         raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
-
 
 
 # --------------------------------------------------------------------------
@@ -291,8 +292,9 @@ def round_to(x, dtype):
 # --------------------------------------------------------------------------
 
 
-def _compute(q, k, v, *, scale, causal, allowed, additive, kv_lens, q_lens, window,
-             softcap, sinks, alibi):
+def _compute(
+    q, k, v, *, scale, causal, allowed, additive, kv_lens, q_lens, window, softcap, sinks, alibi
+):
     """Weights, output and lse for float64 ``(B, H, S, D)`` arrays.
 
     Parameters
@@ -394,8 +396,9 @@ def _weighted_values(weights, v, visible):
     return out
 
 
-def _prepare(q, k, v, *, causal, mask, kv_lens, q_lens, scale, layout, window, softcap,
-             sinks, alibi_slopes) -> tuple[Array, Array, Array, Array | None, int, dict[str, Any]]:
+def _prepare(
+    q, k, v, *, causal, mask, kv_lens, q_lens, scale, layout, window, softcap, sinks, alibi_slopes
+) -> tuple[Array, Array, Array, Array | None, int, dict[str, Any]]:
     """Validate the common arguments and bring everything to 4-D float64 bhsd."""
     check_layout(layout)
     q = _float_array(q, "q")
@@ -424,11 +427,8 @@ def _prepare(q, k, v, *, causal, mask, kv_lens, q_lens, scale, layout, window, s
         raise ValueError(f"k: head dim {Dk_k} differs from q's head dim {Dk}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"k: Hq={Hq} query heads are not a multiple of Hkv={Hkv} kv heads")
-    if v4 is not None:
-        if v4.shape[:3] != k4.shape[:3]:
-            raise ValueError(
-                f"v: (B, Hkv, Sk) = {v4.shape[:3]} differs from k's {k4.shape[:3]}"
-            )
+    if v4 is not None and v4.shape[:3] != k4.shape[:3]:
+        raise ValueError(f"v: (B, Hkv, Sk) = {v4.shape[:3]} differs from k's {k4.shape[:3]}")
 
     if scale is None:
         if Dk == 0:
@@ -459,18 +459,39 @@ def _prepare(q, k, v, *, causal, mask, kv_lens, q_lens, scale, layout, window, s
 # --------------------------------------------------------------------------
 
 
-def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *, causal: bool = False,
-              mask: npt.ArrayLike | None = None, kv_lens: npt.ArrayLike | None = None,
-              q_lens: npt.ArrayLike | None = None, scale: float | None = None,
-              layout: str = "bhsd", return_lse: bool = False, window: Window = None,
-              softcap: float | None = None, sinks: npt.ArrayLike | None = None,
-              alibi_slopes: npt.ArrayLike | None = None,
-              out_dtype: npt.DTypeLike | None = None) -> Result:
+def attention(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    *,
+    causal: bool = False,
+    mask: npt.ArrayLike | None = None,
+    kv_lens: npt.ArrayLike | None = None,
+    q_lens: npt.ArrayLike | None = None,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    return_lse: bool = False,
+    window: Window = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    out_dtype: npt.DTypeLike | None = None,
+) -> Result:
     """Exact scaled dot-product attention, ``softmax(scale * Q Kᵀ + M) V``.
     (Parameters, results and an example: :mod:`attnx.reference.attention`.)"""
     q, q4, k4, v4, rank, params = _prepare(
-        q, k, v, causal=causal, mask=mask, kv_lens=kv_lens, q_lens=q_lens, scale=scale,
-        layout=layout, window=window, softcap=softcap, sinks=sinks,
+        q,
+        k,
+        v,
+        causal=causal,
+        mask=mask,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        scale=scale,
+        layout=layout,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
         alibi_slopes=alibi_slopes,
     )
     out_dt = output_dtype(out_dtype, q.dtype)
@@ -481,12 +502,21 @@ def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *, causal: b
     return out, _reduce_rank(lse, rank).astype(lse_dtype(out_dt))
 
 
-def attention_weights(q: npt.ArrayLike, k: npt.ArrayLike, *, causal: bool = False,
-                      mask: npt.ArrayLike | None = None, kv_lens: npt.ArrayLike | None = None,
-                      q_lens: npt.ArrayLike | None = None, scale: float | None = None,
-                      layout: str = "bhsd", window: Window = None, softcap: float | None = None,
-                      sinks: npt.ArrayLike | None = None,
-                      alibi_slopes: npt.ArrayLike | None = None) -> Array:
+def attention_weights(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    *,
+    causal: bool = False,
+    mask: npt.ArrayLike | None = None,
+    kv_lens: npt.ArrayLike | None = None,
+    q_lens: npt.ArrayLike | None = None,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    window: Window = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+) -> Array:
     """The attention matrix ``A`` such that ``attention(q, k, v) == A @ v`` (per head).
 
     Arguments are those of :func:`attention` (without v).
@@ -499,8 +529,18 @@ def attention_weights(q: npt.ArrayLike, k: npt.ArrayLike, *, causal: bool = Fals
         rows are all 0; invisible entries are exactly 0.
     """
     _, q4, k4, _, rank, params = _prepare(
-        q, k, None, causal=causal, mask=mask, kv_lens=kv_lens, q_lens=q_lens, scale=scale,
-        layout=layout, window=window, softcap=softcap, sinks=sinks,
+        q,
+        k,
+        None,
+        causal=causal,
+        mask=mask,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        scale=scale,
+        layout=layout,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
         alibi_slopes=alibi_slopes,
     )
     weights, _, _ = _compute(q4, k4, None, **params)

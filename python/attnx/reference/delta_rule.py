@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from .attention import output_dtype, round_to
@@ -34,8 +33,11 @@ def _delta_recurrence(args, *, qk_l2norm, dtype):
     # that position on (0 * inf, inf - inf): quietly, as float arithmetic does
     with np.errstate(invalid="ignore", over="ignore"):
         for n, (b, t0, length) in enumerate(args.sequences):
-            S = (np.zeros((Hv, K, V), dtype) if args.initial_state is None
-                 else np.asarray(args.initial_state[n], dtype=np.float64).astype(dtype))
+            S = (
+                np.zeros((Hv, K, V), dtype)
+                if args.initial_state is None
+                else np.asarray(args.initial_state[n], dtype=np.float64).astype(dtype)
+            )
             for t in range(t0, t0 + length):
                 qt, kt = q[b, t, heads], k[b, t, heads]  # (Hv, K)
                 if qk_l2norm:
@@ -50,8 +52,22 @@ def _delta_recurrence(args, *, qk_l2norm, dtype):
     return out, states
 
 
-def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                     layout="bshd", qk_l2norm=False, cu_seqlens=None, lengths=None, out_dtype=None):
+def gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    layout="bshd",
+    qk_l2norm=False,
+    cu_seqlens=None,
+    lengths=None,
+    out_dtype=None,
+):
     """Gated delta-rule linear attention, the plain recurrence in float64 (the twin of
     ``attnx.gated_delta_rule``; same arguments, plus ``out_dtype``).
 
@@ -71,8 +87,18 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     """
     from ..ops.delta_args import delta_args, from_bshd
 
-    args = delta_args(q, k, v, g, beta, scale=scale, initial_state=initial_state, layout=layout,
-                      cu_seqlens=cu_seqlens, lengths=lengths)
+    args = delta_args(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        layout=layout,
+        cu_seqlens=cu_seqlens,
+        lengths=lengths,
+    )
     out_dt = output_dtype(out_dtype, args.q.dtype)
     o, states = _delta_recurrence(args, qk_l2norm=bool(qk_l2norm), dtype=np.float64)
     o = from_bshd(round_to(o, out_dt), layout)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from ..quant import float_array as _float_array
@@ -14,7 +13,6 @@ __all__ = ["merge_attention"]
 # --------------------------------------------------------------------------
 # merging partial results (the twin of attnx.merge_attention)
 # --------------------------------------------------------------------------
-
 
 
 def merge_attention(outs, lses, *, layout="bhsd", out_dtype=None):
@@ -44,8 +42,10 @@ def merge_attention(outs, lses, *, layout="bhsd", out_dtype=None):
     outs = [_float_array(o, f"outs[{i}]") for i, o in enumerate(outs)]
     lses = [_float_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
     if not outs or len(outs) != len(lses):
-        raise ValueError(f"outs, lses: expected one lse per output and at least one part, got "
-                         f"{len(outs)} outputs and {len(lses)} lses")
+        raise ValueError(
+            f"outs, lses: expected one lse per output and at least one part, got "
+            f"{len(outs)} outputs and {len(lses)} lses"
+        )
     shape = outs[0].shape
     # the output's axes, in the order of the lse's axes
     swap = layout == "bshd" and len(shape) in (3, 4)
@@ -53,8 +53,10 @@ def merge_attention(outs, lses, *, layout="bhsd", out_dtype=None):
     parts = []
     for i, (o, x) in enumerate(zip(outs, lses)):
         if o.shape != shape or to_lse_order(o).shape[:-1] != x.shape:
-            raise ValueError(f"outs[{i}], lses[{i}]: shapes {o.shape} and {x.shape} do not pair "
-                             f"with outs[0]'s {shape} (layout {layout!r})")
+            raise ValueError(
+                f"outs[{i}], lses[{i}]: shapes {o.shape} and {x.shape} do not pair "
+                f"with outs[0]'s {shape} (layout {layout!r})"
+            )
         parts.append((to_lse_order(o.astype(np.float64)), x.astype(np.float64)))
     out = np.zeros(parts[0][0].shape, np.float64)
     with np.errstate(invalid="ignore"):

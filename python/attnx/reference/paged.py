@@ -43,41 +43,60 @@ from __future__ import annotations
 
 from typing import Any
 
-
 import numpy as np
 import numpy.typing as npt
 
+from ..quant import dequantised_pages as _dequantised_pages
 from ..quant import float_array as _float_array
+from ..quant import quantize_query
 from .attention import Array, Result, Window, attention, lse_dtype, output_dtype, round_to
-from ..quant import dequantised_pages as _dequantised_pages, quantize_query
 
 __all__ = ["paged_attention"]
 
 
-def paged_attention(q: npt.ArrayLike, k_pages: npt.ArrayLike, v_pages: npt.ArrayLike,
-                    block_tables: npt.ArrayLike, seq_lens: npt.ArrayLike, *,
-                    q_lens: npt.ArrayLike | None = None, causal: bool = True,
-                    scale: float | None = None, return_lse: bool = False, window: Window = None,
-                    softcap: float | None = None, sinks: npt.ArrayLike | None = None,
-                    alibi_slopes: npt.ArrayLike | None = None,
-                    out_dtype: npt.DTypeLike | None = None, k_scales: npt.ArrayLike | None = None,
-                    v_scales: npt.ArrayLike | None = None, int8_query: bool = False) -> Result:
+def paged_attention(
+    q: npt.ArrayLike,
+    k_pages: npt.ArrayLike,
+    v_pages: npt.ArrayLike,
+    block_tables: npt.ArrayLike,
+    seq_lens: npt.ArrayLike,
+    *,
+    q_lens: npt.ArrayLike | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    window: Window = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    out_dtype: npt.DTypeLike | None = None,
+    k_scales: npt.ArrayLike | None = None,
+    v_scales: npt.ArrayLike | None = None,
+    int8_query: bool = False,
+) -> Result:
     """Attention over a paged KV cache (decode and chunked prefill).
     (Parameters, results and an example: :mod:`attnx.reference.paged`.)"""
     if int8_query and np.asarray(k_pages).dtype == np.int8 and k_scales is not None:
         q, scale = quantize_query(q, scale), 1.0
     k_pages, v_pages = _dequantised_pages(k_pages, v_pages, k_scales, v_scales)
     q, k_pages, v_pages = _arrays(q, k_pages, v_pages)
-    block_tables, seq_lens, q_lens, n_blocks = _tables(block_tables, seq_lens, q_lens, q.shape[0],
-                                                       k_pages.shape[0], k_pages.shape[2])
+    block_tables, seq_lens, q_lens, n_blocks = _tables(
+        block_tables, seq_lens, q_lens, q.shape[0], k_pages.shape[0], k_pages.shape[2]
+    )
     out_dt = output_dtype(out_dtype, q.dtype)
     N, Hq, _ = q.shape
     Dv = v_pages.shape[3]
     out = np.zeros((N, Hq, Dv), dtype=np.float64)
     lse = np.full((N, Hq), -np.inf, dtype=np.float64)
     q64 = q.astype(np.float64)
-    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
-              alibi_slopes=alibi_slopes)
+    kw = dict(
+        causal=causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+    )
     _per_sequence(q64, k_pages, v_pages, block_tables, seq_lens, q_lens, n_blocks, out, lse, kw)
     out = round_to(out, out_dt)
     if not return_lse:
@@ -109,8 +128,9 @@ def _arrays(q: Any, k_pages: Any, v_pages: Any) -> tuple[Array, Array, Array]:
     return q, k_pages, v_pages
 
 
-def _tables(block_tables: Any, seq_lens: Any, q_lens: Any, n_tokens: int, num_blocks: int,
-            block_size: int) -> tuple[Array, Array, Array, Array]:
+def _tables(
+    block_tables: Any, seq_lens: Any, q_lens: Any, n_tokens: int, num_blocks: int, block_size: int
+) -> tuple[Array, Array, Array, Array]:
     """``(block_tables, seq_lens, q_lens, n_blocks)`` checked against each other, the pool and
     the ``n_tokens`` queries; ``n_blocks`` the blocks each sequence's keys fill."""
     block_tables = np.asarray(block_tables)
@@ -169,8 +189,13 @@ def _per_sequence(q64, k_pages, v_pages, block_tables, seq_lens, q_lens, n_block
             return g.reshape(-1, g.shape[2], g.shape[3])[:n_kv]
 
         out_b, lse_b = attention(
-            q64[start : start + n_q], gather(k_pages), gather(v_pages),
-            layout="bshd", return_lse=True, out_dtype=np.float64, **kw,
+            q64[start : start + n_q],
+            gather(k_pages),
+            gather(v_pages),
+            layout="bshd",
+            return_lse=True,
+            out_dtype=np.float64,
+            **kw,
         )
         out[start : start + n_q] = out_b
         lse[start : start + n_q] = lse_b.T  # (Hq, n_q) -> (n_q, Hq)

@@ -9,16 +9,23 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..quant import FLOAT_DTYPES as _FLOAT_DTYPES, float_array as _float_array
+from ..quant import FLOAT_DTYPES as _FLOAT_DTYPES
+from ..quant import float_array as _float_array
 from .attention import Array, attention
 
 __all__ = ["scaled_dot_product_attention"]
 
 
-def scaled_dot_product_attention(query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
-                                 attn_mask: npt.ArrayLike | None = None, dropout_p: float = 0.0,
-                                 is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False) -> Array:
+def scaled_dot_product_attention(
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    attn_mask: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Array:
     """Reference twin of :func:`attnx.scaled_dot_product_attention`: torch's semantics, float64.
 
     ``softmax(query @ keyᵀ * scale + M) @ value`` over arrays ``(..., L, E)``, ``(..., S, E)``,
@@ -47,8 +54,14 @@ def scaled_dot_product_attention(query: npt.ArrayLike, key: npt.ArrayLike, value
     mask = _mask(attn_mask, is_causal, lead, L, S, n)
     if scale is None and E == 0:
         scale = 1.0
-    out: Any = attention(q4.astype(np.float64), k4.astype(np.float64), v4.astype(np.float64),
-                         mask=mask, scale=scale, out_dtype=q.dtype)
+    out: Any = attention(
+        q4.astype(np.float64),
+        k4.astype(np.float64),
+        v4.astype(np.float64),
+        mask=mask,
+        scale=scale,
+        out_dtype=q.dtype,
+    )
     return out.reshape(lead + out.shape[-2:])
 
 
@@ -59,8 +72,9 @@ def _check_dropout(dropout_p: Any) -> None:
         raise ValueError(f"dropout_p: inference only; expected 0.0, got {dropout_p!r}")
 
 
-def _inputs(query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
-            enable_gqa: bool) -> tuple[Array, Array, Array]:
+def _inputs(
+    query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, enable_gqa: bool
+) -> tuple[Array, Array, Array]:
     """q, k and v checked, with k and v repeated to the query heads for ``enable_gqa``."""
     q = _float_array(query, "query")
     k = _float_array(key, "key")
@@ -83,8 +97,10 @@ def _inputs(query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
         expanded = []
         for name, a in (("key", k), ("value", v)):
             if a.shape[-3] == 0 or hq % a.shape[-3]:
-                raise ValueError(f"{name}: enable_gqa needs the query heads ({hq}) to be a "
-                                 f"multiple of the {name} heads ({a.shape[-3]})")
+                raise ValueError(
+                    f"{name}: enable_gqa needs the query heads ({hq}) to be a "
+                    f"multiple of the {name} heads ({a.shape[-3]})"
+                )
             expanded.append(np.repeat(a, hq // a.shape[-3], axis=-3))
         k, v = expanded
     return q, k, v
@@ -107,7 +123,8 @@ def _mask(attn_mask: Any, is_causal: bool, lead: tuple[int, ...], L: int, S: int
             m = np.broadcast_to(m, lead + (L, S))
         except ValueError as exc:
             raise ValueError(
-                f"attn_mask: shape {m.shape} does not broadcast to {lead + (L, S)}") from exc
+                f"attn_mask: shape {m.shape} does not broadcast to {lead + (L, S)}"
+            ) from exc
         if m.dtype == np.bool_:
             visible = visible & m
         else:

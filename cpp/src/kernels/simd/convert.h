@@ -10,8 +10,16 @@
 namespace attnx {
 namespace cvt {
 
-static inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+static inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 
 static inline float bf16_to_f32(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
@@ -39,9 +47,9 @@ static inline uint16_t f32_to_f16(float f) {
   uint32_t u = float_to_bits(f);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return uint16_t(sign | 0x7e00u);           // NaN
-  if (u >= 0x477ff000u) return uint16_t(sign | 0x7c00u);          // overflow -> inf
-  if (u < 0x38800000u) {                                          // subnormal or zero half
+  if (u > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
+  if (u >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // overflow -> inf
+  if (u < 0x38800000u) {                                  // subnormal or zero half
     // value * 2^24 rounded to nearest even integer is the subnormal mantissa
     float a = bits_to_float(u) * 16777216.0f;
     uint32_t m = uint32_t(a);
@@ -84,7 +92,8 @@ static inline uint8_t f32_to_fp8(float x, int mbits, int bias) {
     const float step_inv = bits_to_float(uint32_t(127 + bias - 1 + mbits) << 23);
     code = uint32_t(std::nearbyint(bits_to_float(u) * step_inv));
   } else {
-    const int shift = 23 - mbits;  // round the float32 mantissa to mbits, carrying into the exponent
+    const int shift =
+        23 - mbits;  // round the float32 mantissa to mbits, carrying into the exponent
     u += ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u);
     code = (u >> shift) - (uint32_t(127 - bias) << mbits);
   }

@@ -27,7 +27,8 @@ static inline V max(V a, V x) { return _mm256_max_ps(a, x); }
 static inline V abs(V x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
 // s + b, but exactly b where b is -inf: a blocked score stays blocked even if s is NaN
 static inline V mask_add(V s, V b) {
-  return _mm256_blendv_ps(_mm256_add_ps(s, b), b, _mm256_cmp_ps(b, _mm256_set1_ps(-__builtin_inff()), _CMP_EQ_OQ));
+  return _mm256_blendv_ps(_mm256_add_ps(s, b), b,
+                          _mm256_cmp_ps(b, _mm256_set1_ps(-__builtin_inff()), _CMP_EQ_OQ));
 }
 // lane tests: greater(a, b) lane by lane (false for NaN lanes), or-ed, any lane set
 using Mask = __m256;
@@ -36,7 +37,8 @@ static inline Mask mask_or(Mask a, Mask b) { return _mm256_or_ps(a, b); }
 static inline bool any(Mask m) { return _mm256_movemask_ps(m) != 0; }
 // true if every lane is finite: x - x is 0 for finite x and NaN for inf or NaN
 static inline bool all_finite(V x) {
-  return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0;
+  return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_NEQ_UQ)) ==
+         0;
 }
 static inline float reduce_max(V v) { return hmax256(v); }
 static inline float reduce_add(V v) { return hadd256(v); }

@@ -21,8 +21,8 @@ static inline __m256 hi256(V v) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 static inline V join(__m256 a, __m256 b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)),
-                                             _mm256_castps_pd(b), 1));
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
 }
 
 static inline V zero() { return _mm512_setzero_ps(); }
@@ -35,7 +35,8 @@ static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
 static inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 static inline V max(V a, V x) { return _mm512_max_ps(a, x); }
 static inline V abs(V x) {
-  return _mm512_castsi512_ps(_mm512_and_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+  return _mm512_castsi512_ps(
+      _mm512_and_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
 }
 // s + b, but exactly b where b is -inf: a blocked score stays blocked even if s is NaN
 static inline V mask_add(V s, V b) {
@@ -52,7 +53,9 @@ static inline bool all_finite(V x) {
 }
 static inline float reduce_max(V v) { return hmax256(_mm256_max_ps(lo256(v), hi256(v))); }
 static inline float reduce_add(V v) { return hadd256(_mm256_add_ps(lo256(v), hi256(v))); }
-static inline V iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline V iota() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 // exp(x) = 2^n 2^f with t = x log2(e), n = round(t), |f| <= 1/2: exp256's polynomial for 2^f
 // and VSCALEFPS for 2^n, which also saturates to 0 and inf. t is clamped to [-200, 128]
 // (exp(-inf) = 0 exactly, exp(+inf) = inf) with x in the second operand of MAX/MIN so that NaN
@@ -81,7 +84,8 @@ static inline V load_f16(const uint16_t* p) {
 }
 // W 1-byte KV codes: int8 as its value; fp8 as its float16 view (e4m3fn: the value / 256)
 static inline V load_i8(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 static inline V load_fp8(const uint8_t* p, bool e4) {
   const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -46,8 +46,9 @@ static inline __m256 tanh256(__m256 x) {
   const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
   const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
   const __m256 e = exp256(_mm256_add_ps(ax, ax));
-  __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                             _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+  __m256 big =
+      _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                    _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
   const __m256 x2 = _mm256_mul_ps(ax, ax);
   __m256 s = _mm256_set1_ps(62.0f / 2835.0f);
   s = _mm256_fmadd_ps(s, x2, _mm256_set1_ps(-17.0f / 315.0f));
@@ -92,7 +93,8 @@ static ATTNX_INLINE void store_halves(__m256 s, float* lo, float* hi) {
 // dst[c * ldd + r] = src[r][col + c] for an 8 x 8 block
 // (rows r0 .. r7 already in registers)
 static ATTNX_INLINE void transpose8x8_regs(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4,
-                                          __m256 r5, __m256 r6, __m256 r7, float* dst, int64_t ldd) {
+                                           __m256 r5, __m256 r6, __m256 r7, float* dst,
+                                           int64_t ldd) {
   __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
   __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
   __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
@@ -111,7 +113,8 @@ static ATTNX_INLINE void transpose8x8_regs(__m256 r0, __m256 r1, __m256 r2, __m2
   _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-// (transpose8x8 and transpose8x8_f16 are the vocabulary names of both ISAs: 8 x 8 blocks either way)
+// (transpose8x8 and transpose8x8_f16 are the vocabulary names of both ISAs: 8 x 8 blocks either
+// way)
 static inline void transpose8x8(const float* const* src, int64_t col, float* dst, int64_t ldd) {
   transpose8x8_regs(_mm256_loadu_ps(src[0] + col), _mm256_loadu_ps(src[1] + col),
                     _mm256_loadu_ps(src[2] + col), _mm256_loadu_ps(src[3] + col),
@@ -133,7 +136,8 @@ static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, flo
 // 1-byte KV codes (see convert.h): 8 int8 to fp32; fp8 sign-extended to 16-bit lanes and made
 // float16 bits (fp8_as_f16_*)
 static inline __m256 load_i8_256(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 // fp8 codes, sign-extended to 16 bits (x: s...s eeee mmm for e4m3fn, s...s eeeee mm for e5m2), as
 // float16: e5m2 is float16's top byte. e4m3fn's float16 view is its value / 256 (same mantissa,
@@ -144,7 +148,8 @@ static inline __m256 load_i8_256(const int8_t* p) {
 static inline __m128i fp8_as_f16_128(__m128i x, bool e4) {
   if (!e4) return _mm_slli_epi16(x, 8);
   const __m128i h = _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(-0x4001));  // ~0x4000
-  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3f80)), _mm_set1_epi16(0x3f80));
+  const __m128i nan =
+      _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3f80)), _mm_set1_epi16(0x3f80));
   return _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)));
 }
 static inline __m256i fp8_as_f16_256(__m256i x, bool e4) {

@@ -18,7 +18,9 @@ static inline V fmadd(V a, V b, V c) { return a * b + c; }
 static inline V max(V a, V x) { return a > x ? a : x; }
 static inline V abs(V x) { return std::fabs(x); }
 // s + b, but exactly b where b is -inf: a blocked score stays blocked even if s is NaN
-static inline V mask_add(V s, V b) { return b == -std::numeric_limits<Real>::infinity() ? b : s + b; }
+static inline V mask_add(V s, V b) {
+  return b == -std::numeric_limits<Real>::infinity() ? b : s + b;
+}
 // true if every lane is finite (not inf, not NaN)
 static inline bool all_finite(V x) { return std::isfinite(x); }
 // lane tests: greater(a, b) lane by lane (false for NaN lanes), or-ed, any lane set
@@ -55,7 +57,8 @@ static inline void transpose8x8(const Real* const* src, int64_t col, Real* dst, 
   for (int r = 0; r < 8; ++r)
     for (int c = 0; c < 8; ++c) dst[c * ldd + r] = src[r][col + c];
 }
-static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, Real* dst, int64_t ldd) {
+static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, Real* dst,
+                                    int64_t ldd) {
   for (int r = 0; r < 8; ++r)
     for (int c = 0; c < 8; ++c) dst[c * ldd + r] = Real(cvt::f16_to_f32(src[r][col + c]));
 }

@@ -40,7 +40,9 @@ static inline Mask greater(V a, V b) { return vcgtq_f32(a, b); }
 static inline Mask mask_or(Mask a, Mask b) { return vorrq_u32(a, b); }
 static inline bool any(Mask m) { return vmaxvq_u32(m) != 0; }
 // true if every lane is finite: x - x is 0 for finite x and NaN for inf or NaN
-static inline bool all_finite(V x) { return vminvq_u32(vceqq_f32(vsubq_f32(x, x), vdupq_n_f32(0.f))) != 0; }
+static inline bool all_finite(V x) {
+  return vminvq_u32(vceqq_f32(vsubq_f32(x, x), vdupq_n_f32(0.f))) != 0;
+}
 // the largest lane that is a number (FMAXNMV; NaN only if every lane is), and the sum
 static inline float reduce_max(V v) { return vmaxnmvq_f32(v); }
 static inline float reduce_add(V v) { return vaddvq_f32(v); }
@@ -82,7 +84,8 @@ static inline V tanh(V x) {
   const uint32x4_t sign = vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x80000000u));
   const V ax = vabsq_f32(x);
   const V e = exp(vaddq_f32(ax, ax));
-  const V big = vsubq_f32(vdupq_n_f32(1.0f), vdivq_f32(vdupq_n_f32(2.0f), vaddq_f32(e, vdupq_n_f32(1.0f))));
+  const V big =
+      vsubq_f32(vdupq_n_f32(1.0f), vdivq_f32(vdupq_n_f32(2.0f), vaddq_f32(e, vdupq_n_f32(1.0f))));
   const V x2 = vmulq_f32(ax, ax);
   V s = vdupq_n_f32(62.0f / 2835.0f);
   s = vfmaq_f32(vdupq_n_f32(-17.0f / 315.0f), s, x2);
@@ -94,8 +97,12 @@ static inline V tanh(V x) {
 }
 
 // float16 and bfloat16 storage, widened as it is loaded (FCVTL; a shift for bfloat16)
-static inline V load_f16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
-static inline V load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+static inline V load_f16(const uint16_t* p) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+static inline V load_bf16(const uint16_t* p) {
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+}
 // W 1-byte KV codes: int8 as its value; fp8 as its float16 view (e4m3fn: the value / 256; the
 // rule of vec_avx_common.h's fp8_as_f16_128, on sign-extended 16-bit lanes)
 static inline int16x4_t load4_s8_as_s16(const void* p) {
@@ -159,7 +166,8 @@ static inline void transpose8x8(const float* const* src, int64_t col, float* dst
   transpose8x8_by([&](int r, int c) { return vld1q_f32(src[r] + col + c); }, dst, ldd);
 }
 // transpose8x8 of float16 rows, widened as they are loaded
-static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, float* dst, int64_t ldd) {
+static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, float* dst,
+                                    int64_t ldd) {
   transpose8x8_by([&](int r, int c) { return load_f16(src[r] + col + c); }, dst, ldd);
 }
 
