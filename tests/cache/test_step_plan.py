@@ -57,7 +57,7 @@ def test_model_layout_equals_packed(dtype, s, memory):
     v = model_tensor(rng, 2, 2, s, 8, DTYPES[dtype], memory)
     st4, st3 = c4.begin_step(seqs, [s, s]), c3.begin_step(seqs, [s, s])
     for layer in range(2):
-        o4, lse4 = st4._attend(layer, q, k, v, scale=0.3, return_lse=True)
+        o4, lse4 = st4.attend_arrays(layer, q, k, v, scale=0.3, return_lse=True)
         o3, lse3 = st3.attend(layer, packed(q), packed(k), packed(v), scale=0.3, return_lse=True)
         assert o4.shape == (2, s, 4, 8) and lse4.shape == (2, s, 4)
         assert_bits_equal(o4.reshape(o3.shape), o3)
@@ -84,7 +84,7 @@ def test_model_layout_through_the_shared_prefix_path():
     st4, st3 = caches[0].begin_step(forks[0], [1] * 3), caches[1].begin_step(forks[1], [1] * 3)
     assert st4.shared_prefix  # the path under test
     for layer in range(2):
-        o4 = st4._attend(layer, q4, k4, k4)
+        o4 = st4.attend_arrays(layer, q4, k4, k4)
         o3 = st3.attend(layer, packed(q4), packed(k4), packed(k4))
         assert o4.shape == (3, 1, 4, 8)
         assert_bits_equal(o4.reshape(o3.shape), o3)
@@ -102,7 +102,7 @@ def test_model_layout_needs_one_token_count_per_sequence(counts, b, s):
     with pytest.raises(
         ValueError, match=r"q: a \(B, H, S, D\) array needs B = 2 sequences with S new tokens each"
     ):
-        step._attend(0, x, kv, kv)
+        step.attend_arrays(0, x, kv, kv)
     assert_unchanged(cache, snap)
 
 

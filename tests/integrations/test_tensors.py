@@ -60,7 +60,7 @@ def test_a_cache_step_on_tensors_registers_too():
         "step = cache.begin_step([cache.new_sequence()], [1])\n"
         "x = torch.ones(1, 1, 1, 4)\n"
         "q, k = (attnx.integrations.tensors.to_numpy(t, n) for t, n in ((x, 'q'), (x, 'k')))\n"
-        "step._attend(0, q, k, k)\n"
+        "step.attend_arrays(0, q, k, k)\n"
         "assert 'attnx.integrations.torch_ops' in sys.modules\n"
         "torch.ops.attnx.attention.default\n"
     )

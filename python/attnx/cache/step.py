@@ -164,7 +164,7 @@ class Step:
         ValueError, TypeError
             A malformed argument. Nothing is written.
         """
-        return self._attend(
+        return self.attend_arrays(
             layer,
             q,
             k,
@@ -179,7 +179,7 @@ class Step:
             shared_prefix=shared_prefix,
         )
 
-    def _attend(
+    def attend_arrays(
         self,
         layer: int,
         q: Any,
@@ -195,8 +195,8 @@ class Step:
         alibi_slopes: Any = None,
         shared_prefix: bool = True,
     ) -> Any:
-        """:meth:`attend` on NumPy arrays (no tensor conversion): what ``attnx.hf`` calls once
-        per model layer, with NumPy views of the model's tensors."""
+        """:meth:`attend` on NumPy arrays, without its tensor conversion: for a caller that
+        already holds NumPy views of its tensors (the Hugging Face backend, once per layer)."""
         result = self._attend_layer(
             layer,
             q,

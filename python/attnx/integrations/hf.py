@@ -421,13 +421,13 @@ class PagedCache(Cache):
         if not direct:
             q, k, v = to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value")
         if valid is None:
-            o = self._step._attend(
+            o = self._step.attend_arrays(
                 layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window
             )
             return torch.from_numpy(o) if direct else like(o, query)
         # padded rows: only the real tokens are stored and attend, padding rows get zeros
         q, k, v = (_packed(x)[valid] for x in (q, k, v))
-        o = self._step._attend(
+        o = self._step.attend_arrays(
             layer, q, k, v, scale=scaling, softcap=softcap, sinks=sinks, window=window
         )
         full = np.zeros((batch * q_len,) + o.shape[1:], o.dtype)

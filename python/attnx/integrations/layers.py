@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import reference as _reference
 from .._validate import flag as _flag
 from .._validate import positive_int as _positive
 from .._validate import rank_lens
@@ -36,6 +35,30 @@ from ..ops import attention as _api
 from . import tensors as _tensors
 
 __all__ = ["MultiHeadAttention"]
+
+# Keys whose weights one kernel call reads out (_kernel_weights): its one-hot V is (Sk, 256),
+# broadcast over the batch and the kv heads.
+_WEIGHT_KEYS = 256
+
+
+def _kernel_weights(q: np.ndarray, k: np.ndarray, **masks: Any) -> np.ndarray:
+    """A ``(B, H, Sq, Sk)``: the softmax weights the kernel applies to ``q`` (B, Sq, H, D) and
+    ``k`` (B, Sk, Hkv, D) under ``masks`` (attention's causal, mask, kv_lens, q_lens).
+
+    ``P V`` with V a block of the identity's columns is that block of P, so the weights are read
+    out of attnx.attention itself: every mask rule is the kernel's, with no second copy of them.
+    Sk multiply-adds more per weight than the forward pass: a view for inspection."""
+    B, Sq, H, _ = q.shape
+    Sk, G = k.shape[1], k.shape[2]
+    w = np.empty((B, H, Sq, Sk), q.dtype)
+    for j0 in range(0, Sk, _WEIGHT_KEYS):  # blocks of keys, each one call over every head
+        n = min(_WEIGHT_KEYS, Sk - j0)
+        eye = np.zeros((Sk, n), q.dtype)
+        eye[j0 + np.arange(n), np.arange(n)] = 1
+        v = np.broadcast_to(eye[None, :, None, :], (B, Sk, G, n))
+        w[..., j0 : j0 + n] = _api.attention(q, k, v, layout="bshd", **masks).transpose(0, 2, 1, 3)
+    return w
+
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
@@ -280,10 +303,11 @@ class MultiHeadAttention:
             (also after the output bias).
         return_weights : bool
             Also return the per-head attention maps ``(B, num_heads, Sq, Sk)`` (``(num_heads,
-            Sq, Sk)`` for unbatched input), float64. **They come from**
-            :func:`attnx.reference.attention_weights` **on the same Q and K**: attnx's kernel
-            never forms the score matrix, so asking for the maps costs the O(Sq·Sk) memory that
-            the kernel avoids.
+            Sq, Sk)`` for unbatched input), in the compute dtype (float32, or float64 for a
+            float64 layer). They are the kernel's own weights on the same Q and K, read out as
+            ``attention(q, k, I)`` over blocks of the identity, so every mask is applied as in
+            ``y``; the kernel never forms the score matrix, so asking for the maps costs the
+            O(Sq·Sk) memory it avoids and Sk more multiply-adds per weight.
 
         Returns
         -------
@@ -301,7 +325,7 @@ class MultiHeadAttention:
         Sk = c32.shape[1]
         if B * Sq == 0:  # no rows: return at once (numpy would still walk a huge empty batch)
             y = np.zeros((B, Sq, self.d_model), self.dtype)
-            w = np.zeros((B, self.num_heads, Sq, Sk))
+            w = np.zeros((B, self.num_heads, Sq, Sk), self._compute)
             y, w = (y[0], w[0]) if unbatched else (y, w)
             return (y, w) if return_weights else y
         y, q, k = self._attend(x32, c32, causal, mask, kv_lens, q_lens)
@@ -309,9 +333,7 @@ class MultiHeadAttention:
             y = y[0]
         if not _flag(return_weights, "return_weights"):
             return y
-        w = _reference.attention_weights(
-            q, k, causal=causal, mask=mask, kv_lens=kv_lens, q_lens=q_lens, layout="bshd"
-        )
+        w = _kernel_weights(q, k, causal=causal, mask=mask, kv_lens=kv_lens, q_lens=q_lens)
         return y, (w[0] if unbatched else w)
 
     def _inputs(self, x: Any, context: Any) -> tuple[np.ndarray, np.ndarray, bool]:

@@ -76,7 +76,6 @@ from typing import Any, cast
 
 import numpy as np
 
-from .. import reference as _reference
 from .._validate import as_array as _as_array
 from .._validate import check_broadcast as _check_broadcast
 from .._validate import flag as _flag
@@ -236,7 +235,9 @@ def scaled_dot_product_attention(
     L, E = q.shape[-2:]
     S = k.shape[-2]
     scaled = _torch_scale(q, scale)
-    if scaled is None:
+    if scaled is None:  # an infinite scale: only the float64 definition can carry its scores
+        from .. import reference as _reference
+
         with np.errstate(over="ignore"):
             s_held = float(_scale_type(q)(scale))
         return _reference.scaled_dot_product_attention(
