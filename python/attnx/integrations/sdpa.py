@@ -81,6 +81,7 @@ from .._validate import check_broadcast as _check_broadcast
 from .._validate import flag as _flag
 from .._validate import native_order as _native_order
 from ..ops import attention as _api
+from ..ops.sdpa_args import check_dropout, check_qkv
 from . import tensors as _tensors
 
 __all__ = ["scaled_dot_product_attention"]
@@ -99,53 +100,18 @@ _F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 _F32_MAX = float(np.finfo(np.float32).max)  # the binding takes scales in [_F32_TINY, _F32_MAX]
 
 
-def _check_dropout(dropout_p):
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
-    if dropout_p != 0:  # also NaN
-        raise ValueError(
-            f"dropout_p: attnx is inference only and does not apply dropout; expected 0.0, got "
-            f"{dropout_p!r}"
-        )
-
-
 def _check_inputs(query, key, value, enable_gqa):
-    """Shape and dtype checks shared in spirit with the reference twin; returns (q, k, v)."""
-    arrays = []
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        a = _native_order(_as_array(x, name))  # dtypes compare equal whatever the byte order
-        if a.ndim < 2:
-            raise ValueError(f"{name}: expected shape (..., S, E) with rank >= 2, got {a.shape}")
-        arrays.append(a)
-    q, k, v = arrays
-    for name, a in (("key", k), ("value", v)):
-        if a.dtype != q.dtype:
-            raise TypeError(
-                f"{name}: dtype {a.dtype} differs from query's dtype {q.dtype} "
-                "(query, key and value must share one dtype, as in torch)"
-            )
+    """query, key and value as native-order arrays, checked by the rules the reference shares."""
+    q, k, v = (
+        _native_order(_as_array(x, name))  # dtypes compare equal whatever the byte order
+        for name, x in (("query", query), ("key", key), ("value", value))
+    )
+    check_qkv(q, k, v, enable_gqa)
     if q.dtype not in _KERNEL_DTYPES and q.dtype != np.float64:
         raise TypeError(
             f"query: dtype {q.dtype} is not supported; expected float32, float16, "
             "bfloat16 or float64"
         )
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"key: embedding size {k.shape[-1]} differs from query's {q.shape[-1]}")
-    if v.shape[-2] != k.shape[-2]:
-        raise ValueError(f"value: sequence length {v.shape[-2]} differs from key's {k.shape[-2]}")
-    if enable_gqa:
-        for name, a in (("query", q), ("key", k), ("value", v)):
-            if a.ndim < 3:
-                raise ValueError(
-                    f"{name}: enable_gqa needs a head axis (..., H, S, E), got shape {a.shape}"
-                )
-        hq = q.shape[-3]
-        for name, a in (("key", k), ("value", v)):
-            if a.shape[-3] == 0 or hq % a.shape[-3]:
-                raise ValueError(
-                    f"{name}: enable_gqa needs the query heads ({hq}) to be a multiple "
-                    f"of the {name} heads ({a.shape[-3]})"
-                )
     return q, k, v
 
 
@@ -228,7 +194,7 @@ def scaled_dot_product_attention(
     """``torch.nn.functional.scaled_dot_product_attention`` on NumPy arrays, on attnx's kernels:
     ``is_causal`` is top-left aligned, as torch's, where :func:`attnx.attention`'s ``causal`` is
     bottom-right. (Parameters, results and an example: :mod:`attnx.integrations.sdpa`.)"""
-    _check_dropout(dropout_p)
+    check_dropout(dropout_p)
     is_causal, enable_gqa = _flag(is_causal, "is_causal"), _flag(enable_gqa, "enable_gqa")
     q, k, v = _check_inputs(query, key, value, enable_gqa)
     out_dtype = q.dtype

@@ -3,12 +3,12 @@ broadcasting): :func:`scaled_dot_product_attention`."""
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from ..ops.sdpa_args import check_dropout, check_qkv
 from ..quant import FLOAT_DTYPES as _FLOAT_DTYPES
 from ..quant import float_array as _float_array
 from .attention import Array, attention
@@ -39,7 +39,7 @@ def scaled_dot_product_attention(
     top-left triangle built as a boolean mask, and :func:`attention` called on the result.
     Rows that see no key are 0 (torch 2.x on the CPU). Returns query's dtype.
     """
-    _check_dropout(dropout_p)
+    check_dropout(dropout_p)
     q, k, v = _inputs(query, key, value, enable_gqa)
     L, E = q.shape[-2:]
     S = k.shape[-2]
@@ -65,13 +65,6 @@ def scaled_dot_product_attention(
     return out.reshape(lead + out.shape[-2:])
 
 
-def _check_dropout(dropout_p: Any) -> None:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
-    if dropout_p != 0:
-        raise ValueError(f"dropout_p: inference only; expected 0.0, got {dropout_p!r}")
-
-
 def _inputs(
     query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, enable_gqa: bool
 ) -> tuple[Array, Array, Array]:
@@ -79,30 +72,10 @@ def _inputs(
     q = _float_array(query, "query")
     k = _float_array(key, "key")
     v = _float_array(value, "value")
-    for name, a in (("query", q), ("key", k), ("value", v)):
-        if a.ndim < 2:
-            raise ValueError(f"{name}: expected shape (..., S, E) with rank >= 2, got {a.shape}")
-    for name, a in (("key", k), ("value", v)):
-        if a.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {a.dtype} differs from query's dtype {q.dtype}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"key: embedding size {k.shape[-1]} differs from query's {q.shape[-1]}")
-    if v.shape[-2] != k.shape[-2]:
-        raise ValueError(f"value: sequence length {v.shape[-2]} differs from key's {k.shape[-2]}")
+    check_qkv(q, k, v, enable_gqa)
     if enable_gqa:
-        for name, a in (("query", q), ("key", k), ("value", v)):
-            if a.ndim < 3:
-                raise ValueError(f"{name}: enable_gqa needs a head axis, got shape {a.shape}")
         hq = q.shape[-3]
-        expanded = []
-        for name, a in (("key", k), ("value", v)):
-            if a.shape[-3] == 0 or hq % a.shape[-3]:
-                raise ValueError(
-                    f"{name}: enable_gqa needs the query heads ({hq}) to be a "
-                    f"multiple of the {name} heads ({a.shape[-3]})"
-                )
-            expanded.append(np.repeat(a, hq // a.shape[-3], axis=-3))
-        k, v = expanded
+        k, v = (np.repeat(a, hq // a.shape[-3], axis=-3) for a in (k, v))
     return q, k, v
 
 
