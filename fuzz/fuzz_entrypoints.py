@@ -282,137 +282,158 @@ def misaligned(x):
     return y
 
 
+def _to_dtype(p, x):
+    return x.astype(p.pick(MUTANT_DTYPES))
+
+
+def _one_more_axis(p, x):
+    return x[None] if p.bool() else x[..., None]
+
+
+def _one_less_axis(p, x):
+    return x[0] if x.ndim and x.shape[0] else x.reshape(-1)
+
+
+def _first_along_an_axis(p, x, stop):
+    """``x`` cut to its first ``stop`` (0 or 1) entries along a random axis."""
+    if x.ndim == 0:
+        return x
+    ax = p.int(0, x.ndim - 1)
+    idx = [slice(None)] * x.ndim
+    idx[ax] = slice(0, stop)
+    return x[tuple(idx)]
+
+
+def _huge_broadcast(p, x, last):
+    """A zero-stride view of a logical size far past memory (costs nothing); on the last axis
+    (``last``) the API has to copy it to make it contiguous, which must fail cleanly."""
+    if x.ndim == 0:
+        return x
+    shape = list(x.shape)
+    if not last and x.ndim < 3:
+        return garbage(p)
+    # batch or head axes only: a huge sequence axis of keys is a legal (zero-stride)
+    # problem that takes days, not a malformed argument
+    ax = x.ndim - 1 if last else p.int(0, x.ndim - 3)
+    # (sizes that fail to allocate on any machine: a 2**31-long axis would be a real,
+    # possibly successful, multi-GiB copy or computation, not a malformed argument)
+    shape[ax] = p.pick([2**40, 2**50, 2**62])
+    base = (
+        np.take(x, [0], axis=ax)
+        if x.shape[ax]
+        else np.zeros(shape[:ax] + [1] + shape[ax + 1 :], x.dtype)
+    )
+    return np.broadcast_to(base, shape)
+
+
+def _with_one_value(p, x, value):
+    """A copy of ``x`` with one element set to ``value`` (where ``x`` holds floats)."""
+    y = x.astype(np.float32, copy=True).astype(x.dtype) if x.dtype.kind in "fV" else x.copy()
+    if y.size and y.dtype.kind in "fV":
+        flat = y.reshape(-1)
+        flat[p.int(0, flat.size - 1)] = value
+    return y
+
+
+def _readonly_copy(p, x):
+    y = x.copy()
+    y.flags.writeable = False
+    return y
+
+
+def _structured_field(p, x):
+    """A field of a structured array: odd byte strides, misaligned."""
+    st = np.zeros(x.shape, dtype=[("pad", f"V{p.int(1, 3)}"), ("x", x.dtype)])
+    st["x"] = x
+    return st["x"]
+
+
+MUTANT_DTYPES = [
+    np.int8,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.float64,
+    np.complex64,
+    np.bool_,
+    np.float16,
+    BF16,
+    np.float32,
+    "U1",
+    object,
+]
+# kind -> mutate(p, x); a kind not here ("garbage") is replaced by garbage
+MUTATIONS = {
+    "dtype": _to_dtype,
+    "rank+": _one_more_axis,
+    "rank-": _one_less_axis,
+    "flat": lambda p, x: x.reshape(-1),
+    "transpose": lambda p, x: np.swapaxes(x, 0, -1) if x.ndim > 1 else x,
+    "zero": lambda p, x: _first_along_an_axis(p, x, 0),
+    "one": lambda p, x: _first_along_an_axis(p, x, 1),
+    "repeat": lambda p, x: x.repeat(2, axis=p.int(0, x.ndim - 1)) if x.ndim else x,
+    "strided": lambda p, x: x.repeat(2, axis=-1)[..., ::2] if x.ndim else x,
+    "negative": lambda p, x: x[::-1] if x.ndim else x,
+    "fortran": lambda p, x: np.asfortranarray(x),
+    "readonly": _readonly_copy,
+    "huge": lambda p, x: _huge_broadcast(p, x, last=False),
+    "huge_last": lambda p, x: _huge_broadcast(p, x, last=True),
+    "nan": lambda p, x: _with_one_value(p, x, np.nan),
+    "inf": lambda p, x: _with_one_value(p, x, -np.inf),
+    "big": lambda p, x: _with_one_value(p, x, 3e38),
+    "list": lambda p, x: x.astype(np.float64).tolist() if x.size < 512 else x,
+    "scalar": lambda p, x: x.reshape(-1)[0] if x.size else np.float32(1),
+    "unaligned": lambda p, x: misaligned(x) if x.size else x,
+    "bool": lambda p, x: x != 0,
+    "empty_like": lambda p, x: np.empty((0,) * max(1, x.ndim), x.dtype),
+    "swapped": lambda p, x: x.astype(x.dtype.newbyteorder("S")),  # same values, other byte order
+    "field": _structured_field,
+}
+# the draw's order (saved findings replay by it): "dtype" twice as likely as the others
+MUTATION_KINDS = [
+    "dtype",
+    "dtype",
+    "rank+",
+    "rank-",
+    "flat",
+    "transpose",
+    "zero",
+    "one",
+    "repeat",
+    "strided",
+    "negative",
+    "fortran",
+    "readonly",
+    "huge",
+    "huge_last",
+    "nan",
+    "inf",
+    "big",
+    "list",
+    "scalar",
+    "garbage",
+    "unaligned",
+    "bool",
+    "empty_like",
+    "swapped",
+    "field",
+]
+
+
 def mutate_array(p, x):
     """A malformed (or merely unusual) variant of array ``x``."""
-    kinds = [
-        "dtype",
-        "dtype",
-        "rank+",
-        "rank-",
-        "flat",
-        "transpose",
-        "zero",
-        "one",
-        "repeat",
-        "strided",
-        "negative",
-        "fortran",
-        "readonly",
-        "huge",
-        "huge_last",
-        "nan",
-        "inf",
-        "big",
-        "list",
-        "scalar",
-        "garbage",
-        "unaligned",
-        "bool",
-        "empty_like",
-        "swapped",
-        "field",
-    ]
-    kind = p.pick(kinds)
+    kind = p.pick(MUTATION_KINDS)
     if x.size > 1 << 16:  # already a huge (broadcast) array: leave it
         return x
     if kind in ("unaligned", "field") and not UNALIGNED:
         kind = "strided"
+    mutate = MUTATIONS.get(kind)
+    if mutate is None:
+        return garbage(p)
     try:
-        if kind == "dtype":
-            return x.astype(
-                p.pick(
-                    [
-                        np.int8,
-                        np.int32,
-                        np.int64,
-                        np.uint8,
-                        np.float64,
-                        np.complex64,
-                        np.bool_,
-                        np.float16,
-                        BF16,
-                        np.float32,
-                        "U1",
-                        object,
-                    ]
-                )
-            )
-        if kind == "rank+":
-            return x[None] if p.bool() else x[..., None]
-        if kind == "rank-":
-            return x[0] if x.ndim and x.shape[0] else x.reshape(-1)
-        if kind == "flat":
-            return x.reshape(-1)
-        if kind == "transpose":
-            return np.swapaxes(x, 0, -1) if x.ndim > 1 else x
-        if kind in ("zero", "one"):
-            if x.ndim == 0:
-                return x
-            ax = p.int(0, x.ndim - 1)
-            idx = [slice(None)] * x.ndim
-            idx[ax] = slice(0, 0 if kind == "zero" else 1)
-            return x[tuple(idx)]
-        if kind == "repeat":
-            return x.repeat(2, axis=p.int(0, x.ndim - 1)) if x.ndim else x
-        if kind == "strided":
-            return x.repeat(2, axis=-1)[..., ::2] if x.ndim else x
-        if kind == "negative":
-            return x[::-1] if x.ndim else x
-        if kind == "fortran":
-            return np.asfortranarray(x)
-        if kind == "readonly":
-            y = x.copy()
-            y.flags.writeable = False
-            return y
-        if kind in ("huge", "huge_last"):
-            if x.ndim == 0:
-                return x
-            # a zero-stride view of a logical size far past memory (costs nothing); on the last
-            # axis the API has to copy it to make it contiguous, which must fail cleanly
-            shape = list(x.shape)
-            if kind == "huge" and x.ndim < 3:
-                return garbage(p)
-            # batch or head axes only: a huge sequence axis of keys is a legal (zero-stride)
-            # problem that takes days, not a malformed argument
-            ax = x.ndim - 1 if kind == "huge_last" else p.int(0, x.ndim - 3)
-            # (sizes that fail to allocate on any machine: a 2**31-long axis would be a real,
-            # possibly successful, multi-GiB copy or computation, not a malformed argument)
-            shape[ax] = p.pick([2**40, 2**50, 2**62])
-            base = (
-                np.take(x, [0], axis=ax)
-                if x.shape[ax]
-                else np.zeros(shape[:ax] + [1] + shape[ax + 1 :], x.dtype)
-            )
-            return np.broadcast_to(base, shape)
-        if kind in ("nan", "inf", "big"):
-            y = (
-                x.astype(np.float32, copy=True).astype(x.dtype)
-                if x.dtype.kind in "fV"
-                else x.copy()
-            )
-            if y.size and y.dtype.kind in "fV":
-                flat = y.reshape(-1)
-                flat[p.int(0, flat.size - 1)] = {"nan": np.nan, "inf": -np.inf, "big": 3e38}[kind]
-            return y
-        if kind == "list":
-            return x.astype(np.float64).tolist() if x.size < 512 else x
-        if kind == "scalar":
-            return x.reshape(-1)[0] if x.size else np.float32(1)
-        if kind == "unaligned":
-            return misaligned(x) if x.size else x
-        if kind == "swapped":  # the same values in the other byte order
-            return x.astype(x.dtype.newbyteorder("S"))
-        if kind == "field":  # a field of a structured array: odd byte strides, misaligned
-            st = np.zeros(x.shape, dtype=[("pad", f"V{p.int(1, 3)}"), ("x", x.dtype)])
-            st["x"] = x
-            return st["x"]
-        if kind == "bool":
-            return x != 0
-        if kind == "empty_like":
-            return np.empty((0,) * max(1, x.ndim), x.dtype)
+        return mutate(p, x)
     except (ValueError, TypeError, OverflowError, MemoryError):
         return x
-    return garbage(p)
 
 
 def maybe_bad(p, value, percent=12):
