@@ -583,7 +583,8 @@ def _layout_user(x4, layout, rank):
     )
 
 
-def fuzz_attention(p):
+def _dense_problem(p):
+    """q, k, v of a random rank, layout, dtype and small shape, and the sizes drawn."""
     rank, layout = p.pick([2, 3, 4]), p.pick(["bhsd", "bshd"])
     B = p.int(0, 3) if rank == 4 else 1
     Hkv = p.int(1, 3) if rank > 2 else 1
@@ -593,54 +594,84 @@ def fuzz_attention(p):
     q = _layout_user(rand_array(p, (B, Hq, Sq, Dk), dtype), layout, rank)
     k = _layout_user(rand_array(p, (B, Hkv, Sk, Dk), dtype), layout, rank)
     v = _layout_user(rand_array(p, (B, Hkv, Sk, Dv), dtype), layout, rank)
-    logical = (B, Hq, Sq, Sk)[4 - rank :]
-    kw = {}
-    if p.bool(30):
-        shape = tuple(d if p.bool() else 1 for d in logical)[p.int(0, rank - 1) :]
-        kw["mask"] = (
-            (np.random.default_rng(1).random(shape) < 0.7)
-            if p.bool()
-            else np.where(np.random.default_rng(2).random(shape) < 0.7, 0.0, -np.inf).astype(
-                p.pick([np.float32, np.float16, np.float64])
-            )
-        )
-    if p.bool(25):
-        kw["kv_lens"] = int_arg(p, np.full(B, min(Sk, p.int(0, Sk))), rank < 4)
-    if p.bool(25):
-        kw["q_lens"] = int_arg(p, np.full(B, min(Sq, p.int(0, Sq))), rank < 4)
-    for name, make in (
-        ("causal", lambda: p.bool()),
-        ("scale", lambda: p.pick([0.1, 1.0, 3.0] + EXTREME_SCALES)),
-        ("layout", lambda: layout),
-        ("return_lse", lambda: p.bool()),
-        ("num_threads", lambda: p.pick([None, 1, 2, 3])),
-        ("window", lambda: window_arg(p)),
-        ("softcap", lambda: p.pick([0.5, 30.0] + EXTREME_SCALES)),
-        ("sinks", lambda: np.zeros(Hq, np.float32)),
-        ("alibi_slopes", lambda: np.ones(Hq, np.float32)),
-    ):
-        if name == "layout" or p.bool(25):
-            kw[name] = make()
-    if p.bool(30):
-        out_shape = _layout_user(np.empty((B, Hq, Sq, Dv)), layout, rank).shape
-        kw["out"] = np.full(out_shape, 7.0, dtype)
-        if p.bool(40):  # an out overlapping q, k, v or the mask
-            out, (q, k, v, mask) = overlapping_out(
-                p, out_shape, np.dtype(dtype), (q, k, v, kw.get("mask"))
-            )
-            if out is not None:
-                kw["out"] = out
-                if mask is not None:
-                    kw["mask"] = mask
-        elif p.bool(25):
-            kw["out"] = self_overlapping_out(p, out_shape, dtype)
-    args = {"q": q, "k": k, "v": v, **kw}
-    names = list(args) + ["mask", "kv_lens", "q_lens", "out", "scale", "window", "bogus_kwarg"]
+    dims = dict(rank=rank, layout=layout, B=B, Hq=Hq, Sq=Sq, Sk=Sk, Dv=Dv, dtype=np.dtype(dtype))
+    return {"q": q, "k": k, "v": v}, dims
+
+
+def _dense_mask(p, dims):
+    """A boolean or additive (0/-inf) mask broadcastable to the logical (B, Hq, Sq, Sk)."""
+    rank = dims["rank"]
+    logical = (dims["B"], dims["Hq"], dims["Sq"], dims["Sk"])[4 - rank :]
+    shape = tuple(d if p.bool() else 1 for d in logical)[p.int(0, rank - 1) :]
+    if p.bool():
+        return np.random.default_rng(1).random(shape) < 0.7
+    additive = np.where(np.random.default_rng(2).random(shape) < 0.7, 0.0, -np.inf)
+    return additive.astype(p.pick([np.float32, np.float16, np.float64]))
+
+
+def _options(p, args, table, dims, percent, always=()):
+    """Each option of ``table`` ((name, make(p, dims)), in order) set in ``args`` with the given
+    odds (those named in ``always`` without a draw)."""
+    for name, make in table:
+        if name in always or p.bool(percent):
+            args[name] = make(p, dims)
+
+
+def _out_arg(p, args, shape, dtype, overlap):
+    """Maybe an ``out`` of ``shape`` in ``args``: a fresh one (of 7s), one overlapping an array
+    of ``args`` named in ``overlap`` (that array is moved into the buffer out shares, values
+    kept), or one whose own elements share memory."""
+    if not p.bool(30):
+        return
+    args["out"] = np.full(shape, 7.0, dtype)
+    if p.bool(40):
+        out, moved = overlapping_out(p, shape, dtype, [args.get(n) for n in overlap])
+        if out is not None:
+            args["out"] = out
+            args.update({n: x for n, x in zip(overlap, moved) if x is not None})
+    elif p.bool(25):
+        args["out"] = self_overlapping_out(p, shape, dtype)
+
+
+def _corrupt(p, args, names, default, bad=None):
+    """0-4 draws of a name from ``names`` whose argument (``default()`` where not given) becomes
+    ``bad(p, name, value)`` (by default a mutation or garbage); then ``bogus_kwarg``, if drawn,
+    is usually dropped again."""
     for _ in range(p.int(0, 4)):
         name = p.pick(names)
-        args[name] = maybe_bad(p, args.get(name, np.ones(3, np.float32)), percent=100)
+        value = args.get(name, default())
+        args[name] = maybe_bad(p, value, percent=100) if bad is None else bad(p, name, value)
     if "bogus_kwarg" in args and p.bool(80):
         del args["bogus_kwarg"]
+
+
+DENSE_OPTIONS = (
+    ("causal", lambda p, d: p.bool()),
+    ("scale", lambda p, d: p.pick([0.1, 1.0, 3.0] + EXTREME_SCALES)),
+    ("layout", lambda p, d: d["layout"]),
+    ("return_lse", lambda p, d: p.bool()),
+    ("num_threads", lambda p, d: p.pick([None, 1, 2, 3])),
+    ("window", lambda p, d: window_arg(p)),
+    ("softcap", lambda p, d: p.pick([0.5, 30.0] + EXTREME_SCALES)),
+    ("sinks", lambda p, d: np.zeros(d["Hq"], np.float32)),
+    ("alibi_slopes", lambda p, d: np.ones(d["Hq"], np.float32)),
+)
+
+
+def fuzz_attention(p):
+    args, dims = _dense_problem(p)
+    rank, B, Sq, Sk = dims["rank"], dims["B"], dims["Sq"], dims["Sk"]
+    if p.bool(30):
+        args["mask"] = _dense_mask(p, dims)
+    if p.bool(25):
+        args["kv_lens"] = int_arg(p, np.full(B, min(Sk, p.int(0, Sk))), rank < 4)
+    if p.bool(25):
+        args["q_lens"] = int_arg(p, np.full(B, min(Sq, p.int(0, Sq))), rank < 4)
+    _options(p, args, DENSE_OPTIONS, dims, 25, always=("layout",))
+    out_shape = _layout_user(np.empty((B, dims["Hq"], Sq, dims["Dv"])), dims["layout"], rank)
+    _out_arg(p, args, out_shape.shape, dims["dtype"], overlap=("q", "k", "v", "mask"))
+    names = list(args) + ["mask", "kv_lens", "q_lens", "out", "scale", "window", "bogus_kwarg"]
+    _corrupt(p, args, names, default=lambda: np.ones(3, np.float32))
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     call(
         "attention",
@@ -666,7 +697,9 @@ def _pool(p, B, Hkv, Dk, Dv, dtype, bs):
     return kp, vp, int_arg(p, tables, False), lens
 
 
-def fuzz_paged(p):
+def _paged_problem(p):
+    """The positional arguments of a paged call (a pool, its tables and lengths, and queries:
+    one per sequence when decoding, else ``q_lens`` of them), and the sizes drawn."""
     B, Hkv = p.int(0, 4), p.int(1, 3)
     Hq, Dk, Dv, bs = Hkv * p.int(1, 3), p.int(1, 9), p.int(1, 9), p.pick([1, 2, 4, 16])
     dtype = p.pick([np.float32, np.float16, BF16])
@@ -685,42 +718,40 @@ def fuzz_paged(p):
     }
     if not decode:
         args["q_lens"] = int_arg(p, q_lens, False)
-    for name, make in (
-        ("causal", lambda: p.bool(80)),
-        ("scale", lambda: p.pick([0.1, 1.0] + EXTREME_SCALES)),
-        ("return_lse", lambda: p.bool()),
-        ("num_threads", lambda: p.pick([None, 1, 2])),
-        ("window", lambda: window_arg(p)),
-        ("softcap", lambda: p.pick([5.0] + EXTREME_SCALES)),
-        ("sinks", lambda: np.zeros(Hq, np.float32)),
-        ("alibi_slopes", lambda: np.ones(Hq, np.float32)),
-    ):
-        if p.bool(20):
-            args[name] = make()
-    if p.bool(30):
-        args["out"] = np.full((q.shape[0], Hq, Dv), 7.0, q.dtype)
-        if p.bool(40):  # an out overlapping q or the pages it reads
-            out, (args["q"], args["k_pages"], args["v_pages"]) = overlapping_out(
-                p, args["out"].shape, q.dtype, (q, kp, vp)
-            )
-            if out is not None:
-                args["out"] = out
-        elif p.bool(25):
-            args["out"] = self_overlapping_out(p, args["out"].shape, q.dtype)
+    return args, dict(Hq=Hq, Dv=Dv)
+
+
+PAGED_OPTIONS = (
+    ("causal", lambda p, d: p.bool(80)),
+    ("scale", lambda p, d: p.pick([0.1, 1.0] + EXTREME_SCALES)),
+    ("return_lse", lambda p, d: p.bool()),
+    ("num_threads", lambda p, d: p.pick([None, 1, 2])),
+    ("window", lambda p, d: window_arg(p)),
+    ("softcap", lambda p, d: p.pick([5.0] + EXTREME_SCALES)),
+    ("sinks", lambda p, d: np.zeros(d["Hq"], np.float32)),
+    ("alibi_slopes", lambda p, d: np.ones(d["Hq"], np.float32)),
+)
+
+
+def _bad_paged_arg(p, name, value):
+    """A malformed argument of a paged call; the pages are never mutated into a huge logical
+    block (a long sequence there is a long computation, not a bug)."""
+    if name not in ("k_pages", "v_pages") or not p.bool(50):
+        return maybe_bad(p, value, percent=100)
+    value = mutate_array(p, value) if isinstance(value, np.ndarray) else value
+    if isinstance(value, np.ndarray) and value.ndim == 4 and value.shape[2] > 64:
+        value = garbage(p)
+    return value
+
+
+def fuzz_paged(p):
+    args, dims = _paged_problem(p)
+    _options(p, args, PAGED_OPTIONS, dims, 20)
+    q = args["q"]
+    out_shape = (q.shape[0], dims["Hq"], dims["Dv"])
+    _out_arg(p, args, out_shape, q.dtype, overlap=("q", "k_pages", "v_pages"))
     names = list(args) + ["q_lens", "out", "bogus_kwarg"]
-    for _ in range(p.int(0, 4)):
-        name = p.pick(names)
-        val = args.get(name, np.ones(2, np.int64))
-        if name in ("k_pages", "v_pages") and p.bool(50):
-            # never a huge logical block (a long sequence there is a long computation, not a bug)
-            val = mutate_array(p, val) if isinstance(val, np.ndarray) else val
-            if isinstance(val, np.ndarray) and val.ndim == 4 and val.shape[2] > 64:
-                val = garbage(p)
-        else:
-            val = maybe_bad(p, val, percent=100)
-        args[name] = val
-    if "bogus_kwarg" in args and p.bool(80):
-        del args["bogus_kwarg"]
+    _corrupt(p, args, names, default=lambda: np.ones(2, np.int64), bad=_bad_paged_arg)
     pos = [args.pop(n) for n in ("q", "k_pages", "v_pages", "block_tables", "seq_lens")]
     call(
         "paged_attention",
