@@ -833,6 +833,182 @@ def check_pool(c):
             )
 
 
+def _cache_kwargs(p):
+    """PagedKVCache's keyword arguments: valid ones, and sometimes one or two made garbage."""
+    ok_kw = dict(
+        num_layers=p.int(1, 2),
+        num_kv_heads=p.int(1, 2),
+        head_dim=p.pick([1, 4, 8]),
+        num_blocks=p.int(1, 12),
+        block_size=p.pick([1, 2, 4]),
+        dtype=p.pick(["float32", "float16", "bfloat16"]),
+    )
+    if p.bool(20):
+        ok_kw["value_dim"] = p.pick([1, 3, 8])
+    if p.bool(15):
+        ok_kw["sliding_window"] = p.pick([1, 3, 8])
+    if p.bool(15):
+        ok_kw["value_from_key"] = True
+    kw = dict(ok_kw)
+    for _ in range(p.int(0, 2) if p.bool(30) else 0):
+        name = p.pick(list(ok_kw) + ["value_dim", "sliding_window", "value_from_key"])
+        kw[name] = garbage(p)
+    return kw
+
+
+STEP_OPTIONS = ["scale", "num_threads", "return_lse", "window", "softcap", "sinks", "alibi_slopes"]
+
+
+class CacheSession:
+    """A sequence of operations on one cache: a method per operation of ``CACHE_OPS``, each
+    returning whether its call succeeded (None where nothing was called)."""
+
+    def __init__(self, p, cache):
+        self.p, self.cache = p, cache
+        self.H = cache.num_kv_heads * p.int(1, 2)
+        self.steps = []  # the steps begun (the latest one pending, the others stale)
+        self.state = None  # the cache as it was before the current operation
+
+    def run(self, op):
+        """One operation; a failed one must leave the cache as it was, and the pool must stay
+        consistent."""
+        self.state = cache_state(self.cache)
+        ok = CACHE_OP_METHODS[op](self)
+        if ok is None:
+            return
+        if not ok and not same_state(self.state, cache_state(self.cache)):
+            raise Finding(f"cache: {op} raised but changed the cache")
+        check_pool(self.cache)
+
+    def seq_id(self):
+        live = self.cache.sequences
+        return int_form(self.p, self.p.pick(live)) if live and self.p.bool(85) else garbage(self.p)
+
+    def expect_length(self, s, n, what):
+        if self.cache.length(s) != n:
+            raise Finding(f"cache: {what} left length {self.cache.length(s)}, expected {n}")
+
+    def new(self):
+        return call("cache.new_sequence", self.cache.new_sequence)[0]
+
+    def fork(self):
+        return call("cache.fork", lambda: self.cache.fork(self.seq_id()))[0]
+
+    def free(self):
+        return call("cache.free", lambda: self.cache.free(self.seq_id()))[0]
+
+    def length(self):
+        return call("cache.length", lambda: self.cache.length(self.seq_id()))[0]
+
+    def block_table(self):
+        return call("cache.block_table", lambda: self.cache.block_table(self.seq_id()))[0]
+
+    def pages(self):
+        p, cache = self.p, self.cache
+        layer = int_form(p, p.int(0, 2)) if p.bool(80) else garbage(p)
+        return call("cache.k_pages", lambda: (cache.k_pages(layer), cache.v_pages(layer)))[0]
+
+    def stats(self):
+        cache = self.cache
+        return call(
+            "cache.stats",
+            lambda: (
+                cache.stats(),
+                cache.num_free_blocks,
+                cache.num_used_blocks,
+                cache.bytes_per_block,
+            ),
+        )[0]
+
+    def props(self):
+        return True
+
+    def truncate(self):
+        """A live sequence (or garbage) cut to a length it has (or to any, or garbage)."""
+        p, cache = self.p, self.cache
+        live = cache.sequences
+        sid = p.pick(live) if live and p.bool(85) else None
+        s = garbage(p) if sid is None else int_form(p, sid)
+        live = sid is not None or (type(s) is int and s in live)
+        n = (
+            int_form(p, p.int(0, cache.length(s)))
+            if live and p.bool(80)
+            else (int_form(p, p.int(0, 20)) if p.bool(50) else garbage(p))
+        )
+        ok, _ = call("cache.truncate", lambda: cache.truncate(s, n))
+        if ok:
+            self.expect_length(s, int(n), "truncate")
+        return ok
+
+    def step(self):
+        """A step over some live sequences with 0-6 new tokens each (or malformed ids and
+        counts); a step begun must leave every length grown by its count."""
+        p, cache = self.p, self.cache
+        ids = [s for s in cache.sequences if p.bool(60)]
+        plain = [p.int(0, 6) for _ in ids]
+        ids, counts = [int_form(p, s) for s in ids], counts_form(p, plain)
+        if p.bool(20):
+            ids, counts = maybe_bad(p, ids, 100), maybe_bad(p, counts, 100)
+        ok, st = call("cache.begin_step", lambda: cache.begin_step(ids, counts))
+        if ok:
+            self.steps.append(st)
+            for s, n in zip(ids, counts):
+                self.expect_length(s, self.state[3][int(s)][0] + int(n), "begin_step")
+        return ok
+
+    def attend_arrays(self, T):
+        """A layer and q, k, v for ``T`` new tokens; at times the new keys are a view of the
+        pool the step writes (they must be read before they are written)."""
+        p, cache = self.p, self.cache
+        r = np.random.default_rng(p.int(0, 99))
+        layer = int_form(p, p.int(0, cache.num_layers - 1))
+        q = r.standard_normal((T, self.H, cache.head_dim)).astype(p.pick([np.float32, np.float16]))
+        k = r.standard_normal((T, cache.num_kv_heads, cache.head_dim)).astype(np.float32)
+        v = (
+            None
+            if cache.value_from_key
+            else r.standard_normal((T, cache.num_kv_heads, cache.value_dim)).astype(np.float32)
+        )
+        if p.bool(10) and cache.block_size >= T and cache.dtype == np.float32:
+            k = cache.k_pages(layer)[p.int(0, cache.num_blocks - 1)].transpose(1, 0, 2)[:T]
+        return {"layer": layer, "q": q, "k": k, "v": v}
+
+    def attend_options(self):
+        """Maybe one option of Step.attend, with a value of any of its kinds."""
+        p = self.p
+        if not p.bool(30):
+            return {}
+        value = p.pick([None, 1, 0.5, True, (2, None), 1.5, np.zeros(self.H, np.float32)])
+        return {p.pick(STEP_OPTIONS): value}
+
+    def attend(self, stale):
+        """Step.attend on the pending step (or, ``stale``, on any step begun) with valid or
+        malformed arrays."""
+        p, cache = self.p, self.cache
+        if not self.steps:
+            return None
+        st = p.pick(self.steps) if stale else self.steps[-1]
+        args = self.attend_arrays(st.num_tokens)
+        opt = self.attend_options()
+        for _ in range(p.int(0, 2)):
+            name = p.pick(list(args) + list(opt) or ["q"])
+            if name in args:
+                args[name] = maybe_bad(p, args[name], 100)
+            else:
+                opt[name] = garbage(p)
+        ok, _ = call(
+            "Step.attend",
+            lambda: st.attend(args["layer"], args["q"], args["k"], args["v"], **opt),
+            inputs=[args["q"], args["k"], args["v"]],
+            writes=[cache._k, cache._v],
+        )
+        if ok:
+            self.state = cache_state(cache)  # the pages changed: that was the point
+        return ok
+
+
+# the operations drawn (steps and attends more often than the rest); saved findings replay by
+# this order
 CACHE_OPS = [
     "new",
     "new",
@@ -852,146 +1028,32 @@ CACHE_OPS = [
     "stale_attend",
     "props",
 ]
+CACHE_OP_METHODS = {
+    "new": CacheSession.new,
+    "fork": CacheSession.fork,
+    "truncate": CacheSession.truncate,
+    "free": CacheSession.free,
+    "length": CacheSession.length,
+    "block_table": CacheSession.block_table,
+    "pages": CacheSession.pages,
+    "stats": CacheSession.stats,
+    "step": CacheSession.step,
+    "attend": lambda s: s.attend(stale=False),
+    "stale_attend": lambda s: s.attend(stale=True),
+    "props": CacheSession.props,
+}
 
 
 def fuzz_cache(p):
-    ok_kw = dict(
-        num_layers=p.int(1, 2),
-        num_kv_heads=p.int(1, 2),
-        head_dim=p.pick([1, 4, 8]),
-        num_blocks=p.int(1, 12),
-        block_size=p.pick([1, 2, 4]),
-        dtype=p.pick(["float32", "float16", "bfloat16"]),
-    )
-    if p.bool(20):
-        ok_kw["value_dim"] = p.pick([1, 3, 8])
-    if p.bool(15):
-        ok_kw["sliding_window"] = p.pick([1, 3, 8])
-    if p.bool(15):
-        ok_kw["value_from_key"] = True
-    kw = dict(ok_kw)
-    for _ in range(p.int(0, 2) if p.bool(30) else 0):
-        name = p.pick(list(ok_kw) + ["value_dim", "sliding_window", "value_from_key"])
-        kw[name] = garbage(p)
+    kw = _cache_kwargs(p)
     made, cache = call("PagedKVCache", lambda: attnx.PagedKVCache(**kw))
     if not made:
         return
     if cache.num_blocks * cache.bytes_per_block > 1 << 24:
         return  # a valid but large pool (a garbage size that happens to be legal)
-    H = cache.num_kv_heads * p.int(1, 2)
-    steps = []  # (step, its sequences' versions at begin)
-
-    def seq_id():
-        live = cache.sequences
-        return int_form(p, p.pick(live)) if live and p.bool(85) else garbage(p)
-
-    def expect_length(s, n, what):
-        if cache.length(s) != n:
-            raise Finding(f"cache: {what} left length {cache.length(s)}, expected {n}")
-
+    session = CacheSession(p, cache)
     for _ in range(p.int(1, 14)):
-        op = p.pick(CACHE_OPS)
-        state = cache_state(cache)
-        if op == "new":
-            ok, _ = call("cache.new_sequence", cache.new_sequence)
-        elif op == "fork":
-            ok, _ = call("cache.fork", lambda: cache.fork(seq_id()))
-        elif op == "truncate":
-            live = cache.sequences
-            sid = p.pick(live) if live and p.bool(85) else None
-            s = garbage(p) if sid is None else int_form(p, sid)
-            live = sid is not None or (type(s) is int and s in live)
-            n = (
-                int_form(p, p.int(0, cache.length(s)))
-                if live and p.bool(80)
-                else (int_form(p, p.int(0, 20)) if p.bool(50) else garbage(p))
-            )
-            ok, _ = call("cache.truncate", lambda: cache.truncate(s, n))
-            if ok:
-                expect_length(s, int(n), "truncate")
-        elif op == "free":
-            ok, _ = call("cache.free", lambda: cache.free(seq_id()))
-        elif op == "length":
-            ok, _ = call("cache.length", lambda: cache.length(seq_id()))
-        elif op == "block_table":
-            ok, _ = call("cache.block_table", lambda: cache.block_table(seq_id()))
-        elif op == "pages":
-            layer = int_form(p, p.int(0, 2)) if p.bool(80) else garbage(p)
-            ok, _ = call("cache.k_pages", lambda: (cache.k_pages(layer), cache.v_pages(layer)))
-        elif op == "stats":
-            ok, _ = call(
-                "cache.stats",
-                lambda: (
-                    cache.stats(),
-                    cache.num_free_blocks,
-                    cache.num_used_blocks,
-                    cache.bytes_per_block,
-                ),
-            )
-        elif op == "props":
-            ok = True
-        elif op == "step":
-            live = cache.sequences
-            ids = [s for s in live if p.bool(60)]
-            plain = [p.int(0, 6) for _ in ids]
-            ids, counts = [int_form(p, s) for s in ids], counts_form(p, plain)
-            if p.bool(20):
-                ids, counts = maybe_bad(p, ids, 100), maybe_bad(p, counts, 100)
-            ok, st = call("cache.begin_step", lambda: cache.begin_step(ids, counts))
-            if ok:
-                steps.append(st)
-                for s, n in zip(ids, counts):
-                    expect_length(s, state[3][int(s)][0] + int(n), "begin_step")
-        else:  # attend a pending step (maybe a stale one) with valid or malformed arrays
-            if not steps:
-                continue
-            st = steps[-1] if op == "attend" else p.pick(steps)
-            T = st.num_tokens
-            r = np.random.default_rng(p.int(0, 99))
-            layer = int_form(p, p.int(0, cache.num_layers - 1))
-            q = r.standard_normal((T, H, cache.head_dim)).astype(p.pick([np.float32, np.float16]))
-            k = r.standard_normal((T, cache.num_kv_heads, cache.head_dim)).astype(np.float32)
-            v = (
-                None
-                if cache.value_from_key
-                else r.standard_normal((T, cache.num_kv_heads, cache.value_dim)).astype(np.float32)
-            )
-            if p.bool(10) and cache.block_size >= T and cache.dtype == np.float32:
-                # new keys read from the pool the step writes (a view: must be read before written)
-                k = cache.k_pages(layer)[p.int(0, cache.num_blocks - 1)].transpose(1, 0, 2)[:T]
-            args = {"layer": layer, "q": q, "k": k, "v": v}
-            opt = {}
-            if p.bool(30):
-                opt[
-                    p.pick(
-                        [
-                            "scale",
-                            "num_threads",
-                            "return_lse",
-                            "window",
-                            "softcap",
-                            "sinks",
-                            "alibi_slopes",
-                        ]
-                    )
-                ] = p.pick([None, 1, 0.5, True, (2, None), 1.5, np.zeros(H, np.float32)])
-            for _ in range(p.int(0, 2)):
-                name = p.pick(list(args) + list(opt) or ["q"])
-                if name in args:
-                    args[name] = maybe_bad(p, args[name], 100)
-                else:
-                    opt[name] = garbage(p)
-            ok, _ = call(
-                "Step.attend",
-                lambda: st.attend(args["layer"], args["q"], args["k"], args["v"], **opt),
-                inputs=[args["q"], args["k"], args["v"]],
-                writes=[cache._k, cache._v],
-            )
-            if ok:
-                state = cache_state(cache)  # the pages changed: that was the point
-        if not ok and not same_state(state, cache_state(cache)):
-            raise Finding(f"cache: {op} raised but changed the cache")
-        check_pool(cache)
+        session.run(p.pick(CACHE_OPS))
 
 
 # ---- torch-compatible API, layers, global settings --------------------------------------------
