@@ -118,7 +118,7 @@ def run_one(model, clock, impl, ids, new_tokens, paged):
     return prefill, decode, prefill_attn, decode_attn
 
 
-def main(argv=None):
+def _parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lens", type=int, nargs="+", default=[512, 2048, 8192], help="prompt lengths")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="batch sizes")
@@ -139,7 +139,50 @@ def main(argv=None):
         help="the model's weights and activations (bfloat16: both backends compute attention "
         "with bf16 dot products where the CPU has them)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def best_runs(runs):
+    """Per backend, each phase from its own best run (with that run's attention time): the
+    host's noise in one phase does not pick the other's figures. (prefill s, decode s,
+    prefill attention s, decode attention s)."""
+    best = {}
+    for impl, rs in runs.items():
+        pre = min(rs, key=lambda r: r[0])
+        dec = min(rs, key=lambda r: r[1])
+        best[impl] = (pre[0], dec[1], pre[2], dec[3])
+    return best
+
+
+def print_row(length, batch, new_tokens, best):
+    """The table's two lines (sdpa, attnx) for one prompt length and batch size."""
+    ref_pre, ref_dec, ref_pre_attn, ref_dec_attn = best["sdpa"]
+    for impl in ("sdpa", "attnx"):
+        pre, dec, pre_attn, dec_attn = best[impl]
+        print(
+            f"| {length} | {batch} | {impl} | {pre:.3f} | {batch * length / pre:.0f} | "
+            f"{pre_attn / pre:.0%} | {batch * new_tokens / dec:.1f} | {dec_attn / dec:.0%} | "
+            f"{ref_pre / pre:.2f}x | {ref_dec / dec:.2f}x | "
+            f"{ref_pre_attn / pre_attn:.2f}x, {ref_dec_attn / dec_attn:.2f}x |",
+            flush=True,
+        )
+
+
+def print_header(args):
+    print(
+        f"SmolLM2-135M {args.dtype}, torch {torch.__version__} ({torch.get_num_threads()} threads), attnx "
+        f"{attnx.get_num_threads()} threads, isa {attnx.cpu_features()['isa']}, {args.new_tokens} decode steps"
+        + (", attnx decode over PagedCache" if args.paged else "")
+    )
+    print(
+        "| prompt | batch | backend | prefill s | prefill tok/s | attn share prefill | decode tok/s "
+        "| attn share decode | prefill vs sdpa | decode vs sdpa | attention vs sdpa: prefill, decode |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     if args.quick:
         args.lens, args.batch, args.new_tokens = [128], [1, 2], 8
     if args.threads:
@@ -158,16 +201,7 @@ def main(argv=None):
         run_one(
             model, clock, impl, torch.randint(100, 49000, (1, 16), generator=gen), 1, args.paged
         )
-    print(
-        f"SmolLM2-135M {args.dtype}, torch {torch.__version__} ({torch.get_num_threads()} threads), attnx "
-        f"{attnx.get_num_threads()} threads, isa {attnx.cpu_features()['isa']}, {args.new_tokens} decode steps"
-        + (", attnx decode over PagedCache" if args.paged else "")
-    )
-    print(
-        "| prompt | batch | backend | prefill s | prefill tok/s | attn share prefill | decode tok/s "
-        "| attn share decode | prefill vs sdpa | decode vs sdpa | attention vs sdpa: prefill, decode |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print_header(args)
     for length in args.lens:
         for batch in args.batch:
             ids = torch.randint(100, 49000, (batch, length), generator=gen)
@@ -175,23 +209,7 @@ def main(argv=None):
             for _ in range(args.repeat):
                 for impl in runs:  # interleaved: both see the same machine
                     runs[impl].append(run_one(model, clock, impl, ids, args.new_tokens, args.paged))
-            # each phase from its own best run (with that run's attention time): the host's noise
-            # in one phase does not pick the other's figures
-            best = {}
-            for impl, rs in runs.items():
-                pre = min(rs, key=lambda r: r[0])
-                dec = min(rs, key=lambda r: r[1])
-                best[impl] = (pre[0], dec[1], pre[2], dec[3])
-            for impl in ("sdpa", "attnx"):
-                pre, dec, pre_attn, dec_attn = best[impl]
-                ref_pre, ref_dec, ref_pre_attn, ref_dec_attn = best["sdpa"]
-                print(
-                    f"| {length} | {batch} | {impl} | {pre:.3f} | {batch * length / pre:.0f} | "
-                    f"{pre_attn / pre:.0%} | {batch * args.new_tokens / dec:.1f} | {dec_attn / dec:.0%} | "
-                    f"{ref_pre / pre:.2f}x | {ref_dec / dec:.2f}x | "
-                    f"{ref_pre_attn / pre_attn:.2f}x, {ref_dec_attn / dec_attn:.2f}x |",
-                    flush=True,
-                )
+            print_row(length, batch, args.new_tokens, best_runs(runs))
 
 
 if __name__ == "__main__":

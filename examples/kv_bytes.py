@@ -104,34 +104,28 @@ def table(args):
     return rows
 
 
-def mla_decode(args, rng):
-    print()
-    print("MLA decode over the paged cache: one latent kv head, Dk = 576, Dv = 512 (a view)")
-    latent, rope, hq, bs = args.latent, args.rope, args.mla_heads, 16
-    dk = latent + rope
-    seq_lens = np.array([1, 37, 250, 16, 129])
-    B = len(seq_lens)
+def latent_pool(rng, seq_lens, bs, dk, latent):
+    """A pool of latent rows (num_blocks, 1 kv head, block_size, dk) handed out shuffled to
+    sequences of ``seq_lens``, its values a zero-copy view of the keys' first ``latent``
+    features; returns (k_pages, v_pages, block tables)."""
     blocks_per_seq = -(-seq_lens // bs)
     num_blocks = int(blocks_per_seq.sum()) + 3
-    # pool of latent rows (num_blocks, 1 kv head, block_size, 576); blocks handed out shuffled
     k_pages = rng.standard_normal((num_blocks, 1, bs, dk)).astype(np.float32)
     v_pages = k_pages[..., :latent]  # zero-copy: the value is the latent part of the key
     assert np.shares_memory(v_pages, k_pages) and v_pages.base is not None
     ids = rng.permutation(num_blocks)
-    tables = np.zeros((B, blocks_per_seq.max()), np.int32)
+    tables = np.zeros((len(seq_lens), blocks_per_seq.max()), np.int32)
     start = 0
     for b, n in enumerate(blocks_per_seq):
         tables[b, :n] = ids[start : start + n]
         start += n
-    q = rng.standard_normal((B, hq, dk)).astype(
-        np.float32
-    )  # absorbed queries: [q_nope W_UK, q_rope]
-    # DeepSeek scales by the un-absorbed query-key width (128 + 64), not by 576
-    scale = 1.0 / math.sqrt(args.head_dim + rope)
-    print(
-        f"  q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape} "
-        f"(strides {v_pages.strides}: a view), seq_lens {seq_lens.tolist()}"
-    )
+    return k_pages, v_pages, tables
+
+
+def mla_paged(k_pages, v_pages, tables, seq_lens, q, scale, latent):
+    """``attnx.paged_attention`` with the values a view of the keys, against the reference and
+    against a contiguous copy of the values (and, where bf16 exists, over bf16 pages); returns
+    the float32 error."""
     out = attnx.paged_attention(q, k_pages, v_pages, tables, seq_lens, scale=scale)
     want = ref.paged_attention(
         q, k_pages, v_pages, tables, seq_lens, scale=scale, out_dtype=np.float64
@@ -156,10 +150,13 @@ def mla_decode(args, rng):
         err_b = float(np.abs(out_b - want_b).max())
         print(f"  bf16 pages (the storage DeepSeek uses): max |kernel - reference| = {err_b:.2e}")
         assert err_b < 1e-4, err_b
-    print(f"  stored per token: {dk} values ({dk * 2} bytes in bf16) for all {hq} query heads")
+    return err
 
-    # The same through a PagedKVCache step: value_from_key stores the latent rows once and
-    # attend() reads the values from them.
+
+def mla_cache_decode(rng, hq, dk, latent, bs, scale):
+    """The same through a PagedKVCache step: value_from_key stores the latent rows once and
+    attend() reads the values from them. A prompt, then decode steps; the last step is checked
+    against the reference."""
     cache = attnx.PagedKVCache(
         num_layers=1,
         num_kv_heads=1,
@@ -194,6 +191,26 @@ def mla_decode(args, rng):
         f"{err_c:.2e}"
     )
     assert err_c < 1e-5, err_c
+
+
+def mla_decode(args, rng):
+    print()
+    print("MLA decode over the paged cache: one latent kv head, Dk = 576, Dv = 512 (a view)")
+    latent, rope, hq, bs = args.latent, args.rope, args.mla_heads, 16
+    dk = latent + rope
+    seq_lens = np.array([1, 37, 250, 16, 129])
+    k_pages, v_pages, tables = latent_pool(rng, seq_lens, bs, dk, latent)
+    # absorbed queries: [q_nope W_UK, q_rope]
+    q = rng.standard_normal((len(seq_lens), hq, dk)).astype(np.float32)
+    # DeepSeek scales by the un-absorbed query-key width (128 + 64), not by 576
+    scale = 1.0 / math.sqrt(args.head_dim + rope)
+    print(
+        f"  q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape} "
+        f"(strides {v_pages.strides}: a view), seq_lens {seq_lens.tolist()}"
+    )
+    err = mla_paged(k_pages, v_pages, tables, seq_lens, q, scale, latent)
+    print(f"  stored per token: {dk} values ({dk * 2} bytes in bf16) for all {hq} query heads")
+    mla_cache_decode(rng, hq, dk, latent, bs, scale)
     return err
 
 

@@ -232,130 +232,10 @@ class Engine:
         limit = self.model.config.context_length
         if max_new_tokens < 1 or not all(0 < len(p) <= limit - max_new_tokens for p in prompts):
             raise ValueError(f"need non-empty prompts and 1 <= prompt + max_new_tokens <= {limit}")
-        waiting: collections.deque[_Sequence] = collections.deque()
-        for p, ids in enumerate(prompts):
-            copies = [0] if fork else range(n)
-            for j in copies:
-                waiting.append(
-                    _Sequence(p, j, list(ids), len(ids), params.rng(j), forks=n - 1 if fork else 0)
-                )
-        running: list[_Sequence] = []
-        out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompts]
-        steps = preemptions = peak_blocks = hits = prefilled = shared_steps = 0
-        attention_s = prefill_s = 0.0
-        t_start = time.perf_counter()
-
-        admit = True  # False from a preemption until a sequence finishes: no thrashing
-        while waiting or running:
-            while admit and waiting and len(running) + 1 + waiting[0].forks <= self.max_batch_seqs:
-                seq = waiting.popleft()
-                # with prefix caching, blocks that hold the start of its tokens are attached
-                seq.cache_id = self.cache.new_sequence(tokens=seq.tokens)
-                seq.num_cached = self.cache.length(seq.cache_id)
-                hits += seq.num_cached
-                running.append(seq)
-
-            batch = self._schedule(running)
-            while True:
-                try:
-                    step = self.cache.begin_step(
-                        [s.cache_id for s, _ in batch],
-                        [c for _, c in batch],
-                        tokens=[s.tokens[s.num_cached : s.num_cached + c] for s, c in batch],
-                    )
-                    break
-                except attnx.CacheFullError:
-                    if len(running) == 1:
-                        raise RuntimeError(
-                            "KV cache too small for a single sequence; raise num_blocks"
-                        ) from None
-                    victim = running.pop()
-                    self.cache.free(victim.cache_id)
-                    victim.cache_id, victim.num_cached = None, 0
-                    waiting.appendleft(victim)
-                    batch = [(s, c) for s, c in batch if s is not victim]
-                    preemptions += 1
-                    admit = False
-            if not batch:
-                continue
-            steps += 1
-            t_step = time.perf_counter()
-            shared_steps += bool(step.shared_prefix)
-            # Blocks held by all live sequences; forked siblings share their prompt blocks.
-            peak_blocks = max(peak_blocks, self.cache.stats()["used_blocks"])
-
-            # Pack the step's tokens; a sequence samples when its chunk reaches its last token.
-            tokens = np.concatenate([s.tokens[s.num_cached : s.num_cached + c] for s, c in batch])
-            ends = np.cumsum([c for _, c in batch]) - 1
-            sampling = [
-                (s, row) for (s, c), row in zip(batch, ends) if s.num_cached + c == len(s.tokens)
-            ]
-            for s, c in batch:
-                s.num_cached += c
-
-            attend = self.bind_attention(
-                self.cache, step, [s.cache_id for s, _ in batch], self.block_size
-            )
-
-            def timed_attend(layer, q, k, v):
-                nonlocal attention_s
-                t = time.perf_counter()
-                o = attend(layer, q, k, v)
-                attention_s += time.perf_counter() - t
-                return o
-
-            logits = self.model.forward(
-                tokens,
-                step.positions,
-                timed_attend,
-                np.array([row for _, row in sampling], dtype=np.int64),
-            )
-            chunk = sum(c for s, c in batch if c > 1)
-            if chunk:
-                prefilled += chunk
-                prefill_s += time.perf_counter() - t_step
-
-            finished = set()
-            for (seq, _), row_logits in zip(sampling, logits):
-                group = [seq]
-                if seq.forks:
-                    # The prompt is in the cache now: the other samples share its blocks.
-                    for j in range(1, seq.forks + 1):
-                        child = dataclasses.replace(
-                            seq,
-                            sample=j,
-                            tokens=list(seq.tokens),
-                            rng=params.rng(j),
-                            forks=0,
-                            cache_id=self.cache.fork(seq.cache_id),
-                        )
-                        group.append(child)
-                        running.append(child)
-                    seq.forks = 0
-                for member in group:
-                    tok = sample_token(row_logits, params, member.rng)
-                    member.tokens.append(tok)
-                    if tok in stop_ids or len(member.generated) >= max_new_tokens:
-                        out[member.prompt][member.sample] = member.generated
-                        self.cache.free(member.cache_id)
-                        finished.add(member)
-                        admit = True
-            running = [s for s in running if s not in finished]
-
-        return GenerationResult(
-            tokens=out,
-            prompt_tokens=sum(len(p) for p in prompts),
-            generated_tokens=sum(len(t) for per in out for t in per),
-            steps=steps,
-            preemptions=preemptions,
-            wall_s=time.perf_counter() - t_start,
-            attention_s=attention_s,
-            peak_kv_blocks=peak_blocks,
-            hit_tokens=hits,
-            prefill_tokens=prefilled,
-            prefill_s=prefill_s,
-            shared_steps=shared_steps,
-        )
+        run = _Generation(self, prompts, max_new_tokens, params, n, fork, stop_ids)
+        while run.waiting or run.running:
+            run.step()
+        return run.result()
 
     def prefill(self, ids: list[int], extra_key: str | None = None) -> int:
         """A sequence holding ``ids``' KV (prefix-cache hits attached, the rest computed; an
@@ -388,6 +268,172 @@ class Engine:
                 prefills.append((s, min(pending, budget)))
                 budget -= prefills[-1][1]
         return decodes + prefills
+
+
+class _Generation:
+    """One ``Engine.generate`` call in progress: its queues, its outputs and its counters; each
+    ``step()`` admits, schedules, runs the model once and samples."""
+
+    def __init__(self, engine, prompts, max_new_tokens, params, n, fork, stop_ids):
+        self.engine, self.cache = engine, engine.cache
+        self.prompts, self.max_new_tokens, self.params = prompts, max_new_tokens, params
+        self.stop_ids = stop_ids
+        self.waiting: collections.deque[_Sequence] = collections.deque()
+        for p, ids in enumerate(prompts):
+            copies = [0] if fork else range(n)
+            for j in copies:
+                self.waiting.append(
+                    _Sequence(p, j, list(ids), len(ids), params.rng(j), forks=n - 1 if fork else 0)
+                )
+        self.running: list[_Sequence] = []
+        self.out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompts]
+        self.steps = self.preemptions = self.peak_blocks = 0
+        self.hits = self.prefilled = self.shared_steps = 0
+        self.attention_s = self.prefill_s = 0.0
+        self.t_start = time.perf_counter()
+        self.admit = True  # False from a preemption until a sequence finishes: no thrashing
+
+    def step(self) -> None:
+        self._admit()
+        step, batch = self._begin_step(self.engine._schedule(self.running))
+        if not batch:
+            return
+        sampling, logits = self._forward(step, batch)
+        self._sample(sampling, logits)
+
+    def _admit(self) -> None:
+        """Waiting sequences join while there is room for them and their forks."""
+        running, waiting = self.running, self.waiting
+        while (
+            self.admit
+            and waiting
+            and len(running) + 1 + waiting[0].forks <= self.engine.max_batch_seqs
+        ):
+            seq = waiting.popleft()
+            # with prefix caching, blocks that hold the start of its tokens are attached
+            seq.cache_id = self.cache.new_sequence(tokens=seq.tokens)
+            seq.num_cached = self.cache.length(seq.cache_id)
+            self.hits += seq.num_cached
+            running.append(seq)
+
+    def _begin_step(self, batch):
+        """Reserves the batch's slots; while the cache is full, preempts the most recently
+        admitted sequence (freed and re-queued first). Returns the step and what is left of the
+        batch."""
+        while True:
+            try:
+                step = self.cache.begin_step(
+                    [s.cache_id for s, _ in batch],
+                    [c for _, c in batch],
+                    tokens=[s.tokens[s.num_cached : s.num_cached + c] for s, c in batch],
+                )
+                return step, batch
+            except attnx.CacheFullError:
+                if len(self.running) == 1:
+                    raise RuntimeError(
+                        "KV cache too small for a single sequence; raise num_blocks"
+                    ) from None
+                victim = self.running.pop()
+                self.cache.free(victim.cache_id)
+                victim.cache_id, victim.num_cached = None, 0
+                self.waiting.appendleft(victim)
+                batch = [(s, c) for s, c in batch if s is not victim]
+                self.preemptions += 1
+                self.admit = False
+
+    def _forward(self, step, batch):
+        """Runs the model once on the step's packed tokens; returns the sequences that sample
+        (with their rows) and the logits of those rows."""
+        self.steps += 1
+        t_step = time.perf_counter()
+        self.shared_steps += bool(step.shared_prefix)
+        # Blocks held by all live sequences; forked siblings share their prompt blocks.
+        self.peak_blocks = max(self.peak_blocks, self.cache.stats()["used_blocks"])
+
+        # Pack the step's tokens; a sequence samples when its chunk reaches its last token.
+        tokens = np.concatenate([s.tokens[s.num_cached : s.num_cached + c] for s, c in batch])
+        ends = np.cumsum([c for _, c in batch]) - 1
+        sampling = [
+            (s, row) for (s, c), row in zip(batch, ends) if s.num_cached + c == len(s.tokens)
+        ]
+        for s, c in batch:
+            s.num_cached += c
+
+        attend = self.engine.bind_attention(
+            self.cache, step, [s.cache_id for s, _ in batch], self.engine.block_size
+        )
+        logits = self.engine.model.forward(
+            tokens,
+            step.positions,
+            self._timed(attend),
+            np.array([row for _, row in sampling], dtype=np.int64),
+        )
+        chunk = sum(c for s, c in batch if c > 1)
+        if chunk:
+            self.prefilled += chunk
+            self.prefill_s += time.perf_counter() - t_step
+        return sampling, logits
+
+    def _timed(self, attend):
+        """``attend`` adding its time to ``attention_s``."""
+
+        def timed_attend(layer, q, k, v):
+            t = time.perf_counter()
+            o = attend(layer, q, k, v)
+            self.attention_s += time.perf_counter() - t
+            return o
+
+        return timed_attend
+
+    def _with_forks(self, seq: _Sequence) -> list[_Sequence]:
+        """``seq`` and, once its prompt is in the cache, the other samples forked off it (they
+        share its blocks and join the running sequences)."""
+        group = [seq]
+        for j in range(1, seq.forks + 1):
+            child = dataclasses.replace(
+                seq,
+                sample=j,
+                tokens=list(seq.tokens),
+                rng=self.params.rng(j),
+                forks=0,
+                cache_id=self.cache.fork(seq.cache_id),
+            )
+            group.append(child)
+            self.running.append(child)
+        seq.forks = 0
+        return group
+
+    def _sample(self, sampling, logits) -> None:
+        """A token for every sequence that reached its last token (and its new forks); those
+        that stop leave, their blocks freed."""
+        finished = set()
+        for (seq, _), row_logits in zip(sampling, logits):
+            for member in self._with_forks(seq):
+                tok = sample_token(row_logits, self.params, member.rng)
+                member.tokens.append(tok)
+                if tok in self.stop_ids or len(member.generated) >= self.max_new_tokens:
+                    self.out[member.prompt][member.sample] = member.generated
+                    self.cache.free(member.cache_id)
+                    finished.add(member)
+                    self.admit = True
+        self.running = [s for s in self.running if s not in finished]
+
+    def result(self) -> GenerationResult:
+        out = self.out
+        return GenerationResult(
+            tokens=out,
+            prompt_tokens=sum(len(p) for p in self.prompts),
+            generated_tokens=sum(len(t) for per in out for t in per),
+            steps=self.steps,
+            preemptions=self.preemptions,
+            wall_s=time.perf_counter() - self.t_start,
+            attention_s=self.attention_s,
+            peak_kv_blocks=self.peak_blocks,
+            hit_tokens=self.hits,
+            prefill_tokens=self.prefilled,
+            prefill_s=self.prefill_s,
+            shared_steps=self.shared_steps,
+        )
 
 
 def blocks_for(prompts: list[list[int]], max_new_tokens: int, n: int, block_size: int) -> int:
@@ -466,7 +512,7 @@ def run_chat(
         print(f"saved {len(ids)} tokens of KV to {args.save_session}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -505,30 +551,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--save-session", metavar="FILE", help="--chat: save the conversation's KV")
     ap.add_argument("--load-session", metavar="FILE", help="--chat: resume a saved conversation")
-    args = ap.parse_args(argv)
-    prompts = args.prompt or ["What is attention in a transformer?"]
+    return ap
 
-    t = time.perf_counter()
-    model, tokenizer = smollm2_model.load(args.gguf)
-    load_s = time.perf_counter() - t
-    if args.chat or args.save_session or args.load_session:
-        engine = Engine(
-            model,
-            args.kv_blocks or 256,
-            args.block_size,
-            args.kv_dtype,
-            args.attention,
-            args.max_batch,
-            args.step_tokens,
-            prefix_caching=True,
-        )
-        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-        model_id = Path(args.gguf or smollm2_model.find_gguf()).name
-        run_chat(engine, tokenizer, args.prompt or CHAT_SCRIPT, args, params, model_id)
-        return
-    ids = [tokenizer.encode(p) if args.raw else tokenizer.chat_prompt(p) for p in prompts]
-    num_blocks = args.kv_blocks or blocks_for(ids, args.max_new_tokens, args.n, args.block_size)
-    engine = Engine(
+
+def _engine(model, args, num_blocks: int, prefix_caching: bool = False) -> Engine:
+    """The engine the command line asks for, over a cache of ``num_blocks``."""
+    return Engine(
         model,
         num_blocks,
         args.block_size,
@@ -536,10 +564,12 @@ def main(argv: list[str] | None = None) -> None:
         args.attention,
         args.max_batch,
         args.step_tokens,
+        prefix_caching=prefix_caching,
     )
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    res = engine.generate(ids, args.max_new_tokens, params, n=args.n, stop_ids=tokenizer.stop_ids)
 
+
+def _print_samples(res: GenerationResult, prompts: list[str], tokenizer, args) -> None:
+    """Each sample's text (tagged with its prompt and sample index), or its token ids."""
     for p, samples in enumerate(res.tokens):
         for j, gen in enumerate(samples):
             if args.print_ids:
@@ -549,16 +579,17 @@ def main(argv: list[str] | None = None) -> None:
             tag = f"[{p}]" if args.n == 1 else f"[{p}.{j}]"
             print(f"{tag} {prompts[p]!r}\n{text}\n")
 
-    # Report on stderr so that stdout stays diffable between --attention paths.
-    cfg = model.config
-    num_seqs = len(ids) * args.n
+
+def _report(res: GenerationResult, engine: Engine, cfg, args, num_prompts, num_blocks, load_s):
+    """The run's figures: tokens, throughput, time split, KV memory, shared-prefix steps."""
+    num_seqs = num_prompts * args.n
     rest_s = res.wall_s - res.attention_s
     token_bytes = engine.bytes_per_token()
     contiguous = num_seqs * cfg.context_length * token_bytes
     used = res.peak_kv_blocks * args.block_size * token_bytes
-    report = [
+    return [
         f"model loaded in {load_s:.1f} s; attention: {args.attention}, KV {args.kv_dtype}",
-        f"{len(ids)} prompt(s) x {args.n}: {res.prompt_tokens} prompt + {res.generated_tokens} "
+        f"{num_prompts} prompt(s) x {args.n}: {res.prompt_tokens} prompt + {res.generated_tokens} "
         f"generated tokens in {res.steps} steps, {res.wall_s:.2f} s "
         f"({res.preemptions} preemptions)",
         f"throughput: {res.generated_tokens / res.wall_s:.1f} generated tok/s, "
@@ -572,6 +603,28 @@ def main(argv: list[str] | None = None) -> None:
         f"shared-prefix decode: {res.shared_steps} of {res.steps} steps read the forks' shared "
         f"blocks once",
     ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    prompts = args.prompt or ["What is attention in a transformer?"]
+
+    t = time.perf_counter()
+    model, tokenizer = smollm2_model.load(args.gguf)
+    load_s = time.perf_counter() - t
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.chat or args.save_session or args.load_session:
+        engine = _engine(model, args, args.kv_blocks or 256, prefix_caching=True)
+        model_id = Path(args.gguf or smollm2_model.find_gguf()).name
+        run_chat(engine, tokenizer, args.prompt or CHAT_SCRIPT, args, params, model_id)
+        return
+    ids = [tokenizer.encode(p) if args.raw else tokenizer.chat_prompt(p) for p in prompts]
+    num_blocks = args.kv_blocks or blocks_for(ids, args.max_new_tokens, args.n, args.block_size)
+    engine = _engine(model, args, num_blocks)
+    res = engine.generate(ids, args.max_new_tokens, params, n=args.n, stop_ids=tokenizer.stop_ids)
+    _print_samples(res, prompts, tokenizer, args)
+    # Report on stderr so that stdout stays diffable between --attention paths.
+    report = _report(res, engine, model.config, args, len(ids), num_blocks, load_s)
     print("\n".join(report), file=sys.stderr)
 
 

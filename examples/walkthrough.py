@@ -625,44 +625,22 @@ def _hybrid_run(linear, full, cache, seqs, rows, counts):
     return x + z.reshape(x.shape[0], -1) @ full.W_O
 
 
-def s10_hybrid(rng, pics):
-    section("10  Hybrid models: gated delta-rule layers beside full attention")
-    d_model = 16
-    words = [
-        "the",
-        "road",
-        "curves",
-        "along",
-        "river",
-        "bank",
-        "she",
-        "paid",
-        "cash",
-        "into",
-        "her",
-    ]
-    table = {w: (0.5 * rng.standard_normal(d_model)).astype(F32) for w in words}
-    s1 = ["the", "road", "curves", "along", "river", "bank"]
-    s2 = ["she", "paid", "cash", "into", "her", "bank"]
-    X1, X2 = (np.stack([table[w] for w in s]) for s in (s1, s2))
-    linear, full = _hybrid_stack(rng, d_model)
-    print(
-        "per linear layer and value head: S (K x V) <- exp(g_t) S;  u = beta_t (v_t - Sᵀ k_t);"
-        "  S <- S + k_t uᵀ;  o_t = Sᵀ (scale q_t)"
-    )
+def _hybrid_whole(linear, full, x):
+    """The stack without a cache: every layer over the whole sentence at once."""
+    for lyr in linear:
+        q, k, v, g, beta = (a[None] for a in lyr.inputs(x))
+        x = (
+            x
+            + attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True)[0].reshape(x.shape[0], -1)
+            @ lyr.W_o
+        )
+    return x + full(x, causal=True)
 
-    def whole(x):  # no cache: every layer over the whole sentence at once
-        for lyr in linear:
-            q, k, v, g, beta = (a[None] for a in lyr.inputs(x))
-            x = (
-                x
-                + attnx.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True)[0].reshape(
-                    x.shape[0], -1
-                )
-                @ lyr.W_o
-            )
-        return x + full(x, causal=True)
 
+def _hybrid_decode(linear, full, X1, X2, prompt):
+    """Both sentences through one cache (a prefill of ``prompt`` tokens, then one token per
+    step, together), printing what the cache holds per sequence as they grow; returns each
+    sentence's outputs."""
     cache = attnx.PagedKVCache(
         num_layers=1,
         num_kv_heads=full.num_kv_heads,
@@ -673,7 +651,6 @@ def s10_hybrid(rng, pics):
         state_shape=(linear[0].Hv, linear[0].K, linear[0].V),
     )
     a, b = cache.new_sequence(), cache.new_sequence()
-    prompt = 3
     per_token = cache.stats()["bytes_per_token"]
     print(
         f"{'tokens':>6} | linear layers: state bytes per sequence | full layer: KV bytes per sequence"
@@ -693,26 +670,18 @@ def s10_hybrid(rng, pics):
         )
     ]
     show(prompt)
-    for t in range(prompt, len(s1)):  # both sentences decode one token per step, together
+    for t in range(prompt, len(X1)):  # both sentences decode one token per step, together
         outs.append(_hybrid_run(linear, full, cache, [a, b], np.stack([X1[t], X2[t]]), [1, 1]))
         show(t + 1)
     show(32768)
     print("(the last row is what a 32k-token conversation would hold)")
     y1 = np.concatenate([outs[0][:prompt]] + [o[0:1] for o in outs[1:]])
     y2 = np.concatenate([outs[0][prompt:]] + [o[1:2] for o in outs[1:]])
-    err = max(np.abs(y1 - whole(X1)).max(), np.abs(y2 - whole(X2)).max())
-    print(
-        f"prefill {prompt} tokens, then decode one at a time through the cache: max |diff| vs "
-        f"the whole sentence at once = {err:.1e}"
-    )
-    assert err < 1e-4
-    print(
-        "a linear layer's state is 3 layers x Hv x K x V x 4 bytes whatever the length; the full "
-        "layer's KV grows by layers x kv heads x (d_k + d_v) x 4 bytes per token. fork copies the "
-        "states; truncate refuses to roll them back (only a fork kept as a checkpoint can)"
-    )
+    return y1, y2
 
-    # The attention map a linear layer implies, beside a softmax map.
+
+def _hybrid_maps(linear, full, X1, s1, pics):
+    """The attention map a linear layer implies, beside a softmax map."""
     A = linear[0].map(X1)
     q, k, v, g, beta = linear[0].inputs(X1)
     o = attnx.gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], qk_l2norm=True)[0]
@@ -733,6 +702,43 @@ def s10_hybrid(rng, pics):
         s1,
         ["Delta-rule layer: A in o = A v (< 0 dark)", "Full attention: softmax"],
     )
+
+
+HYBRID_SENTENCES = (
+    ["the", "road", "curves", "along", "river", "bank"],
+    ["she", "paid", "cash", "into", "her", "bank"],
+)
+
+
+def s10_hybrid(rng, pics):
+    section("10  Hybrid models: gated delta-rule layers beside full attention")
+    d_model = 16
+    s1, s2 = HYBRID_SENTENCES
+    words = list(dict.fromkeys(s1 + s2))  # each word once, in order of appearance
+    table = {w: (0.5 * rng.standard_normal(d_model)).astype(F32) for w in words}
+    X1, X2 = (np.stack([table[w] for w in s]) for s in (s1, s2))
+    linear, full = _hybrid_stack(rng, d_model)
+    print(
+        "per linear layer and value head: S (K x V) <- exp(g_t) S;  u = beta_t (v_t - Sᵀ k_t);"
+        "  S <- S + k_t uᵀ;  o_t = Sᵀ (scale q_t)"
+    )
+    prompt = 3
+    y1, y2 = _hybrid_decode(linear, full, X1, X2, prompt)
+    err = max(
+        np.abs(y1 - _hybrid_whole(linear, full, X1)).max(),
+        np.abs(y2 - _hybrid_whole(linear, full, X2)).max(),
+    )
+    print(
+        f"prefill {prompt} tokens, then decode one at a time through the cache: max |diff| vs "
+        f"the whole sentence at once = {err:.1e}"
+    )
+    assert err < 1e-4
+    print(
+        "a linear layer's state is 3 layers x Hv x K x V x 4 bytes whatever the length; the full "
+        "layer's KV grows by layers x kv heads x (d_k + d_v) x 4 bytes per token. fork copies the "
+        "states; truncate refuses to roll them back (only a fork kept as a checkpoint can)"
+    )
+    _hybrid_maps(linear, full, X1, s1, pics)
 
 
 def main(argv=None):

@@ -282,137 +282,158 @@ def misaligned(x):
     return y
 
 
+def _to_dtype(p, x):
+    return x.astype(p.pick(MUTANT_DTYPES))
+
+
+def _one_more_axis(p, x):
+    return x[None] if p.bool() else x[..., None]
+
+
+def _one_less_axis(p, x):
+    return x[0] if x.ndim and x.shape[0] else x.reshape(-1)
+
+
+def _first_along_an_axis(p, x, stop):
+    """``x`` cut to its first ``stop`` (0 or 1) entries along a random axis."""
+    if x.ndim == 0:
+        return x
+    ax = p.int(0, x.ndim - 1)
+    idx = [slice(None)] * x.ndim
+    idx[ax] = slice(0, stop)
+    return x[tuple(idx)]
+
+
+def _huge_broadcast(p, x, last):
+    """A zero-stride view of a logical size far past memory (costs nothing); on the last axis
+    (``last``) the API has to copy it to make it contiguous, which must fail cleanly."""
+    if x.ndim == 0:
+        return x
+    shape = list(x.shape)
+    if not last and x.ndim < 3:
+        return garbage(p)
+    # batch or head axes only: a huge sequence axis of keys is a legal (zero-stride)
+    # problem that takes days, not a malformed argument
+    ax = x.ndim - 1 if last else p.int(0, x.ndim - 3)
+    # (sizes that fail to allocate on any machine: a 2**31-long axis would be a real,
+    # possibly successful, multi-GiB copy or computation, not a malformed argument)
+    shape[ax] = p.pick([2**40, 2**50, 2**62])
+    base = (
+        np.take(x, [0], axis=ax)
+        if x.shape[ax]
+        else np.zeros(shape[:ax] + [1] + shape[ax + 1 :], x.dtype)
+    )
+    return np.broadcast_to(base, shape)
+
+
+def _with_one_value(p, x, value):
+    """A copy of ``x`` with one element set to ``value`` (where ``x`` holds floats)."""
+    y = x.astype(np.float32, copy=True).astype(x.dtype) if x.dtype.kind in "fV" else x.copy()
+    if y.size and y.dtype.kind in "fV":
+        flat = y.reshape(-1)
+        flat[p.int(0, flat.size - 1)] = value
+    return y
+
+
+def _readonly_copy(p, x):
+    y = x.copy()
+    y.flags.writeable = False
+    return y
+
+
+def _structured_field(p, x):
+    """A field of a structured array: odd byte strides, misaligned."""
+    st = np.zeros(x.shape, dtype=[("pad", f"V{p.int(1, 3)}"), ("x", x.dtype)])
+    st["x"] = x
+    return st["x"]
+
+
+MUTANT_DTYPES = [
+    np.int8,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.float64,
+    np.complex64,
+    np.bool_,
+    np.float16,
+    BF16,
+    np.float32,
+    "U1",
+    object,
+]
+# kind -> mutate(p, x); a kind not here ("garbage") is replaced by garbage
+MUTATIONS = {
+    "dtype": _to_dtype,
+    "rank+": _one_more_axis,
+    "rank-": _one_less_axis,
+    "flat": lambda p, x: x.reshape(-1),
+    "transpose": lambda p, x: np.swapaxes(x, 0, -1) if x.ndim > 1 else x,
+    "zero": lambda p, x: _first_along_an_axis(p, x, 0),
+    "one": lambda p, x: _first_along_an_axis(p, x, 1),
+    "repeat": lambda p, x: x.repeat(2, axis=p.int(0, x.ndim - 1)) if x.ndim else x,
+    "strided": lambda p, x: x.repeat(2, axis=-1)[..., ::2] if x.ndim else x,
+    "negative": lambda p, x: x[::-1] if x.ndim else x,
+    "fortran": lambda p, x: np.asfortranarray(x),
+    "readonly": _readonly_copy,
+    "huge": lambda p, x: _huge_broadcast(p, x, last=False),
+    "huge_last": lambda p, x: _huge_broadcast(p, x, last=True),
+    "nan": lambda p, x: _with_one_value(p, x, np.nan),
+    "inf": lambda p, x: _with_one_value(p, x, -np.inf),
+    "big": lambda p, x: _with_one_value(p, x, 3e38),
+    "list": lambda p, x: x.astype(np.float64).tolist() if x.size < 512 else x,
+    "scalar": lambda p, x: x.reshape(-1)[0] if x.size else np.float32(1),
+    "unaligned": lambda p, x: misaligned(x) if x.size else x,
+    "bool": lambda p, x: x != 0,
+    "empty_like": lambda p, x: np.empty((0,) * max(1, x.ndim), x.dtype),
+    "swapped": lambda p, x: x.astype(x.dtype.newbyteorder("S")),  # same values, other byte order
+    "field": _structured_field,
+}
+# the draw's order (saved findings replay by it): "dtype" twice as likely as the others
+MUTATION_KINDS = [
+    "dtype",
+    "dtype",
+    "rank+",
+    "rank-",
+    "flat",
+    "transpose",
+    "zero",
+    "one",
+    "repeat",
+    "strided",
+    "negative",
+    "fortran",
+    "readonly",
+    "huge",
+    "huge_last",
+    "nan",
+    "inf",
+    "big",
+    "list",
+    "scalar",
+    "garbage",
+    "unaligned",
+    "bool",
+    "empty_like",
+    "swapped",
+    "field",
+]
+
+
 def mutate_array(p, x):
     """A malformed (or merely unusual) variant of array ``x``."""
-    kinds = [
-        "dtype",
-        "dtype",
-        "rank+",
-        "rank-",
-        "flat",
-        "transpose",
-        "zero",
-        "one",
-        "repeat",
-        "strided",
-        "negative",
-        "fortran",
-        "readonly",
-        "huge",
-        "huge_last",
-        "nan",
-        "inf",
-        "big",
-        "list",
-        "scalar",
-        "garbage",
-        "unaligned",
-        "bool",
-        "empty_like",
-        "swapped",
-        "field",
-    ]
-    kind = p.pick(kinds)
+    kind = p.pick(MUTATION_KINDS)
     if x.size > 1 << 16:  # already a huge (broadcast) array: leave it
         return x
     if kind in ("unaligned", "field") and not UNALIGNED:
         kind = "strided"
+    mutate = MUTATIONS.get(kind)
+    if mutate is None:
+        return garbage(p)
     try:
-        if kind == "dtype":
-            return x.astype(
-                p.pick(
-                    [
-                        np.int8,
-                        np.int32,
-                        np.int64,
-                        np.uint8,
-                        np.float64,
-                        np.complex64,
-                        np.bool_,
-                        np.float16,
-                        BF16,
-                        np.float32,
-                        "U1",
-                        object,
-                    ]
-                )
-            )
-        if kind == "rank+":
-            return x[None] if p.bool() else x[..., None]
-        if kind == "rank-":
-            return x[0] if x.ndim and x.shape[0] else x.reshape(-1)
-        if kind == "flat":
-            return x.reshape(-1)
-        if kind == "transpose":
-            return np.swapaxes(x, 0, -1) if x.ndim > 1 else x
-        if kind in ("zero", "one"):
-            if x.ndim == 0:
-                return x
-            ax = p.int(0, x.ndim - 1)
-            idx = [slice(None)] * x.ndim
-            idx[ax] = slice(0, 0 if kind == "zero" else 1)
-            return x[tuple(idx)]
-        if kind == "repeat":
-            return x.repeat(2, axis=p.int(0, x.ndim - 1)) if x.ndim else x
-        if kind == "strided":
-            return x.repeat(2, axis=-1)[..., ::2] if x.ndim else x
-        if kind == "negative":
-            return x[::-1] if x.ndim else x
-        if kind == "fortran":
-            return np.asfortranarray(x)
-        if kind == "readonly":
-            y = x.copy()
-            y.flags.writeable = False
-            return y
-        if kind in ("huge", "huge_last"):
-            if x.ndim == 0:
-                return x
-            # a zero-stride view of a logical size far past memory (costs nothing); on the last
-            # axis the API has to copy it to make it contiguous, which must fail cleanly
-            shape = list(x.shape)
-            if kind == "huge" and x.ndim < 3:
-                return garbage(p)
-            # batch or head axes only: a huge sequence axis of keys is a legal (zero-stride)
-            # problem that takes days, not a malformed argument
-            ax = x.ndim - 1 if kind == "huge_last" else p.int(0, x.ndim - 3)
-            # (sizes that fail to allocate on any machine: a 2**31-long axis would be a real,
-            # possibly successful, multi-GiB copy or computation, not a malformed argument)
-            shape[ax] = p.pick([2**40, 2**50, 2**62])
-            base = (
-                np.take(x, [0], axis=ax)
-                if x.shape[ax]
-                else np.zeros(shape[:ax] + [1] + shape[ax + 1 :], x.dtype)
-            )
-            return np.broadcast_to(base, shape)
-        if kind in ("nan", "inf", "big"):
-            y = (
-                x.astype(np.float32, copy=True).astype(x.dtype)
-                if x.dtype.kind in "fV"
-                else x.copy()
-            )
-            if y.size and y.dtype.kind in "fV":
-                flat = y.reshape(-1)
-                flat[p.int(0, flat.size - 1)] = {"nan": np.nan, "inf": -np.inf, "big": 3e38}[kind]
-            return y
-        if kind == "list":
-            return x.astype(np.float64).tolist() if x.size < 512 else x
-        if kind == "scalar":
-            return x.reshape(-1)[0] if x.size else np.float32(1)
-        if kind == "unaligned":
-            return misaligned(x) if x.size else x
-        if kind == "swapped":  # the same values in the other byte order
-            return x.astype(x.dtype.newbyteorder("S"))
-        if kind == "field":  # a field of a structured array: odd byte strides, misaligned
-            st = np.zeros(x.shape, dtype=[("pad", f"V{p.int(1, 3)}"), ("x", x.dtype)])
-            st["x"] = x
-            return st["x"]
-        if kind == "bool":
-            return x != 0
-        if kind == "empty_like":
-            return np.empty((0,) * max(1, x.ndim), x.dtype)
+        return mutate(p, x)
     except (ValueError, TypeError, OverflowError, MemoryError):
         return x
-    return garbage(p)
 
 
 def maybe_bad(p, value, percent=12):
@@ -562,7 +583,8 @@ def _layout_user(x4, layout, rank):
     )
 
 
-def fuzz_attention(p):
+def _dense_problem(p):
+    """q, k, v of a random rank, layout, dtype and small shape, and the sizes drawn."""
     rank, layout = p.pick([2, 3, 4]), p.pick(["bhsd", "bshd"])
     B = p.int(0, 3) if rank == 4 else 1
     Hkv = p.int(1, 3) if rank > 2 else 1
@@ -572,54 +594,84 @@ def fuzz_attention(p):
     q = _layout_user(rand_array(p, (B, Hq, Sq, Dk), dtype), layout, rank)
     k = _layout_user(rand_array(p, (B, Hkv, Sk, Dk), dtype), layout, rank)
     v = _layout_user(rand_array(p, (B, Hkv, Sk, Dv), dtype), layout, rank)
-    logical = (B, Hq, Sq, Sk)[4 - rank :]
-    kw = {}
-    if p.bool(30):
-        shape = tuple(d if p.bool() else 1 for d in logical)[p.int(0, rank - 1) :]
-        kw["mask"] = (
-            (np.random.default_rng(1).random(shape) < 0.7)
-            if p.bool()
-            else np.where(np.random.default_rng(2).random(shape) < 0.7, 0.0, -np.inf).astype(
-                p.pick([np.float32, np.float16, np.float64])
-            )
-        )
-    if p.bool(25):
-        kw["kv_lens"] = int_arg(p, np.full(B, min(Sk, p.int(0, Sk))), rank < 4)
-    if p.bool(25):
-        kw["q_lens"] = int_arg(p, np.full(B, min(Sq, p.int(0, Sq))), rank < 4)
-    for name, make in (
-        ("causal", lambda: p.bool()),
-        ("scale", lambda: p.pick([0.1, 1.0, 3.0] + EXTREME_SCALES)),
-        ("layout", lambda: layout),
-        ("return_lse", lambda: p.bool()),
-        ("num_threads", lambda: p.pick([None, 1, 2, 3])),
-        ("window", lambda: window_arg(p)),
-        ("softcap", lambda: p.pick([0.5, 30.0] + EXTREME_SCALES)),
-        ("sinks", lambda: np.zeros(Hq, np.float32)),
-        ("alibi_slopes", lambda: np.ones(Hq, np.float32)),
-    ):
-        if name == "layout" or p.bool(25):
-            kw[name] = make()
-    if p.bool(30):
-        out_shape = _layout_user(np.empty((B, Hq, Sq, Dv)), layout, rank).shape
-        kw["out"] = np.full(out_shape, 7.0, dtype)
-        if p.bool(40):  # an out overlapping q, k, v or the mask
-            out, (q, k, v, mask) = overlapping_out(
-                p, out_shape, np.dtype(dtype), (q, k, v, kw.get("mask"))
-            )
-            if out is not None:
-                kw["out"] = out
-                if mask is not None:
-                    kw["mask"] = mask
-        elif p.bool(25):
-            kw["out"] = self_overlapping_out(p, out_shape, dtype)
-    args = {"q": q, "k": k, "v": v, **kw}
-    names = list(args) + ["mask", "kv_lens", "q_lens", "out", "scale", "window", "bogus_kwarg"]
+    dims = dict(rank=rank, layout=layout, B=B, Hq=Hq, Sq=Sq, Sk=Sk, Dv=Dv, dtype=np.dtype(dtype))
+    return {"q": q, "k": k, "v": v}, dims
+
+
+def _dense_mask(p, dims):
+    """A boolean or additive (0/-inf) mask broadcastable to the logical (B, Hq, Sq, Sk)."""
+    rank = dims["rank"]
+    logical = (dims["B"], dims["Hq"], dims["Sq"], dims["Sk"])[4 - rank :]
+    shape = tuple(d if p.bool() else 1 for d in logical)[p.int(0, rank - 1) :]
+    if p.bool():
+        return np.random.default_rng(1).random(shape) < 0.7
+    additive = np.where(np.random.default_rng(2).random(shape) < 0.7, 0.0, -np.inf)
+    return additive.astype(p.pick([np.float32, np.float16, np.float64]))
+
+
+def _options(p, args, table, dims, percent, always=()):
+    """Each option of ``table`` ((name, make(p, dims)), in order) set in ``args`` with the given
+    odds (those named in ``always`` without a draw)."""
+    for name, make in table:
+        if name in always or p.bool(percent):
+            args[name] = make(p, dims)
+
+
+def _out_arg(p, args, shape, dtype, overlap):
+    """Maybe an ``out`` of ``shape`` in ``args``: a fresh one (of 7s), one overlapping an array
+    of ``args`` named in ``overlap`` (that array is moved into the buffer out shares, values
+    kept), or one whose own elements share memory."""
+    if not p.bool(30):
+        return
+    args["out"] = np.full(shape, 7.0, dtype)
+    if p.bool(40):
+        out, moved = overlapping_out(p, shape, dtype, [args.get(n) for n in overlap])
+        if out is not None:
+            args["out"] = out
+            args.update({n: x for n, x in zip(overlap, moved) if x is not None})
+    elif p.bool(25):
+        args["out"] = self_overlapping_out(p, shape, dtype)
+
+
+def _corrupt(p, args, names, default, bad=None):
+    """0-4 draws of a name from ``names`` whose argument (``default()`` where not given) becomes
+    ``bad(p, name, value)`` (by default a mutation or garbage); then ``bogus_kwarg``, if drawn,
+    is usually dropped again."""
     for _ in range(p.int(0, 4)):
         name = p.pick(names)
-        args[name] = maybe_bad(p, args.get(name, np.ones(3, np.float32)), percent=100)
+        value = args.get(name, default())
+        args[name] = maybe_bad(p, value, percent=100) if bad is None else bad(p, name, value)
     if "bogus_kwarg" in args and p.bool(80):
         del args["bogus_kwarg"]
+
+
+DENSE_OPTIONS = (
+    ("causal", lambda p, d: p.bool()),
+    ("scale", lambda p, d: p.pick([0.1, 1.0, 3.0] + EXTREME_SCALES)),
+    ("layout", lambda p, d: d["layout"]),
+    ("return_lse", lambda p, d: p.bool()),
+    ("num_threads", lambda p, d: p.pick([None, 1, 2, 3])),
+    ("window", lambda p, d: window_arg(p)),
+    ("softcap", lambda p, d: p.pick([0.5, 30.0] + EXTREME_SCALES)),
+    ("sinks", lambda p, d: np.zeros(d["Hq"], np.float32)),
+    ("alibi_slopes", lambda p, d: np.ones(d["Hq"], np.float32)),
+)
+
+
+def fuzz_attention(p):
+    args, dims = _dense_problem(p)
+    rank, B, Sq, Sk = dims["rank"], dims["B"], dims["Sq"], dims["Sk"]
+    if p.bool(30):
+        args["mask"] = _dense_mask(p, dims)
+    if p.bool(25):
+        args["kv_lens"] = int_arg(p, np.full(B, min(Sk, p.int(0, Sk))), rank < 4)
+    if p.bool(25):
+        args["q_lens"] = int_arg(p, np.full(B, min(Sq, p.int(0, Sq))), rank < 4)
+    _options(p, args, DENSE_OPTIONS, dims, 25, always=("layout",))
+    out_shape = _layout_user(np.empty((B, dims["Hq"], Sq, dims["Dv"])), dims["layout"], rank)
+    _out_arg(p, args, out_shape.shape, dims["dtype"], overlap=("q", "k", "v", "mask"))
+    names = list(args) + ["mask", "kv_lens", "q_lens", "out", "scale", "window", "bogus_kwarg"]
+    _corrupt(p, args, names, default=lambda: np.ones(3, np.float32))
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     call(
         "attention",
@@ -645,7 +697,9 @@ def _pool(p, B, Hkv, Dk, Dv, dtype, bs):
     return kp, vp, int_arg(p, tables, False), lens
 
 
-def fuzz_paged(p):
+def _paged_problem(p):
+    """The positional arguments of a paged call (a pool, its tables and lengths, and queries:
+    one per sequence when decoding, else ``q_lens`` of them), and the sizes drawn."""
     B, Hkv = p.int(0, 4), p.int(1, 3)
     Hq, Dk, Dv, bs = Hkv * p.int(1, 3), p.int(1, 9), p.int(1, 9), p.pick([1, 2, 4, 16])
     dtype = p.pick([np.float32, np.float16, BF16])
@@ -664,42 +718,40 @@ def fuzz_paged(p):
     }
     if not decode:
         args["q_lens"] = int_arg(p, q_lens, False)
-    for name, make in (
-        ("causal", lambda: p.bool(80)),
-        ("scale", lambda: p.pick([0.1, 1.0] + EXTREME_SCALES)),
-        ("return_lse", lambda: p.bool()),
-        ("num_threads", lambda: p.pick([None, 1, 2])),
-        ("window", lambda: window_arg(p)),
-        ("softcap", lambda: p.pick([5.0] + EXTREME_SCALES)),
-        ("sinks", lambda: np.zeros(Hq, np.float32)),
-        ("alibi_slopes", lambda: np.ones(Hq, np.float32)),
-    ):
-        if p.bool(20):
-            args[name] = make()
-    if p.bool(30):
-        args["out"] = np.full((q.shape[0], Hq, Dv), 7.0, q.dtype)
-        if p.bool(40):  # an out overlapping q or the pages it reads
-            out, (args["q"], args["k_pages"], args["v_pages"]) = overlapping_out(
-                p, args["out"].shape, q.dtype, (q, kp, vp)
-            )
-            if out is not None:
-                args["out"] = out
-        elif p.bool(25):
-            args["out"] = self_overlapping_out(p, args["out"].shape, q.dtype)
+    return args, dict(Hq=Hq, Dv=Dv)
+
+
+PAGED_OPTIONS = (
+    ("causal", lambda p, d: p.bool(80)),
+    ("scale", lambda p, d: p.pick([0.1, 1.0] + EXTREME_SCALES)),
+    ("return_lse", lambda p, d: p.bool()),
+    ("num_threads", lambda p, d: p.pick([None, 1, 2])),
+    ("window", lambda p, d: window_arg(p)),
+    ("softcap", lambda p, d: p.pick([5.0] + EXTREME_SCALES)),
+    ("sinks", lambda p, d: np.zeros(d["Hq"], np.float32)),
+    ("alibi_slopes", lambda p, d: np.ones(d["Hq"], np.float32)),
+)
+
+
+def _bad_paged_arg(p, name, value):
+    """A malformed argument of a paged call; the pages are never mutated into a huge logical
+    block (a long sequence there is a long computation, not a bug)."""
+    if name not in ("k_pages", "v_pages") or not p.bool(50):
+        return maybe_bad(p, value, percent=100)
+    value = mutate_array(p, value) if isinstance(value, np.ndarray) else value
+    if isinstance(value, np.ndarray) and value.ndim == 4 and value.shape[2] > 64:
+        value = garbage(p)
+    return value
+
+
+def fuzz_paged(p):
+    args, dims = _paged_problem(p)
+    _options(p, args, PAGED_OPTIONS, dims, 20)
+    q = args["q"]
+    out_shape = (q.shape[0], dims["Hq"], dims["Dv"])
+    _out_arg(p, args, out_shape, q.dtype, overlap=("q", "k_pages", "v_pages"))
     names = list(args) + ["q_lens", "out", "bogus_kwarg"]
-    for _ in range(p.int(0, 4)):
-        name = p.pick(names)
-        val = args.get(name, np.ones(2, np.int64))
-        if name in ("k_pages", "v_pages") and p.bool(50):
-            # never a huge logical block (a long sequence there is a long computation, not a bug)
-            val = mutate_array(p, val) if isinstance(val, np.ndarray) else val
-            if isinstance(val, np.ndarray) and val.ndim == 4 and val.shape[2] > 64:
-                val = garbage(p)
-        else:
-            val = maybe_bad(p, val, percent=100)
-        args[name] = val
-    if "bogus_kwarg" in args and p.bool(80):
-        del args["bogus_kwarg"]
+    _corrupt(p, args, names, default=lambda: np.ones(2, np.int64), bad=_bad_paged_arg)
     pos = [args.pop(n) for n in ("q", "k_pages", "v_pages", "block_tables", "seq_lens")]
     call(
         "paged_attention",
@@ -781,6 +833,182 @@ def check_pool(c):
             )
 
 
+def _cache_kwargs(p):
+    """PagedKVCache's keyword arguments: valid ones, and sometimes one or two made garbage."""
+    ok_kw = dict(
+        num_layers=p.int(1, 2),
+        num_kv_heads=p.int(1, 2),
+        head_dim=p.pick([1, 4, 8]),
+        num_blocks=p.int(1, 12),
+        block_size=p.pick([1, 2, 4]),
+        dtype=p.pick(["float32", "float16", "bfloat16"]),
+    )
+    if p.bool(20):
+        ok_kw["value_dim"] = p.pick([1, 3, 8])
+    if p.bool(15):
+        ok_kw["sliding_window"] = p.pick([1, 3, 8])
+    if p.bool(15):
+        ok_kw["value_from_key"] = True
+    kw = dict(ok_kw)
+    for _ in range(p.int(0, 2) if p.bool(30) else 0):
+        name = p.pick(list(ok_kw) + ["value_dim", "sliding_window", "value_from_key"])
+        kw[name] = garbage(p)
+    return kw
+
+
+STEP_OPTIONS = ["scale", "num_threads", "return_lse", "window", "softcap", "sinks", "alibi_slopes"]
+
+
+class CacheSession:
+    """A sequence of operations on one cache: a method per operation of ``CACHE_OPS``, each
+    returning whether its call succeeded (None where nothing was called)."""
+
+    def __init__(self, p, cache):
+        self.p, self.cache = p, cache
+        self.H = cache.num_kv_heads * p.int(1, 2)
+        self.steps = []  # the steps begun (the latest one pending, the others stale)
+        self.state = None  # the cache as it was before the current operation
+
+    def run(self, op):
+        """One operation; a failed one must leave the cache as it was, and the pool must stay
+        consistent."""
+        self.state = cache_state(self.cache)
+        ok = CACHE_OP_METHODS[op](self)
+        if ok is None:
+            return
+        if not ok and not same_state(self.state, cache_state(self.cache)):
+            raise Finding(f"cache: {op} raised but changed the cache")
+        check_pool(self.cache)
+
+    def seq_id(self):
+        live = self.cache.sequences
+        return int_form(self.p, self.p.pick(live)) if live and self.p.bool(85) else garbage(self.p)
+
+    def expect_length(self, s, n, what):
+        if self.cache.length(s) != n:
+            raise Finding(f"cache: {what} left length {self.cache.length(s)}, expected {n}")
+
+    def new(self):
+        return call("cache.new_sequence", self.cache.new_sequence)[0]
+
+    def fork(self):
+        return call("cache.fork", lambda: self.cache.fork(self.seq_id()))[0]
+
+    def free(self):
+        return call("cache.free", lambda: self.cache.free(self.seq_id()))[0]
+
+    def length(self):
+        return call("cache.length", lambda: self.cache.length(self.seq_id()))[0]
+
+    def block_table(self):
+        return call("cache.block_table", lambda: self.cache.block_table(self.seq_id()))[0]
+
+    def pages(self):
+        p, cache = self.p, self.cache
+        layer = int_form(p, p.int(0, 2)) if p.bool(80) else garbage(p)
+        return call("cache.k_pages", lambda: (cache.k_pages(layer), cache.v_pages(layer)))[0]
+
+    def stats(self):
+        cache = self.cache
+        return call(
+            "cache.stats",
+            lambda: (
+                cache.stats(),
+                cache.num_free_blocks,
+                cache.num_used_blocks,
+                cache.bytes_per_block,
+            ),
+        )[0]
+
+    def props(self):
+        return True
+
+    def truncate(self):
+        """A live sequence (or garbage) cut to a length it has (or to any, or garbage)."""
+        p, cache = self.p, self.cache
+        live = cache.sequences
+        sid = p.pick(live) if live and p.bool(85) else None
+        s = garbage(p) if sid is None else int_form(p, sid)
+        live = sid is not None or (type(s) is int and s in live)
+        n = (
+            int_form(p, p.int(0, cache.length(s)))
+            if live and p.bool(80)
+            else (int_form(p, p.int(0, 20)) if p.bool(50) else garbage(p))
+        )
+        ok, _ = call("cache.truncate", lambda: cache.truncate(s, n))
+        if ok:
+            self.expect_length(s, int(n), "truncate")
+        return ok
+
+    def step(self):
+        """A step over some live sequences with 0-6 new tokens each (or malformed ids and
+        counts); a step begun must leave every length grown by its count."""
+        p, cache = self.p, self.cache
+        ids = [s for s in cache.sequences if p.bool(60)]
+        plain = [p.int(0, 6) for _ in ids]
+        ids, counts = [int_form(p, s) for s in ids], counts_form(p, plain)
+        if p.bool(20):
+            ids, counts = maybe_bad(p, ids, 100), maybe_bad(p, counts, 100)
+        ok, st = call("cache.begin_step", lambda: cache.begin_step(ids, counts))
+        if ok:
+            self.steps.append(st)
+            for s, n in zip(ids, counts):
+                self.expect_length(s, self.state[3][int(s)][0] + int(n), "begin_step")
+        return ok
+
+    def attend_arrays(self, T):
+        """A layer and q, k, v for ``T`` new tokens; at times the new keys are a view of the
+        pool the step writes (they must be read before they are written)."""
+        p, cache = self.p, self.cache
+        r = np.random.default_rng(p.int(0, 99))
+        layer = int_form(p, p.int(0, cache.num_layers - 1))
+        q = r.standard_normal((T, self.H, cache.head_dim)).astype(p.pick([np.float32, np.float16]))
+        k = r.standard_normal((T, cache.num_kv_heads, cache.head_dim)).astype(np.float32)
+        v = (
+            None
+            if cache.value_from_key
+            else r.standard_normal((T, cache.num_kv_heads, cache.value_dim)).astype(np.float32)
+        )
+        if p.bool(10) and cache.block_size >= T and cache.dtype == np.float32:
+            k = cache.k_pages(layer)[p.int(0, cache.num_blocks - 1)].transpose(1, 0, 2)[:T]
+        return {"layer": layer, "q": q, "k": k, "v": v}
+
+    def attend_options(self):
+        """Maybe one option of Step.attend, with a value of any of its kinds."""
+        p = self.p
+        if not p.bool(30):
+            return {}
+        value = p.pick([None, 1, 0.5, True, (2, None), 1.5, np.zeros(self.H, np.float32)])
+        return {p.pick(STEP_OPTIONS): value}
+
+    def attend(self, stale):
+        """Step.attend on the pending step (or, ``stale``, on any step begun) with valid or
+        malformed arrays."""
+        p, cache = self.p, self.cache
+        if not self.steps:
+            return None
+        st = p.pick(self.steps) if stale else self.steps[-1]
+        args = self.attend_arrays(st.num_tokens)
+        opt = self.attend_options()
+        for _ in range(p.int(0, 2)):
+            name = p.pick(list(args) + list(opt) or ["q"])
+            if name in args:
+                args[name] = maybe_bad(p, args[name], 100)
+            else:
+                opt[name] = garbage(p)
+        ok, _ = call(
+            "Step.attend",
+            lambda: st.attend(args["layer"], args["q"], args["k"], args["v"], **opt),
+            inputs=[args["q"], args["k"], args["v"]],
+            writes=[cache._k, cache._v],
+        )
+        if ok:
+            self.state = cache_state(cache)  # the pages changed: that was the point
+        return ok
+
+
+# the operations drawn (steps and attends more often than the rest); saved findings replay by
+# this order
 CACHE_OPS = [
     "new",
     "new",
@@ -800,146 +1028,32 @@ CACHE_OPS = [
     "stale_attend",
     "props",
 ]
+CACHE_OP_METHODS = {
+    "new": CacheSession.new,
+    "fork": CacheSession.fork,
+    "truncate": CacheSession.truncate,
+    "free": CacheSession.free,
+    "length": CacheSession.length,
+    "block_table": CacheSession.block_table,
+    "pages": CacheSession.pages,
+    "stats": CacheSession.stats,
+    "step": CacheSession.step,
+    "attend": lambda s: s.attend(stale=False),
+    "stale_attend": lambda s: s.attend(stale=True),
+    "props": CacheSession.props,
+}
 
 
 def fuzz_cache(p):
-    ok_kw = dict(
-        num_layers=p.int(1, 2),
-        num_kv_heads=p.int(1, 2),
-        head_dim=p.pick([1, 4, 8]),
-        num_blocks=p.int(1, 12),
-        block_size=p.pick([1, 2, 4]),
-        dtype=p.pick(["float32", "float16", "bfloat16"]),
-    )
-    if p.bool(20):
-        ok_kw["value_dim"] = p.pick([1, 3, 8])
-    if p.bool(15):
-        ok_kw["sliding_window"] = p.pick([1, 3, 8])
-    if p.bool(15):
-        ok_kw["value_from_key"] = True
-    kw = dict(ok_kw)
-    for _ in range(p.int(0, 2) if p.bool(30) else 0):
-        name = p.pick(list(ok_kw) + ["value_dim", "sliding_window", "value_from_key"])
-        kw[name] = garbage(p)
+    kw = _cache_kwargs(p)
     made, cache = call("PagedKVCache", lambda: attnx.PagedKVCache(**kw))
     if not made:
         return
     if cache.num_blocks * cache.bytes_per_block > 1 << 24:
         return  # a valid but large pool (a garbage size that happens to be legal)
-    H = cache.num_kv_heads * p.int(1, 2)
-    steps = []  # (step, its sequences' versions at begin)
-
-    def seq_id():
-        live = cache.sequences
-        return int_form(p, p.pick(live)) if live and p.bool(85) else garbage(p)
-
-    def expect_length(s, n, what):
-        if cache.length(s) != n:
-            raise Finding(f"cache: {what} left length {cache.length(s)}, expected {n}")
-
+    session = CacheSession(p, cache)
     for _ in range(p.int(1, 14)):
-        op = p.pick(CACHE_OPS)
-        state = cache_state(cache)
-        if op == "new":
-            ok, _ = call("cache.new_sequence", cache.new_sequence)
-        elif op == "fork":
-            ok, _ = call("cache.fork", lambda: cache.fork(seq_id()))
-        elif op == "truncate":
-            live = cache.sequences
-            sid = p.pick(live) if live and p.bool(85) else None
-            s = garbage(p) if sid is None else int_form(p, sid)
-            live = sid is not None or (type(s) is int and s in live)
-            n = (
-                int_form(p, p.int(0, cache.length(s)))
-                if live and p.bool(80)
-                else (int_form(p, p.int(0, 20)) if p.bool(50) else garbage(p))
-            )
-            ok, _ = call("cache.truncate", lambda: cache.truncate(s, n))
-            if ok:
-                expect_length(s, int(n), "truncate")
-        elif op == "free":
-            ok, _ = call("cache.free", lambda: cache.free(seq_id()))
-        elif op == "length":
-            ok, _ = call("cache.length", lambda: cache.length(seq_id()))
-        elif op == "block_table":
-            ok, _ = call("cache.block_table", lambda: cache.block_table(seq_id()))
-        elif op == "pages":
-            layer = int_form(p, p.int(0, 2)) if p.bool(80) else garbage(p)
-            ok, _ = call("cache.k_pages", lambda: (cache.k_pages(layer), cache.v_pages(layer)))
-        elif op == "stats":
-            ok, _ = call(
-                "cache.stats",
-                lambda: (
-                    cache.stats(),
-                    cache.num_free_blocks,
-                    cache.num_used_blocks,
-                    cache.bytes_per_block,
-                ),
-            )
-        elif op == "props":
-            ok = True
-        elif op == "step":
-            live = cache.sequences
-            ids = [s for s in live if p.bool(60)]
-            plain = [p.int(0, 6) for _ in ids]
-            ids, counts = [int_form(p, s) for s in ids], counts_form(p, plain)
-            if p.bool(20):
-                ids, counts = maybe_bad(p, ids, 100), maybe_bad(p, counts, 100)
-            ok, st = call("cache.begin_step", lambda: cache.begin_step(ids, counts))
-            if ok:
-                steps.append(st)
-                for s, n in zip(ids, counts):
-                    expect_length(s, state[3][int(s)][0] + int(n), "begin_step")
-        else:  # attend a pending step (maybe a stale one) with valid or malformed arrays
-            if not steps:
-                continue
-            st = steps[-1] if op == "attend" else p.pick(steps)
-            T = st.num_tokens
-            r = np.random.default_rng(p.int(0, 99))
-            layer = int_form(p, p.int(0, cache.num_layers - 1))
-            q = r.standard_normal((T, H, cache.head_dim)).astype(p.pick([np.float32, np.float16]))
-            k = r.standard_normal((T, cache.num_kv_heads, cache.head_dim)).astype(np.float32)
-            v = (
-                None
-                if cache.value_from_key
-                else r.standard_normal((T, cache.num_kv_heads, cache.value_dim)).astype(np.float32)
-            )
-            if p.bool(10) and cache.block_size >= T and cache.dtype == np.float32:
-                # new keys read from the pool the step writes (a view: must be read before written)
-                k = cache.k_pages(layer)[p.int(0, cache.num_blocks - 1)].transpose(1, 0, 2)[:T]
-            args = {"layer": layer, "q": q, "k": k, "v": v}
-            opt = {}
-            if p.bool(30):
-                opt[
-                    p.pick(
-                        [
-                            "scale",
-                            "num_threads",
-                            "return_lse",
-                            "window",
-                            "softcap",
-                            "sinks",
-                            "alibi_slopes",
-                        ]
-                    )
-                ] = p.pick([None, 1, 0.5, True, (2, None), 1.5, np.zeros(H, np.float32)])
-            for _ in range(p.int(0, 2)):
-                name = p.pick(list(args) + list(opt) or ["q"])
-                if name in args:
-                    args[name] = maybe_bad(p, args[name], 100)
-                else:
-                    opt[name] = garbage(p)
-            ok, _ = call(
-                "Step.attend",
-                lambda: st.attend(args["layer"], args["q"], args["k"], args["v"], **opt),
-                inputs=[args["q"], args["k"], args["v"]],
-                writes=[cache._k, cache._v],
-            )
-            if ok:
-                state = cache_state(cache)  # the pages changed: that was the point
-        if not ok and not same_state(state, cache_state(cache)):
-            raise Finding(f"cache: {op} raised but changed the cache")
-        check_pool(cache)
+        session.run(p.pick(CACHE_OPS))
 
 
 # ---- torch-compatible API, layers, global settings --------------------------------------------
