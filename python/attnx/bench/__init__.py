@@ -110,17 +110,21 @@ def run(
         if bench.torch:
             bench.torch[0].set_num_threads(prev_torch_threads)
     log(f"done in {elapsed:.0f} s")
-    result = {
+    config = dict(threads=threads, repeat=repeat, quick=quick, tiny=tiny, in_loop=in_loop)
+    result = _result(bench, title, config, limits, elapsed, others, rows, load_before)
+    _print(result, out)
+    _save(result, json_path, plot_path, log)
+    return result
+
+
+def _result(bench, title, config, limits, elapsed, others, rows, load_before):
+    """The result dict of a run (what --json saves), stamped now."""
+    repeat = config["repeat"]
+    return {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "title": title,
-        "config": {
-            "threads": threads,
-            "repeat": repeat,
-            "quick": quick,
-            "tiny": tiny,
-            "in_loop": in_loop,
-        },
-        "machine": machine_info(threads, _peer_versions(bench)),
+        "config": config,
+        "machine": machine_info(config["threads"], _peer_versions(bench)),
         "limits": limits,
         "timing": HOW_TIMED.format(rounds=f"{repeat} round" + "s" * (repeat != 1), who=_who(bench)),
         "loadavg_before": load_before,
@@ -129,9 +133,6 @@ def run(
         "others_cpu_share": others,
         "rows": rows,
     }
-    _print(result, out)
-    _save(result, json_path, plot_path, log)
-    return result
 
 
 def _counts(threads, repeat, short):

@@ -547,7 +547,22 @@ def suite(*, tiny, quick, threads, repeat):
     Hq, Hkv, B_dec = (32, 8, 8) if big else (8, 2, 2)
     q_big = quick and big
     decode = Paged(B_dec, Hq, Hkv, L_dec, 128)
-    cases = [
+    cases = _prefill(S_pre, H_pre, S_gqa, Hq, Hkv, tiny=tiny, quick=quick)
+    cases += bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, tiny=tiny, quick=quick)
+    cases += [_encoder(B_enc, H_enc, S_enc, quick)]
+    cases += _decode(decode, {"B": 2 if q_big else B_dec}, quick)
+    cases += forks(big=big, quick=quick)
+    cases += _long_decode(
+        Paged(1, Hq, Hkv, L_long, 128), {"S": L_long // (8 if q_big else 1)}, quick
+    )
+    cases += _call_costs(S_pre, H_pre, big=big, repeat=repeat)
+    return cases + delta_cases(tiny=tiny, quick=quick)
+
+
+def _prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
+    """The float32 prefill rows: multi-head and causal GQA."""
+    q_big = quick and not tiny
+    return [
         Case(
             "prefill",
             "prefill",
@@ -565,24 +580,24 @@ def suite(*, tiny, quick, threads, repeat):
             seed=2,
         ),
     ]
-    cases += bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, tiny=tiny, quick=quick)
-    cases += [
-        Case(
-            "encoder",
-            "encoder batch with padding",
-            Dense(B_enc, H_enc, H_enc, S_enc, S_enc, 64, kv_lens=_padding_lens(B_enc, S_enc, 3)),
-            (FasterThan("torch", 1.5, "(boolean mask)"),),
-            {"B": 1 if quick else B_enc},
-            ref_samples=1 if quick else 2,
-            seed=3,
-        ),
-    ]
-    cases += _decode(decode, {"B": 2 if q_big else B_dec}, quick)
-    cases += forks(big=big, quick=quick)
-    cases += _long_decode(
-        Paged(1, Hq, Hkv, L_long, 128), {"S": L_long // (8 if q_big else 1)}, quick
+
+
+def _encoder(B_enc, H_enc, S_enc, quick):
+    """The encoder row: a batch padded to one length, keys masked by kv_lens."""
+    return Case(
+        "encoder",
+        "encoder batch with padding",
+        Dense(B_enc, H_enc, H_enc, S_enc, S_enc, 64, kv_lens=_padding_lens(B_enc, S_enc, 3)),
+        (FasterThan("torch", 1.5, "(boolean mask)"),),
+        {"B": 1 if quick else B_enc},
+        ref_samples=1 if quick else 2,
+        seed=3,
     )
-    cases += [
+
+
+def _call_costs(S_pre, H_pre, *, big, repeat):
+    """The rows about a call's costs: a small call's latency, thread scaling, peak memory."""
+    return [
         Case(
             "small",
             "small call",
@@ -610,7 +625,6 @@ def suite(*, tiny, quick, threads, repeat):
             kind="memory",
         ),
     ]
-    return cases + delta_cases(tiny=tiny, quick=quick)
 
 
 def _decode(decode, ref, quick):
@@ -728,19 +742,22 @@ def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
         ),
     ]
     if amx:  # the chunked prefill's own target is against the vector path AMX replaces
-        L = 4096 if not tiny else 512
-        cases.append(
-            Case(
-                "chunk_bf16",
-                "chunked prefill bf16 KV",
-                Chunk(1, Hq, Hkv, L, 128, dtype="bf16", new=512 if not tiny else 64),
-                (OverPath("avx512", 3.0, "the vector path"),),
-                None,
-                seed=9,
-                isa=BF16_PRODUCTS,
-            )
-        )
+        cases.append(_chunk_bf16(Hq, Hkv, tiny))
     return cases
+
+
+def _chunk_bf16(Hq, Hkv, tiny):
+    """The chunked prefill over bf16 pages, against the vector path (an AMX row)."""
+    L = 4096 if not tiny else 512
+    return Case(
+        "chunk_bf16",
+        "chunked prefill bf16 KV",
+        Chunk(1, Hq, Hkv, L, 128, dtype="bf16", new=512 if not tiny else 64),
+        (OverPath("avx512", 3.0, "the vector path"),),
+        None,
+        seed=9,
+        isa=BF16_PRODUCTS,
+    )
 
 
 # The paths that compute bf16 prefill with bf16 products: the bf16 rows are about them.

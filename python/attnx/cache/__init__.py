@@ -719,12 +719,7 @@ class PagedKVCache:
             An id that is not live, a repeated id, a count that is not an int >= 0, or a
             sequence that would pass ``2**31 - 1`` tokens. Nothing changes.
         """
-        try:
-            given = list(seq_ids)
-        except TypeError:
-            raise TypeError(
-                f"seq_ids: expected a sequence of ids, got {type(seq_ids).__name__}"
-            ) from None
+        given = _id_list(seq_ids)
         counts = _counts(num_new_tokens, "num_new_tokens", len(given))
         new_ids = self._step_tokens(tokens, counts)
         ids = [as_int(i) for i in given]  # None where it is no int: the lookup below refuses it
@@ -732,16 +727,25 @@ class PagedKVCache:
         if len(set(known)) != len(known):
             raise ValueError("seq_ids: a sequence may appear only once in a step")
         with self._lock:
-            seqs = [self._seq(i) for i in given]
-            reservations = self._block_reservations(known, seqs, counts)
-            starts = [s.length for s in seqs]
-            for s, n, (copy, grow) in zip(
-                seqs, counts, reservations
-            ):  # from here on nothing can fail
-                self._append_tokens(s, n, copy, grow)
-            for s, n, ids_ in zip(seqs, counts, new_ids):
-                self._note_tokens(s, n, ids_)
-            return Step(self, known, seqs, starts, counts)
+            return self._reserve_step(given, known, counts, new_ids)
+
+    def _reserve_step(
+        self,
+        given: list[Any],
+        known: list[int],
+        counts: list[int],
+        new_ids: list[np.ndarray | None],
+    ) -> Step:
+        """begin_step's reservation, under the lock: the sequences looked up and their blocks
+        reserved (all or none), then their tokens appended."""
+        seqs = [self._seq(i) for i in given]
+        reservations = self._block_reservations(known, seqs, counts)
+        starts = [s.length for s in seqs]
+        for s, n, (copy, grow) in zip(seqs, counts, reservations):  # from here on nothing can fail
+            self._append_tokens(s, n, copy, grow)
+        for s, n, ids_ in zip(seqs, counts, new_ids):
+            self._note_tokens(s, n, ids_)
+        return Step(self, known, seqs, starts, counts)
 
     @staticmethod
     def _step_tokens(tokens: Sequence[Any] | None, counts: list[int]) -> list[np.ndarray | None]:
@@ -886,3 +890,13 @@ def _kv_dtype(dtype: Any) -> np.dtype[Any]:
     """The cache's storage dtype: a float or a quantised one, by any name
     :func:`attnx._validate.dtype_name` takes."""
     return _dtype(dtype, "dtype", _FLOAT_DTYPES + _QUANTISED_DTYPES)
+
+
+def _id_list(seq_ids: Iterable[int]) -> list[Any]:
+    """begin_step's ``seq_ids`` as a list (its entries checked later)."""
+    try:
+        return list(seq_ids)
+    except TypeError:
+        raise TypeError(
+            f"seq_ids: expected a sequence of ids, got {type(seq_ids).__name__}"
+        ) from None

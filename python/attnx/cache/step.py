@@ -25,10 +25,21 @@ class StaleStepError(RuntimeError):
     """A step's sequence was truncated, freed or stepped again after ``begin_step``."""
 
 
+def _stale(what: str) -> StaleStepError:
+    """The error of a call on a step whose sequences changed since it began."""
+    return StaleStepError(
+        f"{what}: a sequence of this step was truncated, freed or stepped again since begin_step"
+    )
+
+
 class Step:
     """One forward step of a batch of sequences: their new tokens, packed in sequence order.
 
-    Made by :meth:`PagedKVCache.begin_step`.
+    Made by :meth:`PagedKVCache.begin_step`. :meth:`attend` takes the new tokens packed,
+    ``(T, heads, D)``, or, when every sequence of the step has the same ``S`` new tokens, a
+    model's ``(B, Hq, S, head_dim)`` / ``(B, num_kv_heads, S, D)`` arrays as its attention module
+    holds them (read in place where the strides allow); the result is then
+    ``(B, S, Hq, value_dim)`` (and lse ``(B, S, Hq)``).
 
     Attributes
     ----------
@@ -137,19 +148,14 @@ class Step:
         q : ndarray ``(T, Hq, head_dim)``, the new queries packed in sequence order
         k : ndarray ``(T, num_kv_heads, head_dim)``; v : ``(T, num_kv_heads, value_dim)``
             Converted to the cache's dtype as they are stored (quantised, each row with its
-            scale, in a quantised cache). ``v`` must be None when the cache
-            has ``value_from_key`` (the values are read from the keys).
-            Or, when every sequence of the step has the same ``S`` new tokens, a model's
-            ``(B, Hq, S, head_dim)`` / ``(B, num_kv_heads, S, D)`` arrays as its attention
-            module holds them (read in place where the strides allow); the result is then
-            ``(B, S, Hq, value_dim)`` (and lse ``(B, S, Hq)``).
+            scale, in a quantised cache). ``v`` must be None when the cache has
+            ``value_from_key`` (the values are read from the keys). Or a model's layout (see
+            :class:`Step`).
         window, softcap, sinks, alibi_slopes
             As in :func:`attnx.attention`. A cache with ``sliding_window=W`` uses
             ``window=(W - 1, None)`` by default and refuses a wider left side.
         shared_prefix : bool
-            Sequences of the step whose tables start with the same blocks (forks, prefix hits)
-            read them once for all their queries, as in :func:`attnx.paged_attention` (default
-            True; not with a window, sinks or ALiBi). False reads each sequence's own.
+            As in :func:`attnx.paged_attention` (default True): shared leading blocks read once.
 
         Returns
         -------
@@ -238,10 +244,7 @@ class Step:
         cache = self._cache
         # is_current's first test inline (this runs once per model layer)
         if cache._epoch != self._epoch and not cache.is_current(self):
-            raise StaleStepError(
-                "attend: a sequence of this step was truncated, freed or "
-                "stepped again since begin_step"
-            )
+            raise _stale("attend")
         step_plan = self._step_plan
         if step_plan is None:  # the tables, slots and shared-prefix groups, once for every layer
             from ..ops import cascade as _shared
@@ -310,6 +313,30 @@ class Step:
         """
         from ..ops.delta_rule import gated_delta_rule
 
+        li = self._linear_index(layer)
+        q, k, v, g, beta = (x if hasattr(x, "shape") else np.asarray(x) for x in (q, k, v, g, beta))
+        self._check_linear_tokens(q, k, v)
+        if not self._cache.is_current(self):
+            raise _stale("linear")
+        cu = np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)])
+        o, final = gated_delta_rule(
+            q[None],
+            k[None],
+            v[None],
+            g[None],
+            beta[None],
+            scale=scale,
+            initial_state=self._linear_states(li),
+            output_final_state=True,
+            qk_l2norm=qk_l2norm,
+            cu_seqlens=cu,
+            num_threads=num_threads,
+        )
+        self._advance_states(li, np.asarray(final))  # nothing above wrote anything
+        return o[0]
+
+    def _linear_index(self, layer: Any) -> int:
+        """``linear``'s ``layer`` checked: a linear layer of the cache not yet run in this step."""
         cache = self._cache
         if cache.linear_layers == 0:
             raise ValueError(
@@ -320,9 +347,13 @@ class Step:
             raise ValueError(
                 f"layer: linear layer {li} already ran in this step (its states advance once per step)"
             )
-        assert cache.state_shape is not None
-        hv, kw, vw = cache.state_shape
-        q, k, v, g, beta = (x if hasattr(x, "shape") else np.asarray(x) for x in (q, k, v, g, beta))
+        return li
+
+    def _check_linear_tokens(self, q: Any, k: Any, v: Any) -> None:
+        """``linear``'s q, k and v checked against this step's tokens and the cache's
+        ``state_shape``."""
+        assert self._cache.state_shape is not None
+        hv, kw, vw = self._cache.state_shape
         for name, x, heads, width in (("q", q, None, kw), ("k", k, None, kw), ("v", v, hv, vw)):
             shape = tuple(x.shape)
             if (
@@ -335,35 +366,25 @@ class Step:
                 raise ValueError(
                     f"{name}: expected {want} for this step and the cache's state_shape, got {shape}"
                 )
-        if not cache.is_current(self):
-            raise StaleStepError(
-                "linear: a sequence of this step was truncated, freed or "
-                "stepped again since begin_step"
-            )
-        zero = np.zeros((hv, kw, vw), np.float32)
-        init = np.stack([zero if s.state is None else s.state[li] for s in self._seqs])
-        cu = np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)])
-        o, final = gated_delta_rule(
-            q[None],
-            k[None],
-            v[None],
-            g[None],
-            beta[None],
-            scale=scale,
-            initial_state=init,
-            output_final_state=True,
-            qk_l2norm=qk_l2norm,
-            cu_seqlens=cu,
-            num_threads=num_threads,
-        )
-        final = np.asarray(final)
-        for i, s in enumerate(self._seqs):  # nothing above wrote anything: now the states advance
+
+    def _linear_states(self, li: int) -> np.ndarray:
+        """Linear layer ``li``'s state of each sequence of the step, stacked (zero where a
+        sequence has none yet)."""
+        assert self._cache.state_shape is not None
+        zero = np.zeros(self._cache.state_shape, np.float32)
+        return np.stack([zero if s.state is None else s.state[li] for s in self._seqs])
+
+    def _advance_states(self, li: int, final: np.ndarray) -> None:
+        """Stores linear layer ``li``'s advanced states ``final`` (one per sequence) and counts
+        the layer run."""
+        cache = self._cache
+        assert cache.state_shape is not None
+        for i, s in enumerate(self._seqs):
             if s.state is None:
-                s.state = np.zeros((cache.linear_layers, hv, kw, vw), np.float32)
+                s.state = np.zeros((cache.linear_layers, *cache.state_shape), np.float32)
             s.state[li] = final[i]
         self._linear_done.add(li)
         self._wrote(cache.num_layers + li)
-        return o[0]
 
 
 def packed_tokens(x: Any) -> Any:

@@ -32,6 +32,8 @@ in all), overlapped with its compute, plus two all-gathers of a few ints.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -104,21 +106,47 @@ def attention(
     me, world = rank_world(group)
     what = "attnx.distributed.attention"
     as_torch = isinstance(q, torch.Tensor)
-    error, values = None, None
-    try:
-        q4, k4, v4, rank = inputs4(q, k_local, v_local, layout)
-        scale = optional_real(scale, "scale")
-        values = [k4.shape[2], q4.shape[2]] + signature(
-            q4, k4, v4, rank, layout, causal, kv_lens, scale
-        )
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-        error = exc
-    table = agree(
-        what, error, values, ["keys", "queries"] + SIGNATURE, group, world, local=("keys",)
+    check = partial(_attention_inputs, q, k_local, v_local, layout, causal, kv_lens, scale)
+    (q4, k4, v4, rank, scale), table = _agreed(
+        what, group, world, ["keys", "queries"], ("keys",), check
     )
     sizes = table[:, 0]
+    key_lens = global_key_lens(kv_lens, q4.shape[0], int(sizes.sum()), rank)  # same on every rank
+    k_start = int(sizes[:me].sum())
+    outs, lses = _gathered_partials(
+        what, q4, k4, v4, k_start, key_lens, causal, scale, group, world
+    )
+    out4, lse4 = merge_attention(outs, lses)
+    return result4(out4, lse4, q4.dtype, rank, layout, as_torch, return_lse)
+
+
+def _agreed(what, group, world, names, local, check):
+    """``check()`` on every rank, which returns ``(inputs, values)``; then the ranks agree: a
+    rank's failure is raised on every rank, and so is a difference between their values (named
+    ``names``) other than in ``local``. Returns ``(inputs, table)``, a row of values per rank."""
+    error, inputs, values = None, None, None
+    try:
+        inputs, values = check()
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        error = exc
+    return inputs, agree(what, error, values, names + SIGNATURE, group, world, local=local)
+
+
+def _attention_inputs(q, k_local, v_local, layout, causal, kv_lens, scale):
+    """``attention``'s arguments checked: ``(q4, k4, v4, rank, scale)`` and the values the ranks
+    must agree on (the local key count first)."""
+    q4, k4, v4, rank = inputs4(q, k_local, v_local, layout)
+    scale = optional_real(scale, "scale")
+    values = [k4.shape[2], q4.shape[2]] + signature(
+        q4, k4, v4, rank, layout, causal, kv_lens, scale
+    )
+    return (q4, k4, v4, rank, scale), values
+
+
+def _gathered_partials(what, q4, k4, v4, k_start, key_lens, causal, scale, group, world):
+    """Every rank's partial ``(out, lse)`` of the queries against its shard (whose first key is
+    global key ``k_start``), all-gathered: two lists, in rank order."""
     B, Hq, Sq, Dv = q4.shape[0], q4.shape[1], q4.shape[2], v4.shape[3]
-    key_lens = global_key_lens(kv_lens, B, int(sizes.sum()), rank)  # the same on every rank
     n_out, n_lse = B * Hq * Sq * Dv, B * Hq * Sq
     buf = torch.zeros(1 + n_out + n_lse, dtype=torch.float32)
     error = None
@@ -128,20 +156,31 @@ def attention(
             k4,
             v4,
             q_start=0,
-            k_start=int(sizes[:me].sum()),
+            k_start=k_start,
             q_total=Sq,
             key_lens=key_lens,
             causal=causal,
             scale=scale,
         )
         pack(buf.numpy()[1:], part, n_out)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         error = exc
     table = gather(what, buf, error, group, world)
     outs = [row[1 : 1 + n_out].reshape(B, Hq, Sq, Dv) for row in table]
     lses = [row[1 + n_out :].reshape(B, Hq, Sq) for row in table]
-    out4, lse4 = merge_attention(outs, lses)
-    return result4(out4, lse4, q4.dtype, rank, layout, as_torch, return_lse)
+    return outs, lses
+
+
+def _ring_inputs(q_local, k_local, v_local, layout, sharding, causal, kv_lens, scale):
+    """``ring_attention``'s arguments checked: ``(q4, k4, v4, rank, scale)`` and the values the
+    ranks must agree on (the local query and key counts first)."""
+    choice(sharding, _SHARDINGS, "sharding")
+    q4, k4, v4, rank = inputs4(q_local, k_local, v_local, layout)
+    scale = optional_real(scale, "scale")
+    values = [q4.shape[2], k4.shape[2], _SHARDINGS.index(sharding)] + signature(
+        q4, k4, v4, rank, layout, causal, kv_lens, scale
+    )
+    return (q4, k4, v4, rank, scale), values
 
 
 def _segments(sizes, sharding, what):
@@ -197,25 +236,11 @@ def ring_attention(
     me, world = rank_world(group)
     what = "attnx.distributed.ring_attention"
     as_torch = isinstance(q_local, torch.Tensor)
-    error, values = None, None
-    try:
-        choice(sharding, _SHARDINGS, "sharding")
-        q4, k4, v4, rank = inputs4(q_local, k_local, v_local, layout)
-        scale = optional_real(scale, "scale")
-        values = [q4.shape[2], k4.shape[2], _SHARDINGS.index(sharding)] + signature(
-            q4, k4, v4, rank, layout, causal, kv_lens, scale
-        )
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-        error = exc
-    table = agree(
-        what,
-        error,
-        values,
-        ["queries", "keys", "sharding"] + SIGNATURE,
-        group,
-        world,
-        local=("queries", "keys"),
+    check = partial(
+        _ring_inputs, q_local, k_local, v_local, layout, sharding, causal, kv_lens, scale
     )
+    names, local = ["queries", "keys", "sharding"], ("queries", "keys")
+    (q4, k4, v4, rank, scale), table = _agreed(what, group, world, names, local, check)
     q_segs = _segments(table[:, 0], sharding, "queries")
     k_segs = _segments(table[:, 1], sharding, "keys")
     key_lens = global_key_lens(kv_lens, q4.shape[0], int(table[:, 1].sum()), rank)

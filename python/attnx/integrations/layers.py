@@ -314,20 +314,13 @@ class MultiHeadAttention:
         y : ndarray of ``x``'s rank, ``(..., Sq, d_model)``, dtype ``self.dtype``
         weights : ndarray, only if ``return_weights``
         """
-        x, c, unbatched = self._inputs(x, context)
+        x32, c32, unbatched = self._batched_inputs(x, context)
         if unbatched:
-            x, c = x[None], c[None]
             kv_lens = rank_lens(kv_lens, 3)
             q_lens = rank_lens(q_lens, 3)
-        x32 = x.astype(self._compute, copy=False)  # (float64 for a float64 layer)
-        c32 = x32 if c is x else c.astype(self._compute, copy=False)
         B, Sq, _ = x32.shape
-        Sk = c32.shape[1]
         if B * Sq == 0:  # no rows: return at once (numpy would still walk a huge empty batch)
-            y = np.zeros((B, Sq, self.d_model), self.dtype)
-            w = np.zeros((B, self.num_heads, Sq, Sk), self._compute)
-            y, w = (y[0], w[0]) if unbatched else (y, w)
-            return (y, w) if return_weights else y
+            return self._no_rows(B, Sq, c32.shape[1], unbatched, return_weights)
         y, q, k = self._attend(x32, c32, causal, mask, kv_lens, q_lens)
         if unbatched:
             y = y[0]
@@ -335,6 +328,25 @@ class MultiHeadAttention:
             return y
         w = _kernel_weights(q, k, causal=causal, mask=mask, kv_lens=kv_lens, q_lens=q_lens)
         return y, (w[0] if unbatched else w)
+
+    def _batched_inputs(self, x: Any, context: Any) -> tuple[np.ndarray, np.ndarray, bool]:
+        """``(x, context, unbatched)`` checked, batched and in the compute dtype (float64 for a
+        float64 layer); context is x for self-attention."""
+        x, c, unbatched = self._inputs(x, context)
+        if unbatched:
+            x, c = x[None], c[None]
+        x32 = x.astype(self._compute, copy=False)
+        c32 = x32 if c is x else c.astype(self._compute, copy=False)
+        return x32, c32, unbatched
+
+    def _no_rows(
+        self, B: int, Sq: int, Sk: int, unbatched: bool, return_weights: Any
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """The result of a call with no query rows: zeros of the shapes asked for."""
+        y = np.zeros((B, Sq, self.d_model), self.dtype)
+        w = np.zeros((B, self.num_heads, Sq, Sk), self._compute)
+        y, w = (y[0], w[0]) if unbatched else (y, w)
+        return (y, w) if return_weights else y
 
     def _inputs(self, x: Any, context: Any) -> tuple[np.ndarray, np.ndarray, bool]:
         """``(x, context, unbatched)`` as NumPy arrays, checked (context is x for self-attention)."""

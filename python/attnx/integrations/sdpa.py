@@ -202,19 +202,7 @@ def scaled_dot_product_attention(
     S = k.shape[-2]
     scaled = _torch_scale(q, scale)
     if scaled is None:  # an infinite scale: only the float64 definition can carry its scores
-        from .. import reference as _reference
-
-        with np.errstate(over="ignore"):
-            s_held = float(_scale_type(q)(scale))
-        return _reference.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            scale=s_held,
-            enable_gqa=enable_gqa,
-        ).astype(out_dtype, copy=False)
+        return _infinite_scale(query, key, value, attn_mask, is_causal, scale, enable_gqa, q)
     q, scale = scaled
 
     (q_lead, k_lead, v_lead), out_lead = _lead_shapes(q, k, v, enable_gqa)
@@ -250,6 +238,24 @@ def scaled_dot_product_attention(
         window=window,
     )
     return out.astype(out_dtype, copy=False)
+
+
+def _infinite_scale(query, key, value, attn_mask, is_causal, scale, enable_gqa, q):
+    """The result for an infinite ``scale``, in the dtype of ``q`` (the checked query), from the
+    float64 definition: a scaled q cannot carry its ``±inf`` scores."""
+    from .. import reference as _reference
+
+    with np.errstate(over="ignore"):
+        s_held = float(_scale_type(q)(scale))
+    return _reference.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=s_held,
+        enable_gqa=enable_gqa,
+    ).astype(q.dtype, copy=False)
 
 
 def _sdpa_mask(attn_mask, rank, logical):

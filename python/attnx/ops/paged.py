@@ -164,30 +164,11 @@ def paged_step(
     out : ndarray ``(T, Hq, Dv)`` of q's dtype (and lse ``(T, Hq)``). Every argument is checked
     before the first write.
     """
-    step_plan = _core.StepPlan(
-        [(k_pages, v_pages, k_scales, v_scales)],
-        block_tables,
-        seq_lens,
-        q_lens,
-        slots,
-        values_from_keys,
-        max_left,
-    )
-    return step_call(
-        step_plan,
-        0,
-        q,
-        k,
-        v,
-        scale,
-        num_threads,
-        return_lse,
-        window,
-        softcap,
-        sinks,
-        alibi_slopes,
-        False,
-    )
+    pages = [(k_pages, v_pages, k_scales, v_scales)]
+    plan = _core.StepPlan(pages, block_tables, seq_lens, q_lens, slots, values_from_keys, max_left)
+    # step_call's options in its order; shared_prefix False: this plan groups no sequences
+    options = (scale, num_threads, return_lse, window, softcap, sinks, alibi_slopes, False)
+    return step_call(plan, 0, q, k, v, *options)
 
 
 def step_call(
