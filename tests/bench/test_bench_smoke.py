@@ -87,17 +87,8 @@ def _has_matplotlib():
     return True
 
 
-def test_bench_quick_writes_valid_json(tmp_path):
-    # ATTNX_BENCH_TINY shrinks every shape so this runs in seconds; the numbers mean nothing.
-    plot = ["--plot", "bench.png"] if _has_matplotlib() else []
-    res = _run(
-        ["bench", "--quick", "--json", "tmp.json", "--threads", "2", *plot],
-        tmp_path,
-        {"ATTNX_BENCH_TINY": "1"},
-    )
-    assert res.returncode == 0, res.stderr
-    assert "[1/" in res.stderr  # progress goes to stderr
-    result = json.loads((tmp_path / "tmp.json").read_text())
+def _check_header(result):
+    """The JSON's top level: the run's date, config, machine and probed limits."""
     assert {"date", "config", "machine", "limits", "rows", "others_cpu_share"} <= set(result)
     m = result["machine"]
     assert (
@@ -108,7 +99,10 @@ def test_bench_quick_writes_valid_json(tmp_path):
     assert m["versions"]["numpy"] and "torch" in m["versions"]
     lim = result["limits"]
     assert lim["fma_gflops_all"] > 0 and lim["fma_gflops_1"] > 0 and lim["read_gbps_all"] > 0
-    rows = {r["key"]: r for r in result["rows"]}
+
+
+def _check_rows(rows, m):
+    """Every row, in order, with every field and a time; the rates and ratios of the main rows."""
     assert list(rows) == ROWS
     for key, r in rows.items():
         assert set(r) >= ROW_KEYS, key
@@ -120,14 +114,22 @@ def test_bench_quick_writes_valid_json(tmp_path):
             assert rows[key]["vs_torch"] > 0
     assert rows["memory"]["extra"]["rss_growth_bytes"] >= 0
     assert "tokens_per_s_vs_fp32" in rows["decode_fp16"]["extra"]
-    # shared-prefix rows: the ratio to the unshared row and its bound. Sharing cuts bytes, never
-    # FLOPs, so the bound is >= 1 by construction, and exactly 1 where the probed limits put the
-    # step on the FLOP bound (GQA on a fast memory system; every row under the sanitizers, whose
-    # FMA probe is instrumented): which one a run sees depends on the machine.
+
+
+def _check_fork_rows(rows):
+    """Shared-prefix rows: the ratio to the unshared row and its bound. Sharing cuts bytes, never
+    FLOPs, so the bound is >= 1 by construction, and exactly 1 where the probed limits put the
+    step on the FLOP bound (GQA on a fast memory system; every row under the sanitizers, whose
+    FMA probe is instrumented): which one a run sees depends on the machine."""
     for key in ("fork_mha", "fork_gqa"):
         assert rows[key]["extra"]["bound_vs_unshared"] >= 1.0, key
         assert "× unshared (bound" in rows[key]["met_text"], key
-    for key in ("prefill_bf16", "gqa_causal_bf16", "causal_bf16"):  # issues 13 and 33
+
+
+def _check_bf16_rows(rows, m):
+    """bf16 prefill rows (issues 13 and 33): targets against fp32 that follow the path, their
+    fp32 base timed in the same rounds; chunk_bf16 against the vector path AMX replaces."""
+    for key in ("prefill_bf16", "gqa_causal_bf16", "causal_bf16"):
         assert (
             rows[key]["rate"] > 0
             and f"fp32 {'GQA ' if 'gqa' in key else ''}prefill" in rows[key]["target"]
@@ -144,9 +146,33 @@ def test_bench_quick_writes_valid_json(tmp_path):
     if "chunk_bf16" in rows:  # against the vector path, timed in the same rounds
         assert "vector path" in rows["chunk_bf16"]["target"], rows["chunk_bf16"]["target"]
         assert rows["chunk_bf16"]["extra"]["path_interleaved_s"] > 0
-    for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):  # issue 13
+
+
+def _check_quantised_rows(rows):
+    """int8 and fp8 decode rows (issue 13): tokens/s against fp16 and fp32."""
+    for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):
         assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(rows[key]["extra"]), key
         assert "fp16 tokens/s" in rows[key]["target"] and rows[key]["vs_numpy"] > 0, key
+
+
+def test_bench_quick_writes_valid_json(tmp_path):
+    # ATTNX_BENCH_TINY shrinks every shape so this runs in seconds; the numbers mean nothing.
+    plot = ["--plot", "bench.png"] if _has_matplotlib() else []
+    res = _run(
+        ["bench", "--quick", "--json", "tmp.json", "--threads", "2", *plot],
+        tmp_path,
+        {"ATTNX_BENCH_TINY": "1"},
+    )
+    assert res.returncode == 0, res.stderr
+    assert "[1/" in res.stderr  # progress goes to stderr
+    result = json.loads((tmp_path / "tmp.json").read_text())
+    _check_header(result)
+    m = result["machine"]
+    rows = {r["key"]: r for r in result["rows"]}
+    _check_rows(rows, m)
+    _check_fork_rows(rows)
+    _check_bf16_rows(rows, m)
+    _check_quantised_rows(rows)
     # the table is printed
     assert "| case | shape |" in res.stdout and "targets missed:" in res.stdout
     if plot:

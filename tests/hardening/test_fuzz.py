@@ -554,6 +554,33 @@ def _pages(r, spec):
     )
 
 
+def _paged_out(r, spec, q, kp, out_shape):
+    """The ``out`` that ``spec["out"]`` draws (fresh, strided, q itself, or inside the pool it
+    reads; None where that cannot be built; out is never byte-swapped). Returns (k_pages,
+    out): for an overlapping out, k_pages is replaced by the buffer ``out`` lies in."""
+    out = None
+    out_dtype = q.dtype.newbyteorder("=")
+    if spec["out"] == "fresh":
+        out = np.full(out_shape, 7.0, out_dtype)
+    elif spec["out"] == "strided":
+        # (paged_attention refuses an out whose last axis is strided: tests/paged/test_paged.py)
+        out = present(
+            np.full(out_shape, 7.0, out_dtype), r.choice(["step", "negative"]), r, last=False
+        )
+    elif (
+        spec["out"] == "alias_q"
+        and out_shape[-1] == q.shape[-1]
+        and q.dtype.isnative
+        and q.flags.writeable
+        and q.flags.aligned
+        and (q.strides[-1] == q.itemsize or q.shape[-1] == 1)
+    ):
+        out = q
+    elif spec["out"] == "overlap_pages" and q.dtype == kp.dtype:  # out inside the pool it reads
+        kp, out = _overlapping(kp, out_shape, q.dtype, r)
+    return kp, out
+
+
 @seed(SEED)
 @PAGED_FUZZ
 @given(paged_problems())
@@ -573,27 +600,8 @@ def test_paged_fuzz(spec):
     lens_kw = {} if spec["decode_only"] and np.all(q_lens == 1) else {"q_lens": q_lens}
     Dv = vp.shape[3]
     out = None
-    if spec["out"] == "fresh":
-        out = np.full((N, Hq, Dv), 7.0, q.dtype.newbyteorder("="))  # (out is never byte-swapped)
-    elif spec["out"] == "strided":
-        # (paged_attention refuses an out whose last axis is strided: tests/paged/test_paged.py)
-        out = present(
-            np.full((N, Hq, Dv), 7.0, q.dtype.newbyteorder("=")),
-            r.choice(["step", "negative"]),
-            r,
-            last=False,
-        )
-    elif (
-        spec["out"] == "alias_q"
-        and Dv == Dk
-        and q.dtype.isnative
-        and q.flags.writeable
-        and q.flags.aligned
-        and (q.strides[-1] == q.itemsize or Dk == 1)
-    ):
-        out = q
-    elif spec["out"] == "overlap_pages" and q.dtype == kp.dtype:  # out inside the pool it reads
-        kp, out = _overlapping(kp, (N, Hq, Dv), q.dtype, r)
+    if spec["out"] in ("fresh", "strided", "alias_q", "overlap_pages"):
+        kp, out = _paged_out(r, spec, q, kp, (N, Hq, Dv))
     elif spec["out"] == "any_strides":
         out, buf = any_strides((N, Hq, Dv), q.dtype.newbyteorder("="), r, unit_last=True)
         with on_isa(spec["isa"]):

@@ -316,10 +316,10 @@ def test_kv_lens_past_int32_are_not_wrapped(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _workload(rng, cache, pool):
-    """One round: ~130 calls through every entry point, good and bad."""
-    f16 = np.float16
-    for dtype in (np.float32, f16):
+def _dense_calls(rng):
+    """Good dense calls, float32 then float16: masks, lengths, windows, sinks, ALiBi, out= and
+    its copy-back path. Returns the float16 (q, k) for the bad calls."""
+    for dtype in (np.float32, np.float16):
         q = rng.standard_normal((2, 4, 33, 64)).astype(dtype)
         k = rng.standard_normal((2, 2, 70, 64)).astype(dtype)
         attnx.attention(q, k, k, causal=True)
@@ -338,6 +338,11 @@ def _workload(rng, cache, pool):
         out = np.empty((2, 4, 33, 64), dtype)
         attnx.attention(q, k, k, out=out, softcap=5.0)
         attnx.attention(q, k, k, out=out[..., ::-1])  # copy-back path
+    return q, k
+
+
+def _bad_calls(q, k, pool):
+    """Calls refused with ValueError or TypeError: their error paths must not leak either."""
     bad = [
         lambda: attnx.attention(q, k, k, scale=-1.0),
         lambda: attnx.attention(q, k[:, :, :, :3], k),
@@ -352,14 +357,11 @@ def _workload(rng, cache, pool):
             call()
         except (ValueError, TypeError):
             pass
-    for _ in range(20):
-        attnx.paged_attention(*pool, q_lens=np.ones(len(pool[4]), np.int64))
-    a = cache.new_sequence()
-    st = cache.begin_step([a], [40])
-    x = rng.standard_normal((40, 2, 32)).astype(np.float32)
-    for layer in range(cache.num_layers):
-        st.attend(layer, rng.standard_normal((40, 4, 32)).astype(np.float32), x, x)
-    seqs = [a, cache.fork(a), cache.fork(a)]
+
+
+def _decode_steps(rng, cache, seqs):
+    """30 decode steps of ``seqs`` through every layer; one truncation at step 10, and at step
+    20 a step made stale by a truncation (its attend refused)."""
     for step in range(30):
         st = cache.begin_step(seqs, [1] * len(seqs))
         x = rng.standard_normal((len(seqs), 2, 32)).astype(np.float32)
@@ -374,6 +376,17 @@ def _workload(rng, cache, pool):
                 stale.attend(0, np.zeros((2, 4, 32), np.float32), x[:2], x[:2])
             except attnx.StaleStepError:
                 pass
+
+
+def _cache_calls(rng, cache):
+    """A prefill, two forks, decode steps, a refused oversized step; then everything freed."""
+    a = cache.new_sequence()
+    st = cache.begin_step([a], [40])
+    x = rng.standard_normal((40, 2, 32)).astype(np.float32)
+    for layer in range(cache.num_layers):
+        st.attend(layer, rng.standard_normal((40, 4, 32)).astype(np.float32), x, x)
+    seqs = [a, cache.fork(a), cache.fork(a)]
+    _decode_steps(rng, cache, seqs)
     try:
         cache.begin_step([seqs[0]], [10**6])
     except attnx.CacheFullError:
@@ -381,6 +394,15 @@ def _workload(rng, cache, pool):
     for s in seqs:
         cache.free(s)
     assert cache.num_free_blocks == cache.num_blocks
+
+
+def _workload(rng, cache, pool):
+    """One round: ~130 calls through every entry point, good and bad."""
+    q, k = _dense_calls(rng)
+    _bad_calls(q, k, pool)
+    for _ in range(20):
+        attnx.paged_attention(*pool, q_lens=np.ones(len(pool[4]), np.int64))
+    _cache_calls(rng, cache)
 
 
 def _pool(rng):

@@ -220,6 +220,74 @@ def _dense_twin(q, k_pages, v_pages, tables, seq_lens, q_lens, bs):
     return q4, k4, v4, start
 
 
+def _run_paged(q, kp, vp, tables, call_lens, *, out, num_threads, kw):
+    """Calls ``attnx.paged_attention`` with return_lse and the lengths as the caller gave them;
+    checks that it returned ``out`` when given one and left its inputs' bits alone (except an
+    input ``out`` overlaps). Returns (out, lse, copies of the inputs as the call read them)."""
+    before = [x.copy() for x in (q, kp, vp, tables)]
+    o, lse = attnx.paged_attention(
+        q,
+        kp,
+        vp,
+        tables,
+        call_lens[0],
+        out=out,
+        return_lse=True,
+        num_threads=num_threads,
+        **call_lens[1],
+        **kw,
+    )
+    if out is not None:
+        assert o is out
+    for x, x0 in zip((q, kp, vp, tables), before):
+        if not (out is not None and np.may_share_memory(out, x)):
+            assert same_bits(x, x0), "paged_attention modified an input"
+    return o, lse, before
+
+
+def _paged_lowp_twin(q, kp, vp, tables, seq_lens, q_lens, kw):
+    """The paged problem written densely (padded, ``_dense_twin``) with what the tolerance of
+    ``check_dense`` needs: the visible pairs (B, Hq, Sq, Sk), row positions, the scale, and
+    ``lowp_attention``'s out and lse on it (padded 4-D)."""
+    q4, k4, v4, _ = _dense_twin(q, kp, vp, tables, seq_lens, q_lens, kp.shape[2])
+    scale = kw["scale"] or 1.0 / np.sqrt(q.shape[2])
+    wkw = {key: kw[key] for key in ("causal", "window", "softcap", "sinks") if key in kw}
+    w = ref.attention_weights(
+        q4,
+        k4,
+        kv_lens=seq_lens,
+        q_lens=q_lens,
+        scale=scale,
+        alibi_slopes=kw.get("alibi_slopes"),
+        **wkw,
+    )
+    visible4 = w != 0
+    pos = np.arange(q4.shape[2])[None, :] + (seq_lens - q_lens)[:, None]
+    lp_o4, lp_l4 = lowp_attention(
+        q4,
+        k4,
+        v4,
+        visible4,
+        scale=scale,
+        softcap=kw["softcap"],
+        alibi=kw.get("alibi_slopes"),
+        sinks=kw.get("sinks"),
+        pos=pos,
+        storage=q.dtype,
+        round_p=bf16_rounds_p(q, kp, vp),
+    )
+    return types.SimpleNamespace(
+        q4=q4, k4=k4, v4=v4, visible4=visible4, pos=pos, scale=scale, lp_o4=lp_o4, lp_l4=lp_l4
+    )
+
+
+def _packed(x4, q_lens, n_seqs):
+    """(B, H, Sq, ...) padded -> (N, H, ...) packed: sequence b's first q_lens[b] rows."""
+    return np.concatenate(
+        [np.moveaxis(x4[b, :, : int(q_lens[b])], 1, 0) for b in range(n_seqs)] or [x4[:0, :, :0]]
+    )
+
+
 def check_paged(
     q,
     kp,
@@ -247,78 +315,30 @@ def check_paged(
     kw.setdefault("causal", True)
     kw.setdefault("scale", None)
     kw.setdefault("softcap", None)
-    before = [x.copy() for x in (q, kp, vp, tables)]
-    o, lse = attnx.paged_attention(
-        q,
-        kp,
-        vp,
-        tables,
-        call_lens[0],
-        out=out,
-        return_lse=True,
-        num_threads=num_threads,
-        **call_lens[1],
-        **kw,
+    o, lse, before = _run_paged(
+        q, kp, vp, tables, call_lens, out=out, num_threads=num_threads, kw=kw
     )
-    if out is not None:
-        assert o is out
-    for x, x0 in zip((q, kp, vp, tables), before):
-        if not (out is not None and np.may_share_memory(out, x)):
-            assert same_bits(x, x0), "paged_attention modified an input"
     q, kp, vp, tables = (native(x) for x in before)  # what the call read, for the reference
     assert o.shape == (N, Hq, Dv) and o.dtype == q.dtype
     assert lse.shape == (N, Hq) and lse.dtype == np.float32
     ro, rl = ref.paged_attention(
         q, kp, vp, tables, seq_lens, return_lse=True, out_dtype=np.float64, **lens_kw, **kw
     )
-    o64, l64 = o.astype(np.float64), lse.astype(np.float64)
     if poisoned:
         assert not np.isnan(ro).any(), "the reference read a poisoned slot"
     # the tolerance of check_dense, on the same problem written densely (padded)
-    q4, k4, v4, start = _dense_twin(q, kp, vp, tables, seq_lens, q_lens, kp.shape[2])
-    scale = kw["scale"] or 1.0 / np.sqrt(Dk)
-    wkw = {key: kw[key] for key in ("causal", "window", "softcap", "sinks") if key in kw}
-    w = ref.attention_weights(
-        q4,
-        k4,
-        kv_lens=seq_lens,
-        q_lens=q_lens,
-        scale=scale,
-        alibi_slopes=kw.get("alibi_slopes"),
-        **wkw,
-    )
-    visible4 = w != 0
-    pos = np.arange(q4.shape[2])[None, :] + (seq_lens - q_lens)[:, None]
-    lp_o4, lp_l4 = lowp_attention(
-        q4,
-        k4,
-        v4,
-        visible4,
-        scale=scale,
-        softcap=kw["softcap"],
-        alibi=kw.get("alibi_slopes"),
-        sinks=kw.get("sinks"),
-        pos=pos,
-        storage=q.dtype,
-        round_p=bf16_rounds_p(q, kp, vp),
-    )
-
-    def packed(x4):  # (B, H, Sq, ...) -> (N, H, ...)
-        return np.concatenate(
-            [np.moveaxis(x4[b, :, : int(q_lens[b])], 1, 0) for b in range(len(seq_lens))]
-            or [x4[:0, :, :0]]
-        )
-
-    visible = packed(visible4) if N else np.zeros((0, Hq, 1), bool)
-    cond = conditioning(q4, k4, visible4, scale, kw.get("alibi_slopes"), pos)
-    v_max = float(np.max(np.abs(v4[np.isfinite(v4)]), initial=0.0))
+    tw = _paged_lowp_twin(q, kp, vp, tables, seq_lens, q_lens, kw)
+    B = len(seq_lens)
+    visible = _packed(tw.visible4, q_lens, B) if N else np.zeros((0, Hq, 1), bool)
+    cond = conditioning(tw.q4, tw.k4, tw.visible4, tw.scale, kw.get("alibi_slopes"), tw.pos)
+    v_max = float(np.max(np.abs(tw.v4[np.isfinite(tw.v4)]), initial=0.0))
     compare(
-        o64,
+        o.astype(np.float64),
         ro,
-        l64,
+        lse.astype(np.float64),
         rl.astype(np.float64),
-        packed(lp_o4) if N else np.zeros_like(ro),
-        packed(lp_l4) if N else np.zeros_like(rl),
+        _packed(tw.lp_o4, q_lens, B) if N else np.zeros_like(ro),
+        _packed(tw.lp_l4, q_lens, B) if N else np.zeros_like(rl),
         visible,
         storage=q.dtype,
         v_max=v_max,

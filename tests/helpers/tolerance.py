@@ -13,6 +13,23 @@ from helpers.data import BF16, F32_EPS
 from helpers.isa import BF16_PRODUCT_ISAS
 
 
+def _lowp_scores(q, k, *, scale, softcap, alibi, pos):
+    """float32 scores (B, Hq, Sq, Sk) for ``lowp_attention``: q . k summed one term of d at a
+    time, scaled, soft-capped and ALiBi-biased as the kernel does; ``k`` already repeated over
+    the query heads of its group.  Called under the caller's ``np.errstate``."""
+    f = np.float32
+    s = np.zeros(q.shape[:3] + (k.shape[2],), f)
+    for d in range(q.shape[3]):
+        s += q[:, :, :, d, None] * k[:, :, None, :, d]
+    s *= f(scale)
+    if softcap is not None:
+        s = f(softcap) * np.tanh(s / f(softcap))
+    if alibi is not None:
+        dist = np.abs(pos[:, None, :, None] - np.arange(k.shape[2])[None, None, None, :])
+        s = s - np.asarray(alibi, f)[None, :, None, None] * dist.astype(f)
+    return s
+
+
 def lowp_attention(
     q4,
     k4,
@@ -47,15 +64,7 @@ def lowp_attention(
     fin = lambda a: np.where(np.isfinite(a), a, 0).astype(f)  # noqa: E731
     q, k, v = fin(q4), np.repeat(fin(k4), G, axis=1), np.repeat(fin(v4), G, axis=1)
     with np.errstate(all="ignore"):
-        s = np.zeros(q.shape[:3] + (k.shape[2],), f)
-        for d in range(q.shape[3]):
-            s += q[:, :, :, d, None] * k[:, :, None, :, d]
-        s *= f(scale)
-        if softcap is not None:
-            s = f(softcap) * np.tanh(s / f(softcap))
-        if alibi is not None:
-            dist = np.abs(pos[:, None, :, None] - np.arange(k4.shape[2])[None, None, None, :])
-            s = s - np.asarray(alibi, f)[None, :, None, None] * dist.astype(f)
+        s = _lowp_scores(q, k, scale=scale, softcap=softcap, alibi=alibi, pos=pos)
         if additive is not None:
             s = s + additive.astype(f)
         s = np.where(visible, s, f(-np.inf))

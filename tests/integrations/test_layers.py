@@ -341,37 +341,24 @@ def test_state_dict_round_trip_with_prefix():
         np.testing.assert_array_equal(getattr(again, name), getattr(layer, name))
 
 
-def test_from_state_dict_names():
-    rng = make_rng("names")
-    E, H = 8, 2
-    wq, wk, wv, wo = (rng.standard_normal((E, E)) for _ in range(4))
-    bq, bk, bv, bo = (rng.standard_normal(E) for _ in range(4))
-    x = rand(rng, 2, 3, E)
-    ref = attnx.MultiHeadAttention(E, H)
-    ref.W_Q, ref.W_K, ref.W_V, ref.W_O = wq.T, wk.T, wv.T, wo.T
-    ref.b_Q, ref.b_K, ref.b_V, ref.b_O = bq, bk, bv, bo
-    want = ref(x)
-    forms = {
-        "hf_out_proj": {
-            "q_proj.weight": wq,
-            "k_proj.weight": wk,
-            "v_proj.weight": wv,
-            "out_proj.weight": wo,
-            "q_proj.bias": bq,
-            "k_proj.bias": bk,
-            "v_proj.bias": bv,
-            "out_proj.bias": bo,
-        },
-        "hf_o_proj": {
-            "q_proj.weight": wq,
-            "k_proj.weight": wk,
-            "v_proj.weight": wv,
-            "o_proj.weight": wo,
-            "q_proj.bias": bq,
-            "k_proj.bias": bk,
-            "v_proj.bias": bv,
-            "o_proj.bias": bo,
-        },
+def _hf_form(out_name, w, b):
+    """A Hugging Face state dict: q/k/v_proj and the output projection named ``out_name``,
+    weights ``w`` and biases ``b`` in (q, k, v, out) order, torch's (out, in) layout."""
+    names = ("q_proj", "k_proj", "v_proj", out_name)
+    return {
+        f"{n}.{kind}": x for kind, xs in (("weight", w), ("bias", b)) for n, x in zip(names, xs)
+    }
+
+
+def _state_dict_forms(w, b):
+    """The state-dict spellings from_state_dict reads, each holding weights ``w`` and biases
+    ``b`` in (q, k, v, out) order: Hugging Face's two output names and torch's
+    nn.MultiheadAttention with packed and separate (kdim/vdim) input projections."""
+    wq, wk, wv, wo = w
+    bq, bk, bv, bo = b
+    return {
+        "hf_out_proj": _hf_form("out_proj", w, b),
+        "hf_o_proj": _hf_form("o_proj", w, b),
         "torch_mha": {
             "in_proj_weight": np.concatenate([wq, wk, wv]),
             "in_proj_bias": np.concatenate([bq, bk, bv]),
@@ -387,6 +374,19 @@ def test_from_state_dict_names():
             "out_proj.bias": bo,
         },
     }
+
+
+def test_from_state_dict_names():
+    rng = make_rng("names")
+    E, H = 8, 2
+    wq, wk, wv, wo = (rng.standard_normal((E, E)) for _ in range(4))
+    bq, bk, bv, bo = (rng.standard_normal(E) for _ in range(4))
+    x = rand(rng, 2, 3, E)
+    ref = attnx.MultiHeadAttention(E, H)
+    ref.W_Q, ref.W_K, ref.W_V, ref.W_O = wq.T, wk.T, wv.T, wo.T
+    ref.b_Q, ref.b_K, ref.b_V, ref.b_O = bq, bk, bv, bo
+    want = ref(x)
+    forms = _state_dict_forms((wq, wk, wv, wo), (bq, bk, bv, bo))
     for name, sd in forms.items():
         layer = attnx.MultiHeadAttention.from_state_dict(sd, H)
         np.testing.assert_allclose(layer(x), want, rtol=1e-6, atol=1e-6, err_msg=name)

