@@ -575,7 +575,9 @@ def a_rank_that_never_arrives_times_out(rank, world):
         time.sleep(timeout + 4)
         return
     took = _distributed_error_after(ad, np, "timeout")
-    assert timeout - 1 < took < timeout + 10, f"took {took:.1f} s with a {timeout} s timeout"
+    # gloo's clock may start before this rank's (a loaded host delays it): the lower bound only
+    # tells the timeout from an immediate failure
+    assert timeout / 2 < took < timeout + 10, f"took {took:.1f} s with a {timeout} s timeout"
 
 
 # ---- main -----------------------------------------------------------------------------------------
