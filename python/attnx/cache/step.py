@@ -185,41 +185,12 @@ class Step:
             shared_prefix=shared_prefix,
         )
 
-    def attend_arrays(
-        self,
-        layer: int,
-        q: Any,
-        k: Any,
-        v: Any,
-        *,
-        scale: float | None = None,
-        num_threads: int | None = None,
-        return_lse: bool = False,
-        window: Any = None,
-        softcap: float | None = None,
-        sinks: Any = None,
-        alibi_slopes: Any = None,
-        shared_prefix: bool = True,
-    ) -> Any:
-        """:meth:`attend` on NumPy arrays, without its tensor conversion: for a caller that
-        already holds NumPy views of its tensors (the Hugging Face backend, once per layer)."""
-        result = self._attend_layer(
-            layer,
-            q,
-            k,
-            v,
-            scale=scale,
-            num_threads=num_threads,
-            return_lse=return_lse,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-            alibi_slopes=alibi_slopes,
-            shared_prefix=shared_prefix,
-        )
-        if (
-            len(self._written) < self._layers
-        ):  # returned: its rows are written (a refusal writes none)
+    def attend_arrays(self, layer: int, q: Any, k: Any, v: Any = None, **options: Any) -> Any:
+        """:meth:`attend` on NumPy arrays, without its tensor conversion, with its keyword
+        arguments: for a caller that already holds NumPy views of its tensors (the Hugging Face
+        backend, once per layer)."""
+        result = self._attend_layer(layer, q, k, v, **options)
+        if len(self._written) < self._layers:  # returned: its rows are written (a refusal none)
             self._wrote(
                 layer if type(layer) is int else _index(layer, "layer", self._cache.num_layers)
             )
