@@ -12,11 +12,13 @@
 #      directory, from local wheels only; then .ci/wheel_smoke.sh under qemu-aarch64 (through
 #      binfmt_misc): `python -m attnx` and a test subset from a copy of tests/, outside the tree,
 #      once with QEMU_CPU=max (BF16, I8MM, SVE) and once with QEMU_CPU=cortex-a72 (plain NEON).
-# By hand, not part of .ci/run (it could be: about 10 minutes on 2 idle cores, most of it the
-# emulated tests; the first run also downloads ~40 MB of debs and wheels). As root on a
+# By hand, not part of .ci/run. About 6 minutes on the shared 2-core machine (2 to 3 to build and
+# repair, 1 for pip under qemu, 1 per CPU model for the default tests below); the first run also
+# downloads ~40 MB of debs and wheels. --full runs wheel_smoke.sh's own subset, the x86 wheel's
+# (653 tests), instead: 10 minutes in all, loaded (1.5 to 5 per CPU model). As root on a
 # Debian/Ubuntu x86-64 host with CPython 3.11 (the wheel's cp311 is the building interpreter's).
-#   bash .ci/portable/wheel_aarch64.sh [TEST...]   # TEST...: pytest's selection instead of the
-#                                                  # default below (paths under tests/)
+#   bash .ci/portable/wheel_aarch64.sh [--full | TEST...]   # TEST...: pytest's selection instead
+#                                                           # of the default (paths under tests/)
 # Environment: ATTNX_A64_DIR (work directory, shared with python_aarch64.sh; default
 # /tmp/attnx-aarch64). Idempotent: every run rebuilds the wheel and reinstalls it from scratch.
 set -euo pipefail
@@ -29,8 +31,10 @@ START=$(date +%s)
 step() { echo "wheel_aarch64: $* ($(($(date +%s) - START)) s)"; }
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "wheel_aarch64: needs CPython 3.11 (the arm64 sysroot is Debian 12s 3.11)")'
 if (($# == 0)); then
-  # About 3 minutes per CPU model, emulated: every variant on neon and scalar at the small sizes.
+  # Every attention variant on neon and scalar, at the sizes below 1025 (250 tests).
   set -- tests/attention/test_variants.py -k "not 1025 and not 2048" -x
+elif [[ $1 == --full ]]; then
+  set --  # wheel_smoke.sh's own subset
 fi
 
 # ---- 0. toolchain, qemu, the arm64 CPython sysroot and the aarch64 wheels of the dependencies ----
@@ -116,7 +120,7 @@ chmod +x "$WORK/python-wheel"
 
 # ---- 4. the smoke command and a test subset, on both CPU models, one after the other ------------
 for cpu in max cortex-a72; do
-  step "QEMU_CPU=$cpu: python -m attnx and pytest $*"
+  step "QEMU_CPU=$cpu: python -m attnx and pytest ${*:-(the subset of wheel_smoke.sh)}"
   QEMU_CPU=$cpu "$WORK/python-wheel" -c "import attnx; f = attnx.cpu_features(); print('wheel_aarch64: QEMU_CPU=$cpu', f['isa'], [k for k in ('neon', 'dotprod', 'bf16', 'i8mm', 'sve') if f[k]])"
   QEMU_CPU=$cpu bash "$ROOT/.ci/wheel_smoke.sh" "$WORK/python-wheel" "$@"
 done
