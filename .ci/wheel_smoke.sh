@@ -3,13 +3,17 @@
 # and a fast subset of the tests (about a minute on 2 cores), run from a copy of tests/ so that
 # nothing can import the source tree's python/attnx instead of the installed package.
 #
-#   bash .ci/wheel_smoke.sh [PYTHON]      # PYTHON: the environment's interpreter (default python)
+#   bash .ci/wheel_smoke.sh [PYTHON [TEST...]]   # PYTHON: the environment's interpreter (default
+#                                                # python); TEST...: pytest's selection (paths
+#                                                # under tests/, -k ...) instead of SUBSET below
 #
-# Used by .ci/wheel.sh (repaired wheel, then sdist install) and by cibuildwheel's test-command.
+# Used by .ci/wheel.sh (repaired wheel, then sdist install), by cibuildwheel's test-command, and
+# by .ci/portable/wheel_aarch64.sh (emulated, with a smaller selection).
 # Needs pytest and hypothesis in that environment (the `test` extra).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${1:-python}
+shift || true
 # Tests that do not read files of the source tree (reference/test_reference.py loads reference.py
 # by path, packaging/test_examples.py runs examples/, hardening/test_fuzz_harness.py runs fuzz/):
 # the binding's checks, the dense kernel with every variant, paged attention, the cache and the
@@ -35,4 +39,8 @@ PYEOF
 SMOKE=$("$PY" -m attnx)
 echo "$SMOKE"
 grep -q "max |diff|" <<<"$SMOKE" || { echo "wheel_smoke: python -m attnx printed no kernel-vs-reference line" >&2; exit 1; }
-"$PY" -m pytest -q -p no:cacheprovider -m "not slow" "${SUBSET[@]/#/tests/}"
+if (( $# )); then
+  "$PY" -m pytest -q -p no:cacheprovider -m "not slow" "$@"
+else
+  "$PY" -m pytest -q -p no:cacheprovider -m "not slow" "${SUBSET[@]/#/tests/}"
+fi

@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${1:-build/cross-aarch64}
 CXX=aarch64-linux-gnu-g++
+mkdir -p "$(dirname "$BUILD")"  # the configure log goes next to the build dir
 command -v "$CXX" >/dev/null || { echo "cross_aarch64: $CXX not found (apt-get install g++-aarch64-linux-gnu)" >&2; exit 2; }
 command -v qemu-aarch64 >/dev/null || { echo "cross_aarch64: qemu-aarch64 not found (apt-get install qemu-user)" >&2; exit 2; }
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_SYSTEM_NAME=Linux \

@@ -14,28 +14,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${ATTNX_A64_DIR:-/tmp/attnx-aarch64}
 PY=python3
-mkdir -p "$WORK"/{debs,root,site,wheels,pkg}
+mkdir -p "$WORK"/{site,pkg}
 
-# 1. the cross toolchain, qemu, and an arm64 CPython with its libraries (unpacked, not installed)
-dpkg --add-architecture arm64
-apt-get update -qq
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null
-(cd "$WORK/debs" && apt-get download -q \
-  python3.11-minimal:arm64 libpython3.11-minimal:arm64 libpython3.11-stdlib:arm64 \
-  libpython3.11-dev:arm64 libc6:arm64 libstdc++6:arm64 libgcc-s1:arm64 zlib1g:arm64 \
-  libexpat1:arm64 libffi8:arm64 libssl3:arm64 libbz2-1.0:arm64 liblzma5:arm64 \
-  libsqlite3-0:arm64 libuuid1:arm64 libncursesw6:arm64 libtinfo6:arm64 libreadline8:arm64 \
-  libdb5.3:arm64 libgdbm6:arm64 libcrypt1:arm64 libnsl2:arm64 libtirpc3:arm64 \
-  libgssapi-krb5-2:arm64 libkrb5-3:arm64 libk5crypto3:arm64 libcom-err2:arm64 \
-  libkrb5support0:arm64 libkeyutils1:arm64 >/dev/null)
-for d in "$WORK"/debs/*.deb; do dpkg -x "$d" "$WORK/root"; done
-export QEMU_LD_PREFIX=$WORK/root
-A64PY=$WORK/root/usr/bin/python3.11
+# 1. the cross toolchain, qemu (registered with binfmt_misc), an arm64 CPython with its libraries
+# (unpacked, not installed), and the test dependencies as PyPI's aarch64 wheels
+source .ci/portable/_aarch64_sysroot.sh
+aarch64_sysroot "$WORK"
 
-# 2. the test dependencies as PyPI's aarch64 wheels, unpacked into one site directory
-"$PY" -m pip download -q -d "$WORK/wheels" --only-binary=:all: --python-version 3.11 --implementation cp \
-  --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64 \
-  numpy ml_dtypes pytest hypothesis safetensors
+# 2. those wheels, unpacked into one site directory
 for w in "$WORK"/wheels/*.whl; do "$PY" -m zipfile -e "$w" "$WORK/site/"; done
 
 # 3. the core (neon and scalar paths) and the extension, cross-compiled
@@ -47,11 +33,7 @@ aarch64-linux-gnu-g++ -O2 -shared -fPIC -std=c++17 -fvisibility=hidden -Icpp/inc
   -I"$PB" -I"$WORK/root/usr/include/python3.11" -I"$WORK/root/usr/include" cpp/bind/*.cpp \
   build/cross-aarch64/libattnx_core.a -pthread -o "$WORK/pkg/attnx/_core.cpython-311-aarch64-linux-gnu.so"
 
-# 4. binfmt_misc, so that an aarch64 executable started by a test runs under qemu too
-[ -e /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
-[ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || cat /usr/lib/binfmt.d/qemu-aarch64.conf > /proc/sys/fs/binfmt_misc/register
-
-# 5. the tests, from a copy of the tree whose python/ is the aarch64 package
+# 4. the tests, from a copy of the tree whose python/ is the aarch64 package
 rm -rf "$WORK/run" && mkdir -p "$WORK/run" && cp -r tests pyproject.toml "$WORK/run/"
 ln -sfn "$WORK/pkg" "$WORK/run/python"
 cd "$WORK/run"
