@@ -12,7 +12,7 @@
 #      directory, from local wheels only; then .ci/wheel_smoke.sh under qemu-aarch64 (through
 #      binfmt_misc): `python -m attnx` and a test subset from a copy of tests/, outside the tree,
 #      once with QEMU_CPU=max (BF16, I8MM, SVE) and once with QEMU_CPU=cortex-a72 (plain NEON).
-# By hand, not part of .ci/run. About 6 minutes on the shared 2-core machine (2 to 3 to build and
+# In .ci/run (after the sanitizers), or by hand. About 6 minutes on the shared 2-core machine (2 to 3 to build and
 # repair, 1 for pip under qemu, 1 per CPU model for the default tests below); the first run also
 # downloads ~40 MB of debs and wheels. --full runs wheel_smoke.sh's own subset, the x86 wheel's
 # (653 tests), instead: 10 minutes in all, loaded (1.5 to 5 per CPU model). As root on a

@@ -43,6 +43,7 @@ uint64_t xcr0() {
 }
 #endif
 
+#if defined(__x86_64__) || defined(__i386__)
 // Asks Linux for the AMX tile data state, once per process (a forked child and every thread
 // inherit it). A refusal, or another OS, means no AMX: a tile instruction would be SIGILL.
 bool request_amx() {
@@ -56,6 +57,7 @@ bool request_amx() {
   return false;
 #endif
 }
+#endif
 
 // ---- aarch64 --------------------------------------------------------------------------------
 // The ARM features: Linux reports them in the auxiliary vector (the kernel's HWCAP bits, which
