@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ CONFIGURE = {
     "build/count-a64": [
         "-DCMAKE_SYSTEM_NAME=Linux",
         "-DCMAKE_SYSTEM_PROCESSOR=aarch64",
-        "-DCMAKE_Cif __name___COMPILER=aarch64-linux-gnu-g++",
+        "-DCMAKE_CXX_COMPILER=aarch64-linux-gnu-g++",
     ],
 }
 
@@ -108,7 +109,10 @@ class Insn:
 
 
 def sh(cmd: list[str], cwd: Path = ROOT) -> str:
-    return subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True).stdout
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"count_instructions: {shlex.join(cmd)} failed:\n{r.stdout}{r.stderr}")
+    return r.stdout
 
 
 def configure(build: str) -> None:
@@ -279,8 +283,8 @@ def count_path(isa: str, jobs: int) -> tuple[list[Row], str, dict[str, int] | No
                     c = hot_loop(f[m.group(1)], a64)
         if SHOW:
             print(f"{isa} {name}: {c}")
-        if c is None:
-            raise SystemExit(f"count_instructions: {isa} {name}: no loop")
+        if c is None or c["fma"] == 0:
+            raise SystemExit(f"count_instructions: {isa} {name}: no FMA loop isolated")
         return c
 
     c = loop("cnt_qk")  # 6 rows x 2 vectors of keys, one feature per 12 FMAs
@@ -288,7 +292,10 @@ def count_path(isa: str, jobs: int) -> tuple[list[Row], str, dict[str, int] | No
         Row("QK prefill (6 rows, packed K)", isa, c, c["fma"] / 12 * 12 * W, "score x feature")
     )
     c = loop("cnt_exp")  # R rows x one vector of scores (online_update's j loop, not unrolled)
-    rows.append(Row("exp (online update)", isa, c, (4 if W >= 16 else 2) * W, "exp"))
+    R = 4 if W >= 16 else 2
+    if c["fma"] != 6 * R:  # the degree-6 polynomial's FMAs, once per row
+        raise SystemExit(f"count_instructions: {isa} exp loop: {c['fma']} FMAs, not {6 * R}")
+    rows.append(Row("exp (online update)", isa, c, R * W, "exp"))
     c = loop("cnt_pv")  # 6 rows x NB=2 vectors of features per key
     rows.append(Row("PV prefill (6 rows)", isa, c, c["fma"] * W, "row x key x feature"))
     kb = 4 if W >= 16 else 2
@@ -360,6 +367,14 @@ def main() -> None:
     SHOW = args.show
     results = []
     for isa in args.isa:
+        for tool in (
+            "cmake",
+            "ninja",
+            PATHS[isa][2],
+            "aarch64-linux-gnu-g++" if isa == "neon" else "g++",
+        ):
+            if shutil.which(tool) is None:
+                raise SystemExit(f"count_instructions: {tool} not found (see this file's top)")
         rows, version, check = count_path(isa, args.jobs)
         print(f"{isa}: {version}")
         if check:
