@@ -25,6 +25,9 @@ using RowSet = kern::RowSetT<Real>;
 using Scratch = kern::ScratchT<Real>;
 using FlashState = kern::FlashStateT<Real>;
 constexpr int NR = 2;  // vectors per register block along the wide axis (keys or value features)
+// Key vectors per packed QK^T register block (qk-inl.h): with 32 registers, 4 rows x 4 vectors
+// take 0.5 loads per FMA where 6 x 2 took 0.67 (the rows' broadcasts and the K vectors).
+constexpr int QR = W >= 16 ? 4 : NR;
 
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -160,10 +163,10 @@ struct LinePrefetch {
   }
 };
 
-// Packs the n rows of a K tile transposed: kt[d][j], zero for j >= n (to a multiple of NR*W) and
+// Packs the n rows of a K tile transposed: kt[d][j], zero for j >= n (to a multiple of QR*W) and
 // for d >= Dk (to Dkp). `rows` holds kTileK Real row pointers padded with zero rows past n.
 static void zero_kt_tail(int64_t n, int64_t Dkp, Real* kt) {
-  const int64_t n8 = round_up(n, 8), nw = round_up(n, NR * W);
+  const int64_t n8 = round_up(n, 8), nw = round_up(n, QR * W);
   for (int64_t d = 0; d < Dkp; ++d)
     for (int64_t j = n8; j < nw; ++j) kt[d * kTileK + j] = 0;
 }

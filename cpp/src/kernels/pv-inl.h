@@ -41,12 +41,12 @@ static ATTNX_INLINE void pv_block(const Real* p, const Real* const* vrow, int64_
 
 // `next` (nn rows of `bytes`, or null) is a later tile's V. Each pass over a block of columns
 // prefetches its share of those rows' lines, so the requests are spread over the whole product.
-// With 32 registers, up to 4 rows take 4 vectors per pass (16 accumulators): half the passes, and
+// With 32 registers, up to 6 rows take 4 vectors per pass (24 accumulators): half the passes, and
 // half the broadcasts of p per FMA; 16 rows take 1 vector (pv below).
 template <int MR, class T>
 static void pv_rows(const Real* p, const Real* const* vrow, int64_t n, int64_t Dvp, Real* o,
                     int64_t ldo, const char* const* next, int64_t nn, int64_t bytes) {
-  constexpr int NB = MR > 8 ? 1 : (W >= 16 && MR <= 4) ? 2 * NR : NR;
+  constexpr int NB = MR > 8 ? 1 : (W >= 16 && MR <= 6) ? 2 * NR : NR;
   const int64_t wide = Dvp / (NB * W) * (NB * W);
   const int64_t lines = (bytes + 63) / 64, passes = wide / (NB * W) + (Dvp - wide) / (NR * W);
   int64_t c = 0, i = 0;

@@ -10,30 +10,30 @@
 
 namespace {
 
-// ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x NR*W keys ----------
+// ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x QR*W keys ----------
 template <int MR, bool Fused>
 static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real* kt, int64_t Dkp,
                                          Real* s, const LinePrefetch* pf, int64_t l0, int64_t l1,
                                          const Online* on, int64_t j, V* lsum) {
-  V acc[MR][NR];
+  V acc[MR][QR];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) acc[r][c] = zero();
+    for (int c = 0; c < QR; ++c) acc[r][c] = zero();
   for (int64_t d = 0; d < Dkp; ++d) {
     if (pf != nullptr && (d & 7) == 0)
       pf->range(l0 + (l1 - l0) * d / Dkp, l0 + (l1 - l0) * (d + 8) / Dkp);
     const Real* kd = kt + d * kTileK;
-    V k0 = load(kd), k1 = load(kd + W);
+    V kv[QR];
+    for (int c = 0; c < QR; ++c) kv[c] = load(kd + c * W);
     for (int r = 0; r < MR; ++r) {
-      V qb = set1(q[r * ldq + d]);
-      acc[r][0] = fmadd(qb, k0, acc[r][0]);
-      acc[r][1] = fmadd(qb, k1, acc[r][1]);
+      const V qb = set1(q[r * ldq + d]);
+      for (int c = 0; c < QR; ++c) acc[r][c] = fmadd(qb, kv[c], acc[r][c]);
     }
   }
   if constexpr (Fused) {
-    online_block<MR, NR, true>(acc, j, s, *on, lsum);
+    online_block<MR, QR, true>(acc, j, s, *on, lsum);
   } else {
     for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NR; ++c) store(s + r * kTileK + c * W, acc[r][c]);
+      for (int c = 0; c < QR; ++c) store(s + r * kTileK + c * W, acc[r][c]);
   }
 }
 
@@ -42,7 +42,7 @@ static void qk_packed_rows(const Real* q, int64_t ldq, const Real* kt, int64_t D
                            Real* s, const LinePrefetch& pf, int64_t& call, const Online* on) {
   V lsum[MR];
   for (int r = 0; r < MR; ++r) lsum[r] = zero();
-  for (int64_t j = 0; j < nw; j += NR * W) {
+  for (int64_t j = 0; j < nw; j += QR * W) {
     const int64_t c = call++;
     qk_packed_block<MR, Fused>(q, ldq, kt + j, Dkp, s + j, &pf, pf.lines * c / pf.calls,
                                pf.lines * (c + 1) / pf.calls, on, j, lsum);
@@ -57,12 +57,13 @@ template <bool Fused>
 static void qk_packed_as(int M, const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t n,
                          Real* s, const char* const* next, int64_t nn, int64_t bytes,
                          const Online* on) {
-  const int64_t nw = round_up(n, NR * W);
-  constexpr int MR = 6;
+  const int64_t nw = round_up(n, QR * W);
+  // 4 x 4 with 32 registers: 6 x 4 does not fit beside the rows' sums (its accumulators spill)
+  constexpr int MR = W >= 16 ? 4 : 6;
   LinePrefetch pf;
   if (next != nullptr && nn > 0) {
     const int64_t lpr = (bytes + 63) / 64;
-    pf = LinePrefetch{next, lpr, nn * lpr, (M + MR - 1) / MR * (nw / (NR * W))};
+    pf = LinePrefetch{next, lpr, nn * lpr, (M + MR - 1) / MR * (nw / (QR * W))};
   }
   int64_t call = 0;
   int r = 0;

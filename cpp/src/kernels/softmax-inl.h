@@ -233,7 +233,7 @@ static inline bool sees_whole(const RowSet& rs, int r, int R, int64_t j0, int64_
 // is skipped while it has seen nothing, see attention/state.h) and the tile is whole register
 // blocks (zero keys past n would score 0).
 static bool fusable(const RowSet& rs, int64_t j0, int64_t n, Real softcap, const FlashState& st) {
-  if (softcap > 0.f || n % (NR * W) != 0 || rs.qfactor != nullptr ||
+  if (softcap > 0.f || n % (QR * W) != 0 || rs.qfactor != nullptr ||
       !sees_whole(rs, 0, rs.M, j0, n))
     return false;
   for (int r = 0; r < rs.M; ++r)
