@@ -9,6 +9,7 @@
   delta       the gated delta rule's check and tolerance
   cache       a client's conversation with a shared PagedKVCache
   processes   code run in a fresh interpreter
+  fuzz        the atheris harness (fuzz/) as a module
 """
 
 from helpers.cache import cache_stepper, finish_client
