@@ -44,7 +44,7 @@ from helpers.isa import (
     supported_isas,
 )
 from helpers.layouts import from4, lse4, to4
-from helpers.processes import run_isolated
+from helpers.processes import run_isolated, script_words
 from helpers.tolerance import (
     assert_matches,
     attention_tolerance,
@@ -92,6 +92,7 @@ __all__ = [
     "run_isolated",
     "same_bits",
     "scramble_tables",
+    "script_words",
     "supported_isas",
     "to4",
 ]
