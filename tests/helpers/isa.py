@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 import attnx
 
 # The CPU flags each x86 path needs: avx2 (with FMA and F16C), and avx512bf16 (AVX-512F/BW/VL,
@@ -75,3 +77,12 @@ def best_isa():
             return "avx512bf16"
         return "avx512" if f["avx512f"] else "avx2"
     return "scalar"
+
+
+def assert_set_isa_refused(name, match):
+    """``set_isa(name)`` raises ValueError (its message matching ``match``) and leaves the path
+    as it was."""
+    before = attnx.cpu_features()["isa"]
+    with pytest.raises(ValueError, match=match):
+        attnx._core.set_isa(name)
+    assert attnx.cpu_features()["isa"] == before
