@@ -12,7 +12,7 @@
   fuzz        the atheris harness (fuzz/) as a module
 """
 
-from helpers.cache import cache_stepper, finish_client
+from helpers.cache import bits, cache_state, cache_stepper, finish_client
 from helpers.checks import check_attention, check_dense, check_paged, dense_views, native, same_bits
 from helpers.data import (
     BF16,
@@ -71,6 +71,8 @@ __all__ = [
     "attention_tolerance",
     "best_isa",
     "bf16_rounds_p",
+    "bits",
+    "cache_state",
     "cache_stepper",
     "check_attention",
     "check_delta_rule",
