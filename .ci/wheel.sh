@@ -55,18 +55,7 @@ PYEOF
 # ---- 2. repair: the most compatible manylinux tag this toolchain allows -------------------------
 step "auditwheel repair"
 auditwheel show "$WHEEL"
-auditwheel repair -w "$WORK/wheelhouse" "$WHEEL"
-REPAIRED=$(ls "$WORK"/wheelhouse/attnx-*.whl)
-SHOW=$(auditwheel show "$REPAIRED" 2>&1)
-echo "$SHOW"
-if ! tr -s ' \n' '  ' <<<"$SHOW" | grep -q 'consistent with the following platform tag: "manylinux_'; then
-  echo "wheel: $(basename "$REPAIRED") is not a manylinux wheel" >&2
-  exit 1
-fi
-case "$(basename "$REPAIRED")" in
-  *manylinux*) echo "wheel: repaired to $(basename "$REPAIRED")" ;;
-  *) echo "wheel: the repaired wheel has no manylinux tag" >&2; exit 1 ;;
-esac
+repair_manylinux wheel "$WHEEL"
 
 # ---- 3. the repaired wheel in a fresh venv, from a local wheelhouse only ----------------------
 step "fresh venv from the wheelhouse"

@@ -58,6 +58,22 @@ def bytes_per_token_per_layer(kv_heads, dk, dv, separate_values, itemsize):
     return (k + v) * itemsize
 
 
+def cache_bytes_per_token(kv_heads, dk, dv, separate_values, dtype):
+    """The same figure from an actual cache: one layer, one block (MLA: values are a view of the
+    keys, value_from_key=True, so only the latent rows are stored)."""
+    cache = attnx.PagedKVCache(
+        num_layers=1,
+        num_kv_heads=kv_heads,
+        head_dim=dk,
+        value_dim=dv,
+        num_blocks=1,
+        block_size=16,
+        dtype=dtype,
+        value_from_key=not separate_values,
+    )
+    return cache.stats()["bytes_per_token"]
+
+
 def table(args):
     itemsize = np.dtype(args.dtype).itemsize if args.dtype != "bfloat16" else 2
     print(
@@ -75,19 +91,7 @@ def table(args):
     ):
         b = bytes_per_token_per_layer(hkv, dk, dv, separate, itemsize)
         mha = mha or b
-        # the same figure from an actual cache: one layer, one block (MLA: values are a view
-        # of the keys, value_from_key=True, so only the latent rows are stored)
-        cache = attnx.PagedKVCache(
-            num_layers=1,
-            num_kv_heads=hkv,
-            head_dim=dk,
-            value_dim=dv,
-            num_blocks=1,
-            block_size=16,
-            dtype=args.dtype,
-            value_from_key=not separate,
-        )
-        measured = cache.stats()["bytes_per_token"]
+        measured = cache_bytes_per_token(hkv, dk, dv, separate, args.dtype)
         assert measured == b, (measured, b)
         measured_s = f"{measured}"
         total = b * args.layers * args.context / 2**30

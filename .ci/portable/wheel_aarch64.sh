@@ -24,6 +24,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
+source .ci/_prelude.sh
 WORK=${ATTNX_A64_DIR:-/tmp/attnx-aarch64}
 PY=python3
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
@@ -88,18 +89,7 @@ file "$WORK/_core.so" | grep -q "ARM aarch64" || { echo "wheel_aarch64: the exte
 
 # ---- 2. repair: the most compatible manylinux tag this toolchain allows (as .ci/wheel.sh) --------
 step "auditwheel repair"
-auditwheel repair -w "$WORK/wheelhouse" "$WHEEL"
-REPAIRED=$(ls "$WORK"/wheelhouse/attnx-*.whl)
-SHOW=$(auditwheel show "$REPAIRED" 2>&1)
-echo "$SHOW"
-if ! tr -s ' \n' '  ' <<<"$SHOW" | grep -q 'consistent with the following platform tag: "manylinux_[0-9_]*_aarch64"'; then
-  echo "wheel_aarch64: $(basename "$REPAIRED") is not a manylinux aarch64 wheel" >&2
-  exit 1
-fi
-case "$(basename "$REPAIRED")" in
-  *manylinux*_aarch64*.whl) echo "wheel_aarch64: repaired to $(basename "$REPAIRED")" ;;
-  *) echo "wheel_aarch64: the repaired wheel has no manylinux aarch64 tag" >&2; exit 1 ;;
-esac
+repair_manylinux wheel_aarch64 "$WHEEL" aarch64
 
 # ---- 3. pip, run by the arm64 CPython under qemu, installs it into a fresh directory ----------
 step "pip install --target (emulated)"

@@ -12,8 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -26,7 +24,7 @@ from hypothesis import strategies as st
 import attnx
 from attnx import reference as ref
 
-from helpers import BF16, SEED, best_isa, check_attention, from4, rand
+from helpers import BF16, SEED, best_isa, check_attention, from4, rand, script_words
 
 DTYPES = [np.float32, np.float16, BF16]
 DTYPE_IDS = ["f32", "f16", "bf16"]
@@ -869,15 +867,7 @@ def test_memory_is_linear_in_sequence_length(tmp_path):
     Memory does not depend on the instruction set, so this runs on the fastest one."""
     npz = tmp_path / "rows.npz"
     env = {key: val for key, val in os.environ.items() if key != "ATTNX_ISA"}
-    res = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT, str(SEED), str(npz)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-        env=env,
-    )
-    grown, seconds = res.stdout.split()
+    grown, seconds = script_words(_MEMORY_SCRIPT, SEED, npz, env=env)
     assert int(grown) < 512 * 2**20, f"peak RSS grew by {int(grown) / 2**20:.0f} MiB"
     d = np.load(npz)
     exact = ref.attention(d["q"], d["k"], d["v"], out_dtype=np.float64)

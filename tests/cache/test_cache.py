@@ -15,14 +15,9 @@ import pytest
 import attnx
 from attnx import reference
 
-from helpers import BF16, SEED, cache_stepper, finish_client, make_rng
+from helpers import BF16, SEED, bits, cache_stepper, finish_client, make_rng
 
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
-
-
-def bits(a):
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
 
 
 def assert_bits_equal(a, b, msg=""):

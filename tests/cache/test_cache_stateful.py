@@ -49,6 +49,8 @@ import attnx.ops.cascade
 from attnx import reference
 from attnx.cache.blocks import block_digest
 
+from helpers import bits, cache_state
+
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, HKV, HQ, DK = 24, 4, 2, 2, 4, 8
 MAX_SEQS = 6
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
@@ -94,11 +96,6 @@ def _isas():
 
 
 ISAS = _isas()
-
-
-def bits(a):
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
 
 
 class MSeq:
@@ -649,23 +646,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         )
 
     def _snapshot(self):
-        c = self.cache
-        return (
-            c._free_ids(),
-            c._refs.copy(),
-            c._alloc.cached(),
-            c._next_id,
-            c.stats(),
-            {s: (c.length(s), c.block_table(s).tolist()) for s in c.sequences},
-            bits(c._k).copy(),
-            bits(c._v).copy(),
-        )
+        return cache_state(self.cache)
 
     def _assert_unchanged(self, snap):
         now = self._snapshot()
-        assert now[0] == snap[0] and np.array_equal(now[1], snap[1])
-        assert now[2:6] == snap[2:6]
-        assert np.array_equal(now[6], snap[6]) and np.array_equal(now[7], snap[7]), "pages changed"
+        assert now[:6] == snap[:6]
+        assert now[6:] == snap[6:], "pages changed"
 
     @precondition(lambda self: len(self.tokens) < P_SEQS)
     @rule(

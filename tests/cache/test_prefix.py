@@ -25,7 +25,7 @@ import attnx.cache.blocks
 import attnx.ops.cascade
 from attnx import reference
 
-from helpers import BF16
+from helpers import BF16, bits, cache_state
 
 BS = 4
 # sessions need the optional safetensors package (the ``sessions`` extra)
@@ -33,11 +33,6 @@ needs_safetensors = pytest.mark.skipif(
     importlib.util.find_spec("safetensors") is None,
     reason="safetensors is not installed (pip install safetensors)",
 )
-
-
-def bits(a):
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
 
 
 def make_cache(num_blocks=16, dtype="float32", **kw):
@@ -54,19 +49,6 @@ def prefill(cache, seq, rng, n=None, tokens=None):
         k = rng.standard_normal((n, h, d)).astype(np.float32)
         step.attend(layer, rng.standard_normal((n, 2 * h, d)).astype(np.float32), k, k + 1)
     return step
-
-
-def snapshot(c):
-    return (
-        c._free_ids(),
-        c._refs.tolist(),
-        c._alloc.cached(),
-        c._next_id,
-        c.stats(),
-        {s: (c.length(s), c.block_table(s).tolist()) for s in c.sequences},
-        bits(c._k).tobytes(),
-        None if c._v is None else bits(c._v).tobytes(),
-    )
 
 
 def seq_kv(c, seq):
@@ -147,10 +129,10 @@ def test_a_referenced_block_is_never_evicted(rng):
     c = make_cache(num_blocks=3)
     a = c.new_sequence(tokens=range(9))
     prefill(c, a, rng)  # holds all three blocks, two of them cached
-    before = snapshot(c)
+    before = cache_state(c)
     with pytest.raises(attnx.CacheFullError):
         c.begin_step([c.new_sequence()], [1])
-    assert snapshot(c)[:3] == before[:3] and c.stats()["evictions"] == 0
+    assert cache_state(c)[:3] == before[:3] and c.stats()["evictions"] == 0
 
 
 def test_truncate_into_a_block_drops_its_digest(rng):
@@ -209,12 +191,12 @@ def test_token_arguments_are_checked_before_anything_changes():
     with pytest.raises(TypeError, match="extra_key"):
         c.new_sequence(tokens=[1], extra_key=1.0)
     a = c.new_sequence(tokens=[1, 2])
-    before = snapshot(c)
+    before = cache_state(c)
     with pytest.raises(ValueError, match=r"tokens\[0\]"):
         c.begin_step([a], [2], tokens=[[1, 2, 3]])
     with pytest.raises(ValueError, match="tokens"):
         c.begin_step([a], [2], tokens=[[1, 2], [3]])
-    assert snapshot(c) == before
+    assert cache_state(c) == before
 
 
 # ---- a step that ends early registers nothing (issue 31) --------------------------------------
@@ -556,10 +538,10 @@ def saved(tmp_path, rng):
 
 
 def _refused(cache, path, match, exc=attnx.SessionError, **kw):
-    before = snapshot(cache)
+    before = cache_state(cache)
     with pytest.raises(exc, match=match):
         cache.load(path, **kw)
-    assert snapshot(cache) == before
+    assert cache_state(cache) == before
 
 
 @needs_safetensors
@@ -967,11 +949,11 @@ def test_fuzzed_session_headers_raise_only_session_error(tmp_path_factory, data)
         path.write_bytes(
             raw[:at] + bytes([raw[at] ^ data.draw(st.integers(1, 255))]) + raw[at + 1 :]
         )
-    before = snapshot(c)
+    before = cache_state(c)
     try:
         b = c.load(path, expect={"model": "smol"})
     except attnx.SessionError:
-        assert snapshot(c) == before
+        assert cache_state(c) == before
     else:  # a forged field loads only where it is harmless: meta, an unknown field, the same value
         if how == "field":
             assert (

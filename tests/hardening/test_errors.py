@@ -10,7 +10,7 @@ import pytest
 
 import attnx
 
-from helpers import BF16
+from helpers import BF16, assert_set_isa_refused
 
 SENTINEL = 1536.0
 B, HQ, HKV, SQ, SK, D = 1, 2, 2, 3, 5, 4
@@ -249,18 +249,12 @@ def test_set_num_threads_rejects_negative():
 
 
 def test_set_isa_rejects_unknown():
-    before = attnx.cpu_features()["isa"]
-    with pytest.raises(ValueError, match="bogus"):
-        attnx._core.set_isa("bogus")
-    assert attnx.cpu_features()["isa"] == before
+    assert_set_isa_refused("bogus", "bogus")
 
 
 @pytest.mark.skipif(attnx.cpu_features()["avx512f"], reason="this CPU has AVX-512")
 def test_set_isa_rejects_missing_avx512():
-    before = attnx.cpu_features()["isa"]
-    with pytest.raises(ValueError, match="avx512"):
-        attnx._core.set_isa("avx512")
-    assert attnx.cpu_features()["isa"] == before
+    assert_set_isa_refused("avx512", "avx512")
 
 
 ARM_FLAGS = ("neon", "dotprod", "bf16", "i8mm", "sve")
@@ -281,10 +275,7 @@ def test_cpu_features_reports_one_architecture():
 
 @pytest.mark.skipif(attnx.cpu_features()["neon"], reason="an aarch64 build: neon is its path")
 def test_set_isa_rejects_neon_off_arm():
-    before = attnx.cpu_features()["isa"]
-    with pytest.raises(ValueError, match="neon.*no NEON kernels"):
-        attnx._core.set_isa("neon")
-    assert attnx.cpu_features()["isa"] == before
+    assert_set_isa_refused("neon", "neon.*no NEON kernels")
 
 
 def small_problem():

@@ -48,6 +48,7 @@ from hypothesis import strategies as st
 import attnx
 
 from helpers import BF16, ISAS, SEED, check_dense, check_paged, from4, scramble_tables
+from helpers.fuzz import fuzz_harness
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
@@ -95,22 +96,7 @@ VIEWS = [
     "field",
     "broadcast",
 ]
-INT_DTYPES = [
-    np.dtype(t)
-    for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)
-]
-INT_DTYPES += [t.newbyteorder(">") for t in INT_DTYPES if t.itemsize > 1]  # byte-swapped too
-INT_SCALARS = [
-    np.int8,
-    np.uint8,
-    np.int16,
-    np.uint16,
-    np.int32,
-    np.uint32,
-    np.int64,
-    np.uint64,
-    int,
-]
+INT_DTYPES, INT_SCALARS = fuzz_harness().INT_DTYPES, fuzz_harness().INT_SCALARS
 F32_TINY = float(np.finfo(np.float32).tiny)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import pathlib
 import subprocess
 import sys
 import warnings
@@ -22,20 +21,13 @@ import pytest
 
 import attnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-HARNESS = ROOT / "fuzz" / "fuzz_entrypoints.py"
+from helpers.fuzz import HARNESS, fuzz_harness
+
 CORPUS = int(os.environ.get("ATTNX_FUZZ_CORPUS", "2000"))
 SOAK = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci") == "soak"
 
 
-def load_harness():
-    spec = importlib.util.spec_from_file_location("fuzz_entrypoints", HARNESS)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-fz = load_harness()
+fz = fuzz_harness()
 
 
 def corpus(n, seed=0x5EED):

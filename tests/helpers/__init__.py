@@ -9,9 +9,10 @@
   delta       the gated delta rule's check and tolerance
   cache       a client's conversation with a shared PagedKVCache
   processes   code run in a fresh interpreter
+  fuzz        the atheris harness (fuzz/) as a module
 """
 
-from helpers.cache import cache_stepper, finish_client
+from helpers.cache import bits, cache_state, cache_stepper, finish_client
 from helpers.checks import check_attention, check_dense, check_paged, dense_views, native, same_bits
 from helpers.data import (
     BF16,
@@ -37,13 +38,14 @@ from helpers.isa import (
     BF16_DOT_GAIN,
     BF16_PRODUCT_ISAS,
     ISAS,
+    assert_set_isa_refused,
     best_isa,
     has_amx,
     has_avx512bf16,
     supported_isas,
 )
 from helpers.layouts import from4, lse4, to4
-from helpers.processes import run_isolated
+from helpers.processes import run_isolated, script_words
 from helpers.tolerance import (
     assert_matches,
     attention_tolerance,
@@ -65,9 +67,12 @@ __all__ = [
     "SEED",
     "assert_delta_matches",
     "assert_matches",
+    "assert_set_isa_refused",
     "attention_tolerance",
     "best_isa",
     "bf16_rounds_p",
+    "bits",
+    "cache_state",
     "cache_stepper",
     "check_attention",
     "check_delta_rule",
@@ -91,6 +96,7 @@ __all__ = [
     "run_isolated",
     "same_bits",
     "scramble_tables",
+    "script_words",
     "supported_isas",
     "to4",
 ]

@@ -31,3 +31,25 @@ def finish_client(cache, outs, *seqs):
     for s in seqs:
         cache.free(s)
     return outs
+
+
+def bits(a):
+    """``a``'s bits as unsigned integers of its width: NaN payloads and signed zeros compare as
+    they are stored."""
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+def cache_state(c):
+    """What a PagedKVCache holds, comparable with ``==``: free list, reference counts, cached
+    blocks, next id, stats, each sequence's length and table, then the K and V pages' bits."""
+    return (
+        c._free_ids(),
+        c._refs.tolist(),
+        c._alloc.cached(),
+        c._next_id,
+        c.stats(),
+        {s: (c.length(s), c.block_table(s).tolist()) for s in c.sequences},
+        bits(c._k).tobytes(),
+        None if c._v is None else bits(c._v).tobytes(),
+    )

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 import attnx
+
+# The CPU flags each x86 path needs: avx2 (with FMA and F16C), and avx512bf16 (AVX-512F/BW/VL,
+# AVX512_BF16 and VNNI on top of those).
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+AVX512BF16_FLAGS = (*AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512bf16", "avx512_vnni")
+
+
+def _has(f, flags):
+    return all(f.get(k) for k in flags)
 
 
 def supported_isas():
@@ -21,7 +32,7 @@ def supported_isas():
     isas = ["scalar"]
     if f.get("neon"):  # aarch64: Advanced SIMD, the baseline there
         isas.append("neon")
-    if f["avx2"] and f["fma"] and f["f16c"]:
+    if _has(f, AVX2_FLAGS):
         isas.append("avx2")
         if f["avx512f"]:
             isas.append("avx512")
@@ -35,19 +46,7 @@ def supported_isas():
 def has_avx512bf16(f=None):
     """Whether the CPU can run the avx512bf16 path (AVX512_BF16, with AVX-512F/BW/VL/VNNI)."""
     f = attnx.cpu_features() if f is None else f
-    return all(
-        f.get(k)
-        for k in (
-            "avx2",
-            "fma",
-            "f16c",
-            "avx512f",
-            "avx512bw",
-            "avx512vl",
-            "avx512bf16",
-            "avx512_vnni",
-        )
-    )
+    return _has(f, AVX512BF16_FLAGS)
 
 
 def has_amx(f=None):
@@ -78,3 +77,12 @@ def best_isa():
             return "avx512bf16"
         return "avx512" if f["avx512f"] else "avx2"
     return "scalar"
+
+
+def assert_set_isa_refused(name, match):
+    """``set_isa(name)`` raises ValueError (its message matching ``match``) and leaves the path
+    as it was."""
+    before = attnx.cpu_features()["isa"]
+    with pytest.raises(ValueError, match=match):
+        attnx._core.set_isa(name)
+    assert attnx.cpu_features()["isa"] == before

@@ -11,6 +11,20 @@ import sys
 import pytest
 
 
+def script_words(script, *args, env=None, timeout=600):
+    """Runs ``script`` in a fresh interpreter with ``args`` as its ``sys.argv[1:]`` and returns
+    what it printed, split into words; a failure fails the test (``CalledProcessError``)."""
+    res = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+        env=env,
+    )
+    return res.stdout.split()
+
+
 def run_isolated(code, *, env=None, timeout=120):
     """Runs ``code`` in a fresh interpreter (its own session) and returns the JSON it prints last.
     A hang kills the whole process group, forked children included, and fails the test."""

@@ -116,106 +116,69 @@ def same_on_every_rank(x):
 
 # ---- attnx.distributed.attention ------------------------------------------------------------------
 
+
+def _case(name, B, heads, dims, causal, kv_lens, **shape):
+    """A case's spec. Its name spells the form of its inputs: ``bshd`` (else bhsd), ``float16`` /
+    ``bfloat16`` (else float32), ``rank2`` / ``rank3`` (else 4), ``tensors`` (torch tensors in and
+    out, else NumPy), ``contiguous`` (ring sharding, else zigzag). ``kv_lens``: a function of the
+    total key count, or None."""
+    words = name.split("_")
+    spec = dict(name=name, B=B, heads=heads, dims=dims, causal=causal, **shape)
+    spec.update(layout="bshd" if "bshd" in words else "bhsd", torch="tensors" in words)
+    spec.update(dtype=next((w for w in words if w in ("float16", "bfloat16")), "float32"))
+    spec.update(rank=next((int(w[4:]) for w in words if w in ("rank2", "rank3")), 4))
+    spec.update(sharding="contiguous" if "contiguous" in words else "zigzag")
+    if kv_lens is not None:
+        spec["kv_lens"] = kv_lens
+    return spec
+
+
+def dense(name, B, heads, sq, dims, w2, w4, causal=False, kv_lens=None):
+    """A case of attnx.distributed.attention: ``sq`` queries, keys sharded ``w2`` on 2 ranks and
+    ``w4`` on 4."""
+    return _case(name, B, heads, dims, causal, kv_lens, sq=sq, sizes={2: w2, 4: w4})
+
+
 DENSE = [
-    # name, batch, (Hq, Hkv), Sq, (Dk, Dv), shard sizes by world, causal, kv_lens(total), dtype,
-    # layout, rank, torch tensors
-    dict(
-        name="decode_gqa_causal",
-        B=2,
-        heads=(4, 2),
-        sq=1,
-        dims=(16, 8),
-        sizes={2: [9, 0], 4: [5, 0, 9, 3]},
-        causal=True,
+    # name, batch, (Hq, Hkv), Sq, (Dk, Dv), shard sizes on 2 and on 4 ranks, causal, kv_lens(total)
+    dense("decode_gqa_causal", 2, (4, 2), 1, (16, 8), [9, 0], [5, 0, 9, 3], True),
+    dense(
+        "noncausal_kv_lens", 3, (2, 1), 4, (8, 8), [6, 7], [4, 3, 0, 6], False, lambda t: [0, 7, t]
     ),
-    dict(
-        name="noncausal_kv_lens",
-        B=3,
-        heads=(2, 1),
-        sq=4,
-        dims=(8, 8),
-        sizes={2: [6, 7], 4: [4, 3, 0, 6]},
-        kv_lens=lambda t: [0, 7, t],
+    dense(
+        "causal_prefill_kv_lens",
+        3,
+        (4, 1),
+        6,
+        (8, 4),
+        [8, 5],
+        [3, 4, 2, 4],
+        True,
+        lambda t: [t, t - 2, 3],
     ),
-    dict(
-        name="causal_prefill_kv_lens",
-        B=3,
-        heads=(4, 1),
-        sq=6,
-        dims=(8, 4),
-        sizes={2: [8, 5], 4: [3, 4, 2, 4]},
-        causal=True,
-        kv_lens=lambda t: [t, t - 2, 3],
-    ),
-    dict(
-        name="causal_more_queries_than_keys",
-        B=1,
-        heads=(2, 2),
-        sq=12,
-        dims=(8, 8),
-        sizes={2: [3, 5], 4: [2, 0, 5, 1]},
-        causal=True,
-    ),
-    dict(
-        name="bshd_float16",
-        B=2,
-        heads=(6, 3),
-        sq=3,
-        dims=(16, 16),
-        sizes={2: [10, 4], 4: [1, 6, 4, 3]},
-        causal=True,
-        dtype="float16",
-        layout="bshd",
-    ),
-    dict(
-        name="rank3_bshd_bfloat16_tensors",
-        B=1,
-        heads=(4, 2),
-        sq=2,
-        dims=(8, 8),
-        sizes={2: [5, 6], 4: [0, 5, 6, 1]},
-        causal=True,
-        dtype="bfloat16",
-        layout="bshd",
-        rank=3,
-        torch=True,
-    ),
-    dict(
-        name="rank2_tensors",
-        B=1,
-        heads=(1, 1),
-        sq=3,
-        dims=(8, 8),
-        sizes={2: [4, 4], 4: [2, 2, 2, 2]},
-        causal=True,
-        rank=2,
-        torch=True,
-    ),
-    dict(
-        name="every_shard_empty",
-        B=1,
-        heads=(2, 1),
-        sq=2,
-        dims=(4, 4),
-        sizes={2: [0, 0], 4: [0, 0, 0, 0]},
-        causal=True,
-    ),
+    dense("causal_more_queries_than_keys", 1, (2, 2), 12, (8, 8), [3, 5], [2, 0, 5, 1], True),
+    dense("bshd_float16", 2, (6, 3), 3, (16, 16), [10, 4], [1, 6, 4, 3], True),
+    dense("rank3_bshd_bfloat16_tensors", 1, (4, 2), 2, (8, 8), [5, 6], [0, 5, 6, 1], True),
+    dense("rank2_tensors", 1, (1, 1), 3, (8, 8), [4, 4], [2, 2, 2, 2], True),
+    dense("every_shard_empty", 1, (2, 1), 2, (4, 4), [0, 0], [0, 0, 0, 0], True),
 ]
+
+
+def spec_dtype(spec):
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(ml_dtypes.bfloat16) if spec["dtype"] == "bfloat16" else np.dtype(spec["dtype"])
 
 
 def dense_case(spec):
     def run(rank, world):
-        import ml_dtypes
         import numpy as np
 
         import attnx
         import attnx.distributed as ad
 
-        dtype = (
-            np.dtype(ml_dtypes.bfloat16)
-            if spec.get("dtype") == "bfloat16"
-            else np.dtype(spec.get("dtype", "float32"))
-        )
+        dtype = spec_dtype(spec)
         layout, r = spec.get("layout", "bhsd"), spec.get("rank", 4)
         sizes = spec["sizes"][world]
         total, (hq, hkv), (dk, dv), B = sum(sizes), spec["heads"], spec["dims"], spec["B"]
@@ -259,56 +222,32 @@ for _spec in DENSE:
 
 # ---- ring attention -------------------------------------------------------------------------------
 
+
+def ring(name, B, heads, dims, S, causal=False, kv_lens=None):
+    """A case of attnx.distributed.ring_attention: ``S`` positions (zigzag), or with
+    ``contiguous`` in its name, ``S`` the shard sizes on 2 and on 4 ranks."""
+    shape = dict(sizes={2: S[0], 4: S[1]}) if "contiguous" in name else dict(S=S)
+    return _case(name, B, heads, dims, causal, kv_lens, **shape)
+
+
 RING = [
-    dict(name="ring_zigzag_causal_gqa", B=1, heads=(4, 2), S=37, dims=(16, 8), causal=True),
-    dict(
-        name="ring_zigzag_noncausal_bshd_float16",
-        B=2,
-        heads=(2, 2),
-        S=20,
-        dims=(8, 8),
-        dtype="float16",
-        layout="bshd",
-    ),
-    dict(
-        name="ring_contiguous_uneven_causal",
-        B=2,
-        heads=(2, 1),
-        sizes={2: [11, 0], 4: [6, 0, 13, 2]},
-        dims=(8, 8),
-        causal=True,
-        sharding="contiguous",
-    ),
-    dict(
-        name="ring_zigzag_kv_lens_bfloat16_tensors",
-        B=2,
-        heads=(4, 1),
-        S=26,
-        dims=(8, 8),
-        causal=True,
-        kv_lens=lambda t: [t, 17],
-        dtype="bfloat16",
-        torch=True,
-    ),
-    dict(
-        name="ring_zigzag_rank3_float32", B=1, heads=(3, 3), S=9, dims=(4, 4), causal=True, rank=3
-    ),
+    # name, batch, (Hq, Hkv), (Dk, Dv), positions (or shard sizes), causal, kv_lens(total)
+    ring("ring_zigzag_causal_gqa", 1, (4, 2), (16, 8), 37, True),
+    ring("ring_zigzag_noncausal_bshd_float16", 2, (2, 2), (8, 8), 20),
+    ring("ring_contiguous_uneven_causal", 2, (2, 1), (8, 8), ([11, 0], [6, 0, 13, 2]), True),
+    ring("ring_zigzag_kv_lens_bfloat16_tensors", 2, (4, 1), (8, 8), 26, True, lambda t: [t, 17]),
+    ring("ring_zigzag_rank3_float32", 1, (3, 3), (4, 4), 9, True),
 ]
 
 
 def ring_case(spec):
     def run(rank, world):
-        import ml_dtypes
         import numpy as np
 
         import attnx
         import attnx.distributed as ad
 
-        dtype = (
-            np.dtype(ml_dtypes.bfloat16)
-            if spec.get("dtype") == "bfloat16"
-            else np.dtype(spec.get("dtype", "float32"))
-        )
+        dtype = spec_dtype(spec)
         layout, r = spec.get("layout", "bhsd"), spec.get("rank", 4)
         sharding = spec.get("sharding", "zigzag")
         sizes = spec["sizes"][world] if "sizes" in spec else None

@@ -11,9 +11,6 @@ refuses float64 (mixed dtypes, pages).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -24,7 +21,18 @@ from hypothesis import strategies as st
 import attnx
 from attnx import reference as ref
 
-from helpers import BF16, RISES, SEED, assert_matches, climbing_scores, from4, lse4, make_rng, to4
+from helpers import (
+    BF16,
+    RISES,
+    SEED,
+    assert_matches,
+    climbing_scores,
+    from4,
+    lse4,
+    make_rng,
+    script_words,
+    to4,
+)
 
 TOL = 1e-12  # relative to max(1, the largest |v|) for out, max(1, the largest |lse|) for lse
 
@@ -364,15 +372,7 @@ def test_memory_is_linear_in_sequence_length(tmp_path):
     the peak RSS of a fresh process grows by far less (K packed once per call, padded to 32
     features, is 16 MiB; ru_maxrss is a high-water mark, hence the subprocess)."""
     npz = tmp_path / "rows.npz"
-    res = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT, str(SEED), str(npz)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-        env=dict(os.environ),
-    )
-    grown = int(res.stdout.split()[0])
+    grown = int(script_words(_MEMORY_SCRIPT, SEED, npz)[0])
     assert grown < 128 * 2**20, f"peak RSS grew by {grown / 2**20:.0f} MiB"
     d = np.load(npz)
     Sk, Sq = d["k"].shape[0], 1024

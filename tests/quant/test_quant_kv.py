@@ -238,23 +238,14 @@ def test_int8_query_error_against_float32_kv(int8_query):
     doubles int8's error on random normal data (D = 128, GQA 4, 2048 keys)."""
     q, k, v, bt, lens, exact, rms = yardstick_problem()
     (kq, ks), (vq, vs) = ref.quantize_kv(k, "int8"), ref.quantize_kv(v, "int8")
-    err_q8 = (
-        float(
-            np.abs(
-                attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs) - exact
-            ).max()
-        )
-        / rms
-    )
+
+    def error():
+        out = attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs)
+        return float(np.abs(out - exact).max()) / rms
+
+    err_q8 = error()
     attnx.set_int8_query(False)
-    err_f = (
-        float(
-            np.abs(
-                attnx.paged_attention(q, kq, vq, bt, lens, k_scales=ks, v_scales=vs) - exact
-            ).max()
-        )
-        / rms
-    )
+    err_f = error()
     print(f"max |int8 - float32| / rms: float query {err_f:.4f}, int8 query {err_q8:.4f}")
     assert err_f < err_q8 < 0.1
 

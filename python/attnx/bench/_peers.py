@@ -145,19 +145,16 @@ def attnx_dense(shape, data, threads, *, plain=False):
 
 def attnx_paged(shape, data, threads):
     q, kp, vp, bt, sl, scales = data
+    return paged_impl(q, kp, vp, bt, sl, threads, window=_window(shape), **scales)
+
+
+def paged_impl(q, k_pages, v_pages, block_tables, seq_lens, threads, **kw):
+    """``attnx.paged_attention`` into an output array made once (``kw``: its other arguments)."""
     out = np.empty_like(q)
 
     def fn():
         return attnx.paged_attention(
-            q,
-            kp,
-            vp,
-            bt,
-            sl,
-            num_threads=threads,
-            out=out,
-            window=_window(shape),
-            **scales,
+            q, k_pages, v_pages, block_tables, seq_lens, num_threads=threads, out=out, **kw
         )
 
     return Impl(fn, lambda: (fn(), _f32(out))[1])

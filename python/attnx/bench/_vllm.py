@@ -40,24 +40,6 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # ---- the op rows -----------------------------------------------------------------------------
 
 
-def _attnx(q, kp, vp, bt, sl, ql, threads):
-    out = np.empty_like(q)
-
-    def fn():
-        return attnx.paged_attention(
-            q,
-            kp,
-            vp,
-            bt,
-            sl,
-            q_lens=ql,
-            out=out,
-            num_threads=threads,
-        )
-
-    return _peers.Impl(fn, lambda: (fn(), out.astype(np.float32))[1])
-
-
 def op_rows(vllm_mods, *, threads, repeat, tiny=False, log=print):
     """The decode and chunked-prefill rows: a list of dicts (name, shape, seconds, ratio)."""
     B, Hq, Hkv, L, D, chunk = (8, 32, 8, 2048, 128, 128) if not tiny else (2, 4, 2, 256, 64, 32)
@@ -72,7 +54,7 @@ def op_rows(vllm_mods, *, threads, repeat, tiny=False, log=print):
             "" if name == "decode" else f", q_lens {'/'.join(str(x) for x in sorted(set(ql)))}"
         )
         impls = {
-            "attnx": _attnx(q, kp, vp, bt, sl, lens, threads),
+            "attnx": _peers.paged_impl(q, kp, vp, bt, sl, threads, q_lens=lens),
             "vllm": _peers.vllm_paged(vllm_mods, q, kp, vp, bt, sl, lens, threads),
         }
         err = float(np.max(np.abs(impls["attnx"].result() - impls["vllm"].result())))

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 __all__ = ["StaleStepError", "Step", "packed_tokens"]
 
 
+_NO_KEYWORDS: dict[str, Any] = {}
+
+
 class StaleStepError(RuntimeError):
     """A step's sequence was truncated, freed or stepped again after ``begin_step``."""
 
@@ -170,48 +173,22 @@ class Step:
         ValueError, TypeError
             A malformed argument. Nothing is written.
         """
-        return self.attend_arrays(
-            layer,
-            q,
-            k,
-            v,
-            scale=scale,
-            num_threads=num_threads,
-            return_lse=return_lse,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-            alibi_slopes=alibi_slopes,
-            shared_prefix=shared_prefix,
-        )
+        # step_call's options in its order
+        opts = (scale, num_threads, return_lse, window, softcap, sinks, alibi_slopes, shared_prefix)
+        return self._attend(layer, q, k, v, opts, _NO_KEYWORDS)
 
     def attend_arrays(self, layer: int, q: Any, k: Any, v: Any = None, **options: Any) -> Any:
         """:meth:`attend` on NumPy arrays, without its tensor conversion, with its keyword
         arguments: for a caller that already holds NumPy views of its tensors (the Hugging Face
         backend, once per layer)."""
-        result = self._attend_layer(layer, q, k, v, **options)
-        if len(self._written) < self._layers:  # returned: its rows are written (a refusal none)
-            self._wrote(
-                layer if type(layer) is int else _index(layer, "layer", self._cache.num_layers)
-            )
-        return result
+        return self._attend(layer, q, k, v, (), options)
 
-    def _attend_layer(
-        self,
-        layer: int,
-        q: Any,
-        k: Any,
-        v: Any,
-        *,
-        scale: float | None = None,
-        num_threads: int | None = None,
-        return_lse: bool = False,
-        window: Any = None,
-        softcap: float | None = None,
-        sinks: Any = None,
-        alibi_slopes: Any = None,
-        shared_prefix: bool = True,
+    def _attend(
+        self, layer: int, q: Any, k: Any, v: Any, options: tuple, keywords: dict[str, Any]
     ) -> Any:
+        """One layer through the step's ``_core.StepPlan`` (made at the first call), ``options``
+        and ``keywords`` the positional and keyword arguments of :func:`attnx.ops.paged.step_call`
+        after ``v``; counts the layer written."""
         cache = self._cache
         # is_current's first test inline (this runs once per model layer)
         if cache._epoch != self._epoch and not cache.is_current(self):
@@ -230,21 +207,10 @@ class Step:
                 None if cache.sliding_window is None else cache.sliding_window - 1,
                 _shared.MIN_SAVED_KEYS,
             )
-        return _api.step_call(
-            step_plan,
-            layer,
-            q,
-            k,
-            v,
-            scale,
-            num_threads,
-            return_lse,
-            window,
-            softcap,
-            sinks,
-            alibi_slopes,
-            shared_prefix,
-        )
+        result = _api.step_call(step_plan, layer, q, k, v, *options, **keywords)
+        if len(self._written) < self._layers:  # returned: its rows are written (a refusal none)
+            self._wrote(layer if type(layer) is int else _index(layer, "layer", cache.num_layers))
+        return result
 
     def linear(
         self,

@@ -264,9 +264,15 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("attnx: fused output quantisation is not supported")
         if attn_metadata is None:  # warm-up
             return output
-        if not self.on_attnx or attn_metadata.batch is None:  # (a whole group falls back)
-            return self._vllm_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         write = self.kv_sharing_target_layer_name is None and key is not None and value is not None
+        if not self.on_attnx or attn_metadata.batch is None:  # (a whole group falls back)
+            # AttnxAttentionBackend takes the cache write into forward, so vLLM does not call
+            # do_kv_cache_update: it happens here, as vLLM's layer would have done it.
+            if write:
+                n = attn_metadata.num_actual_tokens
+                slots = attn_metadata.slot_mapping[:n]
+                self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, slots)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         k_pages, v_pages = self._layer_pages(kv_cache)
         attend(
             query,
@@ -285,23 +291,6 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
             write=write,
         )
         return output
-
-    def _vllm_forward(
-        self,
-        layer: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttnxMetadata,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
-        # AttnxAttentionBackend takes the cache write into forward, so vLLM does not call
-        # do_kv_cache_update: it happens here, as vLLM's layer would have done it.
-        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            n = meta.num_actual_tokens
-            self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
-        return super().forward(layer, query, key, value, kv_cache, meta, output)
 
 
 class AttnxAttentionBackend(CPUAttentionBackend):

@@ -37,8 +37,17 @@ def _np(x, name):
     return None if x is None else _tensors.to_numpy(x.detach(), name)
 
 
-def _window(left, right):
-    return None if left is None and right is None else (left, right)
+def _variants(return_lse, window_left, window_right, softcap, sinks, alibi_slopes, num_threads):
+    """The arguments both ops end with, as the keywords of attnx's entry points."""
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    return dict(
+        return_lse=return_lse,
+        window=window,
+        softcap=softcap,
+        sinks=_np(sinks, "sinks"),
+        alibi_slopes=_np(alibi_slopes, "alibi_slopes"),
+        num_threads=num_threads,
+    )
 
 
 def _result(res, return_lse, template):
@@ -77,12 +86,9 @@ def _attention_op(
         causal=causal,
         scale=scale,
         layout=layout,
-        return_lse=return_lse,
-        window=_window(window_left, window_right),
-        softcap=softcap,
-        sinks=_np(sinks, "sinks"),
-        alibi_slopes=_np(alibi_slopes, "alibi_slopes"),
-        num_threads=num_threads,
+        **_variants(
+            return_lse, window_left, window_right, softcap, sinks, alibi_slopes, num_threads
+        ),
     )
     out, lse = _result(res, return_lse, q)
     # a fresh array of the expected layout: the op owns it, so it may be handed out as is
@@ -115,24 +121,8 @@ def _lse_shape(q, layout):
 
 
 @_attention_op.register_fake
-def _(
-    q,
-    k,
-    v,
-    mask,
-    kv_lens,
-    q_lens,
-    causal,
-    scale,
-    layout,
-    return_lse,
-    window_left,
-    window_right,
-    softcap,
-    sinks,
-    alibi_slopes,
-    num_threads,
-):
+def _(q, k, v, mask, kv_lens, q_lens, causal, scale, layout, return_lse, *variants):
+    # (the shapes and dtypes follow q, v, layout and return_lse alone)
     out = _dense_out_like(q, v, layout)
     shape, dtype = (_lse_shape(q, layout), _lse_dtype(q)) if return_lse else (_EMPTY, torch.float32)
     lse = q.new_empty(shape, dtype=dtype)
@@ -166,34 +156,15 @@ def _paged_attention_op(
         q_lens=_np(q_lens, "q_lens"),
         causal=causal,
         scale=scale,
-        return_lse=return_lse,
-        window=_window(window_left, window_right),
-        softcap=softcap,
-        sinks=_np(sinks, "sinks"),
-        alibi_slopes=_np(alibi_slopes, "alibi_slopes"),
-        num_threads=num_threads,
+        **_variants(
+            return_lse, window_left, window_right, softcap, sinks, alibi_slopes, num_threads
+        ),
     )
     return _result(res, return_lse, q)
 
 
 @_paged_attention_op.register_fake
-def _(
-    q,
-    k_pages,
-    v_pages,
-    block_tables,
-    seq_lens,
-    q_lens,
-    causal,
-    scale,
-    return_lse,
-    window_left,
-    window_right,
-    softcap,
-    sinks,
-    alibi_slopes,
-    num_threads,
-):
+def _(q, k_pages, v_pages, block_tables, seq_lens, q_lens, causal, scale, return_lse, *variants):
     out = q.new_empty((*q.shape[:-1], v_pages.shape[-1]))
     lse = q.new_empty(tuple(q.shape[:-1]) if return_lse else _EMPTY, dtype=torch.float32)
     return out, lse
@@ -209,11 +180,17 @@ def _tensor(x):
     return torch.as_tensor(np.asarray(x))
 
 
-def _split_window(window):
-    if window is None:
-        return None, None
-    left, right = window
-    return (None if left is None else int(left)), (None if right is None else int(right))
+def _real(x):
+    return None if x is None else float(x)
+
+
+def _op_variants(return_lse, window, softcap, sinks, alibi_slopes, num_threads):
+    """The arguments both ops end with, from the keywords of attnx's entry points (``window``
+    as its two sides)."""
+    left, right = (None, None) if window is None else window
+    sides = [None if x is None else int(x) for x in (left, right)]
+    head = (bool(return_lse), *sides, _real(softcap))
+    return (*head, _tensor(sinks), _tensor(alibi_slopes), num_threads)
 
 
 def _finish(out_t, lse, out, return_lse):
@@ -243,24 +220,10 @@ def attention(
     alibi_slopes=None,
 ):
     """:func:`attnx.attention` through ``torch.ops.attnx.attention`` (same arguments and results)."""
-    wl, wr = _split_window(window)
+    lens = (_tensor(mask), _tensor(kv_lens), _tensor(q_lens))
+    variants = _op_variants(return_lse, window, softcap, sinks, alibi_slopes, num_threads)
     o, lse = torch.ops.attnx.attention(
-        q,
-        k,
-        v,
-        _tensor(mask),
-        _tensor(kv_lens),
-        _tensor(q_lens),
-        bool(causal),
-        None if scale is None else float(scale),
-        layout,
-        bool(return_lse),
-        wl,
-        wr,
-        None if softcap is None else float(softcap),
-        _tensor(sinks),
-        _tensor(alibi_slopes),
-        num_threads,
+        q, k, v, *lens, bool(causal), _real(scale), layout, *variants
     )
     return _finish(o, lse, out, return_lse)
 
@@ -287,23 +250,10 @@ def paged_attention(
     """:func:`attnx.paged_attention` through ``torch.ops.attnx.paged_attention``. (The op always
     reads shared prefixes once where that pays, as the default does: ``shared_prefix`` is
     accepted for the same signature; the result is the same within fp32 tolerance.)"""
-    wl, wr = _split_window(window)
+    pool = (_tensor(k_pages), _tensor(v_pages), _tensor(block_tables), _tensor(seq_lens))
+    variants = _op_variants(return_lse, window, softcap, sinks, alibi_slopes, num_threads)
     o, lse = torch.ops.attnx.paged_attention(
-        q,
-        _tensor(k_pages),
-        _tensor(v_pages),
-        _tensor(block_tables),
-        _tensor(seq_lens),
-        _tensor(q_lens),
-        bool(causal),
-        None if scale is None else float(scale),
-        bool(return_lse),
-        wl,
-        wr,
-        None if softcap is None else float(softcap),
-        _tensor(sinks),
-        _tensor(alibi_slopes),
-        num_threads,
+        q, *pool, _tensor(q_lens), bool(causal), _real(scale), *variants
     )
     return _finish(o, lse, out, return_lse)
 

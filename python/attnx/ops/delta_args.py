@@ -111,7 +111,7 @@ def _gates(g, beta, B, T, Hv, K, layout):
     return g, beta
 
 
-def delta_args(q, k, v, g, beta, *, scale, initial_state, layout, cu_seqlens, lengths):
+def delta_args(q, k, v, g, beta, scale, initial_state, layout, cu_seqlens, lengths):
     """Checks every argument of the gated delta rule; see ``attnx.gated_delta_rule``."""
     choice(layout, LAYOUTS, "layout")
     q = _time_major(_float(q, "q"), "q", 4, layout)

@@ -109,18 +109,7 @@ def gated_delta_rule(
     """Gated delta-rule linear attention.
     (Parameters, results and an example: :mod:`attnx.ops.delta_rule`.)"""
     choice(_mode, tuple(_MODES), "_mode")
-    args = delta_args(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        layout=layout,
-        cu_seqlens=cu_seqlens,
-        lengths=lengths,
-    )
+    args = delta_args(q, k, v, g, beta, scale, initial_state, layout, cu_seqlens, lengths)
     n_threads = threads(num_threads)
     in_dtype = args.q.dtype
     dtype = np.dtype(np.float32) if in_dtype == np.float64 else in_dtype

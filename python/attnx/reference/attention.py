@@ -397,9 +397,10 @@ def _weighted_values(weights, v, visible):
 
 
 def _prepare(
-    q, k, v, *, causal, mask, kv_lens, q_lens, scale, layout, window, softcap, sinks, alibi_slopes
+    q, k, v, causal, mask, kv_lens, q_lens, scale, layout, window, softcap, sinks, alibi_slopes
 ) -> tuple[Array, Array, Array, Array | None, int, dict[str, Any]]:
-    """Validate the common arguments and bring everything to 4-D float64 bhsd."""
+    """Validate the common arguments of :func:`attention` and :func:`attention_weights`, in their
+    order, and bring everything to 4-D float64 bhsd."""
     check_layout(layout)
     q = _float_array(q, "q")
     k = _float_array(k, "k")
@@ -480,19 +481,7 @@ def attention(
     """Exact scaled dot-product attention, ``softmax(scale * Q Kᵀ + M) V``.
     (Parameters, results and an example: :mod:`attnx.reference.attention`.)"""
     q, q4, k4, v4, rank, params = _prepare(
-        q,
-        k,
-        v,
-        causal=causal,
-        mask=mask,
-        kv_lens=kv_lens,
-        q_lens=q_lens,
-        scale=scale,
-        layout=layout,
-        window=window,
-        softcap=softcap,
-        sinks=sinks,
-        alibi_slopes=alibi_slopes,
+        q, k, v, causal, mask, kv_lens, q_lens, scale, layout, window, softcap, sinks, alibi_slopes
     )
     out_dt = output_dtype(out_dtype, q.dtype)
     _, out, lse = _compute(q4, k4, v4, **params)
@@ -532,16 +521,16 @@ def attention_weights(
         q,
         k,
         None,
-        causal=causal,
-        mask=mask,
-        kv_lens=kv_lens,
-        q_lens=q_lens,
-        scale=scale,
-        layout=layout,
-        window=window,
-        softcap=softcap,
-        sinks=sinks,
-        alibi_slopes=alibi_slopes,
+        causal,
+        mask,
+        kv_lens,
+        q_lens,
+        scale,
+        layout,
+        window,
+        softcap,
+        sinks,
+        alibi_slopes,
     )
     weights, _, _ = _compute(q4, k4, None, **params)
     return _reduce_rank(weights, rank)

@@ -87,18 +87,7 @@ def gated_delta_rule(
     """
     from ..ops.delta_args import delta_args, from_bshd
 
-    args = delta_args(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        layout=layout,
-        cu_seqlens=cu_seqlens,
-        lengths=lengths,
-    )
+    args = delta_args(q, k, v, g, beta, scale, initial_state, layout, cu_seqlens, lengths)
     out_dt = output_dtype(out_dtype, args.q.dtype)
     o, states = _delta_recurrence(args, qk_l2norm=bool(qk_l2norm), dtype=np.float64)
     o = from_bshd(round_to(o, out_dt), layout)
