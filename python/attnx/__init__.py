@@ -172,7 +172,7 @@ def set_float32_precision(precision):
     products), prefill over float32 q, k and v (more than 8 query rows per kv head: dense
     calls, chunked prefill over float32 pages, a cache step, the torch ops and the Hugging Face
     backend) takes them: q, k, v and the probabilities P are rounded to bf16 (round to nearest
-    even, a relative error of at most 2^-9 each), the sums, the softmax, the output and the lse
+    even, a relative error of at most 2^-8 each: half a bf16 ulp), the sums, the softmax, the output and the lse
     stay float32 (docs/numerics.md, "bf16 products"). The setting allows bf16 products, it
     does not emulate them: decode, other paths (``ATTNX_ISA=avx512``, CPUs without them) and
     other dtypes keep their float32 results bit for bit; float64 is never affected.

@@ -17,10 +17,11 @@
 //   softmax-inl.h,
 //       but for the exps of the fused tiles where no lse is returned: 2.9e-6 (Bf16P below).
 //   P V: P rounded to bf16 (round to nearest even) before the product, as FlashAttention and
-//       torch's bf16 SDPA do; O accumulated in fp32. This rounding (a relative 2^-9 per p) is the
-//       only error the path adds to the fp32-widening kernels: tests/kernels/test_bf16_dot.py holds
-//       its error against the float64 reference within a small multiple of a same-precision
-//       implementation's (a NumPy emulation that rounds P to bf16, and torch's bf16 SDPA).
+//       torch's bf16 SDPA do; O accumulated in fp32. This rounding (2^-8 relative per p, at most)
+//       is the only error the path adds to the fp32-widening kernels:
+//       tests/kernels/test_bf16_dot.py holds its error against the float64 reference within a small
+//       multiple of a same-precision implementation's (attnx.reference's bf16_products twin, and
+//       torch's bf16 SDPA).
 
 // The including file provides <cmath>, <cstring>, <limits>, <type_traits> and <immintrin.h>.
 
@@ -199,7 +200,7 @@ static void pack_p_bf16(int M, float* s, int64_t n2) {
   }
 }
 
-// The fused tiles' p = exp(s - m) where the rows return no lse: P is rounded to bf16 (2^-9)
+// The fused tiles' p = exp(s - m) where the rows return no lse: P is rounded to bf16 (2^-8)
 // before P V, so exp_bf16's 2.9e-6 costs nothing measurable, and it is two FMAs shorter than
 // exp's (B1 H8 S2048 D64 prefill +2-3%). l then carries the same 2.9e-6: O / l keeps it, far
 // below bf16's rounding, but lse = m + log l would lose its float32 accuracy, so rows that return
