@@ -1,4 +1,4 @@
-"""Fixtures and hooks of the test suite: the ``isa`` and ``rng`` fixtures, hypothesis profiles and
+"""Fixtures and hooks of the test suite: the ``isa``, ``bf16_isa`` and ``rng`` fixtures, hypothesis profiles and
 the report header. The library the tests share (checks, tolerances, data) is tests/helpers/.
 
 Environment:
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 
 import attnx
 
-from helpers import ISAS, SEED
+from helpers import BF16_PRODUCT_ISAS, ISAS, SEED, has_amx, has_avx512bf16
 
 settings.register_profile(
     "ci",
@@ -45,6 +45,22 @@ def isa(request):
     previous = attnx.cpu_features()["isa"]
     attnx._core.set_isa(request.param)
     assert attnx.cpu_features()["isa"] == request.param
+    try:
+        yield request.param
+    finally:
+        attnx._core.set_isa(previous)
+
+
+@pytest.fixture(params=BF16_PRODUCT_ISAS)
+def bf16_isa(request):
+    """Runs the test on each path with bf16 products (avx512bf16's dot products, amx's tiles;
+    skips those the CPU lacks), restoring the active path afterwards."""
+    if not has_avx512bf16():
+        pytest.skip("CPU lacks AVX512_BF16")
+    if request.param == "amx" and not has_amx():
+        pytest.skip("CPU lacks AMX-BF16, or the OS did not grant the tile state")
+    previous = attnx.cpu_features()["isa"]
+    attnx._core.set_isa(request.param)
     try:
         yield request.param
     finally:

@@ -43,6 +43,9 @@ void bind_kernel_path(py::module_& m) {
   m.def("bf16_dot_gain", &bf16_dot_gain);
   m.def("set_int8_query", [](bool on) { set_int8_query(on); }, py::arg("on"));
   m.def("int8_query", &int8_query);
+  m.def("set_float32_bf16_products", [](bool on) { set_float32_bf16_products(on); }, py::arg("on"));
+  m.def("float32_bf16_products", &float32_bf16_products);
+  m.def("active_bf16_products", &active_bf16_products);
   m.def("active_isa", []() { return std::string(active_isa()); });
   m.def("set_isa", [](const std::string& name) { set_isa(name); }, py::arg("name"));
 }

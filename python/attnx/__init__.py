@@ -55,6 +55,7 @@ __all__ = [
     "Step",
     "attention",
     "cpu_features",
+    "float32_precision",
     "gated_delta_rule",
     "get_num_threads",
     "merge_attention",
@@ -62,6 +63,7 @@ __all__ = [
     "reference",
     "scaled_dot_product_attention",
     "session_info",
+    "set_float32_precision",
     "set_int8_query",
     "set_num_threads",
     "share_blas_threads",
@@ -81,10 +83,13 @@ def cpu_features() -> dict[str, bool | str]:
     forced one at import. ``avx512bf16`` is ``avx512`` with bf16 dot products (AVX512_BF16) for
     prefill over bfloat16 q, k and v, ``amx`` the same with AMX tile products;
     ``ATTNX_ISA=avx512`` keeps bfloat16 on the float32-widening kernels. ``neon`` is the path of
-    every aarch64 CPU (Advanced SIMD).
+    every aarch64 CPU (Advanced SIMD). ``bf16_products``: the active path multiplies prefill in
+    bf16 (``avx512bf16``, ``amx``), which is what :func:`set_float32_precision` ``("bf16")`` lets
+    float32 calls use; where it is false that setting changes nothing.
     """
     f: dict[str, bool | str] = dict(_core.cpu_features())
     f["isa"] = _core.active_isa()
+    f["bf16_products"] = _core.active_bf16_products()
     return f
 
 
@@ -142,6 +147,54 @@ def set_int8_query(on=True):
     before = bool(_core.int8_query())
     _core.set_int8_query(bool(on))
     return before
+
+
+FLOAT32_PRECISIONS = ("float32", "bf16")
+
+
+class _Previous(str):
+    """The setting a :func:`set_float32_precision` call replaced; a ``with`` block over the call
+    puts it back at its end."""
+
+    def __enter__(self) -> _Previous:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _core.set_float32_bf16_products(self == "bf16")
+
+
+def set_float32_precision(precision):
+    """Which products float32 attention may use, for every later call (the process-wide
+    setting, read once when a call starts; compare ``torch.set_float32_matmul_precision``).
+
+    ``"float32"`` (the default): float32 products throughout. ``"bf16"``: where the active path
+    multiplies in bf16 (``cpu_features()["bf16_products"]``: AMX tiles or AVX512_BF16 dot
+    products), prefill over float32 q, k and v (more than 8 query rows per kv head: dense
+    calls, chunked prefill over float32 pages, a cache step, the torch ops and the Hugging Face
+    backend) takes them: q, k, v and the probabilities P are rounded to bf16 (round to nearest
+    even, a relative error of at most 2^-8 each: half a bf16 ulp), the sums, the softmax, the output and the lse
+    stay float32 (docs/numerics.md, "bf16 products"). The setting allows bf16 products, it
+    does not emulate them: decode, other paths (``ATTNX_ISA=avx512``, CPUs without them) and
+    other dtypes keep their float32 results bit for bit; float64 is never affected.
+    ``attnx.reference.attention(..., bf16_products=True)`` is the twin.
+
+    Returns the previous setting, a str that also works as a context manager restoring it::
+
+        with attnx.set_float32_precision("bf16"):
+            out = attnx.attention(q, k, v)
+
+    Raises ValueError, naming ``precision``, for anything but ``"float32"`` or ``"bf16"``.
+    """
+    want = _validate.choice(precision, FLOAT32_PRECISIONS, "precision")
+    before = float32_precision()
+    _core.set_float32_bf16_products(want == "bf16")
+    return _Previous(before)
+
+
+def float32_precision():
+    """The products float32 attention may use: ``"float32"`` or ``"bf16"`` (see
+    :func:`set_float32_precision`)."""
+    return "bf16" if _core.float32_bf16_products() else "float32"
 
 
 def _select_isa_from_env():

@@ -14,6 +14,7 @@ import attnx
 ROWS = ["prefill", "gqa_causal", "prefill_bf16", "gqa_causal_bf16", "causal_bf16"]
 ROWS += ["chunk_bf16"] if attnx.cpu_features()["isa"] == "amx" else []
 ROWS += [
+    "prefill_fp32_bf16",
     "encoder",
     "decode_f32",
     "decode_fp16",
@@ -143,6 +144,13 @@ def _check_bf16_rows(rows, m):
         # its fp32 base timed in the same rounds, sample by sample
         assert len(rows[key]["samples"]["attnx fp32"]) == len(rows[key]["samples"]["attnx"]), key
         assert rows[key]["extra"]["base_interleaved_s"] > 0, key
+    # float32 on bf16 products: its float32 base (the prefill row's call) timed in the same
+    # rounds, the peers (torch's float32 SDPA) checked at bf16's tolerance
+    fp32_bf16 = rows["prefill_fp32_bf16"]
+    assert "bf16 products" in fp32_bf16["shape"] and "fp32 prefill" in fp32_bf16["target"]
+    assert ("≥ 3× fp32" in fp32_bf16["target"]) == (m["isa"] == "amx")
+    assert fp32_bf16["extra"]["base_interleaved_s"] > 0
+    assert not any("differs from attnx" in n for n in fp32_bf16["notes"]), fp32_bf16["notes"]
     if "chunk_bf16" in rows:  # against the vector path, timed in the same rounds
         assert "vector path" in rows["chunk_bf16"]["target"], rows["chunk_bf16"]["target"]
         assert rows["chunk_bf16"]["extra"]["path_interleaved_s"] > 0
@@ -551,10 +559,12 @@ def test_shared_prefix_rows_count_the_bytes_read_once_and_their_bound():
 
 
 def test_bf16_ratio_script_runs():
-    """bench/ratio.py (bf16 against fp32 prefill, interleaved) runs and prints both rates."""
+    """bench/ratio.py (bf16, and fp32 on bf16 products, against fp32 prefill, interleaved) runs
+    and prints each row's rate and ratio."""
     script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "bench", "ratio.py")
     res = subprocess.run(
         [sys.executable, script, "--seconds", "0.05"], capture_output=True, text=True, timeout=120
     )
     assert res.returncode == 0, res.stderr
-    assert "fp32 " in res.stdout and "bf16 / fp32: best" in res.stdout
+    for row in ("fp32 ", "fp32 bf16 products ", "bf16 "):
+        assert f"\n  {row}" in res.stdout and "GFLOP/s), x fp32: best" in res.stdout, res.stdout

@@ -4,6 +4,7 @@
   data        seeds, dtypes, random arrays, scrambled paged pools
   layouts     a user array of any layout and rank as (B, H, S, D) and back
   isa         the instruction sets this CPU can run, and the default one
+  bf16        bf16 products (bf16 inputs, float32 ones opted in) held to the flash rule
   tolerance   the same-precision twin that sets how far a kernel may sit from the reference
   checks      dense and paged calls held to attnx.reference
   delta       the gated delta rule's check and tolerance
@@ -12,6 +13,21 @@
   fuzz        the atheris harness (fuzz/) as a module
 """
 
+from helpers.bf16 import (
+    EMUL_MAX_RATIO,
+    EMUL_MEAN_RATIO,
+    PREFILL_SHAPES,
+    TORCH_RATIO,
+    all_prefill,
+    assert_flash_rule,
+    assert_p_rounding_bound,
+    bf16_twin,
+    errors,
+    on_isa,
+    prefill_problems,
+    prefill_qkv,
+    rounded_bf16,
+)
 from helpers.cache import bits, cache_state, cache_stepper, finish_client
 from helpers.checks import check_attention, check_dense, check_paged, dense_views, native, same_bits
 from helpers.data import (
@@ -61,16 +77,24 @@ __all__ = [
     "DELTA_ERR_FACTOR",
     "DELTA_ULPS",
     "DELTA_ULPS_STATE",
+    "EMUL_MAX_RATIO",
+    "EMUL_MEAN_RATIO",
     "F32_EPS",
     "ISAS",
+    "PREFILL_SHAPES",
     "RISES",
     "SEED",
+    "TORCH_RATIO",
+    "all_prefill",
     "assert_delta_matches",
+    "assert_flash_rule",
     "assert_matches",
+    "assert_p_rounding_bound",
     "assert_set_isa_refused",
     "attention_tolerance",
     "best_isa",
     "bf16_rounds_p",
+    "bf16_twin",
     "bits",
     "cache_state",
     "cache_stepper",
@@ -83,6 +107,7 @@ __all__ = [
     "delta_expected",
     "delta_tolerance",
     "dense_views",
+    "errors",
     "finish_client",
     "from4",
     "has_amx",
@@ -91,8 +116,12 @@ __all__ = [
     "lse4",
     "make_rng",
     "native",
+    "on_isa",
     "pool_from_sequences",
+    "prefill_problems",
+    "prefill_qkv",
     "rand",
+    "rounded_bf16",
     "run_isolated",
     "same_bits",
     "scramble_tables",

@@ -103,8 +103,8 @@ def attention_tolerance(ref_out, lp_out, ref_lse, lp_lse, *, storage, v_max):
       SAME low-precision inputs and input rounding is not measured.  The same-precision error
       is then dominated by the final rounding to storage (<= 1/2 ulp); the kernel may land on
       the other side of a rounding boundary (1 ulp), which 3 x 1/2 ulp covers.
-    * the avx512bf16 path on bf16 inputs rounds P to bf16 before P V (a relative 2^-9 per
-      weight): its twin rounds P too (``bf16_rounds_p``). Where the output cancels (weights on
+    * the avx512bf16 path on bf16 inputs rounds P to bf16 before P V (at most 2^-8 relative
+      per weight): its twin rounds P too (``bf16_rounds_p``). Where the output cancels (weights on
       values of both signs) that error exceeds the output's own rounding: a soak run found a
       row at 0.099 from values up to 2.7 whose P rounding cost 1.01x the tolerance without it.
       tests/kernels/test_bf16_dot.py holds that path to the stricter flash rule besides.

@@ -3,7 +3,7 @@ fp32 accumulation, P rounded to bf16 before P V), cpp/src/kernels/bf16_dot-inl.h
 
 Numerics follow the flash-attention rule: the error against the float64 reference (on the bf16
 values themselves) stays within a small multiple of a same-precision implementation's error, here
-``emulate_bf16_p`` (exact attention with P rounded to bf16, output rounded to bf16) and, where
+``helpers.bf16_twin`` (the reference with P rounded to bf16, output rounded to bf16) and, where
 installed, torch's bf16 ``scaled_dot_product_attention``.  The rest of the path's contract:
 selected at import where the CPU has AVX512_BF16, forced or refused by ``ATTNX_ISA`` /
 ``set_isa``, ``avx512`` keeps the exact fp32-widening results, and every other dtype and decode
@@ -19,7 +19,6 @@ import sys
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
@@ -28,82 +27,25 @@ from helpers import (
     BF16,
     BF16_DOT_GAIN,
     BF16_PRODUCT_ISAS,
-    F32_EPS,
+    EMUL_MAX_RATIO,
     ISAS,
+    PREFILL_SHAPES,
+    TORCH_RATIO,
+    assert_flash_rule,
     assert_set_isa_refused,
     best_isa,
+    bf16_twin,
     check_attention,
+    errors,
     has_amx,
     has_avx512bf16,
+    on_isa,
+    prefill_problems,
+    prefill_qkv,
     rand,
 )
 
-# Bounds measured on this path (Zen 4, random shapes below): the kernel's max error is 1.0x the
-# emulation's (median; at most 1.05x), its mean error 1.0x; against torch's bf16 SDPA 1.0x max
-# (at most 1.33x) and 1.25x mean (at most 1.54x): torch's CPU kernel keeps more of P.
-EMUL_MAX_RATIO = 2.0
-EMUL_MEAN_RATIO = 1.25
-TORCH_RATIO = 2.0
-
 needs_bf16 = pytest.mark.skipif(not has_avx512bf16(), reason="CPU lacks AVX512_BF16")
-
-
-@pytest.fixture(params=BF16_PRODUCT_ISAS)
-def bf16_isa(request):
-    """Runs the test on each path with bf16 products (avx512bf16's dot products, amx's tiles;
-    skips those the CPU lacks), restoring the active path afterwards."""
-    if not has_avx512bf16():
-        pytest.skip("CPU lacks AVX512_BF16")
-    if request.param == "amx" and not has_amx():
-        pytest.skip("CPU lacks AMX-BF16, or the OS did not grant the tile state")
-    previous = attnx.cpu_features()["isa"]
-    attnx._core.set_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        attnx._core.set_isa(previous)
-
-
-def on_isa(name, fn):
-    previous = attnx.cpu_features()["isa"]
-    attnx._core.set_isa(name)
-    try:
-        return fn()
-    finally:
-        attnx._core.set_isa(previous)
-
-
-def emulate_bf16_p(q, k, v, **kw):
-    """Attention in float64 except that the unnormalised probabilities exp(s - max) are rounded
-    to bf16 before P V (the rows' sums are not), output rounded to bf16: what a same-precision
-    (bf16 P) implementation computes."""
-    w = ref.attention_weights(q, k, **kw)
-    c = w.max(axis=-1, keepdims=True)
-    c = np.where(c > 0, c, 1.0)
-    p = (w / c).astype(np.float32).astype(BF16).astype(np.float64)
-    vv = v.astype(np.float64)
-    if vv.ndim == 4:
-        vv = np.repeat(vv, q.shape[1] // k.shape[1], axis=1)
-    return ((p @ vv) * c).astype(BF16).astype(np.float64)
-
-
-def errors(o, r):
-    """(max, mean) |o - r| over the reference's finite entries."""
-    fin = np.isfinite(r)
-    e = np.abs(o.astype(np.float64) - r)[fin]
-    return (float(e.max(initial=0.0)), float(e.mean()) if e.size else 0.0)
-
-
-def assert_flash_rule(q, k, v, **kw):
-    """The kernel against the float64 reference, next to the bf16-P emulation's error."""
-    r = ref.attention(q, k, v, out_dtype=np.float64, **kw)
-    o = attnx.attention(q, k, v, **kw)
-    assert o.dtype == BF16
-    (km, ka), (em, ea) = errors(o, r), errors(emulate_bf16_p(q, k, v, **kw), r)
-    floor = 4 * F32_EPS * float(np.max(np.abs(v.astype(np.float64)), initial=0.0))
-    assert km <= EMUL_MAX_RATIO * em + floor, (km, em)
-    assert ka <= EMUL_MEAN_RATIO * ea + floor, (ka, ea)
-    return o
 
 
 # ---- selection -----------------------------------------------------------------------------
@@ -225,63 +167,7 @@ def test_bf16_decode_matches_avx512(rng):
 # ---- numerics --------------------------------------------------------------------------------
 
 
-@st.composite
-def problems(draw):
-    """bf16 prefill problems: GQA, Dk != Dv, odd widths and key counts, masks, lengths, windows,
-    softcap, sinks and ALiBi. Every work item has > 8 rows (the dot-product path) unless Sq is
-    small and the GQA group too."""
-    hkv = draw(st.integers(1, 2))
-    g = draw(st.sampled_from([1, 2, 4]))
-    B = draw(st.integers(1, 2))
-    sq, sk = draw(st.integers(1, 150)), draw(st.integers(1, 260))
-    dk, dv = draw(st.integers(1, 136)), draw(st.integers(1, 136))
-    seed = draw(st.integers(0, 2**32 - 1))
-    r = np.random.default_rng(seed)
-    qs = draw(st.sampled_from([0.5, 1.0, 3.0]))
-    q = (r.standard_normal((B, hkv * g, sq, dk)) * qs).astype(BF16)
-    k = r.standard_normal((B, hkv, sk, dk)).astype(BF16)
-    v = r.standard_normal((B, hkv, sk, dv)).astype(BF16)
-    kw = {}
-    if draw(st.booleans()):
-        kw["causal"] = True
-    extra = draw(
-        st.sampled_from(
-            [
-                "none",
-                "bool_mask",
-                "add_mask",
-                "lens",
-                "window",
-                "softcap",
-                "sinks",
-                "alibi",
-                "scale",
-            ]
-        )
-    )
-    if extra == "bool_mask":
-        kw["mask"] = r.random((B, 1, sq, sk)) < 0.8
-    elif extra == "add_mask":
-        kw["mask"] = np.where(
-            r.random((1, hkv * g, sq, sk)) < 0.2, -np.inf, r.standard_normal((1, hkv * g, sq, sk))
-        ).astype(np.float32)
-    elif extra == "lens":
-        kw["kv_lens"] = r.integers(0, sk + 1, B)
-        kw["q_lens"] = r.integers(0, sq + 1, B)
-    elif extra == "window":
-        kw["window"] = (int(r.integers(0, 40)), int(r.integers(0, 10)))
-    elif extra == "softcap":
-        kw["softcap"] = 5.0
-    elif extra == "sinks":
-        kw["sinks"] = r.standard_normal(hkv * g).astype(np.float32)
-    elif extra == "alibi":
-        kw["alibi_slopes"] = (2.0 ** -np.arange(1, hkv * g + 1)).astype(np.float32)
-    elif extra == "scale":
-        kw["scale"] = float(r.choice([0.3, 1.0, 2.0]))
-    return q, k, v, kw
-
-
-@given(problems())
+@given(prefill_problems(BF16))
 @settings(max_examples=60)
 def test_flash_rule_hypothesis(bf16_isa, problem):
     q, k, v, kw = problem
@@ -289,23 +175,10 @@ def test_flash_rule_hypothesis(bf16_isa, problem):
     check_attention(q, k, v, **kw)  # the tolerance every ISA meets (helpers), lse included
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [
-        (1, 8, 8, 256, 64, 64),
-        (1, 8, 2, 200, 128, 128),
-        (2, 4, 4, 97, 63, 33),
-        (1, 2, 1, 130, 576, 512),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("shape", [*PREFILL_SHAPES, (1, 2, 1, 130, 576, 512)], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_rule_shapes(bf16_isa, rng, shape, causal):
-    B, hq, hkv, s, dk, dv = shape
-    q = rand(rng, (B, hq, s, dk), BF16)
-    k = rand(rng, (B, hkv, s, dk), BF16)
-    v = rand(rng, (B, hkv, s, dv), BF16)
-    assert_flash_rule(q, k, v, causal=causal)
+    assert_flash_rule(*prefill_qkv(rng, shape, BF16), causal=causal)
 
 
 def test_against_torch_bf16_sdpa(bf16_isa, rng):
@@ -395,7 +268,7 @@ def test_paged_prefill_chunk(bf16_isa, rng):
     want = ref.attention(qq, *dense, causal=True, out_dtype=np.float64)
     (km, _), (em, _) = (
         errors(got.transpose(1, 0, 2)[None], want),
-        errors(emulate_bf16_p(qq, *dense, causal=True), want),
+        errors(bf16_twin(qq, *dense, causal=True), want),
     )
     assert km <= EMUL_MAX_RATIO * em + 1e-6, (km, em)
     q32 = q.astype(np.float32)

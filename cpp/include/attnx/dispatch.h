@@ -60,4 +60,13 @@ bool share_omp_threads(bool on);
 void set_int8_query(bool on);
 bool int8_query();
 
+// float32 callers' opt-in to bf16 products (off by default; attnx.set_float32_precision): where
+// the active path multiplies prefill in bf16 (active_bf16_products()), float32 q, k and v prefill
+// takes those products too, q, k, v and P rounded to bf16 (round to nearest even), O, the sums
+// and the lse float32. Elsewhere, and for decode, it changes nothing. Read once per call.
+void set_float32_bf16_products(bool on);
+bool float32_bf16_products();
+// Whether the active instruction set multiplies prefill in bf16 (avx512bf16, amx).
+bool active_bf16_products();
+
 }  // namespace attnx

@@ -210,9 +210,12 @@ void cascade_attend(const CascadePlan& plan, const PagedParams& p) {
   const int64_t row = p.Hq * p.Dv;
   std::unique_ptr<float[]> out(new float[std::size_t(p.N * row)]);
   std::vector<float> lse(std::size_t(p.N * p.Hq), -std::numeric_limits<float>::infinity());
+  const bool bf16 = float32_bf16_products();  // (one value for every part of the call)
   for (std::size_t d = 0; d < plan.levels.size(); ++d) {
     const PagedParams lp = level_params(p, plan.levels[d]);
-    detail::run_flash(SharedProblem(lp, plan.levels[d], out.get(), lse.data(), d > 0), nt);
+    SharedProblem level(lp, plan.levels[d], out.get(), lse.data(), d > 0);
+    level.bf16_products = bf16;
+    detail::run_flash(level, nt);
   }
   PagedParams tp = p;  // the tails: causal, each row's shared part merged in before it is written
   tp.block_tables = plan.tail_table.data();
@@ -224,7 +227,9 @@ void cascade_attend(const CascadePlan& plan, const PagedParams& p) {
   tp.prior_lse = lse.data();
   tp.pl_sn = p.Hq;
   tp.pl_sh = 1;
-  detail::run_flash(detail::PagedProblem(tp), nt);
+  detail::PagedProblem tails(tp);
+  tails.bf16_products = bf16;
+  detail::run_flash(tails, nt);
 }
 
 }  // namespace attnx

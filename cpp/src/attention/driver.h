@@ -251,7 +251,8 @@ class FlashRun {
                           p_.mask_sk,
                           p_.q_dtype,
                           p_.scale,
-                          p_.lse_at(it.b, it.h0, it.i0) != nullptr};
+                          p_.lse_at(it.b, it.h0, it.i0) != nullptr,
+                          p_.bf16_products};
     if (p_.var.alibi_slopes != nullptr) {
       for (int r = 0; r < M; ++r) s.slopes[r] = p_.var.alibi_slopes[it.h0 + r / it.ni];
       rs.slope = s.slopes;

@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "attnx/dispatch.h"
 #include "attnx/types.h"
 #include "kernels/tables.h"
 
@@ -38,6 +39,9 @@ struct BasicFlashProblem {
   bool causal;
   BasicVariants<T> var;
   DType q_dtype, out_dtype;  // q; out (the lse is T)
+  // float32 q, k, v may take bf16 products (set_float32_bf16_products): the setting as this
+  // problem was made, so that every item of the call sees one value.
+  bool bf16_products = float32_bf16_products();
   // No user mask unless an adapter sets one (and hides mask_row with its own).
   MaskKind mask_kind = MaskKind::none;
   int64_t mask_sk = 0;

@@ -1,5 +1,6 @@
 // amx-inl.h: the prefill tile loop on AMX tiles (AMX-BF16's tdpbf16ps: C[16 x 16] fp32 +=
-// A[16 x 32 bf16] B[32 bf16 x 16], B in pairs along its rows), for bf16 q, k and v.
+// A[16 x 32 bf16] B[32 bf16 x 16], B in pairs along its rows), for bf16 q, k and v (and float32
+// ones where the caller allows bf16 products: bf16_prefill).
 // isa_amx.cpp includes it after the flash stages (load-inl.h .. probes-inl.h) and bf16_dot-inl.h,
 // inside the same namespace: the packed layouts (Q, K and V as bf16 pairs: pack_q_bf16,
 // pack_k_bf16, pack_v_bf16), the masks, the online softmax and the P rounding are theirs; only the
@@ -233,9 +234,7 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   }
   // Keys a row cannot see, with a non-finite value: as in flash_tile_bf16.
   if (!kv.finite && (partial || kv.keys > n)) {
-    kv_rows(vs, j0, n, sc.vaddr);
-    const float* const* fv = real_rows(vs, j0, sc.vaddr, n, Dv, false, sc.vf, sc.vrow);
-    pv_visible(rs, j0, bias, s, fv, n, Dvp, st.o, st.ldo);
+    pv_visible_bf16(rs, vs, j0, n, Dv, bias, s, sc, st);
     return;
   }
   if (!fused) pack_p_bf16(M, s, n2);
@@ -481,9 +480,9 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   out.back(pair_of(items - 1));
 }
 
-// The table's `flash`: bf16 prefill items on AMX tiles, the rest on tile-inl.h's flash (the
-// float32-widening kernels, with VNNI for integer queries: on the CPUs that have AMX they are
-// faster than AVX512_BF16's vdpbf16ps, see dispatch.cpp).
+// The table's `flash`: bf16 prefill items (bf16_prefill) on AMX tiles, the rest on tile-inl.h's
+// flash (the float32-widening kernels, with VNNI for integer queries: on the CPUs that have AMX
+// they are faster than AVX512_BF16's vdpbf16ps, see dispatch.cpp).
 static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                       int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                       const kern::Scratch& sc, const kern::FlashState& st) {

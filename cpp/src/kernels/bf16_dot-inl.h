@@ -1,22 +1,27 @@
 // bf16_dot-inl.h: the prefill tile loop (many query rows) with AVX512_BF16 dot products
-// (vdpbf16ps: 16 lanes, each adding two bf16 x bf16 products to an fp32 sum), for bf16 q, k and v.
-// isa_avx512bf16.cpp (and isa_amx.cpp) include it after the flash stages, inside the same
-// namespace: it reuses that file's masks, online-softmax update and shared packed tiles. Everything
-// else (other dtypes, few rows: decode) runs tile-inl.h's fp32-widening `flash`.
+// (vdpbf16ps: 16 lanes, each adding two bf16 x bf16 products to an fp32 sum), for bf16 q, k and v,
+// and for float32 ones where the caller allows bf16 products (RowSet::bf16_products: they are
+// rounded to bf16 as they are packed). isa_avx512bf16.cpp (and isa_amx.cpp) include it after the
+// flash stages, inside the same namespace: it reuses that file's masks, online-softmax update and
+// shared packed tiles. Everything else (other dtypes, few rows: decode) runs tile-inl.h's
+// fp32-widening `flash`.
 //
 // Numerics (the flash-attention rule; README "dtypes"):
 //   S = scale * (q . k): the bf16 q and k as they are (q is taken back from the driver's scaled
 //       fp32 copy: q * scale / scale rounds to the bf16 value exactly), each product exact in
 //       fp32, the sums in fp32 (vdpbf16ps flushes bf16 subnormals, |x| < 1.2e-38, to zero). This
-//       is the fp32 path's S up to the order of the additions.
+//       is the fp32 path's S up to the order of the additions. float32 q, k, v are first rounded
+//       to bf16 (round to nearest even; q from the scaled row times 1 / scale, which is q itself
+//       but within a float32 ulp or two of a bf16 tie; beyond bf16's largest finite value, inf).
 //   softcap, ALiBi, masks, max, exp, the row sums l and the rescaling of O: fp32, as in
 //   softmax-inl.h,
 //       but for the exps of the fused tiles where no lse is returned: 2.9e-6 (Bf16P below).
 //   P V: P rounded to bf16 (round to nearest even) before the product, as FlashAttention and
-//       torch's bf16 SDPA do; O accumulated in fp32. This rounding (a relative 2^-9 per p) is the
-//       only error the path adds to the fp32-widening kernels: tests/kernels/test_bf16_dot.py holds
-//       its error against the float64 reference within a small multiple of a same-precision
-//       implementation's (a NumPy emulation that rounds P to bf16, and torch's bf16 SDPA).
+//       torch's bf16 SDPA do; O accumulated in fp32. This rounding (2^-8 relative per p, at most)
+//       is the only error the path adds to the fp32-widening kernels:
+//       tests/kernels/test_bf16_dot.py holds its error against the float64 reference within a small
+//       multiple of a same-precision implementation's (attnx.reference's bf16_products twin, and
+//       torch's bf16 SDPA).
 
 // The including file provides <cmath>, <cstring>, <limits>, <type_traits> and <immintrin.h>.
 
@@ -52,6 +57,20 @@ static ATTNX_INLINE void row_blocks(int M, Fn&& f) {
 }
 
 // ---- packing ----------------------------------------------------------------------------------
+// The lanes of a 16-element block that hold data, `left` elements being left from its start.
+static inline __mmask16 lanes_upto(int64_t left) {
+  return left >= W ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+
+// A float32 row of Dk features rounded to bf16 pairs (round to nearest even), zero from Dk to
+// Dkp: masked loads read only the row's own elements.
+static void round_row_bf16(const float* x, int64_t Dk, int64_t Dkp, Pair* dst) {
+  for (int64_t d = 0; d < Dkp; d += 2 * W)
+    _mm512_storeu_si512(dst + d / 2,
+                        round_pairs(_mm512_maskz_loadu_ps(lanes_upto(Dk - d), x + d),
+                                    _mm512_maskz_loadu_ps(lanes_upto(Dk - d - W), x + d + W)));
+}
+
 // The M query rows (fp32, multiplied by scale) back to bf16 pairs along the features:
 // qb[r][d2] = (q[r][2 d2], q[r][2 d2 + 1]), Dkp / 2 pairs a row, zero past Dk.
 static void pack_q_bf16(const kern::RowSet& rs, int64_t Dkp, float inv_scale, Pair* qb) {
@@ -67,19 +86,27 @@ static void pack_q_bf16(const kern::RowSet& rs, int64_t Dkp, float inv_scale, Pa
 // Keys [j0, j0 + n) as bf16 pairs along the features, kp[d2][j] = (k[j][2 d2], k[j][2 d2 + 1])
 // (Dkp / 2 x kTileK pairs, zero past n and past Dk): one vdpbf16ps multiplies a query's pair by
 // 16 keys' pairs. A pair is 32 bits, so this is pack_kt's transpose of the rows seen as pairs.
+// bf16 rows are read in place where they hold whole 8 x 8 blocks of pairs, else copied
+// zero-padded; float32 rows are rounded to bf16 into that copy.
 static void pack_k_bf16(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
                         const kern::Scratch& sc, float* kp) {
   const int64_t Dkp = round_up(Dk, kPad);
-  const bool inplace = Dk % (2 * 8) == 0;  // whole 8 x 8 blocks of pairs: read the rows as they are
+  const bool f32 = ks.dtype == DType::f32;
+  const bool inplace = !f32 && Dk % (2 * 8) == 0;
   kv_rows(ks, j0, n, sc.kaddr);
   for (int64_t t = 0; t < n; ++t) {
     if (inplace) {
       sc.krow[t] = reinterpret_cast<const float*>(sc.kaddr[t]);
       continue;
     }
-    char* dst = reinterpret_cast<char*>(sc.kf) + t * Dkp * 2;  // zero-padded copy of the row
-    std::memcpy(dst, sc.kaddr[t], std::size_t(Dk) * 2);
-    std::memset(dst + Dk * 2, 0, std::size_t(Dkp - Dk) * 2);
+    char* dst = reinterpret_cast<char*>(sc.kf) + t * Dkp * 2;  // zero-padded bf16 row
+    if (f32) {
+      round_row_bf16(reinterpret_cast<const float*>(sc.kaddr[t]), Dk, Dkp,
+                     reinterpret_cast<Pair*>(dst));
+    } else {
+      std::memcpy(dst, sc.kaddr[t], std::size_t(Dk) * 2);
+      std::memset(dst + Dk * 2, 0, std::size_t(Dkp - Dk) * 2);
+    }
     sc.krow[t] = reinterpret_cast<const float*>(dst);
   }
   for (int64_t t = n; t < kTileK; ++t) sc.krow[t] = sc.zero;
@@ -91,26 +118,35 @@ static void pack_k_bf16(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t
   std::memset(kp + d2 * kTileK, 0, sizeof(float) * std::size_t((Dkp / 2 - d2) * kTileK));
 }
 
-// Values [j0, j0 + n) (row addresses addr) as bf16 pairs along the keys,
-// vp[t][d] = (v[2 t][d], v[2 t + 1][d]) (kTileK / 2 x Dvp pairs, zero past n and past Dv): one
-// vdpbf16ps multiplies a row's pair of probabilities by 16 features' pairs. Returns whether every
-// value is finite (no bf16 with an all-ones exponent).
-static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const float* zero,
-                        Pair* vp) {
+// 16 bf16 values of a row from element d (zeros from element Dv on): a bf16 row's own, or a
+// float32 row's rounded to bf16 (round to nearest even). Masked loads read only the row's own
+// elements.
+template <bool F32>
+static ATTNX_INLINE __m256i bf16_lanes(const char* row, int64_t d, int64_t Dv) {
+  const __mmask16 m = lanes_upto(Dv - d);
+  if constexpr (F32)
+    return (__m256i)_mm512_cvtneps_pbh(
+        _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(row) + d));
+  else
+    return _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(row) + d);
+}
+
+// Values [j0, j0 + n) (row addresses addr; bf16, or float32 rows rounded to bf16) as bf16 pairs
+// along the keys, vp[t][d] = (v[2 t][d], v[2 t + 1][d]) (kTileK / 2 x Dvp pairs, zero past n and
+// past Dv): one vdpbf16ps multiplies a row's pair of probabilities by 16 features' pairs. Returns
+// whether every value is finite (no bf16 with an all-ones exponent: a float32 beyond bf16's
+// largest finite value counts as the inf it rounds to).
+template <bool F32>
+static bool pack_v_pairs(const char* const* addr, int64_t n, int64_t Dv, const float* zero,
+                         Pair* vp) {
   const int64_t Dvp = round_up(Dv, kPad);
   const __m256i expo = _mm256_set1_epi16(0x7f80);
   __mmask16 bad = 0;
   for (int64_t t = 0; t < (n + 1) / 2; ++t) {
-    const uint16_t* a = reinterpret_cast<const uint16_t*>(addr[2 * t]);
-    const uint16_t* b = 2 * t + 1 < n ? reinterpret_cast<const uint16_t*>(addr[2 * t + 1])
-                                      : reinterpret_cast<const uint16_t*>(zero);
+    const char* a = addr[2 * t];
+    const char* b = 2 * t + 1 < n ? addr[2 * t + 1] : reinterpret_cast<const char*>(zero);
     for (int64_t d = 0; d < Dvp; d += W) {
-      // masked loads read only the row's own Dv elements (zeros past them)
-      const int64_t left = Dv - d;
-      const __mmask16 m = left >= W   ? __mmask16(0xffff)
-                          : left <= 0 ? 0
-                                      : __mmask16((1u << left) - 1);
-      const __m256i x = _mm256_maskz_loadu_epi16(m, a + d), y = _mm256_maskz_loadu_epi16(m, b + d);
+      const __m256i x = bf16_lanes<F32>(a, d, Dv), y = bf16_lanes<F32>(b, d, Dv);
       bad |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(x, expo), expo) |
              _mm256_cmpeq_epi16_mask(_mm256_and_si256(y, expo), expo);
       const __m512i lo = _mm512_cvtepu16_epi32(x),
@@ -122,6 +158,29 @@ static bool pack_v_bf16(const char* const* addr, int64_t n, int64_t Dv, const fl
   for (int64_t t = (n + 1) / 2; t < kTileK / 2; ++t)
     std::memset(vp + t * Dvp, 0, sizeof(Pair) * std::size_t(Dvp));
   return bad == 0;
+}
+static bool pack_v_bf16(DType dt, const char* const* addr, int64_t n, int64_t Dv, const float* zero,
+                        Pair* vp) {
+  return dt == DType::f32 ? pack_v_pairs<true>(addr, n, Dv, zero, vp)
+                          : pack_v_pairs<false>(addr, n, Dv, zero, vp);
+}
+
+// The P V of a tile that has a non-finite value which some row must not see (a key outside its
+// range, or past this item's keys in a shared tile's last pair): each row adds only its keys, in
+// float32 (softmax-inl.h pv_visible), from s (P, kTileK floats a row), over the values rounded to
+// bf16 as the pairs hold them.
+static void pv_visible_bf16(const kern::RowSet& rs, const kern::KVSource& vs, int64_t j0, int64_t n,
+                            int64_t Dv, const float* bias, float* s, const kern::Scratch& sc,
+                            const kern::FlashState& st) {
+  const int64_t Dvp = round_up(Dv, kPad);
+  kv_rows(vs, j0, n, sc.vaddr);
+  const float* const* fv = real_rows(vs, j0, sc.vaddr, n, Dv, false, sc.vf, sc.vrow);
+  if (vs.dtype == DType::f32)  // (the copies in sc.vf, rounded in place)
+    for (int64_t i = 0; i < n * Dvp; i += W) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(load(sc.vf + i));
+      store(sc.vf + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+  pv_visible(rs, j0, bias, s, fv, n, Dvp, st.o, st.ldo);
 }
 
 // Keys [c, c + 2W) of a row (a, b: their p) as 16 pairs at [c / 2, c / 2 + 16): at or before
@@ -141,7 +200,7 @@ static void pack_p_bf16(int M, float* s, int64_t n2) {
   }
 }
 
-// The fused tiles' p = exp(s - m) where the rows return no lse: P is rounded to bf16 (2^-9)
+// The fused tiles' p = exp(s - m) where the rows return no lse: P is rounded to bf16 (2^-8)
 // before P V, so exp_bf16's 2.9e-6 costs nothing measurable, and it is two FMAs shorter than
 // exp's (B1 H8 S2048 D64 prefill +2-3%). l then carries the same 2.9e-6: O / l keeps it, far
 // below bf16's rounding, but lse = m + log l would lose its float32 accuracy, so rows that return
@@ -257,7 +316,9 @@ static PackedKV packed_kv(const kern::KVSource& ks, const kern::KVSource& vs, in
         pack_k_bf16(ks, jj, nn, Dk, sc, dst);
         if (!joint) return 0;
         kv_rows(vs, jj, nn, sc.vaddr);
-        return pack_v_bf16(sc.vaddr, nn, Dv, sc.zero, reinterpret_cast<Pair*>(dst + v_at)) ? 0 : 1;
+        return pack_v_bf16(vs.dtype, sc.vaddr, nn, Dv, sc.zero, reinterpret_cast<Pair*>(dst + v_at))
+                   ? 0
+                   : 1;
       },
       &bad);
   const int64_t keys = kp == sc.kt ? n : imin(kTileK, ks.kt_keys - j0);
@@ -267,7 +328,7 @@ static PackedKV packed_kv(const kern::KVSource& ks, const kern::KVSource& vs, in
     kv_rows(vs, j0, n, sc.vaddr);
     out.vp = reinterpret_cast<const Pair*>(sc.vf);
     out.keys = n;
-    out.finite = pack_v_bf16(sc.vaddr, n, Dv, sc.zero, reinterpret_cast<Pair*>(sc.vf));
+    out.finite = pack_v_bf16(vs.dtype, sc.vaddr, n, Dv, sc.zero, reinterpret_cast<Pair*>(sc.vf));
   }
   return out;
 }
@@ -293,27 +354,27 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
   // row: as in flash_tile, such tiles take the fp32 path where each row adds only its keys. (Also
   // a shared tile with keys past this item's n: with n odd, the last pair holds key n.)
   if (!kv.finite && (partial || kv.keys > n)) {
-    kv_rows(vs, j0, n, sc.vaddr);
-    const float* const* fv = real_rows(vs, j0, sc.vaddr, n, Dv, false, sc.vf, sc.vrow);
-    pv_visible(rs, j0, bias, sc.s, fv, n, Dvp, st.o, st.ldo);
+    pv_visible_bf16(rs, vs, j0, n, Dv, bias, sc.s, sc, st);
     return;
   }
   if (!fused) pack_p_bf16(rs.M, sc.s, n2);  // (fused: qk_bf16 stored the pairs)
   pv_bf16(rs.M, reinterpret_cast<const Pair*>(sc.s), kv.vp, n2, Dvp, st.o, st.ldo);
 }
 
-// Whether an item takes the bf16 dot-product path: many rows (the packed, prefill-shaped QK^T;
+// Whether an item takes the bf16 product path: many rows (the packed, prefill-shaped QK^T;
 // every item of a kv head with a shared packed K decides alike, so they agree on its layout) and
-// q, k and v all bf16.
+// q, k and v all bf16, or all float32 where the call allows bf16 products (rs.bf16_products: one
+// value for every item of a call).
 static bool bf16_prefill(const kern::RowSet& rs, const kern::KVSource& ks,
                          const kern::KVSource& vs) {
-  return rs.M > kDotRows && rs.q_dtype == DType::bf16 && ks.dtype == DType::bf16 &&
-         vs.dtype == DType::bf16;
+  const bool dtype = rs.q_dtype == DType::bf16 || (rs.q_dtype == DType::f32 && rs.bf16_products);
+  return rs.M > kDotRows && dtype && ks.dtype == rs.q_dtype && vs.dtype == rs.q_dtype;
 }
 
 // The M query rows as bf16 pairs in qb (pack_q_bf16): q / scale, which is the bf16 query itself
-// (see the head of this file), unless the scale is 0 or its inverse overflows: then the scaled
-// query itself is rounded to bf16. Returns the factor the pairs' products take (scale, or 1).
+// (a float32 one rounded: see the head of this file), unless the scale is 0 or its inverse
+// overflows: then the scaled query itself is rounded to bf16. Returns the factor the pairs'
+// products take (scale, or 1).
 static float pack_query(const kern::RowSet& rs, int64_t Dkp, Pair* qb) {
   const float inv = 1.f / rs.scale;
   const bool back = rs.scale != 0.f && std::isfinite(rs.scale) && std::isfinite(inv);

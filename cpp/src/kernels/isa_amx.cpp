@@ -42,7 +42,8 @@ const IsaTables* isa_amx() {
     t.flash_group = &amx::flash_group;
     return t;
   }();
-  static const IsaTables isa{"amx", &flash, isa_avx512bf16()->delta, isa_avx512bf16()->probes};
+  static const IsaTables isa{"amx", &flash, isa_avx512bf16()->delta, isa_avx512bf16()->probes,
+                             true};
   return &isa;
 }
 }  // namespace kern

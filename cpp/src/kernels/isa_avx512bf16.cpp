@@ -74,7 +74,7 @@ const IsaTables* isa_avx512bf16() {
     t.fma512 = &fma512_probe;
     return t;
   }();
-  static const IsaTables isa{"avx512bf16", &flash, isa_avx512()->delta, &probes};
+  static const IsaTables isa{"avx512bf16", &flash, isa_avx512()->delta, &probes, true};
   return &isa;
 }
 }  // namespace kern

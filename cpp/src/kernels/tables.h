@@ -74,6 +74,9 @@ struct RowSetT {
   // The rows' l must be float32-accurate: they return an lse. Where false, the avx512bf16 path
   // (which rounds P to bf16) may compute p to 2.9e-6 instead of 1.3 ulp (bf16_dot-inl.h).
   bool exact_l = true;
+  // float32 q, k and v may be multiplied in bf16 (attnx.set_float32_precision("bf16"), read once
+  // per call): the paths with bf16 products then take them for prefill as for bf16 inputs.
+  bool bf16_products = false;
   // Integer queries over int8 keys (null otherwise): q holds each row quantised like the keys,
   // integers in [-127, 127], and row r's scores take the factor qfactor[r] (its scale times
   // `scale`) besides each key's scale. Sums of code products are exact in T for Dk < 1040, so
@@ -161,6 +164,9 @@ struct IsaTables {
   const FlashKernels<float>* flash;
   const DeltaKernels* delta;
   const ProbeKernels* probes;
+  // Whether `flash` multiplies prefill in bf16 (avx512bf16, amx): bf16 q, k and v always, float32
+  // ones where RowSet::bf16_products allows it.
+  bool bf16_products = false;
 };
 
 const IsaTables* isa_scalar();

@@ -278,6 +278,13 @@ std::atomic<bool> g_int8_query{false};
 void set_int8_query(bool on) { g_int8_query.store(on, std::memory_order_relaxed); }
 bool int8_query() { return g_int8_query.load(std::memory_order_relaxed); }
 
+namespace {
+std::atomic<bool> g_f32_bf16{false};
+}  // namespace
+void set_float32_bf16_products(bool on) { g_f32_bf16.store(on, std::memory_order_relaxed); }
+bool float32_bf16_products() { return g_f32_bf16.load(std::memory_order_relaxed); }
+bool active_bf16_products() { return active_tables()->bf16_products; }
+
 double bf16_dot_gain() {
   static const double gain = has_avx512bf16(cpu_features()) ? measure_bf16_dot_gain() : 0.0;
   return gain;

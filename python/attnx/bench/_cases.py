@@ -67,7 +67,8 @@ def _dims(**kw):
 @dataclass(frozen=True)
 class Dense:
     """``attnx.attention`` on contiguous (B, H, S, D) arrays. One query row (Sq == 1) is a decode
-    step and is counted in bytes of K and V read; otherwise in FLOPs."""
+    step and is counted in bytes of K and V read; otherwise in FLOPs. ``precision``: what
+    ``attnx.set_float32_precision`` is set to for attnx's call."""
 
     B: int
     Hq: int
@@ -79,6 +80,7 @@ class Dense:
     window: int | None = None
     kv_lens: tuple | None = None
     dtype: str = "fp32"
+    precision: str = "float32"
 
     @property
     def kind(self):
@@ -115,6 +117,8 @@ class Dense:
             text += f" window{self.window}"
         if self.kv_lens:
             text += f" kv_lens∈[{min(self.kv_lens)},{max(self.kv_lens)}]"
+        if self.precision != "float32":
+            text += f" on {self.precision} products"
         return text + ("" if self.dtype == "fp32" else f" {self.dtype}")
 
 
@@ -743,7 +747,21 @@ def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
     ]
     if amx:  # the chunked prefill's own target is against the vector path AMX replaces
         cases.append(_chunk_bf16(Hq, Hkv, tiny))
-    return cases
+    return cases + [_fp32_on_bf16(S_pre, H_pre, 3.0 if amx else 1.0, quick and not tiny)]
+
+
+def _fp32_on_bf16(S_pre, H_pre, over_fp32, q_big):
+    """float32 prefill under ``attnx.set_float32_precision("bf16")`` (issue 33, item 4): the
+    prefill row's shape, against it in the same rounds."""
+    return Case(
+        "prefill_fp32_bf16",
+        "prefill fp32, bf16 products",
+        Dense(1, H_pre, H_pre, S_pre, S_pre, 64, precision="bf16"),
+        (RateOver("prefill", over_fp32, "fp32 prefill"),),
+        {"S": S_pre // (8 if q_big else 2)},
+        seed=1,
+        isa=BF16_PRODUCTS,
+    )
 
 
 def _chunk_bf16(Hq, Hkv, tiny):

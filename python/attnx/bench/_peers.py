@@ -140,6 +140,13 @@ def attnx_dense(shape, data, threads, *, plain=False):
         return Impl(fn, lambda: (fn(), _f32(box["out"]))[1])
     out = np.empty_like(q)
     fn = lambda: attnx.attention(q, k, v, num_threads=threads, out=out, **kw)  # noqa: E731
+    if shape.precision != "float32":
+        call = fn
+
+        def fn():
+            with attnx.set_float32_precision(shape.precision):
+                call()
+
     return Impl(fn, lambda: (fn(), _f32(out))[1])
 
 

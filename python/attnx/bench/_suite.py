@@ -177,7 +177,8 @@ def _check_peers(row, impls):
     """Each peer's output against attnx's before it is timed: a peer that computes something else
     is not timed (its difference is noted and kept in the JSON)."""
     mine = impls["attnx"].result()
-    tol = TOLERANCE[row.spec.shape.dtype]
+    shape = row.spec.shape
+    tol = TOLERANCE["bf16" if getattr(shape, "precision", "") == "bf16" else shape.dtype]
     for name in [n for n in impls if n != "attnx"]:
         err = float(np.max(np.abs(mine - impls[name].result()))) if mine.size else 0.0
         row.extra[f"max_abs_diff_vs_{name}"] = err
@@ -204,12 +205,15 @@ BASE = "attnx fp32"  # the samples of a RateOver row's base call, timed with the
 
 
 def _interleaved_base(case, bench):
-    """A RateOver row's base: attnx on the same dense shape in fp32 (its call, or None)."""
-    if not isinstance(case.shape, Dense) or case.shape.dtype == "fp32":
+    """A RateOver row's base: attnx on the same dense shape in fp32 on float32 products (its call,
+    or None)."""
+    if not isinstance(case.shape, Dense) or (
+        case.shape.dtype == "fp32" and case.shape.precision == "float32"
+    ):
         return None
     if not any(isinstance(goal, RateOver) for goal in case.goals):
         return None
-    shape = replace(case.shape, dtype="fp32")
+    shape = replace(case.shape, dtype="fp32", precision="float32")
     return _peers.attnx_dense(shape, _inputs(shape, case.seed), bench.threads).fn
 
 

@@ -83,6 +83,11 @@ alibi_slopes : array_like, (Hq,), optional
     Adds ``-slope[h] * |i + off - j|`` to the scores (before the mask).
 out_dtype : dtype, optional
     Output dtype; default q's dtype.
+bf16_products : bool
+    The twin of bf16 products (float32 inputs under ``attnx.set_float32_precision("bf16")``,
+    and bf16 prefill, on the paths that have them): q, k and v are rounded to bfloat16 first,
+    and each row's unnormalised probabilities ``exp(s - max s)`` are rounded to bfloat16
+    before they multiply v (the sums, lse and the rest stay float64). Round to nearest even.
 
 Returns
 -------
@@ -292,8 +297,37 @@ def round_to(x, dtype):
 # --------------------------------------------------------------------------
 
 
+def _bf16(x):
+    """float64 ``x`` rounded to bfloat16 (round to nearest even), as float64."""
+    if _BFLOAT16 is None:  # pragma: no cover
+        raise ValueError("bf16_products: rounding to bfloat16 needs ml_dtypes")
+    return round_to(x, _BFLOAT16).astype(np.float64)
+
+
+def _bf16_p(weights):
+    """``weights`` with each row's unnormalised probabilities ``w / max w = exp(s - max s)``
+    rounded to bfloat16 (what bf16 products multiply v by), normalised as before."""
+    c = weights.max(axis=-1, keepdims=True)
+    c = np.where(c > 0, c, 1.0)
+    return _bf16(weights / c) * c
+
+
 def _compute(
-    q, k, v, *, scale, causal, allowed, additive, kv_lens, q_lens, window, softcap, sinks, alibi
+    q,
+    k,
+    v,
+    *,
+    scale,
+    causal,
+    allowed,
+    additive,
+    kv_lens,
+    q_lens,
+    window,
+    softcap,
+    sinks,
+    alibi,
+    round_p=False,
 ):
     """Weights, output and lse for float64 ``(B, H, S, D)`` arrays.
 
@@ -304,6 +338,7 @@ def _compute(
     v : ndarray, (B, Hkv, Sk, Dv) float64, or None (weights and lse only)
     allowed, additive : ndarray, (B, Hq, Sq, Sk), or None
     kv_lens, q_lens : ndarray, (B,) int64
+    round_p : bool, P rounded to bfloat16 before ``P V`` (``_bf16_p``; weights, lse unrounded)
 
     Returns
     -------
@@ -327,22 +362,28 @@ def _compute(
     k = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        # --- scores -----------------------------------------------------------
-        s = scale * (q @ k.swapaxes(-1, -2))  # (B, Hq, Sq, Sk)
-        if softcap is not None:
-            s = softcap * np.tanh(s / softcap)
-        if alibi is not None:
-            distance = np.abs(diag - j)  # (B, Sq, Sk)
-            s = s - alibi[None, :, None, None] * distance[:, None]
-        if additive is not None:
-            s = s + additive
+        s = _scores(q, k, scale, softcap, alibi, additive, np.abs(diag - j))
         weights, lse = _softmax(s, visible, sinks)
         lse = np.where(q_row_valid[:, None, :], lse, -np.inf)  # padding rows
         if v is None:
             return weights, None, lse
         v = np.where(key_valid[:, None, :, None], v, 0.0)
         v = np.repeat(v, group, axis=1)  # (B, Hq, Sk, Dv)
-        return weights, _weighted_values(weights, v, visible), lse
+        p = _bf16_p(weights) if round_p else weights
+        return weights, _weighted_values(p, v, visible), lse
+
+
+def _scores(q, k, scale, softcap, alibi, additive, distance):
+    """``(B, Hq, Sq, Sk)`` scores: scaled, soft-capped, ALiBi (``distance`` ``(B, Sq, Sk)``) and
+    the additive mask, each where given."""
+    s = scale * (q @ k.swapaxes(-1, -2))
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    if alibi is not None:
+        s = s - alibi[None, :, None, None] * distance[:, None]
+    if additive is not None:
+        s = s + additive
+    return s
 
 
 def _visible(q_row_valid, key_valid, diag, j, causal, window, Hq, allowed):
@@ -477,6 +518,7 @@ def attention(
     sinks: npt.ArrayLike | None = None,
     alibi_slopes: npt.ArrayLike | None = None,
     out_dtype: npt.DTypeLike | None = None,
+    bf16_products: bool = False,
 ) -> Result:
     """Exact scaled dot-product attention, ``softmax(scale * Q Kᵀ + M) V``.
     (Parameters, results and an example: :mod:`attnx.reference.attention`.)"""
@@ -484,7 +526,9 @@ def attention(
         q, k, v, causal, mask, kv_lens, q_lens, scale, layout, window, softcap, sinks, alibi_slopes
     )
     out_dt = output_dtype(out_dtype, q.dtype)
-    _, out, lse = _compute(q4, k4, v4, **params)
+    if bf16_products:
+        q4, k4, v4 = (_bf16(x) for x in (q4, k4, v4))
+    _, out, lse = _compute(q4, k4, v4, round_p=bool(bf16_products), **params)
     out = round_to(_from_bhsd(out, layout, rank), out_dt)
     if not return_lse:
         return out

@@ -31,6 +31,9 @@ int8_query : bool
     With int8 pages: the twin of the kernels' integer queries (``attnx.set_int8_query``).
     Each query row times ``scale`` (a float32 product) is quantised as the keys are
     (:func:`quantize_query`), so each score is ``(q_q · k_q) * s_q * s_k``.
+bf16_products : bool
+    The twin of bf16 products, as in :func:`attention` (float32 q and pages under
+    ``attnx.set_float32_precision("bf16")``): q, k, v and P rounded to bfloat16.
 
 Returns
 -------
@@ -73,6 +76,7 @@ def paged_attention(
     k_scales: npt.ArrayLike | None = None,
     v_scales: npt.ArrayLike | None = None,
     int8_query: bool = False,
+    bf16_products: bool = False,
 ) -> Result:
     """Attention over a paged KV cache (decode and chunked prefill).
     (Parameters, results and an example: :mod:`attnx.reference.paged`.)"""
@@ -96,6 +100,7 @@ def paged_attention(
         softcap=softcap,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
+        bf16_products=bf16_products,
     )
     _per_sequence(q64, k_pages, v_pages, block_tables, seq_lens, q_lens, n_blocks, out, lse, kw)
     out = round_to(out, out_dt)

@@ -74,7 +74,7 @@ static inline V exp_(V x) {
   return _mm512_scalef_ps(p, n);
 }
 // exp(x) for x <= 64 (or NaN) to 2.9e-6 relative: for probabilities that are rounded to bf16
-// (2^-9) before they are used, where exp_'s 1.3 ulp buys nothing.
+// (2^-8) before they are used, where exp_'s 1.3 ulp buys nothing.
 static inline V exp_bf16(V x) { return exp_<false, kExp2TermsBf16, kExp2PolyBf16>(x); }
 static inline V exp(V x) { return exp_<true>(x); }
 static inline V exp_small(V x) { return exp_<false>(x); }  // x <= 64 or NaN

@@ -12,7 +12,7 @@ constexpr float kExp2Poly[kExp2Terms] = {1.5354042e-4f, 1.3398790e-3f, 9.6184341
                                          2.4022648e-1f, 6.9314718e-1f, 1.0f};
 
 // 2^f for |f| <= 1/2 to 2.9e-6 relative (degree 4, fitted for relative error): the bf16 path's
-// probabilities, which are rounded to bf16 (2^-9) before P V.
+// probabilities, which are rounded to bf16 (2^-8) before P V.
 constexpr int kExp2TermsBf16 = 5;
 constexpr float kExp2PolyBf16[kExp2TermsBf16] = {9.5828529e-3f, 5.5906426e-2f, 2.4024099e-1f,
                                                  6.9312418e-1f, 1.0f};
