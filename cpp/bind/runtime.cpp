@@ -43,6 +43,11 @@ void bind_kernel_path(py::module_& m) {
   m.def("bf16_dot_gain", &bf16_dot_gain);
   m.def("set_int8_query", [](bool on) { set_int8_query(on); }, py::arg("on"));
   m.def("int8_query", &int8_query);
+  m.def(
+      "set_int8_tiles",
+      [](const std::string& mode, int min_rows) { set_int8_tiles(mode, min_rows); },
+      py::arg("mode"), py::arg("min_rows"));
+  m.def("int8_tiles", []() { return py::make_tuple(int8_tiles_mode(), int8_tiles_min_rows()); });
   m.def("active_isa", []() { return std::string(active_isa()); });
   m.def("set_isa", [](const std::string& name) { set_isa(name); }, py::arg("name"));
 }
