@@ -261,8 +261,9 @@ static void qk_i8_sums(Tiles& t, int M, const int8_t* q, int64_t ldq, const int8
 }
 
 // S = Q K^T of keys [j0, j0 + n) into sc.s for the M integer query rows (rs.qcodes): the exact
-// int32 sums on tiles `t` (AMX-INT8's, or the emulation), times each key's scale. Columns
-// n .. kTileK hold what the tile holds there (zeros, or a shared tile's later keys).
+// int32 sums on tiles `t` (AMX-INT8's, or the emulation), times each key's scale and the row's
+// factor. Columns n .. kTileK hold what the tile holds there (zeros, or a shared tile's later
+// keys) times the row's factor.
 template <class Tiles>
 static void qk_i8_tiles(Tiles& t, const RowSet& rs, const kern::KVSource& ks, int64_t j0, int64_t n,
                         int64_t Dk, const Scratch& sc) {
@@ -278,9 +279,16 @@ static void qk_i8_tiles(Tiles& t, const RowSet& rs, const kern::KVSource& ks, in
   std::memset(x.q + M * ldq, 0, std::size_t((Mr - M) * ldq));
   const int8_t* kp = packed_tile_i8(rs, ks, j0, n, Dk, sc);
   qk_i8_sums(t, M, x.q, ldq, kp, x.c);
-  for (int r = 0; r < M; ++r)
-    for (int64_t j = 0; j < kTileK; ++j) sc.s[r * kTileK + j] = Real(x.c[r * kTileK + j]);
-  scale_keys(M, sc.s, ks, j0, n);
+  // s = (sum * key scale) * row factor in one pass: scale_keys' then scale_rows' products, in
+  // their order (columns past n take no key scale)
+  float f[kTileK];
+  kv_scales(ks, j0, n, f);
+  for (int64_t j = n; j < kTileK; ++j) f[j] = 1.f;
+  for (int r = 0; r < M; ++r) {
+    const Real qf = rs.qfactor[r];
+    for (int64_t j = 0; j < kTileK; ++j)
+      sc.s[r * kTileK + j] = Real(x.c[r * kTileK + j]) * f[j] * qf;
+  }
 }
 
 // The hook tile-inl.h's qk_tile calls for rows with rs.int8_tiles set: the hardware tiles where

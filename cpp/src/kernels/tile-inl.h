@@ -67,8 +67,10 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
   const int64_t Dkp = round_up(Dk, kPad);
   bool fused = false;
   if (rs.int8_tiles != Int8Tiles::none) {
-    qk_int8_tiles(rs, ks, j0, n, Dk, sc);  // (int8_tiles-inl.h)
-  } else if (M > kDotRows) {
+    qk_int8_tiles(rs, ks, j0, n, Dk, sc);  // (int8_tiles-inl.h: with the rows' factors)
+    return false;
+  }
+  if (M > kDotRows) {
     // (the next K tile is prefetched only where this item packs its own: a shared packed tile
     // is read from the buffer, not the pages)
     const Online on{st.m, st.l, st.o, st.ldo, Dvp};
