@@ -46,6 +46,11 @@ void bind_kernel_path(py::module_& m) {
   m.def("set_float32_bf16_products", [](bool on) { set_float32_bf16_products(on); }, py::arg("on"));
   m.def("float32_bf16_products", &float32_bf16_products);
   m.def("active_bf16_products", &active_bf16_products);
+  m.def(
+      "set_int8_tiles",
+      [](const std::string& mode, int min_rows) { set_int8_tiles(mode, min_rows); },
+      py::arg("mode"), py::arg("min_rows"));
+  m.def("int8_tiles", []() { return py::make_tuple(int8_tiles_mode(), int8_tiles_min_rows()); });
   m.def("active_isa", []() { return std::string(active_isa()); });
   m.def("set_isa", [](const std::string& name) { set_isa(name); }, py::arg("name"));
 }

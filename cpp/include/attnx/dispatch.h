@@ -2,6 +2,8 @@
 #pragma once
 #include <string>
 
+#include "attnx/types.h"
+
 namespace attnx {
 
 struct CpuFeatures {
@@ -68,5 +70,15 @@ void set_float32_bf16_products(bool on);
 bool float32_bf16_products();
 // Whether the active instruction set multiplies prefill in bf16 (avx512bf16, amx).
 bool active_bf16_products();
+// Where integer queries take int8 tiles for Q K^T (tdpbssd: int8 x int8 -> int32): "auto" (the
+// default) on AMX-INT8 where the amx path runs, "off" never (the vector kernels), "emulate" on
+// the tiles' portable emulation on every path (for tests); for items of at least `min_rows` query
+// rows (1 .. kDotRows + 1; by default kDotRows + 1: the packed, prefill-shaped items).
+// InvalidArgument names a bad mode or min_rows.
+void set_int8_tiles(const std::string& mode, int min_rows);
+std::string int8_tiles_mode();
+int int8_tiles_min_rows();
+// The one choice: how an item of `rows` integer query rows computes Q K^T on the active path.
+Int8Tiles int8_tiles(int rows);
 
 }  // namespace attnx

@@ -20,6 +20,11 @@ const char* dtype_name(DType t);
 
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
 
+// How integer query rows over int8 keys compute Q K^T (set_int8_tiles): the vector kernels
+// (VNNI's dot products, or FMAs), AMX-INT8 tiles, or the tiles' portable emulation (the same
+// layouts and sums in plain C++, so that the tiling is tested on every CPU).
+enum class Int8Tiles : int { none = 0, amx = 1, emulated = 2 };
+
 // Thrown for arguments that the binding could not check (it checks everything it can first).
 struct InvalidArgument : std::invalid_argument {
   using std::invalid_argument::invalid_argument;

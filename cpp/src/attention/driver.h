@@ -260,6 +260,7 @@ class FlashRun {
     if (q8) {
       rs.qfactor = s.qfactor;
       rs.qcodes = s.qcodes;
+      rs.int8_tiles = int8_tiles(M);
     }
   }
 

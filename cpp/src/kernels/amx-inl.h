@@ -19,33 +19,9 @@
 
 namespace {
 
-constexpr int kTileRows = 16;   // rows of a tile
 constexpr int kTilePairs = 16;  // bf16 pairs (or fp32) along a tile row: 64 bytes
-
-// The palette-1 configuration of every tile: 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Configures the tiles for this thread while alive; releases them after (the tile state then
-// costs a context switch nothing).
-class TileScope {
- public:
-  TileScope() {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = kTileRows;
-    }
-    _tile_loadconfig(&cfg);
-  }
-  ~TileScope() { _tile_release(); }
-  TileScope(const TileScope&) = delete;
-  TileScope& operator=(const TileScope&) = delete;
-};
+// (kTileRows, kRowsPad, TileConfig and TileScope: int8_tiles-inl.h, whose tiles are configured
+// alike)
 
 // Keys per wide block: kWideTiles whole KV tiles whose scores every row sees (wide_block below)
 // go through one softmax pass and one P V product, so each output tile is loaded and stored once
@@ -56,7 +32,6 @@ constexpr int64_t kWideKeys = kWideTiles * kTileK;
 // The tiles' own buffers, per thread: Q as pairs and S (then P) for up to kRowsPad rows, a
 // staging copy of the output rows of a partial row block, the scores of a wide block's row pair,
 // and the K and V pairs of a wide block's tiles where they are not shared.
-constexpr int kRowsPad = 64 + 2 * kTileRows;  // kRowsPerItem rounded up to whole row-block pairs
 struct AmxScratch {
   std::vector<float> raw;
   Pair* qb = nullptr;       // (kRowsPad, Dkp / 2): zero rows past M
@@ -486,6 +461,11 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
 static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                       int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                       const kern::Scratch& sc, const kern::FlashState& st) {
+  if (rs.int8_tiles == Int8Tiles::amx) {  // integer queries: Q K^T on int8 tiles
+    TileScope tiles;
+    flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
+    return;
+  }
   if (!bf16_prefill(rs, ks, vs)) {
     flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (tile-inl.h's, this unit's)
     return;
@@ -507,6 +487,22 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
       j0 += kTileK;
     }
   }
+}
+
+// The table's `flash_group` (decode groups): tile-inl.h's, inside a TileScope where an item's
+// integer queries take the int8 tiles.
+static void flash_group_amx(int n, const kern::RowSet* rs, const kern::KVSource* ks,
+                            const kern::KVSource* vs, int64_t j_begin, int64_t j_end, int64_t Dk,
+                            int64_t Dv, float softcap, const kern::Scratch& sc,
+                            const kern::FlashState* st) {
+  bool tiles = false;
+  for (int g = 0; g < n; ++g) tiles = tiles || rs[g].int8_tiles == Int8Tiles::amx;
+  if (!tiles) {
+    flash_group(n, rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
+    return;
+  }
+  TileScope scope;
+  flash_group(n, rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "kernels/tables.h"
 #include "attention/state.h"
@@ -16,6 +17,7 @@ namespace f64 {
 #include "kernels/softmax-inl.h"
 #include "kernels/qk-inl.h"
 #include "kernels/pv-inl.h"
+#include "kernels/int8_tiles-inl.h"
 #include "kernels/tile-inl.h"
 #include "kernels/probes-inl.h"
 }  // namespace f64

@@ -1,10 +1,11 @@
 // isa_amx.cpp: the avx512 kernels, with AMX-BF16 tile products for prefill over bf16 q, k and v
-// (amx-inl.h), and AVX512-VNNI for integer queries over int8 keys (qk-inl.h, ATTNX_VNNI). Every
+// (amx-inl.h), and for integer queries over int8 keys AMX-INT8 tiles (int8_tiles-inl.h,
+// ATTNX_AMX_INT8) where dispatch.cpp's int8_tiles says, else AVX512-VNNI (qk-inl.h). Every
 // other call runs the float32-widening flash stages, bit for bit what ATTNX_ISA=avx512 computes.
 // The flash stages and bf16_dot-inl.h are compiled here again for what the tile loop shares with
 // them (masks, online softmax, the bf16 pair layouts). CMake compiles this file with -mamx-tile
-// -mamx-bf16 besides the avx512bf16 flags; dispatch.cpp uses isa_amx() only where the CPU has
-// AMX-BF16 and the kernel has granted this process the tile state (amx_permitted()).
+// -mamx-bf16 -mamx-int8 besides the avx512bf16 flags; dispatch.cpp uses isa_amx() only where the
+// CPU has AMX-BF16 and the kernel has granted this process the tile state (amx_permitted()).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #define ATTNX_VNNI 1
+#define ATTNX_AMX_INT8 1
 
 #include "kernels/tables.h"
 #include "attention/state.h"
@@ -27,6 +29,7 @@ namespace simd = avx512::simd;
 #include "kernels/softmax-inl.h"
 #include "kernels/qk-inl.h"
 #include "kernels/pv-inl.h"
+#include "kernels/int8_tiles-inl.h"
 #include "kernels/tile-inl.h"
 #include "kernels/probes-inl.h"
 #include "kernels/bf16_dot-inl.h"
@@ -39,7 +42,7 @@ const IsaTables* isa_amx() {
   static const FlashKernels<float> flash = [] {
     FlashKernels<float> t = *isa_avx512bf16()->flash;
     t.flash = &amx::flash_amx;
-    t.flash_group = &amx::flash_group;
+    t.flash_group = &amx::flash_group_amx;
     return t;
   }();
   static const IsaTables isa{"amx", &flash, isa_avx512bf16()->delta, isa_avx512bf16()->probes,

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "attention/state.h"
 #include "kernels/delta_kernels.h"
@@ -18,6 +19,7 @@ namespace avx2 {
 #include "kernels/softmax-inl.h"
 #include "kernels/qk-inl.h"
 #include "kernels/pv-inl.h"
+#include "kernels/int8_tiles-inl.h"
 #include "kernels/tile-inl.h"
 #include "kernels/probes-inl.h"
 namespace delta {

@@ -26,6 +26,7 @@ namespace simd = avx512::simd;
 #include "kernels/softmax-inl.h"
 #include "kernels/qk-inl.h"
 #include "kernels/pv-inl.h"
+#include "kernels/int8_tiles-inl.h"
 #include "kernels/tile-inl.h"
 #include "kernels/probes-inl.h"
 #include "kernels/bf16_dot-inl.h"

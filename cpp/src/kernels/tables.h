@@ -83,6 +83,8 @@ struct RowSetT {
   // FMAs over them and VNNI's integer dot products give the same scores.
   const T* qfactor = nullptr;
   const int8_t* qcodes = nullptr;  // with qfactor: the same codes as int8, (M, ldq) zero-padded
+  // With qcodes: whether Q K^T runs on int8 tiles (int8_tiles-inl.h) or the vector kernels.
+  Int8Tiles int8_tiles = Int8Tiles::none;
 };
 using RowSet = RowSetT<float>;
 

@@ -2,10 +2,11 @@
 // P V), over one work item's keys or a group of items interleaved tile by tile.
 // Written once against the vector vocabulary `simd` (simd/vec_*.h) and compiled once per
 // instruction set: the including unit (isa_<isa>.cpp, f64.cpp) opens `namespace attnx::<isa>`,
-// defines `simd` and includes the stages in order (load, softmax, qk, pv, tile, probes), after
-// <cmath>, <cstring>, <limits>, <type_traits>, tables.h and attention/state.h: no header may be
-// included from inside the namespace. Everything here stays in an anonymous namespace (internal
-// linkage), so no symbol compiled with wide instructions can leak to another ISA (tables.h).
+// defines `simd` and includes the stages in order (load, softmax, qk, pv, int8_tiles, tile,
+// probes), after <cmath>, <cstring>, <limits>, <type_traits>, <vector>, tables.h and
+// attention/state.h: no header may be included from inside the namespace. Everything here stays in
+// an anonymous namespace (internal linkage), so no symbol compiled with wide instructions can leak
+// to another ISA (tables.h).
 
 namespace {
 
@@ -65,6 +66,10 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
   const int M = rs.M;
   const int64_t Dkp = round_up(Dk, kPad);
   bool fused = false;
+  if (rs.int8_tiles != Int8Tiles::none) {
+    qk_int8_tiles(rs, ks, j0, n, Dk, sc);  // (int8_tiles-inl.h: with the rows' factors)
+    return false;
+  }
   if (M > kDotRows) {
     // (the next K tile is prefetched only where this item packs its own: a shared packed tile
     // is read from the buffer, not the pages)

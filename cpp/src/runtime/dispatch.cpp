@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -280,10 +281,39 @@ bool int8_query() { return g_int8_query.load(std::memory_order_relaxed); }
 
 namespace {
 std::atomic<bool> g_f32_bf16{false};
+// int8 tiles: the mode (0 auto, 1 off, 2 emulate) and the fewest rows of an item that takes them
+constexpr const char* kInt8TileModes[] = {"auto", "off", "emulate"};
+std::atomic<int> g_int8_tiles_mode{0};
+std::atomic<int> g_int8_tiles_rows{kern::kDotRows + 1};
 }  // namespace
 void set_float32_bf16_products(bool on) { g_f32_bf16.store(on, std::memory_order_relaxed); }
 bool float32_bf16_products() { return g_f32_bf16.load(std::memory_order_relaxed); }
 bool active_bf16_products() { return active_tables()->bf16_products; }
+
+void set_int8_tiles(const std::string& mode, int min_rows) {
+  int m = 0;
+  while (m < 3 && mode != kInt8TileModes[m]) ++m;
+  if (m == 3)
+    throw InvalidArgument("mode: expected 'auto', 'off' or 'emulate', got '" + mode + "'");
+  // (above kDotRows + 1, items of a kv head that share its packed K tiles could disagree on
+  // their layout: every packed-path item must take the tiles alike)
+  if (min_rows < 1 || min_rows > kern::kDotRows + 1)
+    throw InvalidArgument("min_rows: expected 1 .. " + std::to_string(kern::kDotRows + 1) +
+                          ", got " + std::to_string(min_rows));
+  g_int8_tiles_rows.store(min_rows, std::memory_order_relaxed);
+  g_int8_tiles_mode.store(m, std::memory_order_relaxed);
+}
+std::string int8_tiles_mode() { return kInt8TileModes[g_int8_tiles_mode.load()]; }
+int int8_tiles_min_rows() { return g_int8_tiles_rows.load(); }
+
+Int8Tiles int8_tiles(int rows) {
+  const int mode = g_int8_tiles_mode.load(std::memory_order_relaxed);
+  if (mode == 1 || rows < g_int8_tiles_rows.load(std::memory_order_relaxed)) return Int8Tiles::none;
+  if (mode == 2) return Int8Tiles::emulated;
+  static const bool amx_int8 = cpu_features().amx_int8;
+  return amx_int8 && std::strcmp(active_tables()->name, "amx") == 0 ? Int8Tiles::amx
+                                                                    : Int8Tiles::none;
+}
 
 double bf16_dot_gain() {
   static const double gain = has_avx512bf16(cpu_features()) ? measure_bf16_dot_gain() : 0.0;
