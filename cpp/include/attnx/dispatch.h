@@ -78,7 +78,14 @@ bool active_bf16_products();
 void set_int8_tiles(const std::string& mode, int min_rows);
 std::string int8_tiles_mode();
 int int8_tiles_min_rows();
+// The setting as one value (mode: 0 auto, 1 off, 2 emulate), read once per call like
+// float32_bf16_products(), so that a change from another thread never splits a call's items.
+struct Int8TilesRule {
+  int mode;
+  int min_rows;
+};
+Int8TilesRule int8_tiles_rule();
 // The one choice: how an item of `rows` integer query rows computes Q K^T on the active path.
-Int8Tiles int8_tiles(int rows);
+Int8Tiles int8_tiles(int rows, Int8TilesRule rule);
 
 }  // namespace attnx

@@ -211,10 +211,12 @@ void cascade_attend(const CascadePlan& plan, const PagedParams& p) {
   std::unique_ptr<float[]> out(new float[std::size_t(p.N * row)]);
   std::vector<float> lse(std::size_t(p.N * p.Hq), -std::numeric_limits<float>::infinity());
   const bool bf16 = float32_bf16_products();  // (one value for every part of the call)
+  const Int8TilesRule tiles = int8_tiles_rule();
   for (std::size_t d = 0; d < plan.levels.size(); ++d) {
     const PagedParams lp = level_params(p, plan.levels[d]);
     SharedProblem level(lp, plan.levels[d], out.get(), lse.data(), d > 0);
     level.bf16_products = bf16;
+    level.int8_tiles_rule = tiles;
     detail::run_flash(level, nt);
   }
   PagedParams tp = p;  // the tails: causal, each row's shared part merged in before it is written
@@ -229,6 +231,7 @@ void cascade_attend(const CascadePlan& plan, const PagedParams& p) {
   tp.pl_sh = 1;
   detail::PagedProblem tails(tp);
   tails.bf16_products = bf16;
+  tails.int8_tiles_rule = tiles;
   detail::run_flash(tails, nt);
 }
 

@@ -260,7 +260,7 @@ class FlashRun {
     if (q8) {
       rs.qfactor = s.qfactor;
       rs.qcodes = s.qcodes;
-      rs.int8_tiles = int8_tiles(M);
+      rs.int8_tiles = int8_tiles(M, p_.int8_tiles_rule);
     }
   }
 

@@ -42,6 +42,7 @@ struct BasicFlashProblem {
   // float32 q, k, v may take bf16 products (set_float32_bf16_products): the setting as this
   // problem was made, so that every item of the call sees one value.
   bool bf16_products = float32_bf16_products();
+  Int8TilesRule int8_tiles_rule = attnx::int8_tiles_rule();  // (the same, for integer queries)
   // No user mask unless an adapter sets one (and hides mask_row with its own).
   MaskKind mask_kind = MaskKind::none;
   int64_t mask_sk = 0;

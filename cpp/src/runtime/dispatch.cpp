@@ -283,8 +283,8 @@ namespace {
 std::atomic<bool> g_f32_bf16{false};
 // int8 tiles: the mode (0 auto, 1 off, 2 emulate) and the fewest rows of an item that takes them
 constexpr const char* kInt8TileModes[] = {"auto", "off", "emulate"};
-std::atomic<int> g_int8_tiles_mode{0};
-std::atomic<int> g_int8_tiles_rows{kern::kDotRows + 1};
+// packed as mode * 16 + min_rows in one atomic, so that a call never reads half of a change
+std::atomic<int> g_int8_tiles{kern::kDotRows + 1};
 }  // namespace
 void set_float32_bf16_products(bool on) { g_f32_bf16.store(on, std::memory_order_relaxed); }
 bool float32_bf16_products() { return g_f32_bf16.load(std::memory_order_relaxed); }
@@ -300,16 +300,18 @@ void set_int8_tiles(const std::string& mode, int min_rows) {
   if (min_rows < 1 || min_rows > kern::kDotRows + 1)
     throw InvalidArgument("min_rows: expected 1 .. " + std::to_string(kern::kDotRows + 1) +
                           ", got " + std::to_string(min_rows));
-  g_int8_tiles_rows.store(min_rows, std::memory_order_relaxed);
-  g_int8_tiles_mode.store(m, std::memory_order_relaxed);
+  g_int8_tiles.store(m * 16 + min_rows, std::memory_order_relaxed);
 }
-std::string int8_tiles_mode() { return kInt8TileModes[g_int8_tiles_mode.load()]; }
-int int8_tiles_min_rows() { return g_int8_tiles_rows.load(); }
+Int8TilesRule int8_tiles_rule() {
+  const int v = g_int8_tiles.load(std::memory_order_relaxed);
+  return Int8TilesRule{v / 16, v % 16};
+}
+std::string int8_tiles_mode() { return kInt8TileModes[int8_tiles_rule().mode]; }
+int int8_tiles_min_rows() { return int8_tiles_rule().min_rows; }
 
-Int8Tiles int8_tiles(int rows) {
-  const int mode = g_int8_tiles_mode.load(std::memory_order_relaxed);
-  if (mode == 1 || rows < g_int8_tiles_rows.load(std::memory_order_relaxed)) return Int8Tiles::none;
-  if (mode == 2) return Int8Tiles::emulated;
+Int8Tiles int8_tiles(int rows, Int8TilesRule rule) {
+  if (rule.mode == 1 || rows < rule.min_rows) return Int8Tiles::none;
+  if (rule.mode == 2) return Int8Tiles::emulated;
   static const bool amx_int8 = cpu_features().amx_int8;
   return amx_int8 && std::strcmp(active_tables()->name, "amx") == 0 ? Int8Tiles::amx
                                                                     : Int8Tiles::none;
