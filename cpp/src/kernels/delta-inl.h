@@ -535,20 +535,46 @@ static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
     for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
 }
 
+// The products against the state: on AMX tiles for bf16 inputs where the unit has them
+// (isa_amx.cpp defines ATTNX_DELTA_TILES and includes delta_amx-inl.h first), else vector
+// products. X = [K; Q] S0: rows 0..n-1 of c.x the keys', kC.. the queries'.
+static void products_x(const kern::DeltaHead& h, int64_t n, const float* kx, const float* qx,
+                       const float* src, const Chunk& c, NextRows& next) {
+#if defined(ATTNX_DELTA_TILES)
+  if (h.dtype == DType::bf16) {
+    x_tiles(h, n, kx, qx, src, c.x, [&next] { next.issue(kPrefetchLines); });
+    return;
+  }
+#endif
+  gemm(n, h.Vp, h.K, kx, h.Kp, 1, src, h.lds, c.x, h.Vp, {}, false, &next);
+  gemm(n, h.Vp, h.K, qx, h.Kp, 1, src, h.lds, c.x + kC * h.Vp, h.Vp, {}, false, &next);
+}
+
+// S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U, into h.S.
+static void products_state(const kern::DeltaHead& h, int64_t n, const float* src, const Chunk& c,
+                           NextRows& next) {
+#if defined(ATTNX_DELTA_TILES)
+  if (h.dtype == DType::bf16) {
+    state_tiles(h, n, c.kd, c.u, src, c.dec, [&next] { next.issue(2 * kPrefetchLines); });
+    return;
+  }
+#endif
+  gemm(h.K, h.Vp, n, c.kd, 1, h.Kp, c.u, h.Vp, h.S, h.lds, {src, c.dec}, false, &next);
+}
+
 // One segment of up to n tokens from position t0 (it ends before the next reset; see
 // load_head): outputs written, state advanced from src into h.S. q and k are loaded (and, for a
 // per-head gate, their pair products taken) by the caller; `next` asks for the group's next rows.
 // Returns the segment's length.
 static int64_t run_segment(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
                            const Chunk& c, NextRows& next) {
-  const int64_t Kp = h.Kp, Vp = h.Vp, K = h.K;
+  const int64_t Kp = h.Kp, Vp = h.Vp;
   n = load_head(h, t0, n, c);
   gate_rows(h, n, c);
   // X = [K; Q] S0 (gated per channel: see gate_rows): rows 0..n-1 the keys', kC.. the queries'
   const float* kx = h.g_per_channel ? c.kqg : c.k;
   const float* qx = h.g_per_channel ? c.kqg + kC * Kp : c.q;
-  gemm(n, Vp, K, kx, Kp, 1, src, h.lds, c.x, Vp, {}, false, &next);
-  gemm(n, Vp, K, qx, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, {}, false, &next);
+  products_x(h, n, kx, qx, src, c, next);
   std::memset(c.a, 0, sizeof(float) * kC * kC);
   std::memset(c.p, 0, sizeof(float) * kC * kC);
   if (h.g_per_channel)
@@ -565,8 +591,7 @@ static int64_t run_segment(const kern::DeltaHead& h, const float* src, int64_t t
   float* o = c.x + kC * Vp;  // O = exp(G) Q S0 + P U
   gemm(n, Vp, n, c.p, kC, 1, c.u, Vp, o, Vp, {o, c.eg}, true);
   for (int64_t i = 0; i < n; ++i) row_from_f32(o + i * Vp, h.V, h.dtype, h.out + (t0 + i) * h.o_st);
-  // S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U
-  gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, {src, c.dec}, false, &next);
+  products_state(h, n, src, c, next);
   return n;
 }
 
