@@ -1,16 +1,17 @@
 // delta_amx-inl.h: the gated delta rule's products against the state on AMX-BF16 tiles, for bf16
 // q, k and v: X = [K; Q] S0 (a chunk's keys and queries against the state before it) and the new
-// state S = diag(dec) S0 + Kd^T U. These are 6 K V of the chunk's 6 K V + 2 C (K + V)
-// multiply-adds a token (delta_kernels.h); the pair matrices, the solve and P U stay on the
-// vector units. isa_amx.cpp includes this file inside namespace amx::delta, after amx-inl.h
-// (the accumulator blocks c_tiles_*) and bf16_dot-inl.h (the pair packers), before delta-inl.h,
-// which calls x_tiles and state_tiles where ATTNX_DELTA_TILES is defined and the head's dtype is
-// bf16, inside isa_amx.cpp's TileScope.
+// state S = diag(dec) S0 + Kd^T U. These are 6 K V of the chunk's 6 K V + 2 C (K + V) flops a
+// token (delta_kernels.h); the pair matrices, the solve and P U stay on the vector units.
+// isa_amx.cpp includes this file inside namespace amx::delta, after amx-inl.h (the accumulator
+// blocks c_tiles_*) and bf16_dot-inl.h (the pair packers), before delta-inl.h, which calls x_tiles
+// and state_tiles where ATTNX_DELTA_TILES is defined and the head's dtype is bf16, inside
+// isa_amx.cpp's TileScope.
 //
 // Numerics: each operand is rounded to bf16 (round to nearest even) as it is packed: the rows of
 // K and Q (bf16 inputs, then l2-normalised, scaled and, per channel, gated in float32), S0, the
-// gated keys Kd and U. The products are exact in fp32 and summed in fp32 (tdpbf16ps) onto an fp32
-// C. The state stays float32 from chunk to chunk: only the copy a product reads is rounded.
+// gated keys Kd and U. The products are exact in fp32 and summed in fp32 (tdpbf16ps); Kd^T U is
+// then added to diag(dec) S0 in fp32 (one fmadd). The state stays float32 from chunk to chunk:
+// only the copy a product reads is rounded.
 // docs/numerics.md states the error this adds.
 
 // The including file provides <vector> and <immintrin.h>.
