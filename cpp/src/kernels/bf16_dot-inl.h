@@ -118,44 +118,50 @@ static void pack_k_bf16(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t
   std::memset(kp + d2 * kTileK, 0, sizeof(float) * std::size_t((Dkp / 2 - d2) * kTileK));
 }
 
-// 16 bf16 values of a row from element d (zeros from element Dv on): a bf16 row's own, or a
-// float32 row's rounded to bf16 (round to nearest even). Masked loads read only the row's own
-// elements.
-template <bool F32>
+// 16 bf16 values of a bf16 row from element d (zeros from element Dv on). Masked loads read only
+// the row's own elements.
 static ATTNX_INLINE __m256i bf16_lanes(const char* row, int64_t d, int64_t Dv) {
-  const __mmask16 m = lanes_upto(Dv - d);
-  if constexpr (F32)
-    return (__m256i)_mm512_cvtneps_pbh(
-        _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(row) + d));
-  else
-    return _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(row) + d);
+  return _mm256_maskz_loadu_epi16(lanes_upto(Dv - d), reinterpret_cast<const uint16_t*>(row) + d);
+}
+
+// The 16-bit lanes (a0 .. a15, b0 .. b15) of x as pairs (a0, b0), (a1, b1), ..., (a15, b15).
+static inline __m512i interleave_halves(__m512i x) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, x);
 }
 
 // Values [j0, j0 + n) (row addresses addr; bf16, or float32 rows rounded to bf16) as bf16 pairs
-// along the keys, vp[t][d] = (v[2 t][d], v[2 t + 1][d]) (kTileK / 2 x Dvp pairs, zero past n and
-// past Dv): one vdpbf16ps multiplies a row's pair of probabilities by 16 features' pairs. Returns
-// whether every value is finite (no bf16 with an all-ones exponent: a float32 beyond bf16's
-// largest finite value counts as the inf it rounds to).
+// along the keys, vp[t][d] = (v[2 t][d], v[2 t + 1][d]) (Dvp pairs a row, zero past n and past
+// Dv, and zero pair rows from (n + 1) / 2 to pad_rows): one vdpbf16ps multiplies a row's pair of
+// probabilities by 16 features' pairs. Returns whether every value is finite (no bf16 with an
+// all-ones exponent: a float32 beyond bf16's largest finite value counts as the inf it rounds to).
 template <bool F32>
 static bool pack_v_pairs(const char* const* addr, int64_t n, int64_t Dv, const float* zero,
-                         Pair* vp) {
+                         Pair* vp, int64_t pad_rows = kTileK / 2) {
   const int64_t Dvp = round_up(Dv, kPad);
-  const __m256i expo = _mm256_set1_epi16(0x7f80);
-  __mmask16 bad = 0;
+  const __m512i expo = _mm512_set1_epi16(0x7f80);
+  __mmask32 bad = 0;
   for (int64_t t = 0; t < (n + 1) / 2; ++t) {
     const char* a = addr[2 * t];
     const char* b = 2 * t + 1 < n ? addr[2 * t + 1] : reinterpret_cast<const char*>(zero);
     for (int64_t d = 0; d < Dvp; d += W) {
-      const __m256i x = bf16_lanes<F32>(a, d, Dv), y = bf16_lanes<F32>(b, d, Dv);
-      bad |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(x, expo), expo) |
-             _mm256_cmpeq_epi16_mask(_mm256_and_si256(y, expo), expo);
-      const __m512i lo = _mm512_cvtepu16_epi32(x),
-                    hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16);
-      _mm512_storeu_si512(vp + t * Dvp + d, _mm512_or_si512(lo, hi));
+      __m512i x;  // a's 16 values, then b's (float32 rounded to nearest even)
+      if constexpr (F32) {
+        const float *fa = reinterpret_cast<const float*>(a),
+                    *fb = reinterpret_cast<const float*>(b);
+        const __mmask16 m = lanes_upto(Dv - d);
+        x = round_pairs(_mm512_maskz_loadu_ps(m, fa + d), _mm512_maskz_loadu_ps(m, fb + d));
+      } else {
+        x = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_lanes(a, d, Dv)), bf16_lanes(b, d, Dv),
+                               1);
+      }
+      bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, expo), expo);
+      _mm512_storeu_si512(vp + t * Dvp + d, interleave_halves(x));
     }
   }
   // zero pair rows to the tile's end: AMX's tile products read whole blocks of 16 pairs
-  for (int64_t t = (n + 1) / 2; t < kTileK / 2; ++t)
+  for (int64_t t = (n + 1) / 2; t < pad_rows; ++t)
     std::memset(vp + t * Dvp, 0, sizeof(Pair) * std::size_t(Dvp));
   return bad == 0;
 }

@@ -293,6 +293,7 @@ struct Chunk {
   float *v, *x, *u, *o;                                    // rows of Vp
   float *a, *p, *kk, *qk;                                  // C x C
   float *gs, *beta, *eg;                                   // C
+  int head = 0;                                            // the value head's place in its group
 };
 
 // The group's scratch in the order of kern::delta_work_floats: the shared part, then each head's.
@@ -310,6 +311,7 @@ static void carve(float* w, int64_t Kp, int64_t Vp, int G, Chunk* cs) {
   s.qk = take(kC * kC);
   for (int g = 0; g < G; ++g) {
     Chunk& c = cs[g];
+    c.head = g;
     c.q = s.q;
     c.k = s.k;
     c.zero = s.zero;
@@ -535,20 +537,48 @@ static void gate_rows(const kern::DeltaHead& h, int64_t n, const Chunk& c) {
     for (int64_t ch = 0; ch < Kp; ch += W) store(c.dec + ch, exp(load(Gl + ch)));
 }
 
+// The products against the state: on AMX tiles for bf16 inputs where the unit has them
+// (isa_amx.cpp defines ATTNX_DELTA_TILES and includes delta_amx-inl.h first), else vector
+// products. X = [K; Q] S0: rows 0..n-1 of c.x the keys', kC.. the queries'. `packed`: src is the
+// state the previous chunk's products_state wrote (the tiles kept its bf16 pairs).
+static void products_x(const kern::DeltaHead& h, int64_t n, const float* kx, const float* qx,
+                       const float* src, const Chunk& c, bool packed, NextRows& next) {
+#if defined(ATTNX_DELTA_TILES)
+  if (h.dtype == DType::bf16) {
+    x_tiles(h, c.head, packed, n, kx, qx, src, c.x, [&next] { next.issue(kPrefetchLines); });
+    return;
+  }
+#endif
+  (void)packed;
+  gemm(n, h.Vp, h.K, kx, h.Kp, 1, src, h.lds, c.x, h.Vp, {}, false, &next);
+  gemm(n, h.Vp, h.K, qx, h.Kp, 1, src, h.lds, c.x + kC * h.Vp, h.Vp, {}, false, &next);
+}
+
+// S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U, into h.S.
+static void products_state(const kern::DeltaHead& h, int64_t n, const float* src, const Chunk& c,
+                           NextRows& next) {
+#if defined(ATTNX_DELTA_TILES)
+  if (h.dtype == DType::bf16) {
+    state_tiles(h, c.head, n, c.kd, c.u, src, c.dec, [&next] { next.issue(kPrefetchLines / 2); });
+    return;
+  }
+#endif
+  gemm(h.K, h.Vp, n, c.kd, 1, h.Kp, c.u, h.Vp, h.S, h.lds, {src, c.dec}, false, &next);
+}
+
 // One segment of up to n tokens from position t0 (it ends before the next reset; see
 // load_head): outputs written, state advanced from src into h.S. q and k are loaded (and, for a
 // per-head gate, their pair products taken) by the caller; `next` asks for the group's next rows.
 // Returns the segment's length.
 static int64_t run_segment(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
-                           const Chunk& c, NextRows& next) {
-  const int64_t Kp = h.Kp, Vp = h.Vp, K = h.K;
+                           const Chunk& c, bool packed, NextRows& next) {
+  const int64_t Kp = h.Kp, Vp = h.Vp;
   n = load_head(h, t0, n, c);
   gate_rows(h, n, c);
   // X = [K; Q] S0 (gated per channel: see gate_rows): rows 0..n-1 the keys', kC.. the queries'
   const float* kx = h.g_per_channel ? c.kqg : c.k;
   const float* qx = h.g_per_channel ? c.kqg + kC * Kp : c.q;
-  gemm(n, Vp, K, kx, Kp, 1, src, h.lds, c.x, Vp, {}, false, &next);
-  gemm(n, Vp, K, qx, Kp, 1, src, h.lds, c.x + kC * Vp, Vp, {}, false, &next);
+  products_x(h, n, kx, qx, src, c, packed, next);
   std::memset(c.a, 0, sizeof(float) * kC * kC);
   std::memset(c.p, 0, sizeof(float) * kC * kC);
   if (h.g_per_channel)
@@ -565,8 +595,7 @@ static int64_t run_segment(const kern::DeltaHead& h, const float* src, int64_t t
   float* o = c.x + kC * Vp;  // O = exp(G) Q S0 + P U
   gemm(n, Vp, n, c.p, kC, 1, c.u, Vp, o, Vp, {o, c.eg}, true);
   for (int64_t i = 0; i < n; ++i) row_from_f32(o + i * Vp, h.V, h.dtype, h.out + (t0 + i) * h.o_st);
-  // S = diag(exp(G_last)) S0 + (exp(G_last - G) K)^T U
-  gemm(K, Vp, n, c.kd, 1, Kp, c.u, Vp, h.S, h.lds, {src, c.dec}, false, &next);
+  products_state(h, n, src, c, next);
   return n;
 }
 
@@ -576,13 +605,15 @@ static int64_t run_segment(const kern::DeltaHead& h, const float* src, int64_t t
 static void run_chunk(const kern::DeltaHead& h, const float* src, int64_t t0, int64_t n,
                       const Chunk& c, NextRows& next) {
   for (int64_t a = 0; a < n;) {
+    // the previous chunk's last segment wrote src (and its pairs), and no reset changes it here
+    const bool packed = a == 0 && t0 > 0 && !any_reset(h, t0);
     src = reset_rows(h, src, t0 + a);
     Chunk seg = c;
     seg.q += a * h.Kp;
     seg.k += a * h.Kp;
     seg.kk += a * kC + a;
     seg.qk += a * kC + a;
-    a += run_segment(h, src, t0 + a, n - a, seg, next);
+    a += run_segment(h, src, t0 + a, n - a, seg, packed, next);
     src = h.S;
   }
 }

@@ -2,6 +2,8 @@
 // (amx-inl.h), and for integer queries over int8 keys AMX-INT8 tiles (int8_tiles-inl.h,
 // ATTNX_AMX_INT8) where dispatch.cpp's int8_tiles says, else AVX512-VNNI (qk-inl.h). Every
 // other call runs the float32-widening flash stages, bit for bit what ATTNX_ISA=avx512 computes.
+// The gated delta rule is avx512's (delta-inl.h) but for bf16 chunked calls, whose products
+// against the state run on AMX-BF16 tiles (delta_amx-inl.h).
 // The flash stages and bf16_dot-inl.h are compiled here again for what the tile loop shares with
 // them (masks, online softmax, the bf16 pair layouts). CMake compiles this file with -mamx-tile
 // -mamx-bf16 -mamx-int8 besides the avx512bf16 flags; dispatch.cpp uses isa_amx() only where the
@@ -18,6 +20,7 @@
 #define ATTNX_VNNI 1
 #define ATTNX_AMX_INT8 1
 
+#include "kernels/delta_kernels.h"
 #include "kernels/tables.h"
 #include "attention/state.h"
 #include "kernels/simd/vec_avx512.h"
@@ -34,6 +37,22 @@ namespace simd = avx512::simd;
 #include "kernels/probes-inl.h"
 #include "kernels/bf16_dot-inl.h"
 #include "kernels/amx-inl.h"
+namespace delta {
+#define ATTNX_DELTA_TILES 1
+#include "kernels/delta_amx-inl.h"
+#include "kernels/delta-inl.h"
+#undef ATTNX_DELTA_TILES
+// The table's delta entry: delta-inl.h's, with the products against the state on tiles for bf16
+// chunked calls (the tiles configured once per group of heads).
+static void delta_heads_amx(const kern::DeltaHead* hs, int G) {
+  if (hs[0].dtype != DType::bf16 || !hs[0].chunked) {
+    delta_heads(hs, G);
+    return;
+  }
+  TileScope tiles;
+  delta_heads(hs, G);
+}
+}  // namespace delta
 }  // namespace amx
 
 namespace kern {
@@ -45,8 +64,8 @@ const IsaTables* isa_amx() {
     t.flash_group = &amx::flash_group_amx;
     return t;
   }();
-  static const IsaTables isa{"amx", &flash, isa_avx512bf16()->delta, isa_avx512bf16()->probes,
-                             true};
+  static const DeltaKernels delta{&amx::delta::delta_heads_amx};
+  static const IsaTables isa{"amx", &flash, &delta, isa_avx512bf16()->probes, true};
   return &isa;
 }
 }  // namespace kern
