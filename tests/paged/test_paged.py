@@ -302,6 +302,27 @@ def test_decode_group_long_split(isa):
         assert_close(lse, rlse, atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.parametrize(
+    "dk,dv", [(40, 40), (48, 48), (72, 136), (96, 96), (136, 72), (144, 160), (128, 128)]
+)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_bf16_pages_read_in_order(isa, dk, dv, group):
+    """bf16 rows read in place are widened W features at a time in the ISA's bf16 order (AVX2 and
+    AVX512BW: the even-indexed features, then the odd ones), the queries and the P V accumulators
+    permuted to match: widths read in place and converted on each ISA (W = 8 and 16), GQA groups
+    of 1, 4 and 8, odd lengths, 1-3 query tokens (decode's dot products) and a 7-token chunk (the
+    packed product; P V in 16- and 6-row blocks)."""
+    rng = make_rng(14, dk, dv, group)
+    seq_lens, q_lens = [1, 31, 97, 200, 65, 33], [1, 1, 2, 1, 3, 7]
+    if group == 8:
+        q_lens = [1, 1, 1, 1, 1, 7]  # 8 rows per kv head at most on the decode path
+    pool = Pool(rng, seq_lens, block_size=32, hkv=2, dk=dk, dv=dv, dtype="bfloat16")
+    q = packed_q(rng, q_lens, 2 * group, dk)
+    (o, lse), (ro, rlse) = run_both(q, pool, q_lens=np.array(q_lens), return_lse=True)
+    assert_close(o, ro)
+    assert_close(lse, rlse)
+
+
 # ---------------------------------------------------------------------------------------------
 # the batch against each sequence alone and against contiguous attention
 # ---------------------------------------------------------------------------------------------
