@@ -278,6 +278,25 @@ def test_decode_groups(isa, hkv, group, variant):
         assert_close(lse, rlse)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_mixed_batch_groups_its_decodes(isa, kv_dtype):
+    """A batch that prefills chunks of some sequences and decodes others: the decoding sequences'
+    kv heads run as interleaved groups, the chunks as single items sharing packed K tiles, in one
+    plan; 1-3 threads (split-KV over both kinds of unit), windows and sinks."""
+    rng = make_rng(15, len(kv_dtype))
+    hkv, group = 8, 4
+    seq_lens, q_lens = [700, 300, 65, 130, 1], [1, 37, 2, 1, 1]
+    pool = Pool(rng, seq_lens, block_size=32, hkv=hkv, dk=64, dv=64, dtype=kv_dtype)
+    q = packed_q(rng, q_lens, hkv * group, 64)
+    sinks = rng.standard_normal(hkv * group).astype(np.float32)
+    for threads, kw in ((1, {}), (2, dict(window=(90, None), sinks=sinks)), (3, {})):
+        (o, lse), (ro, rlse) = run_both(
+            q, pool, q_lens=np.array(q_lens), return_lse=True, num_threads=threads, **kw
+        )
+        assert_close(o, ro)
+        assert_close(lse, rlse)
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_long_prompt_k_packed_once(isa, kv_dtype):
     """A prompt of 300 tokens read from scrambled pages: each K tile is packed once for the 19
