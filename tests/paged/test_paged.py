@@ -278,6 +278,25 @@ def test_decode_groups(isa, hkv, group, variant):
         assert_close(lse, rlse)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_mixed_batch_groups_its_decodes(isa, kv_dtype):
+    """A batch that prefills chunks of some sequences and decodes others: the decoding sequences'
+    kv heads run as interleaved groups, the chunks as single items sharing packed K tiles, in one
+    plan; 1-3 threads (split-KV over both kinds of unit), windows and sinks."""
+    rng = make_rng(15, len(kv_dtype))
+    hkv, group = 8, 4
+    seq_lens, q_lens = [700, 300, 65, 130, 1], [1, 37, 2, 1, 1]
+    pool = Pool(rng, seq_lens, block_size=32, hkv=hkv, dk=64, dv=64, dtype=kv_dtype)
+    q = packed_q(rng, q_lens, hkv * group, 64)
+    sinks = rng.standard_normal(hkv * group).astype(np.float32)
+    for threads, kw in ((1, {}), (2, dict(window=(90, None), sinks=sinks)), (3, {})):
+        (o, lse), (ro, rlse) = run_both(
+            q, pool, q_lens=np.array(q_lens), return_lse=True, num_threads=threads, **kw
+        )
+        assert_close(o, ro)
+        assert_close(lse, rlse)
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_long_prompt_k_packed_once(isa, kv_dtype):
     """A prompt of 300 tokens read from scrambled pages: each K tile is packed once for the 19
@@ -300,6 +319,27 @@ def test_decode_group_long_split(isa):
         (o, lse), (ro, rlse) = run_both(q, pool, return_lse=True, num_threads=threads)
         assert_close(o, ro, atol=3e-5, rtol=3e-5)
         assert_close(lse, rlse, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize(
+    "dk,dv", [(40, 40), (48, 48), (72, 136), (96, 96), (136, 72), (144, 160), (128, 128)]
+)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_bf16_pages_read_in_order(isa, dk, dv, group):
+    """bf16 rows read in place are widened W features at a time in the ISA's bf16 order (AVX2 and
+    AVX512BW: the even-indexed features, then the odd ones), the queries and the P V accumulators
+    permuted to match: widths read in place and converted on each ISA (W = 8 and 16), GQA groups
+    of 1, 4 and 8, odd lengths, 1-3 query tokens (decode's dot products) and a 7-token chunk (the
+    packed product; P V in 16- and 6-row blocks)."""
+    rng = make_rng(14, dk, dv, group)
+    seq_lens, q_lens = [1, 31, 97, 200, 65, 33], [1, 1, 2, 1, 3, 7]
+    if group == 8:
+        q_lens = [1, 1, 1, 1, 1, 7]  # 8 rows per kv head at most on the decode path
+    pool = Pool(rng, seq_lens, block_size=32, hkv=2, dk=dk, dv=dv, dtype="bfloat16")
+    q = packed_q(rng, q_lens, 2 * group, dk)
+    (o, lse), (ro, rlse) = run_both(q, pool, q_lens=np.array(q_lens), return_lse=True)
+    assert_close(o, ro)
+    assert_close(lse, rlse)
 
 
 # ---------------------------------------------------------------------------------------------

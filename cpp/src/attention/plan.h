@@ -60,20 +60,26 @@ struct Plan {
   }
 };
 
-// Decode-like problems (every item has at most kDotRows rows: few queries per sequence) are
-// memory bound. Their items are grouped by (sequence, query chunk) and each group walks its keys
-// once, tile by tile, for all its kv heads in turn: see flash_group. Grouping pays where one
-// head's keys are short runs in memory (pages of a pool that stores a block's heads side by
-// side, or rows of a (B, L, H, D) array): the group then reads whole blocks front to back. A
-// (B, H, L, D) array already gives each head one long run: there the plain per-item order is
-// faster (bench/NOTES.md).
+// Decode-like sequences (each of their items has at most kDotRows rows: few queries) are memory
+// bound. Their items are grouped by (sequence, query chunk) and each group walks its keys once,
+// tile by tile, for all its kv heads in turn: see flash_group. Grouping pays where one head's
+// keys are short runs in memory (pages of a pool that stores a block's heads side by side, or
+// rows of a (B, L, H, D) array): the group then reads whole blocks front to back. A (B, H, L, D)
+// array already gives each head one long run: there the plain per-item order is faster
+// (bench/NOTES.md). The choice is per sequence (item_rows), so the decoding sequences of a batch
+// that also prefills other sequences' chunks are grouped too.
 template <class P>
-bool plan_grouped(const P& p, int64_t M_max) {
+bool plan_grouped(const P& p) {
   if (p.B == 0 || p.Hkv <= 1) return false;
   const kern::KVSource ks = p.k_src(0, 0);
   const int64_t row_bytes = p.Dk * int64_t(dtype_size(ks.dtype));
-  const bool short_runs = ks.row_stride != row_bytes || ks.block_table != nullptr;
-  return short_runs && M_max <= kern::kDotRows;
+  return ks.row_stride != row_bytes || ks.block_table != nullptr;  // short runs
+}
+
+// Query rows per item of a sequence with `rows` query rows per head: the rows of up to
+// kRowsPerItem / hg queries of hg heads.
+inline int64_t item_chunk(int64_t rows, int64_t hg) {
+  return std::min<int64_t>(rows, std::max<int64_t>(1, kRowsPerItem / hg));
 }
 
 // Appends item (b, kvh, h0, i0) to the plan, in the unit of the previous item where it can join.
@@ -89,7 +95,8 @@ inline void plan_add(Plan& plan, bool grouped, const Item& it) {
     plan.units.push_back({ix, 1});
 }
 
-// Items and units; returns the longest key range of a sequence with queries.
+// Items and units (grouped where `grouped` allows it and the sequence decodes); returns the
+// longest key range of a sequence with queries.
 template <class P>
 int64_t plan_items(const P& p, int64_t hg, bool grouped, Plan& plan) {
   const int64_t G = p.Hq / p.Hkv;
@@ -98,12 +105,14 @@ int64_t plan_items(const P& p, int64_t hg, bool grouped, Plan& plan) {
     const int64_t rows = p.rows(b);
     if (rows == 0) continue;
     max_lk = std::max(max_lk, p.lk(b));
-    const int64_t chunk = std::min<int64_t>(rows, std::max<int64_t>(1, kRowsPerItem / hg));
+    const int64_t chunk = item_chunk(rows, hg);
+    const bool group_b = grouped && hg * chunk <= kern::kDotRows;
+    if (group_b) plan.max_group = kMaxGroup;
     auto add = [&](int64_t kvh, int64_t h0, int64_t i0) {
-      plan_add(plan, grouped,
+      plan_add(plan, group_b,
                {b, kvh, h0, std::min(hg, (kvh + 1) * G - h0), i0, std::min(chunk, rows - i0)});
     };
-    if (grouped) {
+    if (group_b) {
       for (int64_t i0 = 0; i0 < rows; i0 += chunk)
         for (int64_t kvh = 0; kvh < p.Hkv; ++kvh)
           for (int64_t h0 = kvh * G; h0 < (kvh + 1) * G; h0 += hg) add(kvh, h0, i0);
@@ -130,7 +139,8 @@ void plan_packed_k(const P& p, Plan& plan) {
   plan.tile_elems = plan.Dkp * kern::kTileK;
   const int64_t elem = int64_t(sizeof(typename P::Real));
   std::vector<int64_t> users(std::size_t(p.B * p.Hkv), 0);
-  for (const Item& it : plan.items) ++users[std::size_t(it.b * p.Hkv + it.kvh)];
+  for (const Item& it : plan.items)  // (items of kDotRows rows or fewer read K in place)
+    if (it.nh * it.ni > kern::kDotRows) ++users[std::size_t(it.b * p.Hkv + it.kvh)];
   plan.kt_tile0.assign(std::size_t(p.B * p.Hkv), -1);
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
@@ -172,12 +182,10 @@ Plan make_plan(const P& p, int num_threads) {
   const int64_t hg = std::min<int64_t>(p.Hq / p.Hkv, kRowsPerItem);  // query heads per item
   int64_t max_rows = 0;
   for (int64_t b = 0; b < p.B; ++b) max_rows = std::max(max_rows, p.rows(b));
-  plan.M_max = hg * std::min<int64_t>(max_rows, std::max<int64_t>(1, kRowsPerItem / hg));
-  const bool grouped = plan_grouped(p, plan.M_max);
-  plan.max_group = grouped ? kMaxGroup : 1;
-  const int64_t max_lk = plan_items(p, hg, grouped, plan);
+  plan.M_max = hg * item_chunk(max_rows, hg);
+  const int64_t max_lk = plan_items(p, hg, plan_grouped(p), plan);
   if (plan.items.empty()) return plan;
-  if (!grouped && plan.M_max > kern::kDotRows) plan_packed_k(p, plan);
+  if (plan.M_max > kern::kDotRows) plan_packed_k(p, plan);
   plan_threads(p, num_threads, max_lk, plan);
   return plan;
 }

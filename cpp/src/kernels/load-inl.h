@@ -199,8 +199,26 @@ template <> inline V ld<Native>(const Real* row, int64_t d) { return load(row + 
 template <> inline V ld<F16>(const Real* row, int64_t d) {
   return load_f16(reinterpret_cast<const uint16_t*>(row) + d);
 }
+// bf16 rows come W features at a time in the vocabulary's bf16 order (load_bf16_ordered: the
+// cheapest widening there, a permutation of the W features); the kernels that read them put the
+// other operand in that order: the query rows (bf16_order_rows), the P V accumulators (to_order,
+// from_order). The products and their sums are the same, taken in another order.
 template <> inline V ld<BF16>(const Real* row, int64_t d) {
-  return load_bf16(reinterpret_cast<const uint16_t*>(row) + d);
+  return load_bf16_ordered(reinterpret_cast<const uint16_t*>(row) + d);
+}
+template <class T> static inline V to_order(V v) {
+  if constexpr (std::is_same<T, BF16>::value) return to_bf16_order(v);
+  return v;
+}
+template <class T> static inline V from_order(V v) {
+  if constexpr (std::is_same<T, BF16>::value) return from_bf16_order(v);
+  return v;
+}
+// M rows of q (ldq apart, D a multiple of W) into dst (ldd apart) in the bf16 order.
+static void bf16_order_rows(int M, const Real* q, int64_t ldq, int64_t D, Real* dst, int64_t ldd) {
+  for (int r = 0; r < M; ++r)
+    for (int64_t d = 0; d < D; d += W)
+      store(dst + r * ldd + d, to_bf16_order(load(q + r * ldq + d)));
 }
 
 // Quantised rows read in place give their codes (e4m3: code / 256, see load_fp8); the row's scale

@@ -14,9 +14,9 @@ template <int MR, int NB, class T>
 static ATTNX_INLINE void pv_block(const Real* p, const Real* const* vrow, int64_t n, int64_t c,
                                   Real* o, int64_t ldo, const char* const* next, int64_t nn,
                                   int64_t blo, int64_t bhi) {
-  V acc[MR][NB];
+  V acc[MR][NB];  // (in the order ld<T> gives the values: load-inl.h)
   for (int r = 0; r < MR; ++r)
-    for (int k = 0; k < NB; ++k) acc[r][k] = load(o + r * ldo + c + k * W);
+    for (int k = 0; k < NB; ++k) acc[r][k] = to_order<T>(load(o + r * ldo + c + k * W));
   auto key = [&](int64_t j) {
     V v[NB];
     for (int k = 0; k < NB; ++k) v[k] = ld<T>(vrow[j], c + k * W);
@@ -36,7 +36,7 @@ static ATTNX_INLINE void pv_block(const Real* p, const Real* const* vrow, int64_
 #pragma GCC unroll 4
   for (; j < n; ++j) key(j);
   for (int r = 0; r < MR; ++r)
-    for (int k = 0; k < NB; ++k) store(o + r * ldo + c + k * W, acc[r][k]);
+    for (int k = 0; k < NB; ++k) store(o + r * ldo + c + k * W, from_order<T>(acc[r][k]));
 }
 
 // `next` (nn rows of `bytes`, or null) is a later tile's V. Each pass over a block of columns

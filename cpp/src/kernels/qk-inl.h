@@ -122,7 +122,8 @@ static ATTNX_INLINE void reduce_block(const V* acc, Real* s) {
 }
 
 // A register block is RB rows x KB keys, so each K vector loaded is used RB times and the K tile
-// is streamed once per block of rows. The sums go straight to S.
+// is streamed once per block of rows. The sums go straight to S. (q in the order ld<T> gives K's
+// features: load-inl.h.)
 template <int RB, int KB, class T>
 static ATTNX_INLINE void qk_dot_block(const Real* q, int64_t ldq, const Real* const* kr, int64_t Dk,
                                       Real* s) {

@@ -86,8 +86,16 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
     else
 #endif
       with_type(rd.kdt, [&](auto t) {
-        qk_dot<decltype(t)>(M, rs.q, rs.ldq, krow, n, rd.k_inplace ? Dk : Dkp, sc.s, nx.k, nx.n,
-                            Dk * elem_bytes(ks.dtype));
+        using T = decltype(t);
+        const Real* q = rs.q;
+        int64_t ldq = rs.ldq;
+        if constexpr (std::is_same<T, BF16>::value) {  // (K is read in place: kf is free)
+          bf16_order_rows(M, rs.q, rs.ldq, Dk, sc.kf, Dkp);
+          q = sc.kf;
+          ldq = Dkp;
+        }
+        qk_dot<T>(M, q, ldq, krow, n, rd.k_inplace ? Dk : Dkp, sc.s, nx.k, nx.n,
+                  Dk * elem_bytes(ks.dtype));
       });
     if (rd.k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
   }

@@ -48,6 +48,25 @@ static inline V exp_small(V x) { return exp256<false>(x); }  // x <= 64 or NaN
 static inline V tanh(V x) { return tanh256(x); }
 static inline V load_f16(const uint16_t* p) { return load_f16_256(p); }
 static inline V load_bf16(const uint16_t* p) { return load_bf16_256(p); }
+// bfloat16 in the "bf16 order" (vec_avx512.h): the even-indexed elements of W, then the odd ones,
+// by one load (the 16 bytes broadcast to both halves) and one byte shuffle.
+static inline int bf16_to_top(int a) {  // a byte shuffle's control: bytes a, a + 1 to the top half
+  return int(0x8080u | unsigned(a) << 16 | unsigned(a + 1) << 24);
+}
+static inline V load_bf16_ordered(const uint16_t* p) {
+  const __m256i x =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i ctl =
+      _mm256_setr_epi32(bf16_to_top(0), bf16_to_top(4), bf16_to_top(8), bf16_to_top(12),
+                        bf16_to_top(2), bf16_to_top(6), bf16_to_top(10), bf16_to_top(14));
+  return _mm256_castsi256_ps(_mm256_shuffle_epi8(x, ctl));
+}
+static inline V to_bf16_order(V v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+static inline V from_bf16_order(V v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 // W 1-byte KV codes: int8 as its value; fp8 as its float16 view (e4m3fn: the value / 256)
 static inline V load_i8(const int8_t* p) { return load_i8_256(p); }
 static inline V load_fp8(const uint8_t* p, bool e4) { return load_fp8_256(p, e4); }

@@ -37,6 +37,10 @@ static inline V exp_small(V x) { return std::exp(x); }  // x <= 64 or NaN
 static inline V tanh(V x) { return std::tanh(x); }
 static inline V load_f16(const uint16_t* p) { return cvt::f16_to_f32(*p); }
 static inline V load_bf16(const uint16_t* p) { return cvt::bf16_to_f32(*p); }
+// bfloat16 in the "bf16 order" (vec_avx512.h): with one lane, the natural one.
+static inline V load_bf16_ordered(const uint16_t* p) { return load_bf16(p); }
+static inline V to_bf16_order(V v) { return v; }
+static inline V from_bf16_order(V v) { return v; }
 // a 1-byte KV code: int8 as its value; fp8 as its float16 view (e4m3fn: the value / 256)
 static inline V load_i8(const int8_t* p) { return V(*p); }
 static inline V load_fp8(const uint8_t* p, bool e4) {

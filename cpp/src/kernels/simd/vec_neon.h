@@ -103,6 +103,10 @@ static inline V load_f16(const uint16_t* p) {
 static inline V load_bf16(const uint16_t* p) {
   return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
 }
+// bfloat16 in the "bf16 order" (vec_avx512.h): the natural one (the widening is one shift).
+static inline V load_bf16_ordered(const uint16_t* p) { return load_bf16(p); }
+static inline V to_bf16_order(V v) { return v; }
+static inline V from_bf16_order(V v) { return v; }
 // W 1-byte KV codes: int8 as its value; fp8 as its float16 view (e4m3fn: the value / 256; the
 // rule of vec_avx_common.h's fp8_as_f16_128, on sign-extended 16-bit lanes)
 static inline int16x4_t load4_s8_as_s16(const void* p) {
