@@ -134,7 +134,7 @@ static bool pack_v_pairs(const char* const* addr, int64_t n, int64_t Dv, const f
     const char* b = 2 * t + 1 < n ? addr[2 * t + 1] : reinterpret_cast<const char*>(zero);
     for (int64_t d = 0; d < Dvp; d += W) {
       const dot::H x = bf16_lanes<F32>(a, d, Dv), y = bf16_lanes<F32>(b, d, Dv);
-      bad = bad | dot::nonfinite(x) | dot::nonfinite(y);
+      bad |= dot::nonfinite(x) | dot::nonfinite(y);
       dot::store_zipped(vp + t * Dvp + d, x, y);
     }
   }
@@ -239,10 +239,15 @@ template <class PExp>
 static void qk_bf16(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n, float scale,
                     float* s, const Online* on) {
   row_blocks<6>(M, [&](auto mr, int r) {
-    const Online rows = on ? on->rows(r) : Online{};
-    for (int64_t j = 0; j < kTileK; j += kKeyVecs * W)
-      qk_bf16_block<decltype(mr)::value, PExp>(qb + r * ldq, ldq, kp + j, d2n, scale,
-                                               s + int64_t(r) * kTileK + j, on ? &rows : nullptr);
+    if constexpr (kFuseBf16) {
+      const Online rows = on ? on->rows(r) : Online{};
+      qk_bf16_block<decltype(mr)::value, PExp>(qb + r * ldq, ldq, kp, d2n, scale,
+                                               s + int64_t(r) * kTileK, on ? &rows : nullptr);
+    } else {
+      for (int64_t j = 0; j < kTileK; j += kKeyVecs * W)
+        qk_bf16_block<decltype(mr)::value, PExp>(qb + r * ldq, ldq, kp + j, d2n, scale,
+                                                 s + int64_t(r) * kTileK + j, nullptr);
+    }
   });
 }
 
