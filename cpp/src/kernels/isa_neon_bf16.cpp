@@ -2,9 +2,10 @@
 // bf16 q, k and v (bf16_dot-inl.h), and FEAT_DotProd's SDOT for integer queries over int8 keys
 // (qk-inl.h, ATTNX_INT8_DOT), both in simd/dot_neon.h. Every other call runs the flash stages as
 // isa_neon.cpp does: the same code, bit for bit the same results. CMake compiles this unit in
-// aarch64 builds only, with -march=armv8.2-a+bf16+dotprod; dispatch.cpp uses isa_neon_bf16() only
-// on CPUs that report both BF16 and DotProd (every one with BF16 has DotProd: Neoverse V1/V2/N2,
-// Graviton 3/4, Apple M2 and later).
+// aarch64 builds only, with BF16 and DotProd (GCC: -march=armv8.2-a+bf16+dotprod, clang:
+// -mcpu=generic+bf16+dotprod); dispatch.cpp uses isa_neon_bf16() only on CPUs that report both
+// BF16 and DotProd (every one with BF16 has DotProd: Neoverse V1/V2/N2, Graviton 3/4, Apple M2
+// and later).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
