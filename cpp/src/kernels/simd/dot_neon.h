@@ -56,7 +56,8 @@ static inline Bad nonfinite(H x) {
 static inline bool none(Bad b) { return vmaxv_u16(b) == 0; }
 // W pairs (x[i], y[i]) at dst (ST2: interleaved)
 static inline void store_zipped(int32_t* dst, H x, H y) {
-  vst2_u16(reinterpret_cast<uint16_t*>(dst), uint16x4x2_t{{x, y}});
+  const uint16x4x2_t xy = {{x, y}};  // (clang's vst2_u16 is a macro: no braces in its call)
+  vst2_u16(reinterpret_cast<uint16_t*>(dst), xy);
 }
 // x rounded to bf16 (round to nearest even), as float
 static inline V round_bf16(V x) { return vcvt_f32_bf16(vcvt_bf16_f32(x)); }
