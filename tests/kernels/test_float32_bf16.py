@@ -1,8 +1,8 @@
 """float32 callers' opt-in to bf16 products: ``attnx.set_float32_precision("bf16")`` (issue 33).
 
 On the paths with bf16 products (avx512bf16, amx, neon-bf16), float32 prefill then runs on them:
-q, k, v and P rounded to bf16, held to the flash rule (helpers.bf16: the error against the float64 reference
-over the rounded inputs within a small multiple of ``attnx.reference``'s twin,
+q, k, v and P rounded to bf16, held to the flash rule (helpers.bf16: the error against the
+float64 reference over the rounded inputs within a small multiple of ``attnx.reference``'s twin,
 ``bf16_products=True``). Everything else keeps its float32 result bit for bit: the default, the
 other paths, decode, float64. The setting is validated, restored by ``with``, and
 ``cpu_features()["bf16_products"]`` says whether it can take effect.
