@@ -7,7 +7,9 @@ Needs cmake, ninja, g++ and, for NEON, aarch64-linux-gnu-g++ and aarch64-linux-g
 (Debian/Ubuntu: apt-get install g++-aarch64-linux-gnu binutils-aarch64-linux-gnu).
 
 ARM speed cannot be measured under emulation; this counts instructions instead (bench/NOTES.md,
-"ARM: instructions per score and per key"). For each path (avx2, avx512, neon) it
+"ARM: instructions per score and per key"). For each path (avx2, avx512, neon, and the
+dot-product units avx512bf16 and neon_bf16: bf16 pairs for prefill, int8 codes for integer
+queries) it
 1. configures build/count-x86 and build/count-a64 (the latter as .ci/portable/cross_aarch64.sh
    does) and builds the kernel unit's object (isa_<isa>.cpp) with the project's own flags;
 2. compiles, with exactly that unit's compile command, a probe unit: the unit's own text (the same
@@ -16,7 +18,8 @@ ARM speed cannot be measured under emulation; this counts instructions instead (
 3. disassembles each wrapper (objdump -d --no-show-raw-insn -C), takes the loop with the most FMAs
    (the innermost such: the shortest range from a backward branch's target to that branch),
    counts its instructions on the fall-through path (forward branches inside the loop skip their
-   span: the per-8-features prefetch of the QK loop, for one), splits them into arithmetic,
+   span: the per-8-features prefetch of the QK loop, for one; in the dot-product units the dot
+   instructions take the FMAs' place), splits them into arithmetic,
    loads/stores, shuffles/converts and other, and divides by the work of one iteration.
 As a check, PV's 6-row loop is also counted in the library's own object (pv_rows<6, Native>).
 """
@@ -38,7 +41,10 @@ PATHS = {  # isa: (build dir, lanes, objdump)
     "avx2": ("build/count-x86", 8, "objdump"),
     "avx512": ("build/count-x86", 16, "objdump"),
     "neon": ("build/count-a64", 4, "aarch64-linux-gnu-objdump"),
+    "avx512bf16": ("build/count-x86", 16, "objdump"),
+    "neon_bf16": ("build/count-a64", 4, "aarch64-linux-gnu-objdump"),
 }
+DOT_PATHS = ("avx512bf16", "neon_bf16")
 CONFIGURE = {
     "build/count-x86": [],
     "build/count-a64": [
@@ -84,14 +90,35 @@ CNT_DECODE(BF16)
 }  // namespace attnx
 """
 
-X86_FMA = re.compile(r"^vf(n)?m(add|sub)\d+[ps]s$")
+# The dot-product units' probes: bf16 prefill's 6-row blocks (qk_bf16_block: 4 vectors of keys,
+# one pair of features per iteration; pv_bf16_block: 4 vectors of features, one pair of keys) and
+# integer queries' decode block (qk_int8_block: 4 rows x 4 keys, kI8Bytes features).
+DOT_PROBES = r"""
+namespace ISA {
+[[gnu::noinline]] void cnt_bqk(const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n,
+                               float scale, float* s) {
+  qk_bf16_block<6, Bf16P<false>>(qb, ldq, kp, d2n, scale, s, nullptr);
+}
+[[gnu::noinline]] void cnt_bpv(const Pair* p, const Pair* vp, int64_t n2, int64_t Dvp, int64_t c,
+                               float* o, int64_t ldo) {
+  pv_bf16_block<6, 4>(p, vp, n2, Dvp, c, o, ldo);
+}
+[[gnu::noinline]] void cnt_iqk(const int8_t* q8, int64_t ld, int64_t Dk, const Real* const* kr,
+                               Real* s) {
+  qk_int8_block<4, 4>(q8, ld, Dk, kr, s);
+}
+}  // namespace ISA
+}  // namespace attnx
+"""
+
+X86_FMA = re.compile(r"^(vf(n)?m(add|sub)\d+[ps]s|vdpbf16ps|vpdpbusd)$")
 X86_ARITH = re.compile(r"^v(mul|add|sub|max|min|div)[ps]s$")
 X86_SHUF = re.compile(
     r"^v(perm|shuf|unpck|punpck|cvt|pmov[sz]x|psll|psrl|psra|insert|extract|blend|pblend|movshdup"
     r"|movsldup|movhlps|movlhps|pshuf)"
 )
 X86_MOVE = re.compile(r"^(v?mov|vbroadcast|vpbroadcast|vmaskmov)")
-A64_FMA = re.compile(r"^fml[as]$")
+A64_FMA = re.compile(r"^(fml[as]|bfdot|sdot)$")
 A64_ARITH = re.compile(r"^f(mul|add|sub|max|min|div|maxnm|minnm|addp|neg)$")
 A64_SHUF = re.compile(
     r"^(fcvt|[su]cvtf|[su]?shll2?|xtn2?|zip|uzp|trn|ext$|dup$|ins$|shl$|[su]shr$|frint)"
@@ -147,7 +174,8 @@ def compile_probe(isa: str, jobs: int) -> tuple[Path, Path, str]:
     unit = ROOT / f"cpp/src/kernels/isa_{isa}.cpp"
     text = unit.read_text()
     probe_src = ROOT / build / f"count_{isa}.cpp"
-    probe_src.write_text(text[: text.index("namespace kern {")] + PROBES.replace("ISA", isa))
+    probes = DOT_PROBES if isa in DOT_PATHS else PROBES
+    probe_src.write_text(text[: text.index("namespace kern {")] + probes.replace("ISA", isa))
     probe_obj = ROOT / build / f"count_{isa}.o"
     subprocess.run(probe_command(cmd, probe_src, probe_obj), cwd=ROOT / build, check=True)
     version = sh([cmd[0], "--version"]).splitlines()[0]
@@ -266,26 +294,50 @@ class Row:
     unit: str
 
 
+def stage_loop(f: dict[str, list[Insn]], isa: str, name: str, a64: bool) -> dict[str, int]:
+    """The hot loop of the probe wrapper `name` (or of the stage function it calls)."""
+    insns = find(f, f"{isa}::{name}(")
+    c = hot_loop(insns, a64)
+    if c is None or c["fma"] == 0:  # the wrapper calls the stage's function: count that
+        for i in insns:
+            m = re.search(r"<(.*?)(\+0x[0-9a-f]+)?>$", i.ops)
+            if m and m.group(1) in f and (c is None or c["fma"] == 0):
+                c = hot_loop(f[m.group(1)], a64)
+    if SHOW:
+        print(f"{isa} {name}: {c}")
+    if c is None or c["fma"] == 0:
+        raise SystemExit(f"count_instructions: {isa} {name}: no FMA loop isolated")
+    return c
+
+
+def dot_rows(f: dict[str, list[Insn]], isa: str, W: int) -> list[Row]:
+    """The dot-product units' rows: a bf16 dot instruction is W lanes x 2 products, an int8 one
+    W lanes x 4."""
+    a64 = isa.startswith("neon")
+    c = stage_loop(f, isa, "cnt_bqk", a64)
+    rows = [
+        Row("QK prefill bf16 (6 rows, packed pairs)", isa, c, c["fma"] * W * 2, "score x feature")
+    ]
+    c = stage_loop(f, isa, "cnt_bpv", a64)
+    rows.append(
+        Row("PV prefill bf16 (6 rows, pairs)", isa, c, c["fma"] * W * 2, "row x key x feature")
+    )
+    c = stage_loop(f, isa, "cnt_iqk", a64)  # 4 rows x 4 keys, 4 W features per (row, key)
+    rows.append(Row("decode QK int8 query", isa, c, c["fma"] / 4 * 4 * W / 128, "key (D=128)"))
+    return rows
+
+
 def count_path(isa: str, jobs: int) -> tuple[list[Row], str, dict[str, int] | None]:
     _, W, objdump = PATHS[isa]
-    a64 = isa == "neon"
+    a64 = isa.startswith("neon")
     lib_obj, probe_obj, version = compile_probe(isa, jobs)
     f = disassemble(objdump, probe_obj)
+    if isa in DOT_PATHS:
+        return dot_rows(f, isa, W), version, None
     rows = []
 
     def loop(name: str) -> dict[str, int]:
-        insns = find(f, f"{isa}::{name}(")
-        c = hot_loop(insns, a64)
-        if c is None or c["fma"] == 0:  # the wrapper calls the stage's function: count that
-            for i in insns:
-                m = re.search(r"<(.*?)(\+0x[0-9a-f]+)?>$", i.ops)
-                if m and m.group(1) in f and (c is None or c["fma"] == 0):
-                    c = hot_loop(f[m.group(1)], a64)
-        if SHOW:
-            print(f"{isa} {name}: {c}")
-        if c is None or c["fma"] == 0:
-            raise SystemExit(f"count_instructions: {isa} {name}: no FMA loop isolated")
-        return c
+        return stage_loop(f, isa, name, a64)
 
     c = loop("cnt_qk")  # 6 rows x 2 vectors of keys, one feature per 12 FMAs
     rows.append(
@@ -332,6 +384,13 @@ SUMMARY = [  # (stage, rows of the detail table, scale to the unit named)
         ["decode QK BF16", "decode PV BF16"],
         1,
     ),
+    (
+        "QK prefill bf16 products, per score (D=128)",
+        ["QK prefill bf16 (6 rows, packed pairs)"],
+        128,
+    ),
+    ("PV prefill bf16 products, per (row, key) (Dv=128)", ["PV prefill bf16 (6 rows, pairs)"], 128),
+    ("decode QK, int8 query over int8 keys, per key (4 rows, D=128)", ["decode QK int8 query"], 1),
 ]
 
 
@@ -351,9 +410,13 @@ def summary(results: list[Row], isas: list[str]) -> None:
                 sum(r.c["total"] / r.work for r in rs) * scale,
                 sum(r.c["fma"] / r.work for r in rs) * scale,
             )
-        cells = [f"{tot[i][0]:.3g} ({tot[i][1]:.3g})" for i in isas]
-        if {"neon", "avx2"} <= set(isas):
+        if not any(tot[i][0] for i in isas):
+            continue
+        cells = [f"{tot[i][0]:.3g} ({tot[i][1]:.3g})" if tot[i][0] else "-" for i in isas]
+        if {"neon", "avx2"} <= set(isas) and tot["avx2"][0] and tot["neon"][0]:
             cells.append(f"{tot['neon'][0] / tot['avx2'][0]:.2f}x")
+        elif {"neon", "avx2"} <= set(isas):
+            cells.append("-")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
@@ -371,7 +434,7 @@ def main() -> None:
             "cmake",
             "ninja",
             PATHS[isa][2],
-            "aarch64-linux-gnu-g++" if isa == "neon" else "g++",
+            "aarch64-linux-gnu-g++" if isa.startswith("neon") else "g++",
         ):
             if shutil.which(tool) is None:
                 raise SystemExit(f"count_instructions: {tool} not found (see this file's top)")

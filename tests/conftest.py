@@ -3,7 +3,7 @@ the report header. The library the tests share (checks, tolerances, data) is tes
 
 Environment:
   ATTNX_TEST_SEED           seed of every random test (default 0); printed in the header
-  ATTNX_ISA                 scalar | avx2 | avx512 | avx512bf16 | amx | neon | auto: run the kernel
+  ATTNX_ISA                 scalar | avx2 | avx512 | avx512bf16 | amx | neon | neon-bf16 | auto: run the kernel
                             tests on that path only
   ATTNX_HYPOTHESIS_PROFILE  "ci" (default) or "soak" (many more examples)
 """
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 
 import attnx
 
-from helpers import BF16_PRODUCT_ISAS, ISAS, SEED, has_amx, has_avx512bf16
+from helpers import BF16_PRODUCT_ISAS, ISAS, SEED, bf16_product_skip
 
 settings.register_profile(
     "ci",
@@ -53,12 +53,11 @@ def isa(request):
 
 @pytest.fixture(params=BF16_PRODUCT_ISAS)
 def bf16_isa(request):
-    """Runs the test on each path with bf16 products (avx512bf16's dot products, amx's tiles;
-    skips those the CPU lacks), restoring the active path afterwards."""
-    if not has_avx512bf16():
-        pytest.skip("CPU lacks AVX512_BF16")
-    if request.param == "amx" and not has_amx():
-        pytest.skip("CPU lacks AMX-BF16, or the OS did not grant the tile state")
+    """Runs the test on each path with bf16 products (avx512bf16's and neon-bf16's dot
+    products, amx's tiles; skips those the CPU lacks), restoring the active path afterwards."""
+    reason = bf16_product_skip(request.param)
+    if reason:
+        pytest.skip(reason)
     previous = attnx.cpu_features()["isa"]
     attnx._core.set_isa(request.param)
     try:

@@ -2,8 +2,9 @@
 // .ci/portable/cross_aarch64.sh under qemu, cross_zig.sh's Windows build under Wine). Dense
 // attention in float32 and float64 over GQA, causal, Dk != Dv, padding and several threads, and a
 // paged int8 decode (rows quantised by paged_write, pages in shuffled blocks), against a naive
-// float64 softmax written here, on each path the build and CPU accept (aarch64: neon and scalar);
-// the ISA choice (the best accepted, neon on aarch64, a clear error for the others) and the probes.
+// float64 softmax written here, on each path the build and CPU accept (aarch64: neon-bf16 where
+// the CPU has it, neon and scalar); the ISA choice (the best accepted, a clear error for the
+// others) and the probes.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -171,7 +172,7 @@ double paged_int8_error(std::mt19937& rng) {
 // in which dispatch.cpp prefers them.
 std::vector<std::string> own_isas() {
   std::vector<std::string> found;
-  for (const char* name : {"avx512bf16", "avx512", "avx2", "neon", "scalar"}) {
+  for (const char* name : {"avx512bf16", "avx512", "avx2", "neon-bf16", "neon", "scalar"}) {
     try {
       attnx::set_isa(name);
       found.push_back(name);
@@ -187,7 +188,10 @@ int main() {
   const std::vector<std::string> isas = own_isas();
   check(isa == isas[0], "the default ISA is the best one accepted, " + isas[0] + " (" + isa + ")");
 #if defined(__aarch64__)
-  check(isas.size() == 2 && isas[0] == "neon", "aarch64: neon and scalar, no x86 path");
+  // (neon-bf16 where the CPU has BF16 and DotProd: qemu's default -cpu max has them)
+  check(isas.size() >= 2 && isas[isas.size() - 2] == "neon" &&
+            (isas.size() == 2 || (isas.size() == 3 && isas[0] == "neon-bf16")),
+        "aarch64: neon (and neon-bf16 where the CPU has it) and scalar, no x86 path");
 #endif
   attnx::set_isa("auto");
   check(std::string(attnx::active_isa()) == isas[0], "set_isa(\"auto\") picks " + isas[0]);

@@ -95,7 +95,7 @@ def _check_header(result):
     assert (
         m["cpu_model"]
         and m["threads"] == 2
-        and m["isa"] in ("scalar", "avx2", "avx512", "avx512bf16", "amx", "neon")
+        and m["isa"] in ("scalar", "avx2", "avx512", "avx512bf16", "amx", "neon", "neon-bf16")
     )
     assert m["versions"]["numpy"] and "torch" in m["versions"]
     lim = result["limits"]

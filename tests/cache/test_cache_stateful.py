@@ -85,7 +85,7 @@ def counts_as_form(form, counts):
 def _isas():
     current = attnx._core.active_isa()
     found = []
-    for name in ("scalar", "avx2", "avx512", "avx512bf16", "amx", "neon"):
+    for name in ("scalar", "avx2", "avx512", "avx512bf16", "amx", "neon", "neon-bf16"):
         try:
             attnx._core.set_isa(name)
         except ValueError:

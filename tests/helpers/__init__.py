@@ -54,11 +54,16 @@ from helpers.isa import (
     BF16_DOT_GAIN,
     BF16_PRODUCT_ISAS,
     ISAS,
+    WIDENING_TWIN,
     assert_set_isa_refused,
     best_isa,
+    bf16_product_skip,
     has_amx,
     has_avx512bf16,
+    has_bf16_products,
+    has_neon_bf16,
     supported_isas,
+    widening_path,
 )
 from helpers.layouts import from4, lse4, to4
 from helpers.processes import run_isolated, script_words
@@ -85,6 +90,7 @@ __all__ = [
     "RISES",
     "SEED",
     "TORCH_RATIO",
+    "WIDENING_TWIN",
     "all_prefill",
     "assert_delta_matches",
     "assert_flash_rule",
@@ -93,6 +99,7 @@ __all__ = [
     "assert_set_isa_refused",
     "attention_tolerance",
     "best_isa",
+    "bf16_product_skip",
     "bf16_rounds_p",
     "bf16_twin",
     "bits",
@@ -112,6 +119,8 @@ __all__ = [
     "from4",
     "has_amx",
     "has_avx512bf16",
+    "has_bf16_products",
+    "has_neon_bf16",
     "lowp_attention",
     "lse4",
     "make_rng",
@@ -128,4 +137,5 @@ __all__ = [
     "script_words",
     "supported_isas",
     "to4",
+    "widening_path",
 ]

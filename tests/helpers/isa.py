@@ -13,6 +13,8 @@ import attnx
 # AVX512_BF16 and VNNI on top of those).
 AVX2_FLAGS = ("avx2", "fma", "f16c")
 AVX512BF16_FLAGS = (*AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512bf16", "avx512_vnni")
+# aarch64: neon-bf16 (BFDOT for bf16 prefill, SDOT for integer queries) needs BF16 and DotProd.
+NEON_BF16_FLAGS = ("neon", "bf16", "dotprod")
 
 
 def _has(f, flags):
@@ -32,6 +34,8 @@ def supported_isas():
     isas = ["scalar"]
     if f.get("neon"):  # aarch64: Advanced SIMD, the baseline there
         isas.append("neon")
+        if has_neon_bf16(f):
+            isas.append("neon-bf16")
     if _has(f, AVX2_FLAGS):
         isas.append("avx2")
         if f["avx512f"]:
@@ -49,6 +53,18 @@ def has_avx512bf16(f=None):
     return _has(f, AVX512BF16_FLAGS)
 
 
+def has_neon_bf16(f=None):
+    """Whether the CPU can run the neon-bf16 path (an aarch64 build on a CPU with BF16 and
+    DotProd)."""
+    f = attnx.cpu_features() if f is None else f
+    return _has(f, NEON_BF16_FLAGS)
+
+
+def has_bf16_products(f=None):
+    """Whether the CPU has a path with bf16 products (avx512bf16, or neon-bf16 on aarch64)."""
+    return has_avx512bf16(f) or has_neon_bf16(f)
+
+
 def has_amx(f=None):
     """Whether the CPU can run the amx path (AMX-BF16 granted by the OS, and AVX512_BF16)."""
     f = attnx.cpu_features() if f is None else f
@@ -56,7 +72,28 @@ def has_amx(f=None):
 
 
 # The paths that compute bf16 prefill with bf16 products (and round P to bf16 before P V).
-BF16_PRODUCT_ISAS = ("avx512bf16", "amx")
+BF16_PRODUCT_ISAS = ("avx512bf16", "amx", "neon-bf16")
+# Each one's float32-widening twin: every other call (dtypes, decode) gives its results bit for
+# bit, and so do integer queries, whose integer dot products give the FMAs' exact sums.
+WIDENING_TWIN = {"avx512bf16": "avx512", "amx": "avx512", "neon-bf16": "neon"}
+
+
+def widening_path():
+    """The float32-widening path the bf16 product paths of this architecture are twins of."""
+    return "neon" if attnx.cpu_features()["neon"] else "avx512"
+
+
+def bf16_product_skip(name):
+    """Why this CPU cannot run the bf16 product path `name` (None where it can)."""
+    if name == "neon-bf16":
+        return None if has_neon_bf16() else "CPU lacks ARM BF16 and DotProd (or not aarch64)"
+    if not has_avx512bf16():
+        return "CPU lacks AVX512_BF16"
+    if name == "amx" and not has_amx():
+        return "CPU lacks AMX-BF16, or the OS did not grant the tile state"
+    return None
+
+
 # dispatch.cpp's kBf16DotGain: the avx512bf16 path is the default only where vdpbf16ps gives
 # more multiply-adds per second than float32 FMAs by this factor.
 BF16_DOT_GAIN = 1.25
@@ -69,7 +106,7 @@ def best_isa():
     dot products where they measure faster than float32 FMAs, else the widest vectors."""
     f = attnx.cpu_features()
     if f.get("neon"):
-        return "neon"
+        return "neon-bf16" if has_neon_bf16(f) else "neon"
     if f["avx2"] and f["fma"] and f["f16c"]:
         if has_amx(f):
             return "amx"

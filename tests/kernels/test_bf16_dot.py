@@ -1,13 +1,15 @@
-"""The avx512bf16 path: prefill over bfloat16 q, k and v on AVX512_BF16 dot products (vdpbf16ps,
-fp32 accumulation, P rounded to bf16 before P V), cpp/src/kernels/bf16_dot-inl.h.
+"""The bf16 dot-product paths: prefill over bfloat16 q, k and v on AVX512_BF16's vdpbf16ps
+(avx512bf16) or FEAT_BF16's BFDOT (neon-bf16 on aarch64), fp32 accumulation, P rounded to bf16
+before P V, cpp/src/kernels/bf16_dot-inl.h.
 
 Numerics follow the flash-attention rule: the error against the float64 reference (on the bf16
 values themselves) stays within a small multiple of a same-precision implementation's error, here
 ``helpers.bf16_twin`` (the reference with P rounded to bf16, output rounded to bf16) and, where
 installed, torch's bf16 ``scaled_dot_product_attention``.  The rest of the path's contract:
-selected at import where the CPU has AVX512_BF16, forced or refused by ``ATTNX_ISA`` /
-``set_isa``, ``avx512`` keeps the exact fp32-widening results, and every other dtype and decode
-run the avx512 kernels unchanged.  On a CPU without AVX512_BF16 these tests skip, saying so.
+selected at import where the CPU has AVX512_BF16 (measured faster) or ARM BF16, forced or
+refused by ``ATTNX_ISA`` / ``set_isa``, ``avx512`` (``neon``) keeps the exact fp32-widening
+results, and every other dtype and decode run the avx512 (neon) kernels unchanged.  On a CPU
+without either these tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -39,13 +41,21 @@ from helpers import (
     errors,
     has_amx,
     has_avx512bf16,
+    has_bf16_products,
+    has_neon_bf16,
     on_isa,
     prefill_problems,
     prefill_qkv,
     rand,
+    widening_path,
 )
 
-needs_bf16 = pytest.mark.skipif(not has_avx512bf16(), reason="CPU lacks AVX512_BF16")
+needs_bf16 = pytest.mark.skipif(
+    not has_bf16_products(), reason="CPU lacks AVX512_BF16 and ARM BF16 with DotProd"
+)
+# the float32-widening path the bf16 product paths must agree with where they do not multiply
+# in bf16 (avx512 on x86, neon on aarch64)
+WIDENING = widening_path()
 
 
 # ---- selection -----------------------------------------------------------------------------
@@ -65,12 +75,11 @@ def _isa_in_child(env_isa):
 @needs_bf16
 def test_selected_at_import_and_forceable():
     """The default is the measured choice (helpers.best_isa: AMX where granted, else bf16 dot
-    products only where they out-run float32 FMAs); every path the CPU has can be forced."""
+    products only where they out-run float32 FMAs; on aarch64 neon-bf16 wherever the CPU has
+    BF16 and DotProd); every path the CPU has can be forced."""
     assert _isa_in_child(None)[:2] == (0, best_isa())
-    assert _isa_in_child("avx512bf16")[:2] == (0, "avx512bf16")
-    assert _isa_in_child("avx512")[:2] == (0, "avx512")
-    if has_amx():
-        assert _isa_in_child("amx")[:2] == (0, "amx")
+    for name in [i for i in BF16_PRODUCT_ISAS if i in ISAS] + [WIDENING]:
+        assert _isa_in_child(name)[:2] == (0, name)
 
 
 def test_bf16_dot_gain_is_measured():
@@ -112,6 +121,19 @@ def test_set_isa_rejects_missing_avx512bf16():
     assert_set_isa_refused("avx512bf16", "AVX512_BF16")
 
 
+@pytest.mark.skipif(has_neon_bf16(), reason="this CPU has ARM BF16 and DotProd")
+def test_set_isa_rejects_missing_neon_bf16():
+    """Refused on an aarch64 CPU without BF16 (a plain NEON core), and in an x86 build."""
+    match = "lacks BF16" if attnx.cpu_features()["neon"] else "neon-bf16.*no NEON kernels"
+    assert_set_isa_refused("neon-bf16", match)
+
+
+def test_cpu_features_reports_arm_bf16():
+    f = attnx.cpu_features()
+    assert f["isa"] != "neon-bf16" or has_neon_bf16(f)
+    assert f["bf16_products"] is (f["isa"] in BF16_PRODUCT_ISAS)
+
+
 def test_cpu_features_reports_bf16():
     f = attnx.cpu_features()
     for key in ("avx512bw", "avx512vl", "avx512bf16"):
@@ -125,16 +147,17 @@ def test_cpu_features_reports_bf16():
 @needs_bf16
 @pytest.mark.parametrize("causal", [False, True])
 def test_avx512_keeps_fp32_widening(rng, causal):
-    """ATTNX_ISA=avx512 computes bf16 exactly as float32 inputs of the same values (rounded to
-    bf16 at the end); avx512bf16 gives a different (bf16 P) result on the same call."""
+    """ATTNX_ISA=avx512 (neon) computes bf16 exactly as float32 inputs of the same values
+    (rounded to bf16 at the end); avx512bf16 (neon-bf16) gives a different (bf16 P) result on
+    the same call."""
     q, k, v = (rand(rng, (1, 4, 130, 64), BF16) for _ in range(3))
     want = on_isa(
-        "avx512",
+        WIDENING,
         lambda: attnx.attention(
             *(x.astype(np.float32) for x in (q, k, v)), causal=causal, return_lse=True
         ),
     )
-    got = on_isa("avx512", lambda: attnx.attention(q, k, v, causal=causal, return_lse=True))
+    got = on_isa(WIDENING, lambda: attnx.attention(q, k, v, causal=causal, return_lse=True))
     np.testing.assert_array_equal(got[0], want[0].astype(BF16))
     np.testing.assert_array_equal(got[1], want[1])
     for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
@@ -150,7 +173,7 @@ def test_other_dtypes_match_avx512(rng, dtype):
     q = rand(rng, (1, 4, 70, 48), dtype)
     k = rand(rng, (1, 2, 90, 48), dtype)
     v = rand(rng, (1, 2, 90, 40), dtype)
-    a = on_isa("avx512", lambda: attnx.attention(q, k, v, causal=True))
+    a = on_isa(WIDENING, lambda: attnx.attention(q, k, v, causal=True))
     for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
         np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v, causal=True)))
 
@@ -159,7 +182,7 @@ def test_other_dtypes_match_avx512(rng, dtype):
 def test_bf16_decode_matches_avx512(rng):
     q = rand(rng, (3, 8, 1, 64), BF16)
     k, v = (rand(rng, (3, 2, 300, 64), BF16) for _ in range(2))
-    a = on_isa("avx512", lambda: attnx.attention(q, k, v))
+    a = on_isa(WIDENING, lambda: attnx.attention(q, k, v))
     for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
         np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v)))
 
@@ -272,7 +295,7 @@ def test_paged_prefill_chunk(bf16_isa, rng):
     )
     assert km <= EMUL_MAX_RATIO * em + 1e-6, (km, em)
     q32 = q.astype(np.float32)
-    a = on_isa("avx512", lambda: attnx.paged_attention(q32, *args, q_lens=np.array([Sq])))
+    a = on_isa(WIDENING, lambda: attnx.paged_attention(q32, *args, q_lens=np.array([Sq])))
     np.testing.assert_array_equal(attnx.paged_attention(q32, *args, q_lens=np.array([Sq])), a)
 
 

@@ -1,8 +1,8 @@
 """float32 callers' opt-in to bf16 products: ``attnx.set_float32_precision("bf16")`` (issue 33).
 
-On the paths with bf16 products (avx512bf16, amx), float32 prefill then runs on them: q, k, v and
-P rounded to bf16, held to the flash rule (helpers.bf16: the error against the float64 reference
-over the rounded inputs within a small multiple of ``attnx.reference``'s twin,
+On the paths with bf16 products (avx512bf16, amx, neon-bf16), float32 prefill then runs on them:
+q, k, v and P rounded to bf16, held to the flash rule (helpers.bf16: the error against the
+float64 reference over the rounded inputs within a small multiple of ``attnx.reference``'s twin,
 ``bf16_products=True``). Everything else keeps its float32 result bit for bit: the default, the
 other paths, decode, float64. The setting is validated, restored by ``with``, and
 ``cpu_features()["bf16_products"]`` says whether it can take effect.
@@ -203,11 +203,12 @@ def test_changes_nothing_without_bf16_products(isa, rng):
 
 
 def test_off_is_float32_bit_for_bit(bf16_isa, rng):
-    """Off (the default), float32 prefill gives avx512's float32 result on this path."""
+    """Off (the default), float32 prefill gives the float32 result of the path's widening twin
+    (avx512, neon) on this path."""
     q, k, v = rand(rng, (1, 4, 130, 48)), rand(rng, (1, 2, 150, 48)), rand(rng, (1, 2, 150, 40))
-    from helpers import on_isa
+    from helpers import WIDENING_TWIN, on_isa
 
-    want = on_isa("avx512", lambda: attnx.attention(q, k, v, causal=True))
+    want = on_isa(WIDENING_TWIN[bf16_isa], lambda: attnx.attention(q, k, v, causal=True))
     np.testing.assert_array_equal(attnx.attention(q, k, v, causal=True), want)
 
 

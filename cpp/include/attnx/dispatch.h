@@ -23,7 +23,8 @@ struct CpuFeatures {
 CpuFeatures cpu_features();
 // The active instruction set: "scalar", "avx2", "avx512", "avx512bf16" (avx512, with bf16 dot
 // products for bf16 prefill) or "amx" (avx512, with AMX-BF16 tiles for bf16 prefill); on
-// aarch64 "scalar" or "neon".
+// aarch64 "scalar", "neon" or "neon-bf16" (neon, with BFDOT for bf16 prefill and SDOT for
+// integer queries).
 const char* active_isa();
 // How many more multiply-adds per second this CPU's vdpbf16ps gives than its 512-bit FMAs
 // (measured once, at first use; 0 where the CPU lacks AVX512_BF16): the avx512bf16 path is the

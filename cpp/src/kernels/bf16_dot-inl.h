@@ -1,7 +1,8 @@
-// bf16_dot-inl.h: the prefill tile loop (many query rows) with AVX512_BF16 dot products
-// (vdpbf16ps: 16 lanes, each adding two bf16 x bf16 products to an fp32 sum), for bf16 q, k and v,
+// bf16_dot-inl.h: the prefill tile loop (many query rows) with bf16 dot products (each float lane
+// adds two bf16 x bf16 products: AVX512_BF16's vdpbf16ps, FEAT_BF16's BFDOT), for bf16 q, k and v,
 // and for float32 ones where the caller allows bf16 products (RowSet::bf16_products: they are
-// rounded to bf16 as they are packed). isa_avx512bf16.cpp (and isa_amx.cpp) include it after the
+// rounded to bf16 as they are packed). Written against the dot vocabulary `dot` (simd/dot_*.h)
+// besides `simd`; isa_avx512bf16.cpp, isa_amx.cpp and isa_neon_bf16.cpp include it after the
 // flash stages, inside the same namespace: it reuses that file's masks, online-softmax update and
 // shared packed tiles. Everything else (other dtypes, few rows: decode) runs tile-inl.h's
 // fp32-widening `flash`.
@@ -9,7 +10,8 @@
 // Numerics (the flash-attention rule; README "dtypes"):
 //   S = scale * (q . k): the bf16 q and k as they are (q is taken back from the driver's scaled
 //       fp32 copy: q * scale / scale rounds to the bf16 value exactly), each product exact in
-//       fp32, the sums in fp32 (vdpbf16ps flushes bf16 subnormals, |x| < 1.2e-38, to zero). This
+//       fp32, the sums in fp32 (both instructions flush bf16 subnormals, |x| < 1.2e-38, to zero;
+//       BFDOT rounds the pair's sum before adding it, vdpbf16ps adds one product at a time). This
 //       is the fp32 path's S up to the order of the additions. float32 q, k, v are first rounded
 //       to bf16 (round to nearest even; q from the scaled row times 1 / scale, which is q itself
 //       but within a float32 ulp or two of a bf16 tie; beyond bf16's largest finite value, inf).
@@ -23,18 +25,13 @@
 //       multiple of a same-precision implementation's (attnx.reference's bf16_products twin, and
 //       torch's bf16 SDPA).
 
-// The including file provides <cmath>, <cstring>, <limits>, <type_traits> and <immintrin.h>.
+// The including file provides <cmath>, <cstring>, <limits>, <type_traits>, and `dot`.
 
 namespace {
 
-// Two bf16 values in 32 bits, the lower index in the low half: what vdpbf16ps multiplies pairwise.
+// Two bf16 values in 32 bits, the lower index in the low half: what dot::dot_pairs multiplies
+// pairwise.
 using Pair = int32_t;
-
-static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
-static inline __m512bh bcast_pair(const Pair* p) { return as_bh(_mm512_set1_epi32(*p)); }
-static inline __m512bh load_pairs(const Pair* p) { return as_bh(_mm512_loadu_si512(p)); }
-// 32 floats (a then b) rounded to bf16, as 16 pairs (a[0], a[1]), ..., (b[14], b[15])
-static inline __m512i round_pairs(V a, V b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
 
 // Calls f(std::integral_constant<int, R>{}, r) for the rows left from r, R of them (0 < R < MR).
 template <int R, class Fn>
@@ -48,7 +45,7 @@ static ATTNX_INLINE void row_tail(int left, int r, Fn& f) {
 }
 // Calls f(std::integral_constant<int, MR>{}, r) for the blocks of MR rows starting at r, then
 // for the 1 .. MR - 1 rows left (the bf16 register blocks below are 6 rows by 4 vectors: 24
-// accumulators).
+// accumulators, of AVX-512's and NEON's 32 registers).
 template <int MR, class Fn>
 static ATTNX_INLINE void row_blocks(int M, Fn&& f) {
   int r = 0;
@@ -57,18 +54,12 @@ static ATTNX_INLINE void row_blocks(int M, Fn&& f) {
 }
 
 // ---- packing ----------------------------------------------------------------------------------
-// The lanes of a 16-element block that hold data, `left` elements being left from its start.
-static inline __mmask16 lanes_upto(int64_t left) {
-  return left >= W ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-}
-
 // A float32 row of Dk features rounded to bf16 pairs (round to nearest even), zero from Dk to
-// Dkp: masked loads read only the row's own elements.
+// Dkp: the loads read only the row's own elements.
 static void round_row_bf16(const float* x, int64_t Dk, int64_t Dkp, Pair* dst) {
   for (int64_t d = 0; d < Dkp; d += 2 * W)
-    _mm512_storeu_si512(dst + d / 2,
-                        round_pairs(_mm512_maskz_loadu_ps(lanes_upto(Dk - d), x + d),
-                                    _mm512_maskz_loadu_ps(lanes_upto(Dk - d - W), x + d + W)));
+    dot::store_rounded(dst + d / 2, dot::load_upto(x + d, Dk - d),
+                       dot::load_upto(x + d + W, Dk - d - W));
 }
 
 // The M query rows (fp32, multiplied by scale) back to bf16 pairs along the features:
@@ -78,14 +69,13 @@ static void pack_q_bf16(const kern::RowSet& rs, int64_t Dkp, float inv_scale, Pa
   for (int r = 0; r < rs.M; ++r) {
     const float* q = rs.q + r * rs.ldq;
     for (int64_t d = 0; d < Dkp; d += 2 * W)
-      _mm512_storeu_si512(qb + r * (Dkp / 2) + d / 2,
-                          round_pairs(mul(load(q + d), f), mul(load(q + d + W), f)));
+      dot::store_rounded(qb + r * (Dkp / 2) + d / 2, mul(load(q + d), f), mul(load(q + d + W), f));
   }
 }
 
 // Keys [j0, j0 + n) as bf16 pairs along the features, kp[d2][j] = (k[j][2 d2], k[j][2 d2 + 1])
-// (Dkp / 2 x kTileK pairs, zero past n and past Dk): one vdpbf16ps multiplies a query's pair by
-// 16 keys' pairs. A pair is 32 bits, so this is pack_kt's transpose of the rows seen as pairs.
+// (Dkp / 2 x kTileK pairs, zero past n and past Dk): one dot_pairs multiplies a query's pair by
+// W keys' pairs. A pair is 32 bits, so this is pack_kt's transpose of the rows seen as pairs.
 // bf16 rows are read in place where they hold whole 8 x 8 blocks of pairs, else copied
 // zero-padded; float32 rows are rounded to bf16 into that copy.
 static void pack_k_bf16(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
@@ -118,52 +108,40 @@ static void pack_k_bf16(const kern::KVSource& ks, int64_t j0, int64_t n, int64_t
   std::memset(kp + d2 * kTileK, 0, sizeof(float) * std::size_t((Dkp / 2 - d2) * kTileK));
 }
 
-// 16 bf16 values of a bf16 row from element d (zeros from element Dv on). Masked loads read only
-// the row's own elements.
-static ATTNX_INLINE __m256i bf16_lanes(const char* row, int64_t d, int64_t Dv) {
-  return _mm256_maskz_loadu_epi16(lanes_upto(Dv - d), reinterpret_cast<const uint16_t*>(row) + d);
-}
-
-// The 16-bit lanes (a0 .. a15, b0 .. b15) of x as pairs (a0, b0), (a1, b1), ..., (a15, b15).
-static inline __m512i interleave_halves(__m512i x) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, x);
+// W bf16 values of a bf16 row from element d (zeros from element Dv on). The loads read only the
+// row's own elements.
+static ATTNX_INLINE dot::H bf16_lanes(const char* row, int64_t d, int64_t Dv) {
+  return dot::bf16_upto(reinterpret_cast<const uint16_t*>(row) + d, Dv - d);
 }
 
 // Values [j0, j0 + n) (row addresses addr; bf16, or float32 rows rounded to bf16) as bf16 pairs
 // along the keys, vp[t][d] = (v[2 t][d], v[2 t + 1][d]) (Dvp pairs a row, zero past n and past
-// Dv, and zero pair rows from (n + 1) / 2 to pad_rows): one vdpbf16ps multiplies a row's pair of
-// probabilities by 16 features' pairs. Returns whether every value is finite (no bf16 with an
+// Dv, and zero pair rows from (n + 1) / 2 to pad_rows): one dot_pairs multiplies a row's pair of
+// probabilities by W features' pairs. Returns whether every value is finite (no bf16 with an
 // all-ones exponent: a float32 beyond bf16's largest finite value counts as the inf it rounds to).
 template <bool F32>
 static bool pack_v_pairs(const char* const* addr, int64_t n, int64_t Dv, const float* zero,
                          Pair* vp, int64_t pad_rows = kTileK / 2) {
   const int64_t Dvp = round_up(Dv, kPad);
-  const __m512i expo = _mm512_set1_epi16(0x7f80);
-  __mmask32 bad = 0;
+  dot::Bad bad = dot::no_bad();
   for (int64_t t = 0; t < (n + 1) / 2; ++t) {
     const char* a = addr[2 * t];
     const char* b = 2 * t + 1 < n ? addr[2 * t + 1] : reinterpret_cast<const char*>(zero);
     for (int64_t d = 0; d < Dvp; d += W) {
-      __m512i x;  // a's 16 values, then b's (float32 rounded to nearest even)
       if constexpr (F32) {
-        const float *fa = reinterpret_cast<const float*>(a),
-                    *fb = reinterpret_cast<const float*>(b);
-        const __mmask16 m = lanes_upto(Dv - d);
-        x = round_pairs(_mm512_maskz_loadu_ps(m, fa + d), _mm512_maskz_loadu_ps(m, fb + d));
+        bad |= dot::zip_rounded(vp + t * Dvp + d, reinterpret_cast<const float*>(a) + d,
+                                reinterpret_cast<const float*>(b) + d, Dv - d);
       } else {
-        x = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_lanes(a, d, Dv)), bf16_lanes(b, d, Dv),
-                               1);
+        const dot::H x = bf16_lanes(a, d, Dv), y = bf16_lanes(b, d, Dv);
+        bad |= dot::nonfinite(x) | dot::nonfinite(y);
+        dot::store_zipped(vp + t * Dvp + d, x, y);
       }
-      bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, expo), expo);
-      _mm512_storeu_si512(vp + t * Dvp + d, interleave_halves(x));
     }
   }
   // zero pair rows to the tile's end: AMX's tile products read whole blocks of 16 pairs
   for (int64_t t = (n + 1) / 2; t < pad_rows; ++t)
     std::memset(vp + t * Dvp, 0, sizeof(Pair) * std::size_t(Dvp));
-  return bad == 0;
+  return dot::none(bad);
 }
 static bool pack_v_bf16(DType dt, const char* const* addr, int64_t n, int64_t Dv, const float* zero,
                         Pair* vp) {
@@ -182,17 +160,14 @@ static void pv_visible_bf16(const kern::RowSet& rs, const kern::KVSource& vs, in
   kv_rows(vs, j0, n, sc.vaddr);
   const float* const* fv = real_rows(vs, j0, sc.vaddr, n, Dv, false, sc.vf, sc.vrow);
   if (vs.dtype == DType::f32)  // (the copies in sc.vf, rounded in place)
-    for (int64_t i = 0; i < n * Dvp; i += W) {
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(load(sc.vf + i));
-      store(sc.vf + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
+    for (int64_t i = 0; i < n * Dvp; i += W) store(sc.vf + i, dot::round_bf16(load(sc.vf + i)));
   pv_visible(rs, j0, bias, s, fv, n, Dvp, st.o, st.ldo);
 }
 
 // Keys [c, c + 2W) of a row (a, b: their p) as 16 pairs at [c / 2, c / 2 + 16): at or before
 // the floats they came from.
 static ATTNX_INLINE void store_pairs(float* row, int64_t c, V a, V b) {
-  _mm512_storeu_si512(row + c / 2, round_pairs(a, b));
+  dot::store_rounded(reinterpret_cast<Pair*>(row + c / 2), a, b);
 }
 
 // The probabilities of M rows (s, kTileK floats a row) rounded to bf16, as n2 key pairs in place
@@ -222,26 +197,32 @@ struct Bf16P {
   }
 };
 
-// ---- S = scale * Q K^T: MR rows x kTileK keys (4 vectors) per register block ------------------
+// ---- S = scale * Q K^T: MR rows x 4 vectors of keys per register block -------------------------
+// kFuseBf16: the block is the whole tile (AVX-512's 16 lanes), so it can also do the rows'
+// online-softmax update: p is stored as bf16 pairs at once, and a raise of a row's max after an
+// earlier block's p were stored would have to rescale bf16 values (rounding them twice). With
+// narrower vectors (NEON: 4 blocks a tile) the tile's S is stored and softmax_rows updates it.
+constexpr int kKeyVecs = 4;
+constexpr bool kFuseBf16 = kKeyVecs * W == kTileK;
 // With `on` (a whole tile every row sees, after each row's first: softmax-inl.h's fusable
-// rule), the rows' online-softmax update is done here too, and s receives the probabilities
-// (PExp: Bf16P<false> where the rows return an lse, else Bf16P<true>).
+// rule; kFuseBf16 only), the rows' online-softmax update is done here too, and s receives the
+// probabilities (PExp: Bf16P<false> where the rows return an lse, else Bf16P<true>).
 template <int MR, class PExp>
 static ATTNX_INLINE void qk_bf16_block(const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n,
                                        float scale, float* s, const Online* on) {
-  constexpr int NC = kTileK / W;
+  constexpr int NC = kKeyVecs;
   V acc[MR][NC];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = zero();
   for (int64_t d = 0; d < d2n; ++d) {
-    __m512bh k[NC];
-    for (int c = 0; c < NC; ++c) k[c] = load_pairs(kp + d * kTileK + c * W);
+    dot::PV k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = dot::load_pairs(kp + d * kTileK + c * W);
     for (int r = 0; r < MR; ++r) {
-      const __m512bh qp = bcast_pair(qb + r * ldq + d);
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], k[c], qp);
+      const dot::PV qp = dot::bcast_pair(qb + r * ldq + d);
+      for (int c = 0; c < NC; ++c) acc[r][c] = dot::dot_pairs(acc[r][c], k[c], qp);
     }
   }
-  if (on == nullptr) {
+  if (!kFuseBf16 || on == nullptr) {
     const V f = set1(scale);
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NC; ++c) store(s + r * kTileK + c * W, mul(acc[r][c], f));
@@ -258,9 +239,15 @@ template <class PExp>
 static void qk_bf16(int M, const Pair* qb, int64_t ldq, const Pair* kp, int64_t d2n, float scale,
                     float* s, const Online* on) {
   row_blocks<6>(M, [&](auto mr, int r) {
-    const Online rows = on ? on->rows(r) : Online{};
-    qk_bf16_block<decltype(mr)::value, PExp>(qb + r * ldq, ldq, kp, d2n, scale,
-                                             s + int64_t(r) * kTileK, on ? &rows : nullptr);
+    if constexpr (kFuseBf16) {
+      const Online rows = on ? on->rows(r) : Online{};
+      qk_bf16_block<decltype(mr)::value, PExp>(qb + r * ldq, ldq, kp, d2n, scale,
+                                               s + int64_t(r) * kTileK, on ? &rows : nullptr);
+    } else {
+      for (int64_t j = 0; j < kTileK; j += kKeyVecs * W)
+        qk_bf16_block<decltype(mr)::value, PExp>(qb + r * ldq, ldq, kp + j, d2n, scale,
+                                                 s + int64_t(r) * kTileK + j, nullptr);
+    }
   });
 }
 
@@ -272,11 +259,11 @@ static ATTNX_INLINE void pv_bf16_block(const Pair* p, const Pair* vp, int64_t n2
   for (int r = 0; r < MR; ++r)
     for (int k = 0; k < NB; ++k) acc[r][k] = load(o + r * ldo + c + k * W);
   for (int64_t t = 0; t < n2; ++t) {
-    __m512bh v[NB];
-    for (int k = 0; k < NB; ++k) v[k] = load_pairs(vp + t * Dvp + c + k * W);
+    dot::PV v[NB];
+    for (int k = 0; k < NB; ++k) v[k] = dot::load_pairs(vp + t * Dvp + c + k * W);
     for (int r = 0; r < MR; ++r) {
-      const __m512bh pp = bcast_pair(p + r * kTileK + t);
-      for (int k = 0; k < NB; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], v[k], pp);
+      const dot::PV pp = dot::bcast_pair(p + r * kTileK + t);
+      for (int k = 0; k < NB; ++k) acc[r][k] = dot::dot_pairs(acc[r][k], v[k], pp);
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -351,7 +338,7 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
   if (!tile_open(rs, j0, n, sc, &bias)) return;
   const PackedKV kv = packed_kv(ks, vs, j0, n, Dk, Dv, sc);
   // (the block is the whole tile: keys past n would score 0, so only whole tiles fuse)
-  const bool fused = bias == nullptr && n == kTileK && fusable(rs, j0, n, softcap, st);
+  const bool fused = kFuseBf16 && bias == nullptr && n == kTileK && fusable(rs, j0, n, softcap, st);
   const Online on{st.m, st.l, st.o, st.ldo, Dvp};
   const auto qk = rs.exact_l ? qk_bf16<Bf16P<false>> : qk_bf16<Bf16P<true>>;
   qk(rs.M, qb, Dkp / 2, kv.kp, (Dk + 1) / 2, qscale, sc.s, fused ? &on : nullptr);
@@ -388,7 +375,7 @@ static float pack_query(const kern::RowSet& rs, int64_t Dkp, Pair* qb) {
   return back ? rs.scale : 1.f;
 }
 
-// The table's `flash`: bf16 prefill items on bf16 dot products, the rest on avx512's own flash.
+// The table's `flash`: bf16 prefill items on bf16 dot products, the rest on the unit's own flash.
 static void flash_bf16(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                        int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                        const kern::Scratch& sc, const kern::FlashState& st) {

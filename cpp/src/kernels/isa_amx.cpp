@@ -17,17 +17,19 @@
 #include <utility>
 #include <vector>
 
-#define ATTNX_VNNI 1
+#define ATTNX_INT8_DOT 1
 #define ATTNX_AMX_INT8 1
 
 #include "kernels/delta_kernels.h"
 #include "kernels/tables.h"
 #include "attention/state.h"
 #include "kernels/simd/vec_avx512.h"
+#include "kernels/simd/dot_avx512.h"
 
 namespace attnx {
 namespace amx {
 namespace simd = avx512::simd;
+namespace dot = avx512::dot;
 #include "kernels/load-inl.h"
 #include "kernels/softmax-inl.h"
 #include "kernels/qk-inl.h"

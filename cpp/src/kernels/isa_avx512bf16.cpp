@@ -1,10 +1,11 @@
 // isa_avx512bf16.cpp: the avx512 kernels, with bf16 dot products (AVX512_BF16's vdpbf16ps)
 // for prefill over bf16 q, k and v (bf16_dot-inl.h), and AVX512-VNNI's integer dot products for
-// integer queries over int8 keys (qk-inl.h, ATTNX_VNNI). Every other call runs the flash stages
-// as isa_avx512.cpp does: the same code, bit for bit the same results. CMake compiles this
-// file with -mavx512bf16 -mavx512vnni besides the avx512 flags; dispatch.cpp uses
-// isa_avx512bf16() only on CPUs that have AVX512_BF16, AVX512-VNNI and AVX512BW/VL (which
-// bf16_dot-inl.h's masked 16-bit loads use; every CPU with AVX512_BF16 has all three).
+// integer queries over int8 keys (qk-inl.h, ATTNX_INT8_DOT), both in simd/dot_avx512.h. Every
+// other call runs the flash stages as isa_avx512.cpp does: the same code, bit for bit the same
+// results. CMake compiles this file with -mavx512bf16 -mavx512vnni besides the avx512 flags;
+// dispatch.cpp uses isa_avx512bf16() only on CPUs that have AVX512_BF16, AVX512-VNNI and
+// AVX512BW/VL (which dot_avx512.h's masked 16-bit loads use; every CPU with AVX512_BF16 has all
+// three).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,15 +14,17 @@
 #include <type_traits>
 #include <vector>
 
-#define ATTNX_VNNI 1
+#define ATTNX_INT8_DOT 1
 
 #include "kernels/tables.h"
 #include "attention/state.h"
 #include "kernels/simd/vec_avx512.h"
+#include "kernels/simd/dot_avx512.h"
 
 namespace attnx {
 namespace avx512bf16 {
 namespace simd = avx512::simd;
+namespace dot = avx512::dot;
 #include "kernels/load-inl.h"
 #include "kernels/softmax-inl.h"
 #include "kernels/qk-inl.h"

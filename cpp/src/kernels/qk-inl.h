@@ -1,6 +1,7 @@
 // qk-inl.h: S = Q K^T of one tile: the packed form (many rows against a transposed K tile, the
 // online update fused where it can be), the dot form for few rows (K rows read in place) and
-// VNNI's integer form for integer queries over int8 keys.
+// the integer form for integer queries over int8 keys (ATTNX_INT8_DOT: the unit's `dot`
+// vocabulary has integer dot products, AVX512-VNNI's vpdpbusd or FEAT_DotProd's SDOT).
 // Written once against the vector vocabulary `simd` (simd/vec_*.h) and compiled once per
 // instruction set: the including unit (isa_<isa>.cpp, f64.cpp) opens `namespace attnx::<isa>`,
 // defines `simd` and includes the stages in order (load, softmax, qk, pv, tile, probes), after
@@ -172,50 +173,43 @@ static void qk_dot(int M, const Real* q, int64_t ldq, const Real* const* krow, i
   }
 }
 
-#if defined(ATTNX_VNNI)
-// ---- QK^T of integer queries over int8 keys read in place: VNNI's vpdpbusd -------------------
-// vpdpbusd multiplies unsigned bytes by signed ones: the keys go in as k + 128 (their sign bit
-// flipped) and the queries as they are, so each sum is q . k + 128 sum(q), corrected per row.
-// Every partial sum is an integer below 2^24 (Dk < 1040): the float scores are exactly what the
-// FMA path computes over the same codes.
+#if defined(ATTNX_INT8_DOT)
+// ---- QK^T of integer queries over int8 keys read in place: the unit's integer dot products ----
+// dot::idot adds 4 byte products to each int32 lane. Where it multiplies unsigned bytes by signed
+// ones (vpdpbusd), the keys go in as k + dot::kKeyBias (128: their sign bit flipped) and the
+// queries as they are, so each sum is q . k + 128 sum(q), corrected per row; SDOT takes both
+// signed (no bias). Every partial sum is an integer below 2^24 (Dk < 1040): the float scores
+// are exactly what the FMA path computes over the same codes.
 
-// 128 * the sum of each row's codes (M <= kDotRows rows of ldq bytes): the correction.
+// kKeyBias * the sum of each row's codes (M <= kDotRows rows of ldq bytes): the correction.
 static void code_sums(const RowSet& rs, int64_t Dk, float* sum) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int r = 0; r < rs.M; ++r) {
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t d = 0; d < Dk; d += 64)
-      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_loadu_si512(rs.qcodes + r * rs.ldq + d));
-    sum[r] = 128.f * float(_mm512_reduce_add_epi32(acc));
-  }
+  for (int r = 0; r < rs.M; ++r)
+    sum[r] = float(dot::kKeyBias) * float(dot::code_sum(rs.qcodes + r * rs.ldq, Dk));
 }
 
 template <int RB, int KB>
-static ATTNX_INLINE void qk_vnni_block(const int8_t* q8, int64_t ld, int64_t Dk,
+static ATTNX_INLINE void qk_int8_block(const int8_t* q8, int64_t ld, int64_t Dk,
                                        const Real* const* kr, Real* s) {
-  __m512i acc[RB * KB];
-  for (int a = 0; a < RB * KB; ++a) acc[a] = _mm512_setzero_si512();
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
-  for (int64_t d = 0; d < Dk; d += 64) {
-    __m512i qv[RB];
-    for (int r = 0; r < RB; ++r) qv[r] = _mm512_loadu_si512(q8 + r * ld + d);
+  dot::IAcc acc[RB * KB];
+  for (int a = 0; a < RB * KB; ++a) acc[a] = dot::izero();
+  for (int64_t d = 0; d < Dk; d += dot::kI8Bytes) {
+    dot::I8 qv[RB];
+    for (int r = 0; r < RB; ++r) qv[r] = dot::load_codes(q8 + r * ld + d);
     for (int t = 0; t < KB; ++t) {
-      const __m512i kv =
-          _mm512_xor_si512(_mm512_loadu_si512(reinterpret_cast<const int8_t*>(kr[t]) + d), flip);
-      for (int r = 0; r < RB; ++r)
-        acc[r * KB + t] = _mm512_dpbusd_epi32(acc[r * KB + t], kv, qv[r]);
+      const dot::I8 kv = dot::load_keys(reinterpret_cast<const int8_t*>(kr[t]) + d);
+      for (int r = 0; r < RB; ++r) acc[r * KB + t] = dot::idot(acc[r * KB + t], kv, qv[r]);
     }
   }
   V f[RB * KB];
-  for (int a = 0; a < RB * KB; ++a) f[a] = _mm512_cvtepi32_ps(acc[a]);
+  for (int a = 0; a < RB * KB; ++a) f[a] = dot::to_real(acc[a]);
   reduce_block<RB, KB>(f, s);
 }
 
 // S = Q K^T (the codes' sums) of the M integer query rows (rs.qcodes) against the tile's n int8
-// key rows (Dk a multiple of 64).
+// key rows (Dk a multiple of dot::kI8Bytes).
 // The first block of rows prefetches `next` (nn rows of `bytes`, or null: the next tile's K) as
 // it goes, a few rows per block of keys, as qk_dot_rows does.
-static void qk_vnni(const RowSet& rs, const Real* const* krow, int64_t n, int64_t Dk, Real* s,
+static void qk_int8(const RowSet& rs, const Real* const* krow, int64_t n, int64_t Dk, Real* s,
                     const char* const* next, int64_t nn, int64_t bytes) {
   const int M = rs.M;
   const int64_t ld = rs.ldq;
@@ -227,18 +221,19 @@ static void qk_vnni(const RowSet& rs, const Real* const* krow, int64_t n, int64_
   for (; r + 4 <= M; r += 4)
     for (int64_t j = 0; j < n; j += 4) {
       ahead(j, 4);
-      qk_vnni_block<4, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
+      qk_int8_block<4, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
     }
   for (; r + 2 <= M; r += 2)
     for (int64_t j = 0; j < n; j += 4) {
       ahead(j, 4);
-      qk_vnni_block<2, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
+      qk_int8_block<2, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
     }
   for (; r < M; ++r)
     for (int64_t j = 0; j < n; j += 8) {
       ahead(j, 8);
-      qk_vnni_block<1, 8>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
+      qk_int8_block<1, 8>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
     }
+  if constexpr (dot::kKeyBias == 0) return;
   float sum[kern::kDotRows];
   code_sums(rs, Dk, sum);
   for (int i = 0; i < M; ++i) {

@@ -166,8 +166,8 @@ struct IsaTables {
   const FlashKernels<float>* flash;
   const DeltaKernels* delta;
   const ProbeKernels* probes;
-  // Whether `flash` multiplies prefill in bf16 (avx512bf16, amx): bf16 q, k and v always, float32
-  // ones where RowSet::bf16_products allows it.
+  // Whether `flash` multiplies prefill in bf16 (avx512bf16, amx, neon-bf16): bf16 q, k and v
+  // always, float32 ones where RowSet::bf16_products allows it.
   bool bf16_products = false;
 };
 
@@ -177,6 +177,7 @@ const IsaTables* isa_avx512();
 const IsaTables* isa_avx512bf16();  // avx512, with bf16 dot products for bf16 prefill
 const IsaTables* isa_amx();         // avx512, with AMX-BF16 tile products for bf16 prefill
 const IsaTables* isa_neon();        // aarch64 builds only (ATTNX_NEON_KERNELS)
+const IsaTables* isa_neon_bf16();   // neon, with BFDOT for bf16 prefill and SDOT for int8
 // The float64 flash kernels: scalar code (float64 is for precision, not speed), one for every CPU.
 const FlashKernels<double>* flash_f64();
 

@@ -80,9 +80,9 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
               fused ? &on : nullptr);
   } else {
     const Real** krow = key_rows(ks, j0, n, Dk, rd.k_inplace, sc);
-#if defined(ATTNX_VNNI)
-    if (rs.qcodes != nullptr && rd.kdt == DType::i8 && Dk % 64 == 0)
-      qk_vnni(rs, krow, n, Dk, sc.s, nx.k, nx.n, Dk);
+#if defined(ATTNX_INT8_DOT)
+    if (rs.qcodes != nullptr && rd.kdt == DType::i8 && Dk % dot::kI8Bytes == 0)
+      qk_int8(rs, krow, n, Dk, sc.s, nx.k, nx.n, Dk);
     else
 #endif
       with_type(rd.kdt, [&](auto t) {

@@ -195,16 +195,21 @@ double measure_bf16_dot_gain() { return 0; }
 // 2x) the bf16 path is. The two are far apart on every CPU measured, so the line sits between.
 constexpr double kBf16DotGain = 1.25;
 
-// The NEON table exists only in aarch64 builds (ATTNX_NEON_KERNELS), and every aarch64 CPU has
-// Advanced SIMD, so there it is the default.
+// The NEON tables exist only in aarch64 builds (ATTNX_NEON_KERNELS), and every aarch64 CPU has
+// Advanced SIMD, so there neon is the default; neon-bf16 where the CPU has BF16 and DotProd
+// (BFDOT does twice FMLA's multiply-adds per instruction and issues at FMLA's rate on the
+// Neoverse cores' published tables; unmeasured here, so no probe decides it as on x86).
+bool has_neon_bf16(const CpuFeatures& f) { return f.neon && f.bf16 && f.dotprod; }
 #if defined(ATTNX_NEON_KERNELS) && ATTNX_NEON_KERNELS
 constexpr bool kNeonKernels = true;
-const kern::IsaTables* neon_table() { return kern::isa_neon(); }
+const kern::IsaTables* neon_table(bool bf16) {
+  return bf16 ? kern::isa_neon_bf16() : kern::isa_neon();
+}
 #else
 constexpr bool kNeonKernels = false;
-const kern::IsaTables* neon_table() {
-  throw InvalidArgument(
-      "ATTNX_ISA=neon: this build of attnx has no NEON kernels (not an aarch64 build)");
+const kern::IsaTables* neon_table(bool bf16) {
+  throw InvalidArgument(std::string("ATTNX_ISA=") + (bf16 ? "neon-bf16" : "neon") +
+                        ": this build of attnx has no NEON kernels (not an aarch64 build)");
 }
 #endif
 
@@ -213,7 +218,12 @@ const kern::IsaTables* table_for(const std::string& name, const CpuFeatures& f) 
   if (name == "neon") {
     if (kNeonKernels && !f.neon)
       throw InvalidArgument("ATTNX_ISA=neon: this CPU lacks Advanced SIMD");
-    return neon_table();
+    return neon_table(false);
+  }
+  if (name == "neon-bf16") {
+    if (kNeonKernels && !has_neon_bf16(f))
+      throw InvalidArgument("ATTNX_ISA=neon-bf16: this CPU lacks BF16 or DotProd");
+    return neon_table(true);
   }
   if (name == "avx2") {
     if (!has_avx2(f)) throw InvalidArgument("ATTNX_ISA=avx2: this CPU lacks AVX2, FMA or F16C");
@@ -237,7 +247,7 @@ const kern::IsaTables* table_for(const std::string& name, const CpuFeatures& f) 
     return wide_table(Wide::amx);
   }
   throw InvalidArgument("unknown instruction set '" + name +
-                        "' (expected scalar, avx2, avx512, avx512bf16, amx or neon)");
+                        "' (expected scalar, avx2, avx512, avx512bf16, amx, neon or neon-bf16)");
 }
 
 // The fastest path for every kind of call: AMX tiles for bf16 prefill where the OS allows them
@@ -245,7 +255,7 @@ const kern::IsaTables* table_for(const std::string& name, const CpuFeatures& f) 
 // than float32 FMAs (bf16_dot_gain), else the widest vectors.
 const kern::IsaTables* best_table() {
   const CpuFeatures f = cpu_features();
-  if (kNeonKernels && f.neon) return neon_table();
+  if (kNeonKernels && f.neon) return neon_table(has_neon_bf16(f));
   if (!kWideKernels) return kern::isa_scalar();
   if (has_amx(f)) return wide_table(Wide::amx);
   if (has_avx512bf16(f) && bf16_dot_gain() > kBf16DotGain) return wide_table(Wide::avx512bf16);

@@ -779,7 +779,7 @@ def _chunk_bf16(Hq, Hkv, tiny):
 
 
 # The paths that compute bf16 prefill with bf16 products: the bf16 rows are about them.
-BF16_PRODUCTS = "amx|avx512bf16"
+BF16_PRODUCTS = "amx|avx512bf16|neon-bf16"
 
 
 def isa_note(isa):
@@ -791,7 +791,7 @@ def isa_note(isa):
         return None
     if isa == BF16_PRODUCTS and not f.get("amx_permitted"):
         if not (f.get("avx512bf16") and f.get("avx512bw") and f.get("avx512vl")):
-            return "CPU lacks AVX512_BF16 and AMX: bf16 runs on the fp32-widening kernels"
+            return "CPU lacks AVX512_BF16, AMX and ARM BF16: bf16 runs on the fp32-widening kernels"
         gain = _core.bf16_dot_gain()
         if f["isa"] == "avx512" and gain < 1.25:
             return (

@@ -56,13 +56,18 @@ static inline V iota() {
 constexpr int kExp2Terms = 7;
 constexpr float kExp2Poly[kExp2Terms] = {1.5354042e-4f, 1.3398790e-3f, 9.6184341e-3f, 5.5503327e-2f,
                                          2.4022648e-1f, 6.9314718e-1f, 1.0f};
+// 2^f to 2.9e-6 relative (degree 4): the bf16 path's probabilities (kExp2PolyBf16, the same)
+constexpr int kExp2TermsBf16 = 5;
+constexpr float kExp2PolyBf16[kExp2TermsBf16] = {9.5828529e-3f, 5.5906426e-2f, 2.4024099e-1f,
+                                                 6.9312418e-1f, 1.0f};
 
 // exp as exp256 computes it (vec_avx_common.h): t = x log2(e) clamped to [-127, 128], n =
 // round(t) by adding 1.5 * 2^23 + 127 (leaving n + 127 in the low mantissa bits, shifted into the
 // exponent field as they are), f = t - n, 2^f by the polynomial. exp(-inf) = 0 exactly; FMAX/FMIN
 // return NaN for a NaN operand, and NaN's shifted bits make 2^n = 0, so NaN stays NaN.
-// Top = false: for x <= 64 (or NaN) only, which needs no clamp at the top.
-template <bool Top = true>
+// Top = false: for x <= 64 (or NaN) only, which needs no clamp at the top. Poly: kExp2Poly, or the
+// shorter kExp2PolyBf16 (exp_bf16).
+template <bool Top = true, int Terms = kExp2Terms, const float* Poly = kExp2Poly>
 static inline V exp_(V x) {
   V t = vmulq_f32(x, vdupq_n_f32(1.44269504088896341f));
   t = vmaxq_f32(t, vdupq_n_f32(-127.f));
@@ -70,13 +75,15 @@ static inline V exp_(V x) {
   const V magic = vdupq_n_f32(12583039.f);  // 1.5 * 2^23 + 127
   const V biased = vaddq_f32(t, magic);
   const V f = vsubq_f32(t, vsubq_f32(biased, magic));
-  V p = vdupq_n_f32(kExp2Poly[0]);
-  for (int i = 1; i < kExp2Terms; ++i) p = vfmaq_f32(vdupq_n_f32(kExp2Poly[i]), p, f);
+  V p = vdupq_n_f32(Poly[0]);
+  for (int i = 1; i < Terms; ++i) p = vfmaq_f32(vdupq_n_f32(Poly[i]), p, f);
   const uint32x4_t e = vshlq_n_u32(vreinterpretq_u32_f32(biased), 23);
   return vmulq_f32(p, vreinterpretq_f32_u32(e));
 }
 static inline V exp(V x) { return exp_<true>(x); }
 static inline V exp_small(V x) { return exp_<false>(x); }  // x <= 64 or NaN
+// exp(x) for x <= 64 (or NaN) to 2.9e-6 relative: for probabilities rounded to bf16 (2^-8)
+static inline V exp_bf16(V x) { return exp_<false, kExp2TermsBf16, kExp2PolyBf16>(x); }
 
 // tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)); near 0 that form cancels, so |x| < 0.125 uses the
 // odd Taylor series to x^9 instead (tanh256's rule).

@@ -1,0 +1,101 @@
+// dot_avx512.h: the dot-product vocabulary of the avx512bf16 and amx units (they compile it with
+// -mavx512bf16 -mavx512vnni besides the avx512 flags), beside vec_avx512.h's `simd`:
+//   bf16 pairs (bf16_dot-inl.h): two bf16 values in 32 bits, the lower index in the low half, and
+//     AVX512_BF16's vdpbf16ps, which adds the two products of each pair to a float lane;
+//   int8 codes (qk-inl.h, ATTNX_INT8_DOT): AVX512-VNNI's vpdpbusd, which adds four byte products
+//     to an int32 lane, unsigned by signed: the keys go in as code + 128 (kKeyBias).
+// Every operation keeps the lane order of `simd` (V: 16 floats), so the shared bodies index alike.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "vec_avx512.h"
+
+namespace attnx {
+namespace avx512 {
+namespace dot {
+using simd::V;
+using simd::W;
+
+// ---- bf16 pairs --------------------------------------------------------------------------------
+using PV = __m512bh;  // W pairs
+static inline PV bcast_pair(const int32_t* p) { return (PV)_mm512_set1_epi32(*p); }
+static inline PV load_pairs(const int32_t* p) { return (PV)_mm512_loadu_si512(p); }
+// acc + a[2i] b[2i] + a[2i + 1] b[2i + 1] in lane i (each product exact in fp32, bf16 subnormals
+// flushed)
+static inline V dot_pairs(V acc, PV a, PV b) { return _mm512_dpbf16_ps(acc, a, b); }
+// 2W floats (a then b) rounded to bf16 (round to nearest even) as W pairs at dst
+static inline void store_rounded(int32_t* dst, V a, V b) {
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+// The lanes from x's first, `left` of them: zero past it (masked: reads only those)
+static inline __mmask16 lanes_upto(int64_t left) {
+  return left >= W ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+static inline V load_upto(const float* x, int64_t left) {
+  return _mm512_maskz_loadu_ps(lanes_upto(left), x);
+}
+// W bf16 values: a bf16 row's own, or float32 ones rounded, zero past `left`
+using H = __m256i;
+static inline H bf16_upto(const uint16_t* x, int64_t left) {
+  return _mm256_maskz_loadu_epi16(lanes_upto(left), x);
+}
+static inline H round_upto(const float* x, int64_t left) {
+  return (__m256i)_mm512_cvtneps_pbh(load_upto(x, left));
+}
+// the lanes of x that are inf or NaN (an all-ones exponent), or-ed with |
+using Bad = __mmask16;
+static inline Bad no_bad() { return 0; }
+static inline Bad nonfinite(H x) {
+  const __m256i expo = _mm256_set1_epi16(0x7f80);
+  return _mm256_cmpeq_epi16_mask(_mm256_and_si256(x, expo), expo);
+}
+static inline bool none(Bad b) { return b == 0; }
+// W pairs (x[i], y[i]) at dst
+static inline void store_zipped(int32_t* dst, H x, H y) {
+  const __m512i lo = _mm512_cvtepu16_epi32(x), hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16);
+  _mm512_storeu_si512(dst, _mm512_or_si512(lo, hi));
+}
+// W pairs (a[i], b[i]) of float32 rows rounded to bf16 (zero past `left`) at dst, and the
+// lanes where either is inf or NaN: both rows rounded by one vcvtne2ps2bf16, zipped by one vpermw
+static inline Bad zip_rounded(int32_t* dst, const float* a, const float* b, int64_t left) {
+  const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(load_upto(b, left), load_upto(a, left));
+  const __m512i expo = _mm512_set1_epi16(0x7f80);
+  const __mmask32 bad = _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, expo), expo);
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, x));
+  return Bad(bad) | Bad(bad >> 16);
+}
+// x rounded to bf16 (round to nearest even), as float
+static inline V round_bf16(V x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// ---- int8 codes --------------------------------------------------------------------------------
+using I8 = __m512i;    // kI8Bytes codes
+using IAcc = __m512i;  // W int32 sums
+constexpr int kI8Bytes = 64;
+constexpr int kKeyBias = 128;  // load_keys's codes are the keys' + kKeyBias
+static inline IAcc izero() { return _mm512_setzero_si512(); }
+static inline I8 load_codes(const int8_t* p) { return _mm512_loadu_si512(p); }
+// (the sign bit flipped: code + 128 as an unsigned byte)
+static inline I8 load_keys(const int8_t* p) {
+  return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(char(0x80)));
+}
+// acc + the products of k's and q's bytes, four to a lane (k unsigned, q signed)
+static inline IAcc idot(IAcc acc, I8 k, I8 q) { return _mm512_dpbusd_epi32(acc, k, q); }
+static inline V to_real(IAcc a) { return _mm512_cvtepi32_ps(a); }
+// the sum of n codes (n a multiple of kI8Bytes)
+static inline int32_t code_sum(const int8_t* q, int64_t n) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t d = 0; d < n; d += kI8Bytes) acc = _mm512_dpbusd_epi32(acc, ones, load_codes(q + d));
+  return _mm512_reduce_add_epi32(acc);
+}
+
+}  // namespace dot
+}  // namespace avx512
+}  // namespace attnx
