@@ -130,8 +130,7 @@ static void state_block(const kern::DeltaHead& h, int64_t r0, int64_t rows, int6
         store(h.S + row * lds + c + j * W, out[i][j]);
       }
     for (int j = 0; j < 2; ++j)
-      _mm512_storeu_si512(sp + (r0 + r) / 2 * h.Vp + c + j * W,
-                          interleave_halves(round_pairs(out[0][j], out[1][j])));
+      dot::zip_round(sp + (r0 + r) / 2 * h.Vp + c + j * W, out[0][j], out[1][j]);
   }
 }
 

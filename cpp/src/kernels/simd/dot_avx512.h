@@ -36,13 +36,10 @@ static inline __mmask16 lanes_upto(int64_t left) {
 static inline V load_upto(const float* x, int64_t left) {
   return _mm512_maskz_loadu_ps(lanes_upto(left), x);
 }
-// W bf16 values: a bf16 row's own, or float32 ones rounded, zero past `left`
+// W bf16 values of a bf16 row, zero past `left`
 using H = __m256i;
 static inline H bf16_upto(const uint16_t* x, int64_t left) {
   return _mm256_maskz_loadu_epi16(lanes_upto(left), x);
-}
-static inline H round_upto(const float* x, int64_t left) {
-  return (__m256i)_mm512_cvtneps_pbh(load_upto(x, left));
 }
 // the lanes of x that are inf or NaN (an all-ones exponent), or-ed with |
 using Bad = __mmask16;
@@ -57,16 +54,20 @@ static inline void store_zipped(int32_t* dst, H x, H y) {
   const __m512i lo = _mm512_cvtepu16_epi32(x), hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16);
   _mm512_storeu_si512(dst, _mm512_or_si512(lo, hi));
 }
-// W pairs (a[i], b[i]) of float32 rows rounded to bf16 (zero past `left`) at dst, and the
-// lanes where either is inf or NaN: both rows rounded by one vcvtne2ps2bf16, zipped by one vpermw
-static inline Bad zip_rounded(int32_t* dst, const float* a, const float* b, int64_t left) {
-  const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(load_upto(b, left), load_upto(a, left));
+// W pairs (a[i], b[i]) rounded to bf16 at dst, and the lanes where either is inf or NaN: both
+// rounded by one vcvtne2ps2bf16, zipped by one vpermw
+static inline Bad zip_round(int32_t* dst, V a, V b) {
+  const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(b, a);
   const __m512i expo = _mm512_set1_epi16(0x7f80);
   const __mmask32 bad = _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, expo), expo);
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, x));
   return Bad(bad) | Bad(bad >> 16);
+}
+// the same of float32 rows, zero past `left`
+static inline Bad zip_rounded(int32_t* dst, const float* a, const float* b, int64_t left) {
+  return zip_round(dst, load_upto(a, left), load_upto(b, left));
 }
 // x rounded to bf16 (round to nearest even), as float
 static inline V round_bf16(V x) {
