@@ -33,7 +33,7 @@ constexpr int64_t kWideKeys = kWideTiles * kTileK;
 // staging copy of the output rows of a partial row block, the scores of a wide block's row pair,
 // and the K and V pairs of a wide block's tiles where they are not shared.
 struct AmxScratch {
-  std::vector<float> raw;
+  kern::Carve<float> raw;
   Pair* qb = nullptr;       // (kRowsPad, Dkp / 2): zero rows past M
   float* s = nullptr;       // (kRowsPad, kTileK)
   float* ostage = nullptr;  // (2 * kTileRows, Dvp)
@@ -49,22 +49,15 @@ struct AmxScratch {
     if (Dkp == dkp && Dvp == dvp) return;
     const int64_t nq = kRowsPad * Dkp / 2, ns = kRowsPad * kTileK, no = 2 * kTileRows * Dvp;
     const int64_t nw = 2 * 2 * kTileRows * kWideKeys, nk = Dkp * kTileK, nv = kTileK * Dvp;
-    raw.assign(std::size_t(nq + ns + no + nw + kSets * kWideTiles * (nk + nv) + 16), 0.f);
-    float* at =
-        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
-    auto take = [&](int64_t count) {
-      float* p = at;
-      at += count;
-      return p;
-    };
-    qb = reinterpret_cast<Pair*>(take(nq));
-    s = take(ns);
-    ostage = take(no);
-    sw = take(nw);
+    raw.reset(nq + ns + no + nw + kSets * kWideTiles * (nk + nv));
+    qb = reinterpret_cast<Pair*>(raw.take(nq));
+    s = raw.take(ns);
+    ostage = raw.take(no);
+    sw = raw.take(nw);
     for (int b = 0; b < kSets; ++b)
       for (int t = 0; t < kWideTiles; ++t) {
-        kv[b][t] = take(nk);
-        vf[b][t] = take(nv);
+        kv[b][t] = raw.take(nk);
+        vf[b][t] = raw.take(nv);
       }
     dkp = Dkp;
     dvp = Dvp;

@@ -30,7 +30,7 @@ constexpr int64_t kTokenPairs = (kern::kDeltaChunk + 1) / 2;
 // a group (slot = the head's place in it): the update of one chunk writes them beside the float32
 // state, and the next chunk's X reads them where nothing changed the state in between.
 struct DeltaTiles {
-  std::vector<float> raw;
+  kern::Carve<float> raw;
   std::vector<const char*> rows;  // row addresses for pack_v_pairs (K of them, or a chunk's)
   Pair* kq = nullptr;             // [K; Q]: 2 kTileRows rows of Kp / 2 pairs (along the features)
   Pair* s[kern::kDeltaGroupMax] = {};  // S0 per slot: Kp / 2 rows of Vp pairs (along the features)
@@ -46,24 +46,15 @@ struct DeltaTiles {
     const int64_t wide = Kp > Vp ? Kp : Vp;
     const int64_t n_kq = kTileRows * Kp, n_s = Kp / 2 * Vp, n_kdp = kTokenPairs * Kp,
                   n_kdt = Kp * kTilePairs, n_u = kTilePairs * Vp, n_d = 2 * kTileRows * 32;
-    raw.assign(
-        std::size_t(n_kq + kern::kDeltaGroupMax * n_s + n_kdp + n_kdt + n_u + wide + n_d + 16),
-        0.f);
+    raw.reset(n_kq + kern::kDeltaGroupMax * n_s + n_kdp + n_kdt + n_u + wide + n_d);
     rows.assign(std::size_t(Kp > kern::kDeltaChunk ? Kp : kern::kDeltaChunk), nullptr);
-    float* at =
-        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
-    auto take = [&](int64_t count) {
-      float* p = at;
-      at += count;
-      return p;
-    };
-    kq = reinterpret_cast<Pair*>(take(n_kq));
-    for (auto& slot : s) slot = reinterpret_cast<Pair*>(take(n_s));
-    kdp = reinterpret_cast<Pair*>(take(n_kdp));
-    kdt = reinterpret_cast<Pair*>(take(n_kdt));
-    u = reinterpret_cast<Pair*>(take(n_u));
-    zero = take(wide);
-    d = take(n_d);
+    kq = reinterpret_cast<Pair*>(raw.take(n_kq));
+    for (auto& slot : s) slot = reinterpret_cast<Pair*>(raw.take(n_s));
+    kdp = reinterpret_cast<Pair*>(raw.take(n_kdp));
+    kdt = reinterpret_cast<Pair*>(raw.take(n_kdt));
+    u = reinterpret_cast<Pair*>(raw.take(n_u));
+    zero = raw.take(wide);
+    d = raw.take(n_d);
     k = K;
     vp = Vp;
   }

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/carve.h"
 #include "kernels/tables.h"
 #include "attention/state.h"
 #include "kernels/simd/vec_f64.h"

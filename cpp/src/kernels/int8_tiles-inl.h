@@ -127,7 +127,7 @@ struct AmxTiles {
 // kTileK) and the emulation's tiles.
 constexpr int kRowsPad = 64 + 2 * kTileRows;  // kRowsPerItem rounded up to whole row-block pairs
 struct I8Scratch {
-  std::vector<int32_t> raw;
+  kern::Carve<int32_t> raw;
   int8_t* q = nullptr;
   int32_t* c = nullptr;
   int64_t ldq = -1;
@@ -135,11 +135,9 @@ struct I8Scratch {
   void size(int64_t ld) {
     if (ld == ldq) return;
     const int64_t nq = kRowsPad * ld / 4, nc = kRowsPad * kTileK;
-    raw.assign(std::size_t(nq + nc + 16), 0);
-    int32_t* at =
-        reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
-    q = reinterpret_cast<int8_t*>(at);
-    c = at + nq;
+    raw.reset(nq + nc);
+    q = reinterpret_cast<int8_t*>(raw.take(nq));
+    c = raw.take(nc);
     ldq = ld;
   }
 };

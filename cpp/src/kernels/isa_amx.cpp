@@ -21,6 +21,7 @@
 #define ATTNX_AMX_INT8 1
 
 #include "kernels/delta_kernels.h"
+#include "kernels/carve.h"
 #include "kernels/tables.h"
 #include "attention/state.h"
 #include "kernels/simd/vec_avx512.h"

@@ -16,6 +16,7 @@
 
 #define ATTNX_INT8_DOT 1
 
+#include "kernels/carve.h"
 #include "kernels/tables.h"
 #include "attention/state.h"
 #include "kernels/simd/vec_avx512.h"

@@ -10,6 +10,7 @@
 
 #include "attention/state.h"
 #include "kernels/delta_kernels.h"
+#include "kernels/carve.h"
 #include "kernels/tables.h"
 #include "kernels/simd/vec_neon.h"
 

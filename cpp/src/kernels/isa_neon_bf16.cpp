@@ -16,6 +16,7 @@
 #define ATTNX_INT8_DOT 1
 
 #include "attention/state.h"
+#include "kernels/carve.h"
 #include "kernels/tables.h"
 #include "kernels/simd/vec_neon.h"
 #include "kernels/simd/dot_neon.h"

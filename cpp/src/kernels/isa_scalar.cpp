@@ -11,6 +11,7 @@
 
 #include "attention/state.h"
 #include "kernels/delta_kernels.h"
+#include "kernels/carve.h"
 #include "kernels/tables.h"
 #include "kernels/simd/vec_scalar.h"
 
