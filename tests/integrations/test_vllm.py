@@ -244,11 +244,12 @@ def _run_attnx(b, *, bs, dtype, scale, sw, softcap, sinks, alibi):
     return kp, vp, out
 
 
+@pytest.mark.parametrize("bs", [32, bench_vllm.ENGINE_BLOCK])  # ours, and vLLM's default
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_batch_mapping_matches_reference_and_vllm(variant, dtype):
+def test_batch_mapping_matches_reference_and_vllm(variant, dtype, bs):
     rng = np.random.default_rng(34)
-    hq, hkv, d, bs = 8, 2, 64, 32
+    hq, hkv, d = 8, 2, 64
     tdt = getattr(torch, dtype)
     b = _random_batch(rng, hq=hq, hkv=hkv, d=d, bs=bs, dtype=tdt)
     v = VARIANTS[variant]
@@ -308,7 +309,11 @@ def test_bench_op_rows_check_vllms_op_against_attnx():
     rows = bench_vllm.op_rows(
         _peers.load_vllm(), threads=1, repeat=1, tiny=True, log=lambda s: None
     )
-    assert [r["row"] for r in rows] == ["vllm op: decode", "vllm op: chunked prefill"]
+    assert [(r["row"], r["block"]) for r in rows] == [
+        ("vllm op: decode", 32),
+        ("vllm op: decode", bench_vllm.ENGINE_BLOCK),
+        ("vllm op: chunked prefill", 32),
+    ]
     for r in rows:
         assert (
             "note" not in r and r["max_abs_diff"] <= 5e-2 and r["attnx_s"] > 0 and r["vllm_s"] > 0

@@ -3,9 +3,10 @@
 Two op rows, the same pages for both (attnx's layout for attnx, copied once into vLLM's own
 layout for its op), the outputs checked equal before anything is timed, then interleaved:
 
-- paged decode, B8 Hq32 Hkv8 L2048 D128 over bf16 pages of 32 tokens;
-- a chunked-prefill batch over the same pages: half the sequences decode one token, the other
-  half a 128-token chunk at the end of their context.
+- paged decode, B8 Hq32 Hkv8 L2048 D128 over bf16 pages of 32 tokens, and of 128 (the block
+  size vLLM's CPU platform chooses when none is given);
+- a chunked-prefill batch over pages of 32: half the sequences decode one token, the other half a
+  128-token chunk at the end of their context.
 
 And an end-to-end row: ``vllm.LLM`` on SmolLM2-135M with attnx's backend and with vLLM's own,
 same prompts and settings, one engine per process (the backend is chosen per process), runs
@@ -40,25 +41,34 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # ---- the op rows -----------------------------------------------------------------------------
 
 
+# vLLM's CPU platform picks 128-token blocks unless told otherwise (vllm/platforms/cpu.py); the
+# decode row runs at both that and 32, where each head's block is a shorter run of memory
+ENGINE_BLOCK = 128
+
+
 def op_rows(vllm_mods, *, threads, repeat, tiny=False, log=print):
-    """The decode and chunked-prefill rows: a list of dicts (name, shape, seconds, ratio)."""
+    """The decode rows (blocks of 32 and of vLLM's default size) and the chunked-prefill row: a
+    list of dicts (name, shape, seconds, ratio)."""
     B, Hq, Hkv, L, D, chunk = (8, 32, 8, 2048, 128, 128) if not tiny else (2, 4, 2, 256, 64, 32)
-    shape = Paged(B, Hq, Hkv, L, D, block=32, dtype="bf16")
-    q1, kp, vp, bt, sl, _ = _peers.paged_inputs(shape, seed=34)
     rng = np.random.default_rng(34)
     ql = np.array([1 if b % 2 == 0 else chunk for b in range(B)], np.int32)
-    qc = rng.standard_normal((int(ql.sum()), Hq, D), dtype=np.float32).astype(q1.dtype)
+    cases = [("decode", 32, None), ("decode", ENGINE_BLOCK, None), ("chunked prefill", 32, ql)]
     rows = []
-    for name, q, lens in (("decode", q1, np.ones(B, np.int32)), ("chunked prefill", qc, ql)):
-        desc = shape.describe() + (
-            "" if name == "decode" else f", q_lens {'/'.join(str(x) for x in sorted(set(ql)))}"
-        )
+    for name, block, q_lens in cases:
+        shape = Paged(B, Hq, Hkv, L, D, block=block, dtype="bf16")
+        q1, kp, vp, bt, sl, _ = _peers.paged_inputs(shape, seed=34)
+        if q_lens is None:
+            q, lens, desc = q1, np.ones(B, np.int32), shape.describe()
+        else:
+            q = rng.standard_normal((int(q_lens.sum()), Hq, D), dtype=np.float32).astype(q1.dtype)
+            lens = q_lens
+            desc = shape.describe() + f", q_lens {'/'.join(str(x) for x in sorted(set(lens)))}"
         impls = {
             "attnx": _peers.paged_impl(q, kp, vp, bt, sl, threads, q_lens=lens),
             "vllm": _peers.vllm_paged(vllm_mods, q, kp, vp, bt, sl, lens, threads),
         }
         err = float(np.max(np.abs(impls["attnx"].result() - impls["vllm"].result())))
-        row = {"row": f"vllm op: {name}", "shape": desc, "max_abs_diff": err}
+        row = {"row": f"vllm op: {name}", "block": block, "shape": desc, "max_abs_diff": err}
         if not err <= TOLERANCE["bf16"]:
             row["note"] = f"vLLM's op differs from attnx by {err:.2g}: not timed"
         else:
