@@ -235,7 +235,7 @@ class FlashRun {
         table_->load_row(p_.q_row(it.b, h, i), p_.q_dtype, p_.Dk, qr);
         for (int64_t d = 0; d < p_.Dk; ++d) qr[d] *= p_.scale;
         for (int64_t d = p_.Dk; d < Dkp; ++d) qr[d] = T(0);
-        if (q8) s.qfactor[r] = quantise_query(qr, s.qcodes + r * Dkp);
+        if (q8) s.qfactor[r] = quantise_query(qr, s.qcodes + r * s.ldc, s.ldc);
         if (p_.mask_kind != MaskKind::none) s.mask_rows[r] = p_.mask_row(it.b, h, i);
       }
     }
@@ -260,6 +260,7 @@ class FlashRun {
     if (q8) {
       rs.qfactor = s.qfactor;
       rs.qcodes = s.qcodes;
+      rs.ldc = s.ldc;
       rs.int8_tiles = int8_tiles(M, p_.int8_tiles_rule);
     }
   }
@@ -275,14 +276,15 @@ class FlashRun {
   }
 
   // The scaled query row (Dk values, zero-padded to Dkp) as its int8 codes by the keys' rule
-  // (quantise_row): into `codes` (zero-padded) and, as values, in place; returns their factor.
-  T quantise_query(T* qr, int8_t* codes) const {
+  // (quantise_row): into `codes` (zero-padded to ldc bytes) and, as values, in place; returns
+  // their factor.
+  T quantise_query(T* qr, int8_t* codes, int64_t ldc) const {
     if constexpr (!std::is_same<T, float>::value) {
       return T(1);  // (never called: int8_rows is false for float64)
     } else {
       const T f = quantise_row(qr, p_.Dk, DType::i8, codes);
       for (int64_t d = 0; d < p_.Dk; ++d) qr[d] = T(codes[d]);
-      std::memset(codes + p_.Dk, 0, std::size_t(plan_.Dkp - p_.Dk));
+      std::memset(codes + p_.Dk, 0, std::size_t(ldc - p_.Dk));
       return f;
     }
   }

@@ -10,20 +10,21 @@
 // of qk-inl.h's VNNI kernel in the same order, so the scores are those of every other integer
 // query path bit for bit. The softmax and P V are tile-inl.h's, in floating point.
 //
-// Layouts: A = the query codes, rows padded with zeros to a whole row block and features to
-// kQuadRow (64): ldq bytes a row. B = the key tile packed once (pack_k_i8, shared by the kv head's
-// items like pack_k's tiles): kp[g][j] = the 4 codes k[j][4g .. 4g + 3] (zeros past Dk and past
-// the tile's keys), kTileK 32-bit quads a row, one row per quad of features; a tile's 16 columns
-// are 16 keys, its 16 rows 64 features.
-// Included after pv-inl.h, before tile-inl.h (whose qk_tile calls qk_int8_tiles), inside the
-// unit's namespace; the including file provides <cstring> and <vector>.
+// Layouts: A = the query codes as the driver wrote them (RowSet::qcodes, read in place): features
+// zero-padded to kQuadRow (64), ldc bytes a row, rows to a pair of row blocks. B = the key tile
+// packed once (pack_k_i8, shared by the kv head's items like pack_k's tiles): kp[g][j] = the 4
+// codes k[j][4g .. 4g + 3] (zeros past Dk and past the tile's keys), kTileK 32-bit quads a row, one
+// row per quad of features; a tile's 16 columns are 16 keys, its 16 rows 64 features. Included
+// after pv-inl.h, before tile-inl.h (whose qk_tile calls qk_int8_tiles), inside the unit's
+// namespace; the including file provides <cstring> and <vector>.
 
 namespace {
 
-constexpr int kTileRows = 16;        // rows of a tile
-constexpr int kQuadRow = 64;         // int8 features of a tile row (16 quads)
-constexpr int kTileCols = 16;        // int32 columns of a tile: 16 keys
-constexpr int kQuadLd = kTileK * 4;  // bytes of a row of packed K: kTileK keys' quads
+constexpr int kTileRows = 16;                  // rows of a tile
+constexpr int kQuadRow = int(kern::kCodeRow);  // int8 features of a tile row (16 quads)
+constexpr int kTileCols = 16;                  // int32 columns of a tile: 16 keys
+constexpr int kQuadLd = kTileK * 4;            // bytes of a row of packed K: kTileK keys' quads
+constexpr int kRowsPad = 64 + 2 * kTileRows;   // kRowsPerItem rounded up to whole row-block pairs
 
 // ---- the tile operations: eight tiles of 16 rows x 64 bytes ----------------------------------
 // The emulation: each tile in memory. dp<C, A, B>() is tdpbssd: C[m][n] += sum over k < 64 of
@@ -123,22 +124,17 @@ struct AmxTiles {
 #endif
 
 // ---- scratch ------------------------------------------------------------------------------------
-// Per thread: the padded query codes (kRowsPad rows of ldq bytes), the int32 sums (kRowsPad x
-// kTileK) and the emulation's tiles.
-constexpr int kRowsPad = 64 + 2 * kTileRows;  // kRowsPerItem rounded up to whole row-block pairs
+// Per thread: the int32 sums (up to kern::code_rows(M) rows of kTileK) and the emulation's tiles.
 struct I8Scratch {
   kern::Carve<int32_t> raw;
-  int8_t* q = nullptr;
   int32_t* c = nullptr;
-  int64_t ldq = -1;
+  int64_t rows = 0;
   EmuTiles emu;
-  void size(int64_t ld) {
-    if (ld == ldq) return;
-    const int64_t nq = kRowsPad * ld / 4, nc = kRowsPad * kTileK;
-    raw.reset(nq + nc);
-    q = reinterpret_cast<int8_t*>(raw.take(nq));
-    c = raw.take(nc);
-    ldq = ld;
+  void size(int64_t M) {
+    if (kern::code_rows(M) <= rows) return;
+    rows = kern::code_rows(M);
+    raw.reset(rows * kTileK);
+    c = raw.take(rows * kTileK);
   }
 };
 static I8Scratch& i8_scratch() {
@@ -245,7 +241,7 @@ static void block_1x4(Tiles& t, const int8_t* a, int64_t lda, const int8_t* b, i
   t.template store<3>(c + 3 * kTileCols, kTileK * 4);
 }
 
-// The int32 sums of the M rows (q: ldq bytes a row, zero rows to a multiple of 32) against the
+// The int32 sums of the M rows (q: ldq bytes a row, rows to a multiple of 32) against the
 // tile's kTileK keys (kp) into c (kTileK a row): pairs of row blocks, the last lone block alone.
 template <class Tiles>
 static void qk_i8_sums(Tiles& t, int M, const int8_t* q, int64_t ldq, const int8_t* kp,
@@ -266,17 +262,10 @@ template <class Tiles>
 static void qk_i8_tiles(Tiles& t, const RowSet& rs, const kern::KVSource& ks, int64_t j0, int64_t n,
                         int64_t Dk, const Scratch& sc) {
   const int M = rs.M;
-  const int64_t ldq = round_up(Dk, kQuadRow);
   I8Scratch& x = i8_scratch();
-  x.size(ldq);
-  const int Mr = int(round_up(M, 2 * kTileRows));
-  for (int r = 0; r < M; ++r) {
-    std::memcpy(x.q + r * ldq, rs.qcodes + r * rs.ldq, std::size_t(Dk));
-    std::memset(x.q + r * ldq + Dk, 0, std::size_t(ldq - Dk));
-  }
-  std::memset(x.q + M * ldq, 0, std::size_t((Mr - M) * ldq));
+  x.size(M);
   const int8_t* kp = packed_tile_i8(rs, ks, j0, n, Dk, sc);
-  qk_i8_sums(t, M, x.q, ldq, kp, x.c);
+  qk_i8_sums(t, M, rs.qcodes, rs.ldc, kp, x.c);
   // s = (sum * key scale) * row factor in one pass: scale_keys' then scale_rows' products, in
   // their order (columns past n take no key scale)
   float f[kTileK];

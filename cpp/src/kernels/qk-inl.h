@@ -184,7 +184,7 @@ static void qk_dot(int M, const Real* q, int64_t ldq, const Real* const* krow, i
 // kKeyBias * the sum of each row's codes (M <= kDotRows rows of ldq bytes): the correction.
 static void code_sums(const RowSet& rs, int64_t Dk, float* sum) {
   for (int r = 0; r < rs.M; ++r)
-    sum[r] = float(dot::kKeyBias) * float(dot::code_sum(rs.qcodes + r * rs.ldq, Dk));
+    sum[r] = float(dot::kKeyBias) * float(dot::code_sum(rs.qcodes + r * rs.ldc, Dk));
 }
 
 template <int RB, int KB>
@@ -212,7 +212,7 @@ static ATTNX_INLINE void qk_int8_block(const int8_t* q8, int64_t ld, int64_t Dk,
 static void qk_int8(const RowSet& rs, const Real* const* krow, int64_t n, int64_t Dk, Real* s,
                     const char* const* next, int64_t nn, int64_t bytes) {
   const int M = rs.M;
-  const int64_t ld = rs.ldq;
+  const int64_t ld = rs.ldc;
   int r = 0;
   auto ahead = [&](int64_t j, int64_t kb) {
     if (r == 0 && next != nullptr)

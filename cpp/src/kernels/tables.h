@@ -21,6 +21,12 @@ constexpr int kPad = 32;     // feature widths are padded to the widest register
 constexpr int kDotRows = 8;  // up to this many query rows, QK^T is computed as dot products
                              // against K rows in place; above it, K is packed transposed once
                              // per tile and reused by every row (a GEMM-style B panel)
+// Integer query codes (RowSetT::qcodes) are read in place by the int8 tiles: rows padded to
+// whole 64-byte lines of features, and the buffer to pairs of the tiles' 16-row blocks.
+constexpr int64_t kCodeRow = 64;
+constexpr int64_t kCodeRows = 32;
+inline int64_t code_ld(int64_t Dk) { return (Dk + kCodeRow - 1) / kCodeRow * kCodeRow; }
+inline int64_t code_rows(int64_t M) { return (M + kCodeRows - 1) / kCodeRows * kCodeRows; }
 
 // Where the keys (or values) of one (sequence, kv head) live. Row j is at
 //   contiguous: base + j * row_stride
@@ -82,7 +88,12 @@ struct RowSetT {
   // `scale`) besides each key's scale. Sums of code products are exact in T for Dk < 1040, so
   // FMAs over them and VNNI's integer dot products give the same scores.
   const T* qfactor = nullptr;
-  const int8_t* qcodes = nullptr;  // with qfactor: the same codes as int8, (M, ldq) zero-padded
+  // With qfactor: the same codes as int8, ldc bytes a row (code_ld(Dk)), zero past Dk. The int8
+  // tiles read whole code blocks: kCodeRows-row blocks of ldc bytes, so the buffer holds
+  // round_up(M, kCodeRows) rows (those past M left as an earlier item wrote them: the sums of
+  // such rows are never read).
+  const int8_t* qcodes = nullptr;
+  int64_t ldc = 0;
   // With qcodes: whether Q K^T runs on int8 tiles (int8_tiles-inl.h) or the vector kernels.
   Int8Tiles int8_tiles = Int8Tiles::none;
 };

@@ -97,7 +97,8 @@ struct Slot {
   const char** mask_rows;  // M_max mask row addresses
   T* slopes;               // M_max ALiBi slopes
   T* qfactor;              // M_max factors of int8 queries' scores (kern::RowSetT::qfactor)
-  int8_t* qcodes;          // (M_max, Dkp) their codes (kern::RowSetT::qcodes)
+  int8_t* qcodes;          // their codes (kern::RowSetT::qcodes): code_rows(M_max) rows of ldc
+  int64_t ldc;
 };
 
 // A thread's buffers for one call: the kernels' tile scratch, a row to finish output rows in and
@@ -114,11 +115,19 @@ struct ThreadBuffers {
   T* qfactors = nullptr;
   int8_t* qcodes = nullptr;
   int64_t M_max = 0, Dkp = 0, Dvp = 0;
+  int64_t ldc() const { return kern::code_ld(Dkp); }
 
   Slot<T> slot(int64_t g) const {
-    return {q + g * M_max * Dkp, o + g * M_max * Dvp,  m + g * M_max,
-            l + g * M_max,       ints + g * 3 * M_max, mask_rows + g * M_max,
-            slopes + g * M_max,  qfactors + g * M_max, qcodes + g * M_max * Dkp};
+    return {q + g * M_max * Dkp,
+            o + g * M_max * Dvp,
+            m + g * M_max,
+            l + g * M_max,
+            ints + g * 3 * M_max,
+            mask_rows + g * M_max,
+            slopes + g * M_max,
+            qfactors + g * M_max,
+            qcodes + g * kern::code_rows(M_max) * ldc(),
+            ldc()};
   }
 };
 
@@ -164,7 +173,7 @@ class ScratchLayout {
     ts.mask_rows.resize(std::size_t(group_ * M_));
     ts.slopes.resize(std::size_t(group_ * M_));
     ts.qfactors.resize(std::size_t(group_ * M_));
-    ts.qcodes.resize(std::size_t(group_ * M_ * Dkp_));
+    ts.qcodes.resize(std::size_t(group_ * kern::code_rows(M_) * kern::code_ld(Dkp_)));
     ThreadBuffers<T> tb;
     auto at = [&](Part part) { return base + offset_[part]; };
     tb.sc = kern::ScratchT<T>{at(kKt),
