@@ -9,7 +9,7 @@ layout for its op), the outputs checked equal before anything is timed, then int
   128-token chunk at the end of their context.
 
 And an end-to-end row: ``vllm.LLM`` on SmolLM2-135M with attnx's backend and with vLLM's own,
-same prompts and settings, one engine per process (the backend is chosen per process), runs
+same prompts and settings (blocks of vLLM's default size), one engine per process (the backend is chosen per process), runs
 alternating. Each run fills the prefix cache with the prompts first, then times a generate
 call whose prompts hit it: the generated tokens/s are decode at the prompts' context length.
 
@@ -41,8 +41,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # ---- the op rows -----------------------------------------------------------------------------
 
 
-# vLLM's CPU platform picks 128-token blocks unless told otherwise (vllm/platforms/cpu.py); the
-# decode row runs at both that and 32, where each head's block is a shorter run of memory
+# vLLM's CPU platform picks 128-token blocks unless told otherwise (vllm/platforms/cpu.py): the
+# end-to-end row runs at it, the decode op row at both it and 32 (each head's block then a
+# shorter run of memory)
 ENGINE_BLOCK = 128
 
 
@@ -212,7 +213,7 @@ def e2e_row(model, *, context, batch, new_tokens, rounds, log=print):
         enable_prefix_caching=True,
         enforce_eager=True,
         seed=0,
-        block_size=32,
+        block_size=ENGINE_BLOCK,
         max_num_seqs=max(batch, 1),
     )
 
@@ -239,7 +240,8 @@ def e2e_row(model, *, context, batch, new_tokens, rounds, log=print):
         "attnx_tok_s": median(rates["attnx"]),
         "vllm_tok_s": median(rates["vllm"]),
         "samples": rates,
-        "shape": f"SmolLM2-135M bf16, {batch} prompts of {context} tokens, {new_tokens} new each",
+        "shape": f"SmolLM2-135M bf16, {batch} prompts of {context} tokens, {new_tokens} new each, "
+        f"blocks of {ENGINE_BLOCK}",
         "tokens_equal": tokens["attnx"] == tokens["vllm"],
     }
     row["attnx_over_vllm"] = row["attnx_tok_s"] / row["vllm_tok_s"]
