@@ -464,9 +464,10 @@ def test_short_lived_threads_leave_no_scratch():
 @pytest.mark.skipif(not LINUX or SANITIZED, reason="getrusage(RUSAGE_THREAD); ASan allocates")
 def test_repeated_chunked_prefill_faults_in_no_pages():
     """A batch of 128-token chunks onto 2048-token contexts (B4 Hkv8 D128): 32 kv heads of
-    shared packed K, 1 MB each, twice what a call keeps. Its slots are a ring the calling thread
-    keeps (attention/plan.h plan_packed_k), so a repeated call faults in no new pages (a fresh
-    32 MB buffer each call faulted 8193 pages: a quarter of the call's time)."""
+    shared packed K, 1 MB each, twice what a call keeps. The kv heads take turns in a ring of
+    slots the calling thread keeps (attention/plan.h plan_packed_k), so a repeated call faults in
+    no new pages (a fresh 32 MB buffer each call faulted 8193 pages: a quarter of the call's
+    time)."""
     import resource
 
     from helpers import BF16

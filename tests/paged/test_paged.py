@@ -311,15 +311,14 @@ def test_long_prompt_k_packed_once(isa, kv_dtype):
 
 
 def test_packed_k_slots_pass_between_heads(isa):
-    """The shared packed K is a ring of slots (attention/plan.h plan_packed_k), each the size of
-    the longest packed kv head: a 16400-token sequence (257 tiles of D 64: 4.1 MB a slot) among
-    four 300-token chunks gives 3 slots in the 16 MB kept (2 per thread where more: 4 on 2
-    threads, 8 on 4) for 10 packed kv heads, so the later heads take over slots the earlier ones
-    packed (their tiles marked unpacked), or pack their own while a slot's earlier head still runs.
-    bf16 pages; float32 queries (the vector path's K tiles) and the same values in bf16 (the bf16
-    products, on tiles under amx)."""
+    """The shared packed K is a ring of slots (attention/plan.h plan_packed_k), two per thread,
+    each the size of the longest packed kv head: 10 kv heads (5 chunks, one onto a longer
+    context) on 1, 2 and 4 threads take turns in 2, 4 and 8 slots, the later heads packing over
+    tiles an earlier head packed (marked unpacked as the slot passes), or their own where a slot's
+    earlier head still runs. bf16 pages; float32 queries (the vector path's K tiles) and the same
+    values in bf16 (the bf16 products, on tiles under amx)."""
     rng = make_rng(15)
-    seq_lens, q_lens = [300, 300, 16400, 300, 300], [40, 37, 20, 40, 33]  # 2+ items a kv head
+    seq_lens, q_lens = [300, 300, 1000, 300, 300], [40, 37, 20, 40, 33]  # 2+ items a kv head
     pool = Pool(rng, seq_lens, block_size=32, hkv=2, dk=64, dv=64, dtype="bfloat16")
     qb = packed_q(rng, q_lens, 8, 64, BF16)
     args = (pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens)

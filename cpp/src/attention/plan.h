@@ -142,11 +142,11 @@ int64_t plan_items(const P& p, int64_t hg, bool grouped, Plan& plan) {
 // calls like the per-thread scratch (a fresh allocation would pay its page faults on every call),
 // and bounded by the threads, not by the batch: the kv heads of a call take turns. The items run in
 // plan order, a kv head's items one after another, so a slot can pass to a later head once the
-// items of the one before have finished (an item that starts before its slot is free packs its own
-// tiles). Slots: as many heads as kPackKeep bytes hold, at least kMinSlotsPerThread per thread
-// where kPackBudget allows, at most one per packed head. With split-KV every head keeps its own
-// slot (merge_item reads the tiles again after every unit has run), at most kPackBudget bytes of
-// them; the heads beyond pack per item.
+// items of the one before have finished; an item that starts before its slot is free packs its own
+// tiles. kMinSlotsPerThread slots per thread (a thread can run a head ahead of a slow item of
+// another's) where kPackBudget allows, at most one per packed head. With split-KV every head keeps
+// its own slot (merge_item reads the tiles again after every unit has run), at most kPackBudget
+// bytes of them; the heads beyond pack per item.
 constexpr int64_t kMinSlotsPerThread = 2;
 
 template <class P>
@@ -170,9 +170,9 @@ void plan_packed_k(const P& p, Plan& plan) {
         ++heads;
       }
   if (heads == 0) return;
-  const int64_t slot_bytes = plan.slot_tiles * tile_bytes, fit = kPackBudget / slot_bytes;
-  const int64_t want = std::max(kPackKeep / slot_bytes, kMinSlotsPerThread * plan.num_threads);
-  plan.n_slots = std::min({heads, fit, plan.nsplit > 1 ? heads : want});
+  const int64_t fit = kPackBudget / (plan.slot_tiles * tile_bytes);
+  plan.n_slots =
+      std::min({heads, fit, plan.nsplit > 1 ? heads : kMinSlotsPerThread * plan.num_threads});
   plan.packed_head.assign(std::size_t(p.B * p.Hkv), -1);
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t kvh = 0; kvh < p.Hkv; ++kvh)
