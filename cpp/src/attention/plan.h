@@ -159,8 +159,9 @@ void plan_packed_k(const P& p, Plan& plan) {
     if (it.nh * it.ni > kern::kDotRows) ++users[std::size_t(it.b * p.Hkv + it.kvh)];
   }
   auto tiles = [&](int64_t b) { return ceil_div(p.lk(b), kern::kTileK); };
-  auto packs = [&](int64_t b, int64_t kvh) {  // shared, and a slot of it fits in the budget
-    return users[std::size_t(b * p.Hkv + kvh)] >= 2 && tiles(b) * tile_bytes <= kPackBudget;
+  auto packs = [&](int64_t b, int64_t kvh) {  // shared, has keys, and its slot fits the budget
+    return users[std::size_t(b * p.Hkv + kvh)] >= 2 && tiles(b) > 0 &&
+           tiles(b) * tile_bytes <= kPackBudget;
   };
   int64_t heads = 0;
   for (int64_t b = 0; b < p.B; ++b)
