@@ -92,6 +92,16 @@ def test_packed_k_with_split_kv(isa, rng, causal, threads):
     check_attention(q, k, v, causal=causal, window=(1500, None), num_threads=threads)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_k_beside_a_sequence_without_keys(isa, rng, causal):
+    """A sequence with no keys (kv_lens 0) whose many query rows would share its kv heads'
+    packed K, beside ones that have keys: it takes no packed slot (its rows are zeros), and the
+    others' slots are sized by their own keys."""
+    q, k, v = qkv(rng, 3, 4, 2, 100, 150, 48)
+    for lens in ([0, 150, 77], [0, 0, 0]):
+        check_attention(q, k, v, causal=causal, kv_lens=np.array(lens), num_threads=2)
+
+
 @pytest.mark.parametrize("kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize(
     ("Hq", "Hkv", "Sq"),

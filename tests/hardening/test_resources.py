@@ -461,6 +461,32 @@ def test_short_lived_threads_leave_no_scratch():
     assert rss_mb() - r0 < 24, f"{rss_mb() - r0:.1f} MB kept by 60 finished threads"
 
 
+@pytest.mark.skipif(not LINUX or SANITIZED, reason="getrusage(RUSAGE_THREAD); ASan allocates")
+def test_repeated_chunked_prefill_faults_in_no_pages():
+    """A batch of 128-token chunks onto 2048-token contexts (B4 Hkv8 D128): 32 kv heads of
+    shared packed K, 1 MB each, twice what a call keeps. The kv heads take turns in a ring of
+    slots the calling thread keeps (attention/plan.h plan_packed_k), so a repeated call faults in
+    no new pages (a fresh 32 MB buffer each call faulted 8193 pages: a quarter of the call's
+    time)."""
+    import resource
+
+    from helpers import BF16
+
+    rng = np.random.default_rng(34)
+    B, Hq, Hkv, L, D, n, bs = 4, 32, 8, 2048, 128, 128, 32
+    nb = B * L // bs
+    kp, vp = (rng.standard_normal((nb, Hkv, bs, D), dtype=np.float32).astype(BF16) for _ in "kv")
+    tables = rng.permutation(nb).astype(np.int32).reshape(B, L // bs)
+    q = rng.standard_normal((B * n, Hq, D), dtype=np.float32).astype(BF16)
+    lens, q_lens, out = np.full(B, L, np.int32), np.full(B, n, np.int32), np.empty_like(q)
+    faults = []
+    for _ in range(3):
+        f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        attnx.paged_attention(q, kp, vp, tables, lens, q_lens=q_lens, out=out, num_threads=1)
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
+    assert max(faults[1:]) < 256, faults
+
+
 def test_reference_counts_are_unchanged():
     """A leaked reference in the binding (on success or on an error path) keeps arrays alive."""
     rng = np.random.default_rng(22)

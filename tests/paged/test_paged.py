@@ -310,6 +310,25 @@ def test_long_prompt_k_packed_once(isa, kv_dtype):
     assert_close(lse, rlse)
 
 
+def test_packed_k_slots_pass_between_heads(isa):
+    """The shared packed K is a ring of slots (attention/plan.h plan_packed_k), two per thread,
+    each the size of the longest packed kv head: 10 kv heads (5 chunks, one onto a longer
+    context) on 1, 2 and 4 threads take turns in 2, 4 and 8 slots, the later heads packing over
+    tiles an earlier head packed (marked unpacked as the slot passes), or their own where a slot's
+    earlier head still runs. bf16 pages; float32 queries (the vector path's K tiles) and the same
+    values in bf16 (the bf16 products, on tiles under amx)."""
+    rng = make_rng(15)
+    seq_lens, q_lens = [300, 300, 1000, 300, 300], [40, 37, 20, 40, 33]  # 2+ items a kv head
+    pool = Pool(rng, seq_lens, block_size=32, hkv=2, dk=64, dv=64, dtype="bfloat16")
+    qb = packed_q(rng, q_lens, 8, 64, BF16)
+    args = (pool.k_pages, pool.v_pages, pool.block_tables, pool.seq_lens)
+    want = reference.paged_attention(qb.astype(np.float32), *args, q_lens=np.array(q_lens))
+    for q in (qb.astype(np.float32), qb):
+        for threads in (1, 2, 4):
+            got = attnx.paged_attention(q, *args, q_lens=np.array(q_lens), num_threads=threads)
+            assert_close(got.astype(np.float32), want, np.float32 if q is not qb else BF16)
+
+
 def test_decode_group_long_split(isa):
     """One sequence, 8 kv heads (one group), 3000 keys: the group's key range is split."""
     rng = make_rng(12)

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -41,17 +42,22 @@ inline const kern::FlashKernels<double>* flash_kernels<double>() {
 }
 
 // The K tiles packed once per call and shared by the items of a kv head (plan_packed_k), in the
-// calling thread's buffer; at most kPackKeep bytes of it outlive the call.
+// calling thread's buffer (a ring of slots); at most kPackKeep bytes of it outlive the call.
 template <class T>
 class SharedPackedK {
  public:
   explicit SharedPackedK(const Plan& plan) {
-    if (plan.n_tiles == 0) return;
+    if (plan.n_packed == 0) return;
     ThreadScratch<T>& caller = thread_scratch<T>();
     owner_ = &caller;
-    tiles_ = caller.packed_k.get(std::size_t(plan.n_tiles * plan.tile_elems));
-    caller.packed_ready.assign(std::size_t(plan.n_tiles), 0);
+    tiles_ = caller.packed_k.get(std::size_t(plan.n_tiles() * plan.tile_elems));
+    caller.packed_ready.assign(std::size_t(plan.n_tiles()), 0);
     ready_ = caller.packed_ready.data();
+    slot_head_.reset(new std::atomic<int64_t>[std::size_t(plan.n_slots)]);
+    for (int64_t s = 0; s < plan.n_slots; ++s) slot_head_[std::size_t(s)].store(s);
+    left_.reset(new std::atomic<int64_t>[std::size_t(plan.n_packed)]);
+    for (int64_t k = 0; k < plan.n_packed; ++k)
+      left_[std::size_t(k)].store(plan.head_items[std::size_t(k)]);
   }
   ~SharedPackedK() {
     if (owner_ != nullptr) owner_->packed_k.trim(std::size_t(kPackKeep) / sizeof(T));
@@ -59,19 +65,48 @@ class SharedPackedK {
   SharedPackedK(const SharedPackedK&) = delete;
   SharedPackedK& operator=(const SharedPackedK&) = delete;
 
-  // Points the keys of `it` at its kv head's packed tiles, where it has them.
+  // Points the keys of `it` at its kv head's packed tiles, where it has them and its slot has
+  // passed to it (else the item packs its own).
   void attach(const Plan& plan, const Item& it, int64_t lk, kern::KVSource& k) const {
+    const int64_t head = plan.packed(it);
+    if (head < 0 ||
+        slot_head_[std::size_t(head % plan.n_slots)].load(std::memory_order_acquire) != head)
+      return;
     const int64_t tile0 = plan.kt_tile(it);
-    if (tile0 < 0) return;
     k.kt = tiles_ + tile0 * plan.tile_elems;
     k.kt_ready = ready_ + tile0;
     k.kt_keys = lk;
+  }
+
+  // Item `it` has finished (its rows are final, nothing reads its tiles again): the last item of
+  // a head passes its slot on, to the next head of the slot that still has items to run, its
+  // tiles marked unpacked.
+  void finished(const Plan& plan, const Item& it) {
+    const int64_t head = plan.packed(it);
+    if (head < 0 || plan.n_slots == plan.n_packed ||
+        left_[std::size_t(head)].fetch_sub(1, std::memory_order_acq_rel) != 1)
+      return;
+    const int64_t slot = head % plan.n_slots;
+    std::lock_guard<std::mutex> lock(pass_);
+    std::atomic<int64_t>& at = slot_head_[std::size_t(slot)];
+    int64_t h = at.load(std::memory_order_relaxed);
+    while (h + plan.n_slots < plan.n_packed &&
+           left_[std::size_t(h)].load(std::memory_order_acquire) == 0) {
+      int* ready = ready_ + slot * plan.slot_tiles;
+      for (int64_t t = 0; t < plan.slot_tiles; ++t)
+        __atomic_store_n(ready + t, 0, __ATOMIC_RELAXED);
+      h += plan.n_slots;
+      at.store(h, std::memory_order_release);
+    }
   }
 
  private:
   ThreadScratch<T>* owner_ = nullptr;
   T* tiles_ = nullptr;
   int* ready_ = nullptr;
+  std::unique_ptr<std::atomic<int64_t>[]> slot_head_;  // per slot: the packed head it serves
+  std::unique_ptr<std::atomic<int64_t>[]> left_;       // per packed head: its items yet to finish
+  std::mutex pass_;
 };
 
 // Split-KV partial row states: per (item, part), M_max rows of O (Dvp values each), and M_max
@@ -165,6 +200,7 @@ class FlashRun {
       rescue(rs[g], ks[g], vs[g], keys, st[g], tb);
       for (int r = 0; r < rs[g].M; ++r)
         finalize_row(item(u.first + g), r, st[g].o + r * plan_.Dvp, st[g].m[r], st[g].l[r], tb.tmp);
+      packed_.finished(plan_, item(u.first + g));
     }
   }
 

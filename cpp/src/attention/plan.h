@@ -46,17 +46,25 @@ struct Plan {
   std::vector<Unit> units;
   int64_t nsplit = 1;  // parts each unit's key range is cut into (split-KV)
   int num_threads = 1;
-  // Packed K shared by the items of a kv head: per (b, kvh), the index of its first tile in the
-  // call's buffer, or -1 (that head packs per item); n_tiles tiles of tile_elems elements (of
-  // the problem's compute type) in all.
-  std::vector<int64_t> kt_tile0;
-  int64_t n_tiles = 0, tile_elems = 0;
+  // Packed K shared by the items of a kv head (plan_packed_k): per (b, kvh), its index among the
+  // packed heads (in item order), or -1 (that head packs per item). Packed head k uses slot
+  // k % n_slots of the call's buffer, slot_tiles tiles of tile_elems elements (of the problem's
+  // compute type) each; head_items[k] counts its items. Where heads share a slot, each takes it
+  // over once every item of the one before it has finished (driver.h SharedPackedK).
+  std::vector<int64_t> packed_head, head_items;
+  int64_t n_packed = 0, n_slots = 0, slot_tiles = 0, tile_elems = 0;
 
   int64_t n_items() const { return int64_t(items.size()); }
   int64_t n_units() const { return int64_t(units.size()); }
-  // The first packed tile of the item's kv head, or -1.
+  int64_t n_tiles() const { return n_slots * slot_tiles; }
+  // The item's packed head, or -1.
+  int64_t packed(const Item& it) const {
+    return packed_head.empty() ? -1 : packed_head[std::size_t(it.b * Hkv + it.kvh)];
+  }
+  // The first tile of the item's packed slot, or -1.
   int64_t kt_tile(const Item& it) const {
-    return kt_tile0.empty() ? -1 : kt_tile0[std::size_t(it.b * Hkv + it.kvh)];
+    const int64_t k = packed(it);
+    return k < 0 ? -1 : k % n_slots * slot_tiles;
   }
 };
 
@@ -129,28 +137,50 @@ int64_t plan_items(const P& p, int64_t hg, bool grouped, Plan& plan) {
 // (query chunks, head groups) share a kv head, the first item to reach a tile packs it into a
 // buffer shared by the call and the others read it (kern::KVSource::kt): each K tile of a
 // 2048-token causal GQA prefill would otherwise be transposed by 128 items. An up-front packing
-// pass is worse where few items share a head (it reads K with no compute to hide behind). The
-// buffer, one copy of those K in the compute type (O(S * D)), is kept by the calling thread between
-// calls, like the per-thread scratch: a fresh allocation would pay its page faults on every call.
-// At most kPackBudget bytes (the kv heads beyond it pack per item), and at most kPackKeep bytes are
-// kept after the call: a long prefill's K would otherwise stay resident.
+// pass is worse where few items share a head (it reads K with no compute to hide behind).
+// The buffer is a ring of slots, one kv head's tiles each, kept by the calling thread between
+// calls like the per-thread scratch (a fresh allocation would pay its page faults on every call),
+// and bounded by the threads, not by the batch: the kv heads of a call take turns. The items run in
+// plan order, a kv head's items one after another, so a slot can pass to a later head once the
+// items of the one before have finished; an item that starts before its slot is free packs its own
+// tiles. kMinSlotsPerThread slots per thread (a thread can run a head ahead of a slow item of
+// another's) where kPackBudget allows, at most one per packed head. With split-KV every head keeps
+// its own slot (merge_item reads the tiles again after every unit has run), at most kPackBudget
+// bytes of them; the heads beyond pack per item.
+constexpr int64_t kMinSlotsPerThread = 2;
+
 template <class P>
 void plan_packed_k(const P& p, Plan& plan) {
   plan.tile_elems = plan.Dkp * kern::kTileK;
-  const int64_t elem = int64_t(sizeof(typename P::Real));
-  std::vector<int64_t> users(std::size_t(p.B * p.Hkv), 0);
-  for (const Item& it : plan.items)  // (items of kDotRows rows or fewer read K in place)
+  const int64_t tile_bytes = plan.tile_elems * int64_t(sizeof(typename P::Real));
+  std::vector<int64_t> users(std::size_t(p.B * p.Hkv), 0), items(users.size(), 0);
+  for (const Item& it : plan.items) {  // (items of kDotRows rows or fewer read K in place)
+    ++items[std::size_t(it.b * p.Hkv + it.kvh)];
     if (it.nh * it.ni > kern::kDotRows) ++users[std::size_t(it.b * p.Hkv + it.kvh)];
-  plan.kt_tile0.assign(std::size_t(p.B * p.Hkv), -1);
+  }
+  auto tiles = [&](int64_t b) { return ceil_div(p.lk(b), kern::kTileK); };
+  auto packs = [&](int64_t b, int64_t kvh) {  // shared, has keys, and its slot fits the budget
+    return users[std::size_t(b * p.Hkv + kvh)] >= 2 && tiles(b) > 0 &&
+           tiles(b) * tile_bytes <= kPackBudget;
+  };
+  int64_t heads = 0;
   for (int64_t b = 0; b < p.B; ++b)
-    for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
-      const int64_t tiles = ceil_div(p.lk(b), kern::kTileK);
-      if (users[std::size_t(b * p.Hkv + kvh)] < 2 ||
-          (plan.n_tiles + tiles) * plan.tile_elems * elem > kPackBudget)
-        continue;
-      plan.kt_tile0[std::size_t(b * p.Hkv + kvh)] = plan.n_tiles;
-      plan.n_tiles += tiles;
-    }
+    for (int64_t kvh = 0; kvh < p.Hkv; ++kvh)
+      if (packs(b, kvh)) {
+        plan.slot_tiles = std::max(plan.slot_tiles, tiles(b));
+        ++heads;
+      }
+  if (heads == 0) return;
+  const int64_t fit = kPackBudget / (plan.slot_tiles * tile_bytes);
+  plan.n_slots =
+      std::min({heads, fit, plan.nsplit > 1 ? heads : kMinSlotsPerThread * plan.num_threads});
+  plan.packed_head.assign(std::size_t(p.B * p.Hkv), -1);
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t kvh = 0; kvh < p.Hkv; ++kvh)
+      if (packs(b, kvh) && (plan.nsplit == 1 || plan.n_packed < plan.n_slots)) {
+        plan.packed_head[std::size_t(b * p.Hkv + kvh)] = plan.n_packed++;
+        plan.head_items.push_back(items[std::size_t(b * p.Hkv + kvh)]);
+      }
 }
 
 // Threads: small problems run on the calling thread (waking a team costs more than the work).
@@ -185,8 +215,8 @@ Plan make_plan(const P& p, int num_threads) {
   plan.M_max = hg * item_chunk(max_rows, hg);
   const int64_t max_lk = plan_items(p, hg, plan_grouped(p), plan);
   if (plan.items.empty()) return plan;
-  if (plan.M_max > kern::kDotRows) plan_packed_k(p, plan);
   plan_threads(p, num_threads, max_lk, plan);
+  if (plan.M_max > kern::kDotRows) plan_packed_k(p, plan);
   return plan;
 }
 
