@@ -319,25 +319,32 @@ struct TileSteps {
 // p_j = exp(scale * s_j - m') rounded to bf16 pairs at the start of the row and added to l.
 // The exact max (no lazy slack): a row's largest p is exactly 1, as the bf16 path's error bound
 // counts on (softmax-inl.h kLazyMax). `tiles` runs its steps between the rows.
+// Rows go two at a time, both maxima before either row's exps: a row's exps wait for its max
+// (a reduction, then the state's update), and the other row's work fills that wait.
 template <class PExp>
 static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
                          const kern::FlashState& st, TileSteps& tiles) {
   constexpr int NV = kWideKeys / W;
   const V f = set1(scale);
-  for (int r = r0; r < r1; ++r) {
-    float* srow = s + int64_t(r - r0) * kWideKeys;
+  auto row_of = [&](int r) { return s + int64_t(r - r0) * kWideKeys; };
+  auto raise_max = [&](int r) {  // row r's new max, its O and l rescaled to it
+    const float* srow = row_of(r);
     V hi = load(srow);
     for (int c = 1; c < NV; ++c) hi = max(hi, load(srow + c * W));
     const float top = reduce_max(mul(hi, f));
-    const float m_new = top > st.m[r] ? top : st.m[r];
-    const float alpha = row::rescale(st.m[r], m_new);
+    if (!(top > st.m[r])) return st.m[r];  // (exp(m - m) = 1: nothing to rescale)
+    const float alpha = row::rescale(st.m[r], top);
     if (alpha != 1.f) {
       const V a = set1(alpha);
       float* orow = st.o + int64_t(r) * st.ldo;
       for (int64_t d = 0; d < Dvp; d += W) store(orow + d, mul(a, load(orow + d)));
       st.l[r] *= alpha;
-      st.m[r] = m_new;
+      st.m[r] = top;
     }
+    return top;
+  };
+  auto exps = [&](int r, float m_new) {
+    float* srow = row_of(r);
     const V neg_m = set1(-m_new);
     V sum = zero();
     for (int c = 0; c < NV; c += 2) {
@@ -348,7 +355,14 @@ static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
     }
     st.l[r] += reduce_add(sum);
     tiles.at(r - r0);
+  };
+  int r = r0;
+  for (; r + 1 < r1; r += 2) {
+    const float m0 = raise_max(r), m1 = raise_max(r + 1);
+    exps(r, m0);
+    exps(r + 1, m1);
   }
+  if (r < r1) exps(r, raise_max(r));
   tiles.finish();
 }
 
