@@ -7,7 +7,8 @@
 // two products move to tiles.
 //
 // Numerics: those of bf16_dot-inl.h (README "dtypes"): the same products, each exact in fp32,
-// summed in fp32 in the tiles' order; P rounded to bf16 before P V; O accumulated in fp32.
+// summed in fp32 in the tiles' order; P rounded to bf16 before P V; O accumulated in fp32. The
+// wide blocks' exps for rows without an lse fold log2(e) into their factors (WideExp below).
 //
 // Tiles: all eight are configured 16 rows x 64 bytes (16 fp32, or 16 bf16 pairs). A product is
 // blocked 2 x 2: tiles 0-3 accumulate rows [r, r + 32) x columns [c, c + 32) (C), 4-5 hold the
