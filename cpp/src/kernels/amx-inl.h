@@ -7,7 +7,8 @@
 // two products move to tiles.
 //
 // Numerics: those of bf16_dot-inl.h (README "dtypes"): the same products, each exact in fp32,
-// summed in fp32 in the tiles' order; P rounded to bf16 before P V; O accumulated in fp32.
+// summed in fp32 in the tiles' order; P rounded to bf16 before P V; O accumulated in fp32. The
+// wide blocks' exps for rows without an lse fold log2(e) into their factors (WideExp below).
 //
 // Tiles: all eight are configured 16 rows x 64 bytes (16 fp32, or 16 bf16 pairs). A product is
 // blocked 2 x 2: tiles 0-3 accumulate rows [r, r + 32) x columns [c, c + 32) (C), 4-5 hold the
@@ -307,41 +308,73 @@ struct TileSteps {
   }
 };
 
+// A wide block's p = exp(scale * s - m) from its raw products s. Rows that return no lse
+// (Bf16P<true>) take 2^(s (scale log2 e) - m log2 e): log2(e) folded into the two factors, one
+// multiply fewer a vector. The fold moves the exponent t by at most 3 |t| 2^-24 and leaves p's
+// error (exp_bf16's 2.9e-6 relative) far below P's rounding to bf16 (2^-9); a row's max still
+// gives P = 1 exactly (while |m| < 10^4). Rows that return an lse keep PExp's exp.
+template <class PExp>
+struct WideExp {
+  V f, neg_m;
+  WideExp(float scale, float m) : f(set1(scale)), neg_m(set1(-m)) {}
+  ATTNX_INLINE V operator()(V s) const { return PExp::exp(fmadd(s, f, neg_m)); }
+};
+template <>
+struct WideExp<Bf16P<true>> {
+  static constexpr float kLog2e = 1.44269504088896341f;
+  V f, neg_m;
+  WideExp(float scale, float m) : f(set1(scale * kLog2e)), neg_m(set1(-(m * kLog2e))) {}
+  ATTNX_INLINE V operator()(V s) const { return simd::exp2_bf16(fmadd(s, f, neg_m)); }
+};
+
 // The online-softmax update of rows [r0, r1) over a wide block's raw products (s: row r at
 // (r - r0) * kWideKeys): m' = max(m, scale * max_j s_j), O and l rescaled by exp(m - m'), then
 // p_j = exp(scale * s_j - m') rounded to bf16 pairs at the start of the row and added to l.
 // The exact max (no lazy slack): a row's largest p is exactly 1, as the bf16 path's error bound
 // counts on (softmax-inl.h kLazyMax). `tiles` runs its steps between the rows.
+// Rows go two at a time, both maxima before either row's exps: a row's exps wait for its max
+// (a reduction, then the state's update), and the other row's work fills that wait.
 template <class PExp>
 static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
                          const kern::FlashState& st, TileSteps& tiles) {
   constexpr int NV = kWideKeys / W;
   const V f = set1(scale);
-  for (int r = r0; r < r1; ++r) {
-    float* srow = s + int64_t(r - r0) * kWideKeys;
+  auto row_of = [&](int r) { return s + int64_t(r - r0) * kWideKeys; };
+  auto raise_max = [&](int r) {  // row r's new max, its O and l rescaled to it
+    const float* srow = row_of(r);
     V hi = load(srow);
     for (int c = 1; c < NV; ++c) hi = max(hi, load(srow + c * W));
     const float top = reduce_max(mul(hi, f));
-    const float m_new = top > st.m[r] ? top : st.m[r];
-    const float alpha = row::rescale(st.m[r], m_new);
+    if (!(top > st.m[r])) return st.m[r];  // (exp(m - m) = 1: nothing to rescale)
+    const float alpha = row::rescale(st.m[r], top);
     if (alpha != 1.f) {
       const V a = set1(alpha);
       float* orow = st.o + int64_t(r) * st.ldo;
       for (int64_t d = 0; d < Dvp; d += W) store(orow + d, mul(a, load(orow + d)));
       st.l[r] *= alpha;
-      st.m[r] = m_new;
+      st.m[r] = top;
     }
-    const V neg_m = set1(-m_new);
+    return top;
+  };
+  auto exps = [&](int r, float m_new) {
+    float* srow = row_of(r);
+    const WideExp<PExp> p(scale, m_new);
     V sum = zero();
     for (int c = 0; c < NV; c += 2) {
-      const V e0 = PExp::exp(fmadd(load(srow + c * W), f, neg_m));
-      const V e1 = PExp::exp(fmadd(load(srow + (c + 1) * W), f, neg_m));
+      const V e0 = p(load(srow + c * W)), e1 = p(load(srow + (c + 1) * W));
       store_pairs(srow, c * W, e0, e1);
       sum = add(sum, add(e0, e1));
     }
     st.l[r] += reduce_add(sum);
     tiles.at(r - r0);
+  };
+  int r = r0;
+  for (; r + 1 < r1; r += 2) {
+    const float m0 = raise_max(r), m1 = raise_max(r + 1);
+    exps(r, m0);
+    exps(r + 1, m1);
   }
+  if (r < r1) exps(r, raise_max(r));
   tiles.finish();
 }
 
