@@ -15,6 +15,7 @@ ROWS = ["prefill", "gqa_causal", "prefill_bf16", "gqa_causal_bf16", "causal_bf16
 ROWS += ["chunk_bf16"] if attnx.cpu_features()["isa"] == "amx" else []
 ROWS += [
     "prefill_fp32_bf16",
+    "prefill_fp16",
     "encoder",
     "decode_f32",
     "decode_fp16",
@@ -128,8 +129,8 @@ def _check_fork_rows(rows):
 
 
 def _check_bf16_rows(rows, m):
-    """bf16 prefill rows (issues 13 and 33): targets against fp32 that follow the path, their
-    fp32 base timed in the same rounds; chunk_bf16 against the vector path AMX replaces."""
+    """bf16 and fp16 prefill rows (issues 13 and 33): targets against fp32 that follow the path,
+    their fp32 base timed in the same rounds; chunk_bf16 against the vector path AMX replaces."""
     for key in ("prefill_bf16", "gqa_causal_bf16", "causal_bf16"):
         assert (
             rows[key]["rate"] > 0
@@ -151,6 +152,11 @@ def _check_bf16_rows(rows, m):
     assert ("≥ 3× fp32" in fp32_bf16["target"]) == (m["isa"] == "amx")
     assert fp32_bf16["extra"]["base_interleaved_s"] > 0
     assert not any("differs from attnx" in n for n in fp32_bf16["notes"]), fp32_bf16["notes"]
+    # fp16 prefill: never slower than fp32 on any path, its fp32 base timed in the same rounds
+    fp16 = rows["prefill_fp16"]
+    assert "≥ 1× fp32 prefill" in fp16["target"] and fp16["rate"] > 0, fp16["target"]
+    assert len(fp16["samples"]["attnx fp32"]) == len(fp16["samples"]["attnx"])
+    assert fp16["extra"]["base_interleaved_s"] > 0
     if "chunk_bf16" in rows:  # against the vector path, timed in the same rounds
         assert "vector path" in rows["chunk_bf16"]["target"], rows["chunk_bf16"]["target"]
         assert rows["chunk_bf16"]["extra"]["path_interleaved_s"] > 0

@@ -553,6 +553,7 @@ def suite(*, tiny, quick, threads, repeat):
     decode = Paged(B_dec, Hq, Hkv, L_dec, 128)
     cases = _prefill(S_pre, H_pre, S_gqa, Hq, Hkv, tiny=tiny, quick=quick)
     cases += bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, tiny=tiny, quick=quick)
+    cases += [fp16_prefill(S_pre, H_pre, tiny=tiny, quick=quick)]
     cases += [_encoder(B_enc, H_enc, S_enc, quick)]
     cases += _decode(decode, {"B": 2 if q_big else B_dec}, quick)
     cases += forks(big=big, quick=quick)
@@ -775,6 +776,21 @@ def _chunk_bf16(Hq, Hkv, tiny):
         None,
         seed=9,
         isa=BF16_PRODUCTS,
+    )
+
+
+def fp16_prefill(S_pre, H_pre, *, tiny, quick):
+    """fp16 prefill (issue 33's rule for every dtype: never slower than widening to fp32): the
+    prefill row's shape in fp16, against it in fp32 in the same rounds. No path multiplies in
+    fp16 (none of the CPUs here has AMX-FP16), so fp16 q, k and v widen inside the float32
+    kernels on every path; the row checks that this costs nothing."""
+    return Case(
+        "prefill_fp16",
+        "prefill fp16",
+        Dense(1, H_pre, H_pre, S_pre, S_pre, 64, dtype="fp16"),
+        (RateOver("prefill", 1.0, "fp32 prefill"),),
+        {"S": S_pre // (8 if quick and not tiny else 2)},
+        seed=1,
     )
 
 
