@@ -272,6 +272,29 @@ def test_zigzag_shard_round_trip():
         ad.zigzag_unshard([np.zeros((2, 4)), np.zeros((3, 4))])
 
 
+def test_without_torch_the_planner_imports_and_the_rest_names_torch():
+    """``pip install attnx`` alone (no torch): the block planner is NumPy and imports; anything
+    that communicates raises an ImportError that says to install torch (torch hidden in a
+    subprocess, as if it were not installed)."""
+    code = (
+        "import sys; sys.modules['torch'] = None; "
+        "from attnx.distributed.segments import segment_visibility; "
+        "import attnx.distributed as ad\n"
+        "try:\n    from attnx.distributed import attention\n"
+        "except ImportError as e:\n    print('refused:', e)\n"
+        "try:\n    ad.nothing\n"
+        "except AttributeError:\n    print('no such name')\n"
+        "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert (
+        "refused: attnx.distributed needs PyTorch" in res.stdout
+        and "pip install torch" in res.stdout
+    )
+    assert "no such name" in res.stdout
+
+
 def test_without_a_process_group_the_error_says_what_to_do():
     pytest.importorskip("torch", reason="attnx.distributed needs torch")
     import torch.distributed as dist

@@ -28,16 +28,28 @@ from __future__ import annotations
 try:
     import torch
     import torch.distributed  # noqa: F401
-except ImportError as _exc:  # pragma: no cover - the tests skip without torch
-    raise ImportError(
-        "attnx.distributed needs PyTorch, whose torch.distributed is its transport: "
-        "pip install torch"
-    ) from _exc
+except ImportError as _exc:
+    _NO_TORCH: ImportError | None = _exc
+else:
+    _NO_TORCH = None
 
-from .collective import DistributedError
-from .ring import attention, ring_attention
-from .sharded_cache import ShardedPagedKVCache, ShardedStep
-from .zigzag import zigzag_positions, zigzag_shard, zigzag_unshard
+if _NO_TORCH is None:
+    from .collective import DistributedError
+    from .ring import attention, ring_attention
+    from .sharded_cache import ShardedPagedKVCache, ShardedStep
+    from .zigzag import zigzag_positions, zigzag_shard, zigzag_unshard
+else:
+    # Without torch the package still imports, so that its pure-NumPy block planner
+    # (attnx.distributed.segments) does; everything that communicates says what is missing.
+
+    def __getattr__(name: str) -> object:
+        if name in __all__:
+            raise ImportError(
+                "attnx.distributed needs PyTorch, whose torch.distributed is its transport: "
+                "pip install torch"
+            ) from _NO_TORCH
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DistributedError",
