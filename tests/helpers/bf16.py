@@ -113,8 +113,10 @@ def kernel_query(q, scale=None):
     """The bf16 query a float32 caller's bf16 products use (bf16_dot-inl.h pack_query, as
     docs/numerics.md says): the driver's scaled row times 1/scale in float32, rounded to bf16.
     ``round(q)`` itself but within a float32 ulp or two of a bf16 tie, where it may be the
-    neighbour."""
-    q = np.asarray(q, np.float32)
+    neighbour. Queries of other dtypes (bf16 callers) are rounded as they are."""
+    q = np.asarray(q)
+    if q.dtype != np.float32:
+        return rounded_bf16(q)
     s = np.float32(q.shape[-1] ** -0.5 if scale is None else scale)
     with np.errstate(over="ignore", invalid="ignore"):
         return rounded_bf16((q * s) * (np.float32(1) / s))
@@ -138,7 +140,7 @@ def errors(o, r):
 def _against_rounded(q, k, v, kw):
     """The kernel's output and the float64 reference's over the bf16-rounded inputs, with NaN
     and inf where the reference has them."""
-    qb = kernel_query(q, kw.get("scale")) if q.dtype == np.float32 else rounded_bf16(q)
+    qb = kernel_query(q, kw.get("scale"))
     r = ref.attention(qb, *(rounded_bf16(x) for x in (k, v)), out_dtype=np.float64, **kw)
     o = attnx.attention(q, k, v, **kw)
     assert o.dtype == q.dtype

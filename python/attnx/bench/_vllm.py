@@ -10,8 +10,9 @@ layout for its op), the outputs checked equal before anything is timed, then int
 
 And an end-to-end row: ``vllm.LLM`` on SmolLM2-135M with attnx's backend and with vLLM's own,
 same prompts and settings (blocks of vLLM's default size), one engine per process (the backend
-is chosen per process), runs alternating. Each run fills the prefix cache with the prompts first, then times a generate
-call whose prompts hit it: the generated tokens/s are decode at the prompts' context length.
+is chosen per process), runs alternating. Each run fills the prefix cache with the prompts first,
+then times a generate call whose prompts hit it: the generated tokens/s are decode at the
+prompts' context length.
 
 The child side (``python -m attnx.bench._vllm JOB.json OUT.json``) runs one engine; the tests
 (tests/integrations/test_vllm.py) use it for their greedy-token comparisons too.
