@@ -5,8 +5,11 @@
 # (ASan: out-of-bounds, use-after-free, ...; UBSan: overflow, misaligned access, ...) fails the
 # run, also one raised in a subprocess that a test started.
 #
-#   bash .ci/sanitize.sh                 # what .ci/run calls (after it pip-installed the deps)
+#   bash .ci/sanitize.sh                 # build, then run the suite
 #   bash .ci/sanitize.sh -k paged        # extra arguments go to pytest
+#   bash .ci/sanitize.sh --build-only    # build into ATTNX_SANITIZE_DIR and stop; the next run
+#                                        # there tests that build without rebuilding (.ci/run
+#                                        # builds in the background while other steps run)
 #
 # What runs: the whole test suite (every kernel, paged, cache, layer, sdpa, error, numerics,
 # resources, concurrency, fuzz-harness and example test, on every instruction set the CPU has
@@ -30,6 +33,15 @@
 set -euo pipefail
 source "$(dirname "$0")/_prelude.sh"
 ci_prelude sanitize ATTNX_SANITIZE_DIR
+BUILD_ONLY=0
+if [[ ${1:-} == --build-only ]]; then
+  BUILD_ONLY=1
+  shift
+  if (( KEEP == 0 )); then
+    echo "sanitize: --build-only needs ATTNX_SANITIZE_DIR (the build is kept for the next run)" >&2
+    exit 2
+  fi
+fi
 CXX_BIN=${CXX:-g++}
 echo "sanitize: work directory $WORK"
 
@@ -73,15 +85,26 @@ sys.meta_path[:] = [f for f in sys.meta_path
 EOF
 
 # ---- build ------------------------------------------------------------------------------------
-echo "sanitize: building attnx with -DATTNX_SANITIZE=ON"
-T0=$(date +%s)
-# -g1: line tables only (file:line in every report's stack), not full debug info, which took a
-# third of the build's time in the templated kernels.
-"$VPY" -m pip install -q --no-build-isolation --no-deps --force-reinstall \
-  -Ccmake.define.ATTNX_SANITIZE=ON -Ccmake.build-type=RelWithDebInfo \
-  -Ccmake.define.CMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
-  -Cbuild-dir="$WORK/build" "$ROOT"
-echo "sanitize: built in $(( $(date +%s) - T0 )) s"
+# (skipped once after a --build-only run in this directory: its marker is used up here)
+BUILT=$WORK/built-by-build-only
+if [[ -e "$BUILT" && $BUILD_ONLY == 0 ]]; then
+  rm -f "$BUILT"
+  echo "sanitize: testing the build that --build-only made"
+else
+  echo "sanitize: building attnx with -DATTNX_SANITIZE=ON"
+  T0=$(date +%s)
+  # -g1: line tables only (file:line in every report's stack), not full debug info, which took a
+  # third of the build's time in the templated kernels.
+  "$VPY" -m pip install -q --no-build-isolation --no-deps --force-reinstall \
+    -Ccmake.define.ATTNX_SANITIZE=ON -Ccmake.build-type=RelWithDebInfo \
+    -Ccmake.define.CMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
+    -Cbuild-dir="$WORK/build" "$ROOT"
+  echo "sanitize: built in $(( $(date +%s) - T0 )) s"
+  if (( BUILD_ONLY )); then
+    touch "$BUILT"
+    exit 0
+  fi
+fi
 
 # ---- run --------------------------------------------------------------------------------------
 REPORTS=$WORK/reports
