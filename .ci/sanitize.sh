@@ -16,8 +16,7 @@
 # through the `isa` fixture), except test_memory_is_linear_in_sequence_length (RSS under ASan's
 # allocator measures ASan, not attnx); the differential fuzz runs ATTNX_FUZZ_EXAMPLES=1000 dense
 # + 500 paged cases instead of 3000 + 1500. Tests that measure RSS or set RLIMIT_AS skip
-# themselves (ATTNX_SANITIZED=1). The build is -O2 (CMakeLists.txt: -O3 instrumented took twice as
-# long to build, for the same checks); the step's timings: bench/NOTES.md, "CI's time".
+# themselves (ATTNX_SANITIZED=1). The core builds at -O2 under the sanitizers (why: CMakeLists.txt).
 #
 # ASan reports go to $WORK/reports too (log_path) and any "ERROR:" there fails the run, also
 # one from a subprocess whose test did not look; UBSan reports go to stderr and stop the process
