@@ -151,16 +151,18 @@ def engine_env(backend, **extra):
     return env
 
 
-def run_child(job, *, timeout=600):
+def run_child(job, *, timeout=600, script=None):
     """Runs ``job`` (``{"model", "backend", "engine": LLM kwargs, "scenarios": [{"name",
-    "prompts", "max_tokens", "timed"}]}``) in a child process; returns its result dict."""
+    "prompts", "max_tokens", "timed"}]}``) in a child process; returns its result dict. The
+    child is this module's, or ``script`` (called with the same two arguments)."""
     import tempfile
 
+    child = ["-m", "attnx.bench._vllm"] if script is None else [str(script)]
     with tempfile.TemporaryDirectory() as tmp:
         jp, op = Path(tmp) / "job.json", Path(tmp) / "out.json"
         jp.write_text(json.dumps(job))
         res = subprocess.run(
-            [sys.executable, "-m", "attnx.bench._vllm", str(jp), str(op)],
+            [sys.executable, *child, str(jp), str(op)],
             capture_output=True,
             text=True,
             env=engine_env(job["backend"]),

@@ -15,8 +15,16 @@ the implementation makes one call that writes the new keys and values into their
 attends (mixed prefill and decode, chunked prefill and prefix-cache hits are all "each sequence's
 new rows attend causally to its pages"), writing into vLLM's output tensor.
 
-What runs on vLLM's own code instead, logged once per reason: encoder and cross attention, fp8
-KV caches (vLLM's fp8 pages carry one scale per layer, attnx's quantised pages one per row).
+Quantised KV caches: vLLM's ``int8_per_token_head`` and ``fp8_per_token_head`` are attnx's own
+int8 and float8_e4m3fn formats (:mod:`attnx.quant`: one float32 scale per token and kv head,
+computed when the row is written), so they run on attnx on every CPU, where vLLM's own CPU kernels
+read neither. Each head's block then holds the key codes, the value codes, the key scales and the
+value scales, in that order (:func:`pages`); :meth:`AttnxAttentionBackend.customize_spec` sizes
+the block for them as vLLM's Triton backend does (one float32 per token, key and value).
+
+What runs on vLLM's own code instead, logged once per reason: encoder and cross attention, and
+the ``fp8`` KV caches with one scale per layer (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``), whose
+scale attnx's writes do not take.
 Batches whose causality varies per request (vLLM's ``dynamic_causal``, for bidirectional image
 prefixes) are refused with NotImplementedError: a layer's pages are in attnx's layout, which
 vLLM's kernels cannot read.
@@ -24,8 +32,9 @@ vLLM's kernels cannot read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -33,15 +42,16 @@ from vllm.config import get_layers_from_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.utils.torch_utils import is_quantized_kv_cache
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionMetadataBuilder, AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
+from vllm.v1.kv_cache_interface import get_kv_quant_mode
 
-from .. import _core
+from .. import _core, quant
 from . import tensors as _tensors
 
 logger = init_logger("vllm.attnx")  # under "vllm": shown with vLLM's own log lines
@@ -94,21 +104,61 @@ def make_batch(
     )
 
 
-def pages(kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The key and value pages in a layer's cache ``[num_blocks, Hkv, block_size, 2 * D]`` as
-    NumPy views ``(num_blocks, Hkv, block_size, D)`` of its memory, in attnx's layout (the
-    module docstring)."""
+# vLLM's KV cache dtypes that are attnx's quantised formats: the dtype of their codes
+OWN_FORMATS = {"int8_per_token_head": "int8", "fp8_per_token_head": "float8_e4m3fn"}
+_OWN_MODES = {get_kv_quant_mode(name) for name in OWN_FORMATS}
+SCALE_BYTES = 4  # one float32 per token, kv head and side (keys, values)
+
+
+class Pages(NamedTuple):
+    """A layer's cache as attnx's paged kernels read it: NumPy views of its memory, pages
+    ``(num_blocks, Hkv, block_size, D)`` and, for quantised caches, their scales
+    ``(num_blocks, Hkv, block_size)`` (float32)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    k_scales: np.ndarray | None = None
+    v_scales: np.ndarray | None = None
+
+
+def pages(kv_cache: Any, kv_cache_dtype: str = "auto") -> Pages:
+    """The pages in a layer's cache ``[num_blocks, Hkv, block_size, C]``, in attnx's layout (the
+    module docstring). Unquantised, ``C`` is ``2 * D`` elements of the cache's dtype and each
+    head's block holds the keys then the values, ``block_size`` rows of ``D`` each. For
+    :data:`OWN_FORMATS`, ``C`` is ``2 * D + 8`` bytes and the block holds the key codes, the
+    value codes, then ``block_size`` float32 key scales and as many value scales."""
     nb, h, bs, c = kv_cache.shape
-    kv = kv_cache.view(nb, h, 2 * bs, c // 2)
-    return _tensors.to_numpy(kv[:, :, :bs], "k_pages"), _tensors.to_numpy(kv[:, :, bs:], "v_pages")
+    codes = OWN_FORMATS.get(kv_cache_dtype)
+    if codes is None:
+        kv = kv_cache.view(nb, h, 2 * bs, c // 2)
+        return Pages(
+            _tensors.to_numpy(kv[:, :, :bs], "k_pages"),
+            _tensors.to_numpy(kv[:, :, bs:], "v_pages"),
+        )
+    raw = _tensors.to_numpy(kv_cache, "kv_cache").view(np.uint8)
+    if raw.strides[2:] != (c, 1):
+        raise ValueError(
+            f"kv_cache: a head's block must be one run of memory, strides {raw.strides}"
+        )
+    # each (block, head) as one run of bs * c bytes, cut in four
+    run = np.lib.stride_tricks.as_strided(raw, (nb, h, bs * c), raw.strides[:2] + (1,))
+    d = (c - 2 * SCALE_BYTES) // 2
+    cut = np.cumsum([0, bs * d, bs * d, bs * SCALE_BYTES, bs * SCALE_BYTES])
+    part = [run[..., a:b] for a, b in itertools.pairwise(cut)]
+    dt = quant.quantised_dtype(codes)
+    return Pages(
+        part[0].view(dt).reshape(nb, h, bs, d),
+        part[1].view(dt).reshape(nb, h, bs, d),
+        part[2].view(np.float32),
+        part[3].view(np.float32),
+    )
 
 
 def attend(
     query: Any,
     key: Any,
     value: Any,
-    k_pages: np.ndarray,
-    v_pages: np.ndarray,
+    pages: Pages,
     batch: Batch,
     output: Any,
     *,
@@ -120,16 +170,17 @@ def attend(
     alibi_slopes: Any = None,
     write: bool = True,
 ) -> None:
-    """One layer: writes the batch's new keys and values (``write``) into their slots, then
-    attends from its queries to each sequence's pages, into ``output`` ``(T, Hq, Dv)``.
+    """One layer: writes the batch's new keys and values (``write``) into their slots of
+    ``pages`` (quantised there for quantised pages), then attends from its queries to each
+    sequence's pages, into ``output`` ``(T, Hq, Dv)``.
     ``query`` ``(T, Hq, D)`` and ``key``, ``value`` ``(T, Hkv, D)`` hold exactly the batch's
     tokens; ``sliding_window`` counts the keys a query sees, itself included (vLLM's rule)."""
     t = batch.slots.shape[0]
     window = None if sliding_window is None or sliding_window <= 0 else (sliding_window - 1, None)
     _core.paged_attention(
         _tensors.to_numpy(query[:t], "query"),
-        k_pages,
-        v_pages,
+        pages.k,
+        pages.v,
         batch.block_tables,
         batch.seq_lens,
         q_lens=batch.q_lens,
@@ -143,14 +194,23 @@ def attend(
         k_new=_tensors.to_numpy(key[:t], "key") if write else None,
         v_new=_tensors.to_numpy(value[:t], "value") if write else None,
         slots=batch.slots if write else None,
+        k_scales=pages.k_scales,
+        v_scales=pages.v_scales,
     )
 
 
 def fallback_reason(attn_type: str, kv_cache_dtype: str) -> str | None:
-    """Why a layer runs on vLLM's own kernels (None: it runs on attnx's)."""
+    """Why a layer runs on vLLM's own kernels (None: it runs on attnx's). Raises
+    NotImplementedError for a layer neither can run: one that is not decoder attention over a
+    cache in one of :data:`OWN_FORMATS`, which only attnx reads."""
     if attn_type != AttentionType.DECODER:
+        if kv_cache_dtype in OWN_FORMATS:
+            raise NotImplementedError(
+                f"attnx: {attn_type} attention over an {kv_cache_dtype} KV cache: attnx's backend "
+                "runs decoder attention only, and vLLM's CPU kernels do not read that cache"
+            )
         return f"{attn_type} attention"
-    if is_quantized_kv_cache(kv_cache_dtype):
+    if kv_cache_dtype not in OWN_FORMATS and is_quantized_kv_cache(kv_cache_dtype):
         return f"an {kv_cache_dtype} KV cache (one scale per layer)"
     return None
 
@@ -165,6 +225,12 @@ class AttnxMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(
         self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
     ) -> None:
+        if vllm_config.cache_config.cache_dtype in OWN_FORMATS:
+            # every layer runs on attnx (fallback_reason): nothing of vLLM's CPU builder is used,
+            # and its choice of kernel refuses quantised caches on CPUs without AVX-512
+            AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+            self._fallback = False
+            return
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         # vLLM's scheduler metadata is built only where some layer of the group needs it
@@ -234,13 +300,13 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
         self._np_alibi = (
             None if self.alibi_slopes is None else np.asarray(self.alibi_slopes, dtype=np.float32)
         )
-        self._pages: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._pages: tuple[int, Pages] | None = None
 
-    def _layer_pages(self, kv_cache: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def _layer_pages(self, kv_cache: torch.Tensor) -> Pages:
         ptr = kv_cache.data_ptr()
         if self._pages is None or self._pages[0] != ptr:
-            self._pages = (ptr, *pages(kv_cache))
-        return self._pages[1], self._pages[2]
+            self._pages = (ptr, pages(kv_cache, self.kv_cache_dtype))
+        return self._pages[1]
 
     def _sinks(self) -> np.ndarray | None:
         # read after the weights are loaded (the first forward), then kept
@@ -273,13 +339,11 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
                 slots = attn_metadata.slot_mapping[:n]
                 self.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, slots)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        k_pages, v_pages = self._layer_pages(kv_cache)
         attend(
             query,
             key,
             value,
-            k_pages,
-            v_pages,
+            self._layer_pages(kv_cache),
             attn_metadata.batch,
             output,
             causal=attn_metadata.causal,
@@ -298,6 +362,19 @@ class AttnxAttentionBackend(CPUAttentionBackend):
 
     # one call writes the new keys and values and attends
     forward_includes_kv_cache_update: ClassVar[bool] = True
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = [
+        *CPUAttentionBackend.supported_kv_cache_dtypes,
+        *OWN_FORMATS,
+    ]
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        """Room in each token's cell for its key and value scales in :data:`OWN_FORMATS`."""
+        if spec.state_content_bytes is not None or spec.kv_quant_mode not in _OWN_MODES:
+            return spec
+        return replace(
+            spec, state_content_bytes=spec.head_size + spec.head_size_v + 2 * SCALE_BYTES
+        )
 
     @staticmethod
     def get_impl_cls() -> type[AttnxAttentionImpl]:

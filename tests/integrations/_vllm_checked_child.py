@@ -1,0 +1,62 @@
+"""A vLLM engine on attnx's backend whose every layer call is checked as it runs, for the
+quantised-KV tests of tests/integrations/test_vllm.py:
+
+    python tests/integrations/_vllm_checked_child.py JOB.json OUT.json
+
+JOB and OUT are those of attnx.bench._vllm's child; OUT also gets "checks": the number of calls,
+whether every new key and value row was stored as attnx.quant stores it (codes and scale, bit for
+bit), and the largest difference between a call's output and attnx's paged attention over its
+pages read back in float32. (Greedy tokens alone cannot show this: with quantised KV they move
+with rounding-level differences, bench/NOTES.md.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+
+def main(job_path: str, out_path: str) -> None:
+    from attnx import quant
+    from attnx.bench import _vllm as bench_vllm
+    from attnx.integrations import _vllm
+
+    checks = {"calls": 0, "rows_equal": True, "max_abs_diff": 0.0}
+    attend = _vllm.attend
+    as_numpy = _vllm._tensors.to_numpy
+
+    def checked(query, key, value, pages, batch, output, **kw):
+        attend(query, key, value, pages, batch, output, **kw)
+        t, bs = batch.slots.shape[0], pages.k.shape[2]
+        at = (batch.slots // bs, slice(None), batch.slots % bs)
+        for new, codes, scales in (
+            (key, pages.k, pages.k_scales),
+            (value, pages.v, pages.v_scales),
+        ):
+            want = quant.quantize_kv(as_numpy(new[:t], "new"), codes.dtype)
+            checks["rows_equal"] &= np.array_equal(codes[at], want[0]) and np.array_equal(
+                scales[at], want[1], equal_nan=True
+            )
+        # the batch's blocks read back in float32, and the same call over them
+        used = np.unique(batch.block_tables)
+        floats = _vllm.Pages(*quant.dequantised_pages(*(p[used] for p in pages)))
+        local = replace(batch, block_tables=np.searchsorted(used, batch.block_tables))
+        again = np.zeros((t, *output.shape[1:]), np.float32)
+        attend(query, key, value, floats, local, again, **{**kw, "write": False})
+        diff = float(np.abs(again - as_numpy(output[:t], "output")).max())
+        checks["max_abs_diff"] = max(checks["max_abs_diff"], diff)
+        checks["calls"] += 1
+
+    _vllm.attend = checked
+    bench_vllm._child(job_path, out_path)
+    out = json.loads(Path(out_path).read_text())
+    out["checks"] = {k: (bool(v) if k == "rows_equal" else v) for k, v in checks.items()}
+    Path(out_path).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
