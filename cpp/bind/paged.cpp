@@ -40,8 +40,20 @@ void check_pages(const py::array& kp, const py::array& vp, PagedParams& p) {
 
 namespace {
 
+// One scale for every row of fp8 pages (attnx.quant.fixed_scale), as a 0-d float32 array.
+py::array fixed_scale(py::handle obj, const std::string& n, const PagedParams& p) {
+  if (p.kv_dtype == DType::i8)
+    type_error(n +
+               ": one scale for every row is for float8 pages (int8 codes have no NaN for an input "
+               "that is not finite); pass float32 scale pages (num_blocks, Hkv, block_size)");
+  py::array_t<float> a(std::vector<py::ssize_t>{});
+  a.mutable_at() = positive_float<float>(real_arg(obj, n.c_str()), n.c_str());
+  return std::move(a);
+}
+
 // The scale pages of quantised pages (and only of them): float32 in native byte order,
-// (num_blocks, Hkv, block_size), writable when a step writes into them.
+// (num_blocks, Hkv, block_size), writable when a step writes into them; or, for fp8 pages, a
+// real number: one scale for every row, which a step writes with and does not store.
 py::array scale_pages(py::handle obj, const char* name, const PagedParams& p, bool quantised,
                       bool write) {
   const std::string n(name);
@@ -53,8 +65,17 @@ py::array scale_pages(py::handle obj, const char* name, const PagedParams& p, bo
                    " need their float32 scales"
              : ": only quantised pages (int8, float8_e4m3fn, float8_e5m2) have scales; pass None"));
   if (!quantised) return py::array();
+  py::array a0 = py::array::ensure(obj);  // a number, a numpy scalar or a 0-d array: 0-d
+  if (a0 && a0.ndim() == 0) {
+    const char kind = a0.dtype().kind();
+    if (kind != 'f' && kind != 'i' && kind != 'u')
+      type_error(n + ": expected one real scale, got " + dtype_str(a0));
+    return fixed_scale(a0, n, p);
+  }
+  PyErr_Clear();
   if (!py::isinstance<py::array>(obj))
-    type_error(n + ": expected a numpy float32 array, got " + type_name(obj));
+    type_error(n + ": expected a numpy float32 array (or, for float8 pages, one real scale), got " +
+               type_name(obj));
   py::array a = py::reinterpret_borrow<py::array>(obj);
   if (!is_float32(a.dtype()))
     type_error(n + ": expected float32 in native byte order, got " + dtype_str(a));
@@ -73,8 +94,11 @@ void check_scales(py::handle k_scales, py::handle v_scales, bool write, PagedPar
   ks = scale_pages(k_scales, "k_scales", p, q, write);
   vs = scale_pages(v_scales, "v_scales", p, q, write);
   if (!q) return;
-  auto kst = elem_strides(ks, "k_scales", false),
-       vst = elem_strides(vs, "v_scales", false);  // any strides
+  // any strides; one scale for every row reads through strides of 0
+  auto strides = [](const py::array& a, const char* name) {
+    return a.ndim() == 0 ? std::vector<int64_t>(3, 0) : elem_strides(a, name, false);
+  };
+  auto kst = strides(ks, "k_scales"), vst = strides(vs, "v_scales");
   p.k_scales = static_cast<const float*>(ks.data());
   p.ks_sblk = kst[0];
   p.ks_sh = kst[1];
@@ -219,7 +243,9 @@ PagedWrite page_write(py::array& rows, py::handle obj, const PageSide& s,
                dt,         rs[0],        rs[1],  s.page_array.mutable_data(),
                p.kv_dtype, p.block_size, s.sblk, s.sh,
                s.ss,       slots.data()};
-  if (is_quantised(p.kv_dtype)) {  // check_scales has checked both scale arrays
+  if (is_quantised(p.kv_dtype) && s.scales.ndim() == 0) {  // one scale for every row
+    w.fixed_scale = *static_cast<const float*>(s.scales.data());
+  } else if (is_quantised(p.kv_dtype)) {  // check_scales has checked both scale arrays
     w.scales = static_cast<float*>(s.scales.mutable_data());
     w.sc_sblk = s.sc_sblk;
     w.sc_sh = s.sc_sh;

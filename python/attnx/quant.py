@@ -19,6 +19,16 @@ with float32 division. Edge cases, decided here once:
     subnormal and inexact, where a plain cast would overflow to NaN (e4m3fn has no inf).
 Reading back, x_q * s is a float32 product (exact for int8 codes and fp8 values times a
 float32 scale up to one rounding), which is what the kernels compute.
+
+One scale for every row (a per-tensor scale, as vLLM's ``fp8`` caches keep one per layer): fp8
+pages only, with a given positive finite float32 s, and nothing stored per row:
+
+  fp8, fixed s:  x_q = cast_rne(clip(x / s, -finfo.max, finfo.max)) where x is finite,
+                 NaN (the code 0x7f for e4m3fn, 0x7e for e5m2) where it is not,
+
+so values beyond s * finfo.max saturate (the scale's choice is the caller's), and a NaN or
+infinite input reads back as NaN where it was, as a NaN key or value would. int8 has no NaN
+code, so it takes no fixed scale.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ __all__ = [
     "QUANTISED_DTYPES",
     "dequantised_pages",
     "dequantize_kv",
+    "fixed_scale",
     "float_array",
     "quantised_dtype",
     "quantised_max",
@@ -110,19 +121,23 @@ def quantize_query(q, scale=None):
     return q_q.astype(np.float64) * s_q.astype(np.float64)[..., None]
 
 
-def quantize_kv(x, dtype):
-    """Quantises each row (last axis) of ``x`` to ``dtype`` with its own float32 scale.
+def quantize_kv(x, dtype, scale=None):
+    """Quantises each row (last axis) of ``x`` to ``dtype`` with its own float32 scale, or with
+    one given ``scale`` for every row (fp8 only).
 
     Parameters
     ----------
     x : array_like of float, ``(..., D)``
     dtype : ``"int8"``, ``"float8_e4m3fn"`` or ``"float8_e5m2"``
+    scale : float, optional
+        One scale for every row (:func:`fixed_scale` checks it); default: each row's own.
 
     Returns
     -------
     x_q : ndarray ``(..., D)`` of ``dtype``
     scales : float32 ndarray ``(...)``
-        See the definition above: ``dequantize_kv(x_q, scales)`` reads the rows back.
+        See the definition above: ``dequantize_kv(x_q, scales)`` reads the rows back. With
+        ``scale``, every entry is it.
 
     Examples
     --------
@@ -135,6 +150,12 @@ def quantize_kv(x, dtype):
     x32 = float_array(x, "x").astype(np.float32)
     if x32.ndim == 0:
         raise ValueError("x: expected at least one axis (the row's features)")
+    if scale is not None:
+        s1 = fixed_scale(scale, dt, "scale")
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = np.clip(x32 / s1, -qmax, qmax)
+        x_q = np.where(np.isfinite(x32), r, np.float32(np.nan)).astype(dt)
+        return x_q, np.full(x32.shape[:-1], s1, np.float32)
     finite = np.isfinite(x32).all(axis=-1)
     with np.errstate(invalid="ignore", over="ignore", under="ignore"):
         s = (np.max(np.abs(x32), axis=-1, initial=np.float32(0)) / qmax).astype(np.float32)
@@ -146,6 +167,26 @@ def quantize_kv(x, dtype):
     x_q = np.rint(r).astype(np.int8) if dt == np.int8 else r.astype(dt)
     s = np.where(finite, np.where(use, s, np.float32(0)), np.float32(np.nan)).astype(np.float32)
     return x_q, s
+
+
+def fixed_scale(scale, dtype, name):
+    """``scale`` as the one float32 scale of every row of ``dtype`` pages, else TypeError (not a
+    real number, or pages that are not fp8) or ValueError (outside float32's normal range)."""
+    dt = _quantised_or_raise(dtype)
+    if dt == np.int8:
+        raise TypeError(
+            f"{name}: one scale for every row is for float8 pages (int8 codes have no NaN for "
+            "an input that is not finite); pass float32 scale pages (num_blocks, Hkv, block_size)"
+        )
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
+        raise TypeError(f"{name}: expected a real number, got {type(scale).__name__}")
+    f32 = np.finfo(np.float32)
+    if not float(f32.tiny) <= float(scale) <= float(f32.max):  # the binding's rule for scales
+        raise ValueError(
+            f"{name}: expected a finite positive number within float32's normal range "
+            f"[{float(f32.tiny)}, {float(f32.max)}], got {scale!r}"
+        )
+    return np.float32(scale)
 
 
 def dequantize_kv(x_q, scales):
@@ -164,7 +205,8 @@ def dequantize_kv(x_q, scales):
 
 def dequantised_pages(k_pages, v_pages, k_scales, v_scales):
     """The pages :func:`paged_attention` attends over: quantised pages with their scales read
-    back as float32, float pages as they are. Scales go with quantised pages and only with them."""
+    back as float32, float pages as they are. Scales go with quantised pages and only with them;
+    a real number is one scale for every row (:func:`fixed_scale`)."""
     pages = []
     for name, p, s in (("k", k_pages, k_scales), ("v", v_pages, v_scales)):
         p = np.asarray(p)
@@ -174,5 +216,7 @@ def dequantised_pages(k_pages, v_pages, k_scales, v_scales):
                 f"{name}_scales: expected with {name}_pages of a quantised dtype "
                 f"{QUANTISED_DTYPES} and only with them (pages are {p.dtype})"
             )
+        if quantised and np.ndim(s) == 0:
+            s = np.full(p.shape[:-1], fixed_scale(s, p.dtype, f"{name}_scales"), np.float32)
         pages.append(dequantize_kv(p, s) if quantised else p)
     return pages

@@ -211,16 +211,30 @@ def _run_vllm(b, *, hkv, d, bs, dtype, scale, sw, softcap, sinks, alibi):
     return theirs
 
 
+LAYER_SCALES = (0.03, 0.01)  # a layer's k_scale and v_scale for vLLM's fp8 caches
+
+
+def _cache(b, kv_cache_dtype, dtype):
+    """A layer's cache as vLLM allocates it for ``kv_cache_dtype`` (with attnx's backend), every
+    byte 0xFF (NaN in float and fp8 codes and scales), and its pages; and the codes' dtype."""
+    nb, hkv, bs, c = b["cache_shape"]
+    codes = _vllm.OWN_FORMATS.get(kv_cache_dtype) or _vllm.LAYER_SCALED.get(kv_cache_dtype)
+    if codes is None:
+        cache = torch.full(b["cache_shape"], float("nan"), dtype=dtype)
+    elif kv_cache_dtype in _vllm.OWN_FORMATS:  # each cell: 2 * D codes and two float32 scales
+        cache = torch.full((nb, hkv, bs, c + 2 * _vllm.SCALE_BYTES), -1, dtype=torch.int8)
+    else:  # vLLM's fp8: uint8 codes, the scales are the layer's
+        cache = torch.full(b["cache_shape"], 255, dtype=torch.uint8)
+    pages = _vllm.pages(cache, kv_cache_dtype)
+    if kv_cache_dtype in _vllm.LAYER_SCALED:
+        pages = pages._replace(k_scales=LAYER_SCALES[0], v_scales=LAYER_SCALES[1])
+    return cache, pages, codes
+
+
 def _run_attnx(b, *, bs, dtype, scale, sw, softcap, sinks, alibi, kv_cache_dtype="auto"):
     """attnx's vLLM backend on the batch, on a cache in its own layout holding the same earlier
     tokens, NaN (every byte 0xFF) elsewhere. Returns (cache, pages, output)."""
-    codes = _vllm.OWN_FORMATS.get(kv_cache_dtype)
-    if codes is None:
-        cache = torch.full(b["cache_shape"], float("nan"), dtype=dtype)
-    else:  # vLLM's cell for a per-token-head format: 2 * D bytes of codes and two float32 scales
-        nb, hkv, _, c = b["cache_shape"]
-        cache = torch.full((nb, hkv, bs, c + 2 * _vllm.SCALE_BYTES), -1, dtype=torch.int8)
-    pages = _vllm.pages(cache, kv_cache_dtype)
+    cache, pages, codes = _cache(b, kv_cache_dtype, dtype)
     _store(pages, b["ctx_slots"].numpy(), b["ctx_k"], b["ctx_v"], codes)
     batch = _vllm.make_batch(
         b["qsl"],
@@ -249,15 +263,17 @@ def _run_attnx(b, *, bs, dtype, scale, sw, softcap, sinks, alibi, kv_cache_dtype
 
 def _store(pages, slots, k, v, codes):
     """Rows ``k``, ``v`` (T, Hkv, D) stored at ``slots`` as attnx stores them (quantised to
-    ``codes`` with their scales, when not None)."""
+    ``codes`` when not None: with their own scales, or the pages' one scale per side)."""
     bs = pages.k.shape[2]
     at = (slots // bs, slice(None), slots % bs)
     for side, rows, scales in ((pages.k, k, pages.k_scales), (pages.v, v, pages.v_scales)):
-        rows = _vllm._tensors.to_numpy(rows, "rows")
+        rows = _vllm._tensors.to_numpy(rows, "rows").astype(np.float32)
         if codes is None:
             side[at] = rows
+        elif isinstance(scales, float):
+            side[at] = attnx.quant.quantize_kv(rows, codes, scale=scales)[0]
         else:
-            side[at], scales[at] = attnx.quant.quantize_kv(rows.astype(np.float32), codes)
+            side[at], scales[at] = attnx.quant.quantize_kv(rows, codes)
 
 
 def _float_pages(pages):
@@ -306,11 +322,12 @@ def test_batch_mapping_matches_reference_and_vllm(variant, dtype, bs):
 @pytest.mark.parametrize("bs", [32, bench_vllm.ENGINE_BLOCK])
 @pytest.mark.parametrize("variant", ["plain", "sliding_window", "sinks"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kv_cache_dtype", sorted(_vllm.OWN_FORMATS))
-def test_per_token_head_caches_are_attnx_quantised_pages(kv_cache_dtype, dtype, variant, bs):
-    """vLLM's int8 / fp8 per-token-head caches: the step stores each new row as attnx.quant
-    quantises it (codes and scale, bit for bit, and no other byte of the cache changes), and
-    attends over the pages as they read back (attnx.reference on the dequantised pages)."""
+@pytest.mark.parametrize("kv_cache_dtype", sorted(_vllm.OWN_FORMATS) + sorted(_vllm.LAYER_SCALED))
+def test_quantised_caches_are_attnx_quantised_pages(kv_cache_dtype, dtype, variant, bs):
+    """vLLM's int8 / fp8 per-token-head caches, and its fp8 caches with one scale per layer: the
+    step stores each new row as attnx.quant quantises it (codes, and their scale where stored,
+    bit for bit; no other byte of the cache changes), and attends over the pages as they read
+    back (attnx.reference on the dequantised pages)."""
     rng = np.random.default_rng(35)
     hq, hkv, d = 8, 2, 64
     tdt = getattr(torch, dtype)
@@ -319,14 +336,11 @@ def test_per_token_head_caches_are_attnx_quantised_pages(kv_cache_dtype, dtype, 
     sinks = rng.standard_normal(hq).astype(np.float32) if v.get("sinks") else None
     sw = v.get("sliding_window")
     opts = dict(scale=d**-0.5, sw=sw, softcap=None, sinks=sinks, alibi=None)
-    codes = _vllm.OWN_FORMATS[kv_cache_dtype]
     cache, pages, out = _run_attnx(b, bs=bs, dtype=tdt, kv_cache_dtype=kv_cache_dtype, **opts)
 
     # the write, against the same cache written by attnx.quant: equal byte for byte
-    ctx_slots = b["ctx_slots"].numpy()
-    expect = torch.full_like(cache, -1)
-    want_pages = _vllm.pages(expect, kv_cache_dtype)
-    _store(want_pages, ctx_slots, b["ctx_k"], b["ctx_v"], codes)
+    expect, want_pages, codes = _cache(b, kv_cache_dtype, tdt)
+    _store(want_pages, b["ctx_slots"].numpy(), b["ctx_k"], b["ctx_v"], codes)
     _store(want_pages, b["slots"].numpy(), b["key"], b["value"], codes)
     assert torch.equal(cache, expect)
 
@@ -360,10 +374,9 @@ def test_per_token_head_spec_has_room_for_the_scales():
 def test_decoder_layers_run_on_attnx_and_the_rest_on_vllm():
     from vllm.v1.attention.backend import AttentionType as T
 
-    for dt in ("auto", "float16", "bfloat16", *_vllm.OWN_FORMATS):
+    for dt in ("auto", "float16", "bfloat16", *_vllm.OWN_FORMATS, *_vllm.LAYER_SCALED):
         assert _vllm.fallback_reason(T.DECODER, dt) is None
-    for dt in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        assert "KV cache" in _vllm.fallback_reason(T.DECODER, dt)
+    assert "KV cache" in _vllm.fallback_reason(T.DECODER, "nvfp4")  # (not a CPU_ATTN dtype)
     for t in (T.ENCODER, T.ENCODER_ONLY, T.ENCODER_DECODER):
         assert "attention" in _vllm.fallback_reason(t, "auto")
         # vLLM's kernels cannot read attnx's quantised pages: no fallback, a clear refusal
@@ -537,10 +550,12 @@ def test_e2e_greedy_tokens_equal_transformers_sdpa(with_attnx, with_sdpa, scenar
     assert with_attnx["tokens"][scenario] == with_sdpa[scenario]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", sorted(_vllm.OWN_FORMATS))
-def test_e2e_per_token_head_kv_runs_on_attnx(model_dir, with_attnx, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype", [*sorted(_vllm.OWN_FORMATS), "fp8"])
+def test_e2e_quantised_kv_runs_on_attnx(model_dir, with_attnx, kv_cache_dtype):
     """``kv_cache_dtype="int8_per_token_head"`` / ``"fp8_per_token_head"``, which vLLM's own CPU
-    kernels do not run: every batch on attnx, and in every layer call on SmolLM2's real keys and
+    kernels do not run, and ``"fp8"`` (one scale per layer: 1.0 for this checkpoint, which has
+    none; vLLM's own needs AVX-512): every batch on attnx, and in every layer call on SmolLM2's
+    real keys and
     values, the rows stored as attnx.quant stores them and the output equal to attnx over the
     pages read back in float32 (_vllm_checked_child.py). The first greedy token of each prompt
     is float32 KV's; later ones may part where float32's best two logits are close (with

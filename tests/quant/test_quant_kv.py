@@ -275,6 +275,182 @@ def test_int8_query_switch_from_the_environment():
 # ---------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------
+# one scale for every row (fp8; vLLM's per-layer fp8 caches)
+# ---------------------------------------------------------------------------------------------
+
+FP8 = ["float8_e4m3fn", "float8_e5m2"]
+NAN_CODE = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E}
+
+
+def test_fixed_scale_definition():
+    x = np.array([[1.0, -2.0, 0.1, 1e6, -1e6, np.nan, np.inf, -np.inf, 0.0, 1e-30]], np.float32)
+    for dtype in FP8:
+        q, s = attnx.quant.quantize_kv(x, dtype, scale=0.5)
+        assert s.tolist() == [0.5] and q.dtype == attnx.quant.quantised_dtype(dtype)
+        back = attnx.quant.dequantize_kv(q, s)[0]
+        fmax = float(ml_dtypes.finfo(q.dtype).max)
+        np.testing.assert_allclose(back[:3], [1.0, -2.0, 0.1], rtol=2**-3)
+        assert back[3:5].tolist() == [0.5 * fmax, -0.5 * fmax]  # saturated, not NaN
+        assert (q.view(np.uint8)[0, 5:8] == NAN_CODE[dtype]).all()  # NaN where x is not finite
+        assert back[8:].tolist() == [0.0, 0.0]
+    with pytest.raises(TypeError, match="scale: one scale for every row is for float8 pages"):
+        attnx.quant.quantize_kv(x, "int8", scale=1.0)
+    for bad in (0.0, -1.0, np.nan, np.inf, 1e-40, 1e39):
+        with pytest.raises(ValueError, match="normal range"):
+            attnx.quant.quantize_kv(x, "float8_e4m3fn", scale=bad)
+    for bad in (True, "1", [1.0]):
+        with pytest.raises(TypeError, match="scale: expected a real number"):
+            attnx.quant.quantize_kv(x, "float8_e4m3fn", scale=bad)
+
+
+def _fixed_pool(rng, dtype, seq_lens, *, block_size=16, hkv=2, dk=64, dv=64, shared=0):
+    """fp8 pages quantised with one scale per side, scrambled tables, every slot no sequence owns
+    holding NaN codes; with ``shared``, every sequence's first ``shared`` blocks are the same
+    (a shared prefix). Returns (k_pages, v_pages, block_tables, seq_lens, k_scale, v_scale)."""
+    seq_lens = np.asarray(seq_lens, np.int64)
+    need = -(-seq_lens // block_size)
+    nb = int(need.sum()) + 3
+    k = (rng.standard_normal((nb, hkv, block_size, dk)) * 3).astype(np.float32)
+    v = rng.standard_normal((nb, hkv, block_size, dv)).astype(np.float32)
+    ks, vs = 0.02, 0.005
+    kp, _ = attnx.quant.quantize_kv(k, dtype, scale=ks)
+    vp, _ = attnx.quant.quantize_kv(v, dtype, scale=vs)
+    bt, owned = scramble_tables(rng, seq_lens, block_size, nb, int(need.max()) + 1, NEVER)
+    if shared:
+        bt[:, :shared] = bt[0, :shared]  # sequence 0's blocks, whole (owned)
+    for pages in (kp, vp):
+        pages.view(np.uint8).transpose(0, 2, 1, 3)[~owned] = NAN_CODE[dtype]
+    return kp, vp, bt, seq_lens, ks, vs
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fixed_scale_pages_match_the_reference(isa, dtype):
+    """Decode, chunked prefill and a shared prefix (the cascade) over fp8 pages read through one
+    scale per side: the reference over the pages read back, and no NaN from unowned slots."""
+    rng = make_rng(7, len(dtype))
+    kp, vp, bt, lens, ks, vs = _fixed_pool(rng, dtype, [1, 17, 100, 300])
+    q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    cases = [dict(), dict(window=(37, None))]
+    ql = np.array([1, 17, 20, 1])
+    qp = rng.standard_normal((int(ql.sum()), 8, 64)).astype(np.float32)
+    for qq, kw in [(q, c) for c in cases] + [(qp, dict(q_lens=ql, softcap=30.0))]:
+        got = attnx.paged_attention(qq, kp, vp, bt, lens, k_scales=ks, v_scales=vs, **kw)
+        want = ref.paged_attention(qq, kp, vp, bt, lens, k_scales=ks, v_scales=vs, **kw)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, **TOL)
+    # 16 forks of a 1024-token prompt: the shared blocks are read once for all (the cascade)
+    lens = np.full(16, 1024 + 5)
+    kp, vp, bt, lens, ks, vs = _fixed_pool(rng, dtype, lens, shared=64)
+    q = rng.standard_normal((16, 8, 64)).astype(np.float32)
+    got = attnx.paged_attention(q, kp, vp, bt, lens, k_scales=ks, v_scales=vs)
+    want = ref.paged_attention(q, kp, vp, bt, lens, k_scales=ks, v_scales=vs)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+SPECIAL = st.sampled_from([0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, np.nan, np.inf, -np.inf])
+
+
+@given(
+    dtype=st.sampled_from(FP8),
+    scale=st.floats(1e-6, 1e3),
+    rows=st.lists(
+        st.one_of(st.floats(-1e4, 1e4, width=32), SPECIAL), min_size=3 * 2 * 24, max_size=3 * 2 * 24
+    ),
+)
+def test_fixed_scale_write_is_quantize_kv_bit_for_bit(dtype, scale, rows):
+    """The step's write with one scale (vLLM's per-layer fp8): the new rows' codes equal
+    attnx.quant.quantize_kv(rows, dtype, scale) bit for bit, special values included, and no other
+    byte of the pages changes."""
+    x = np.array(rows, np.float32).reshape(3, 2, 24)  # 3 new tokens, 2 kv heads, D 24
+    dt = attnx.quant.quantised_dtype(dtype)
+    kp = np.full((4, 2, 4, 24), NAN_CODE[dtype], np.uint8).view(dt)
+    vp = kp.copy()
+    slots = np.array([13, 2, 6])  # blocks 3, 0, 1
+    bt = np.array([[0, 1, 2, 3]], np.int32)
+    q = np.zeros((3, 2, 24), np.float32)
+    want_k, want_v = kp.copy(), vp.copy()
+    codes, _ = attnx.quant.quantize_kv(x, dtype, scale=scale)
+    for pages in (want_k, want_v):
+        pages[slots // 4, :, slots % 4] = codes
+    attnx._core.paged_attention(
+        q,
+        kp,
+        vp,
+        bt,
+        np.array([16]),
+        q_lens=np.array([3]),
+        k_new=x,
+        v_new=x,
+        slots=slots,
+        k_scales=scale,
+        v_scales=np.float32(scale),
+    )
+    assert np.array_equal(kp.view(np.uint8), want_k.view(np.uint8))
+    assert np.array_equal(vp.view(np.uint8), want_v.view(np.uint8))
+
+
+def test_fixed_scale_step_writes_then_attends(isa):
+    """paged_step (the cache's call) with one scale per side: the written pages and the output
+    are those of quantising with it, then attending over the pages read back."""
+    rng = make_rng(8)
+    dtype = "float8_e4m3fn"
+    kp, vp, bt, lens, ks, vs = _fixed_pool(rng, dtype, [40, 9], hkv=2, dk=32, dv=32)
+    ql = np.array([5, 1])
+    slots = np.concatenate(
+        [
+            bt[b, (p := np.arange(n - m, n)) // 16] * 16 + p % 16
+            for b, (n, m) in enumerate(zip(lens, ql))
+        ]
+    )
+    k = rng.standard_normal((6, 2, 32)).astype(np.float32)
+    v = rng.standard_normal((6, 2, 32)).astype(np.float32)
+    q = rng.standard_normal((6, 4, 32)).astype(np.float32)
+    want_k, want_v = kp.copy(), vp.copy()
+    want_k[slots // 16, :, slots % 16] = attnx.quant.quantize_kv(k, dtype, scale=ks)[0]
+    want_v[slots // 16, :, slots % 16] = attnx.quant.quantize_kv(v, dtype, scale=vs)[0]
+    want = ref.paged_attention(q, want_k, want_v, bt, lens, q_lens=ql, k_scales=ks, v_scales=vs)
+    got = attnx.ops.paged.paged_step(q, k, v, kp, vp, bt, lens, ql, slots, k_scales=ks, v_scales=vs)
+    assert np.array_equal(kp.view(np.uint8), want_k.view(np.uint8))
+    assert np.array_equal(vp.view(np.uint8), want_v.view(np.uint8))
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_fixed_scale_refusals_write_nothing():
+    rng = make_rng(9)
+    kp, vp, bt, lens, ks, vs = _fixed_pool(rng, "float8_e4m3fn", [20], dk=8, dv=8)
+    q = np.ones((1, 2, 8), np.float32)
+    new = dict(k_new=np.ones((1, 2, 8), np.float32), v_new=np.ones((1, 2, 8), np.float32))
+    write = dict(q_lens=np.array([1]), slots=np.array([int(bt[0, 1]) * 16 + 3]), **new)
+    before = kp.copy(), vp.copy()
+    bad = [
+        (dict(k_scales=ks, v_scales=0.0), ValueError, "v_scales: expected a finite positive"),
+        (dict(k_scales=-1.0, v_scales=vs), ValueError, "k_scales: expected a finite positive"),
+        (dict(k_scales=ks, v_scales=np.nan), ValueError, "v_scales: expected a finite positive"),
+        (dict(k_scales=ks, v_scales=1e-40), ValueError, "normal range"),
+        (dict(k_scales=True, v_scales=vs), TypeError, "k_scales: expected one real scale"),
+        (dict(k_scales="2", v_scales=vs), TypeError, "k_scales: expected one real scale"),
+        (
+            dict(k_scales=ks, v_scales=None),
+            TypeError,
+            "v_scales: pages of dtype float8_e4m3fn need",
+        ),
+    ]
+    for kw, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            attnx._core.paged_attention(q, kp, vp, bt, lens, **write, **kw)
+        with pytest.raises(exc, match=msg):
+            attnx.paged_attention(q, kp, vp, bt, lens, **kw)
+    assert np.array_equal(kp.view(np.uint8), before[0].view(np.uint8))
+    assert np.array_equal(vp.view(np.uint8), before[1].view(np.uint8))
+    i8 = attnx.quant.quantize_kv(np.ones((4, 2, 16, 8), np.float32), "int8")[0]
+    with pytest.raises(TypeError, match="k_scales: one scale for every row is for float8 pages"):
+        attnx.paged_attention(q, i8, i8, bt, lens, k_scales=1.0, v_scales=1.0)
+    f32 = np.ones((4, 2, 16, 8), np.float32)
+    with pytest.raises(TypeError, match="only quantised pages"):
+        attnx.paged_attention(q, f32, f32, bt, lens, k_scales=1.0, v_scales=1.0)
+
+
 def test_binding_refuses_bad_scales():
     rng = make_rng(6)
     pool = QPool(rng, [20], dtype="int8", block_size=16, hkv=2, dk=8, dv=8)

@@ -54,7 +54,8 @@ void paged_attention(const PagedParams& p);
 // Writes n new token rows (n, H, D) of `src` (dtype src_dtype) into the pages at the given slots
 // (slot = block * block_size + offset), converting to the pages' dtype. Quantised pages also get
 // each (token, head) row's scale in `scales` (float32, element strides sc_sblk, sc_sh, sc_ss),
-// quantised as attnx.reference.quantize_kv defines.
+// quantised as attnx.quant.quantize_kv defines; or, with fixed_scale > 0 (fp8 pages), every row
+// is quantised with that one scale and none is stored.
 struct PagedWrite {
   int64_t n = 0, H = 0, D = 0;
   const void* src = nullptr;
@@ -66,12 +67,16 @@ struct PagedWrite {
   const int64_t* slots = nullptr;
   float* scales = nullptr;
   int64_t sc_sblk = 0, sc_sh = 0, sc_ss = 0;
+  float fixed_scale = 0.f;
 };
 
 // Quantises one row x (n floats) into codes of `dtype` (i8, e4m3 or e5m2) at dst; returns its
 // scale: s = max|x| / qmax, codes = round(clip(x / s)); s = 0 (and zero codes) when s underflows
 // or the row is zero; s = NaN (zero codes) when the row holds a NaN or an inf.
 float quantise_row(const float* x, int64_t n, DType dtype, void* dst);
+// Quantises one row x with a given scale s (> 0, finite) into fp8 codes (e4m3 or e5m2) at dst:
+// codes = cast(clip(x / s)) where x is finite, the format's NaN code where it is not.
+void quantise_row_fixed(const float* x, int64_t n, DType dtype, float s, uint8_t* dst);
 void paged_write(const PagedWrite& w);
 
 // One step of a paged cache: writes the step's new keys and values into their slots, then attends

@@ -55,8 +55,23 @@ void paged_step(const PagedStep& step) {
     attend_checked(step.attend);
 }
 
+namespace {
+
+// The largest code magnitude of a quantised dtype (attnx.quant.quantised_max).
+float quantised_max(DType dtype) {
+  return dtype == DType::i8 ? 127.f : dtype == DType::e4m3 ? 448.f : 57344.f;
+}
+
+float clip(float r, float qmax) { return r < -qmax ? -qmax : r > qmax ? qmax : r; }
+
+uint8_t to_fp8(float r, DType dtype) {
+  return dtype == DType::e4m3 ? cvt::f32_to_e4m3(r) : cvt::f32_to_e5m2(r);
+}
+
+}  // namespace
+
 float quantise_row(const float* x, int64_t n, DType dtype, void* dst) {
-  const float qmax = dtype == DType::i8 ? 127.f : dtype == DType::e4m3 ? 448.f : 57344.f;
+  const float qmax = quantised_max(dtype);
   float m = 0.f;
   bool finite = true;
   for (int64_t i = 0; i < n; ++i) {
@@ -66,15 +81,20 @@ float quantise_row(const float* x, int64_t n, DType dtype, void* dst) {
   const float s = finite ? m / qmax : std::numeric_limits<float>::quiet_NaN();
   const bool use = finite && s > 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    float r = use ? x[i] / s : 0.f;  // a true division, as the definition says
-    r = r < -qmax ? -qmax : r > qmax ? qmax : r;
+    const float r = clip(use ? x[i] / s : 0.f, qmax);  // a true division, as the definition says
     if (dtype == DType::i8)
       static_cast<int8_t*>(dst)[i] = int8_t(std::nearbyint(r));  // round half to even
     else
-      static_cast<uint8_t*>(dst)[i] =
-          dtype == DType::e4m3 ? cvt::f32_to_e4m3(r) : cvt::f32_to_e5m2(r);
+      static_cast<uint8_t*>(dst)[i] = to_fp8(r, dtype);
   }
   return use || !finite ? s : 0.f;
+}
+
+void quantise_row_fixed(const float* x, int64_t n, DType dtype, float s, uint8_t* dst) {
+  const float qmax = quantised_max(dtype);
+  const uint8_t nan = dtype == DType::e4m3 ? 0x7f : 0x7e;
+  for (int64_t i = 0; i < n; ++i)
+    dst[i] = std::isfinite(x[i]) ? to_fp8(clip(x[i] / s, qmax), dtype) : nan;
 }
 
 void paged_write(const PagedWrite& w) {
@@ -88,7 +108,11 @@ void paged_write(const PagedWrite& w) {
       const char* src = static_cast<const char*>(w.src) + (t * w.s_sn + h * w.s_sh) * int64_t(ses);
       char* dst =
           static_cast<char*>(w.pages) + (blk * w.p_sblk + h * w.p_sh + off * w.p_ss) * int64_t(pes);
-      if (w.scales != nullptr) {
+      if (w.fixed_scale > 0.f) {
+        table->load_row(src, w.src_dtype, w.D, row.data());
+        quantise_row_fixed(row.data(), w.D, w.page_dtype, w.fixed_scale,
+                           reinterpret_cast<uint8_t*>(dst));
+      } else if (w.scales != nullptr) {
         table->load_row(src, w.src_dtype, w.D, row.data());
         w.scales[blk * w.sc_sblk + h * w.sc_sh + off * w.sc_ss] =
             quantise_row(row.data(), w.D, w.page_dtype, dst);

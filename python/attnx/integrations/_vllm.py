@@ -22,9 +22,11 @@ read neither. Each head's block then holds the key codes, the value codes, the k
 value scales, in that order (:func:`pages`); :meth:`AttnxAttentionBackend.customize_spec` sizes
 the block for them as vLLM's Triton backend does (one float32 per token, key and value).
 
-What runs on vLLM's own code instead, logged once per reason: encoder and cross attention, and
-the ``fp8`` KV caches with one scale per layer (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``), whose
-scale attnx's writes do not take.
+vLLM's ``fp8`` caches (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) keep one scale per layer (the
+layer's ``_k_scale_float`` and ``_v_scale_float``): attnx writes their codes with that scale and
+reads them through it (a per-tensor scale, :mod:`attnx.quant`), in the plain layout above.
+
+What runs on vLLM's own code instead, logged once per reason: encoder and cross attention.
 Batches whose causality varies per request (vLLM's ``dynamic_causal``, for bidirectional image
 prefixes) are refused with NotImplementedError: a layer's pages are in attnx's layout, which
 vLLM's kernels cannot read.
@@ -49,7 +51,11 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
-from vllm.v1.kv_cache_interface import get_kv_quant_mode
+from vllm.v1.kv_cache_interface import (
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    get_kv_quant_mode,
+)
 
 from .. import _core, quant
 from . import tensors as _tensors
@@ -104,21 +110,23 @@ def make_batch(
     )
 
 
-# vLLM's KV cache dtypes that are attnx's quantised formats: the dtype of their codes
+# vLLM's quantised KV cache dtypes and the dtype of their codes: attnx's own formats (a scale
+# per token and kv head, stored beside the codes), and vLLM's fp8 with one scale per layer
 OWN_FORMATS = {"int8_per_token_head": "int8", "fp8_per_token_head": "float8_e4m3fn"}
+LAYER_SCALED = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _OWN_MODES = {get_kv_quant_mode(name) for name in OWN_FORMATS}
 SCALE_BYTES = 4  # one float32 per token, kv head and side (keys, values)
 
 
 class Pages(NamedTuple):
     """A layer's cache as attnx's paged kernels read it: NumPy views of its memory, pages
-    ``(num_blocks, Hkv, block_size, D)`` and, for quantised caches, their scales
-    ``(num_blocks, Hkv, block_size)`` (float32)."""
+    ``(num_blocks, Hkv, block_size, D)`` and, for quantised caches, their scales: float32
+    ``(num_blocks, Hkv, block_size)``, or one float for every row (:data:`LAYER_SCALED`)."""
 
     k: np.ndarray
     v: np.ndarray
-    k_scales: np.ndarray | None = None
-    v_scales: np.ndarray | None = None
+    k_scales: np.ndarray | float | None = None
+    v_scales: np.ndarray | float | None = None
 
 
 def pages(kv_cache: Any, kv_cache_dtype: str = "auto") -> Pages:
@@ -126,15 +134,18 @@ def pages(kv_cache: Any, kv_cache_dtype: str = "auto") -> Pages:
     module docstring). Unquantised, ``C`` is ``2 * D`` elements of the cache's dtype and each
     head's block holds the keys then the values, ``block_size`` rows of ``D`` each. For
     :data:`OWN_FORMATS`, ``C`` is ``2 * D + 8`` bytes and the block holds the key codes, the
-    value codes, then ``block_size`` float32 key scales and as many value scales."""
+    value codes, then ``block_size`` float32 key scales and as many value scales. The pages of
+    :data:`LAYER_SCALED` caches come without their scales (the layer's: :class:`Pages`)."""
     nb, h, bs, c = kv_cache.shape
     codes = OWN_FORMATS.get(kv_cache_dtype)
     if codes is None:
         kv = kv_cache.view(nb, h, 2 * bs, c // 2)
-        return Pages(
-            _tensors.to_numpy(kv[:, :, :bs], "k_pages"),
-            _tensors.to_numpy(kv[:, :, bs:], "v_pages"),
-        )
+        k = _tensors.to_numpy(kv[:, :, :bs], "k_pages")
+        v = _tensors.to_numpy(kv[:, :, bs:], "v_pages")
+        if kv_cache_dtype in LAYER_SCALED:  # vLLM's uint8 codes, as their fp8 dtype
+            dt = quant.quantised_dtype(LAYER_SCALED[kv_cache_dtype])
+            k, v = k.view(dt), v.view(dt)
+        return Pages(k, v)
     raw = _tensors.to_numpy(kv_cache, "kv_cache").view(np.uint8)
     if raw.strides[2:] != (c, 1):
         raise ValueError(
@@ -210,8 +221,10 @@ def fallback_reason(attn_type: str, kv_cache_dtype: str) -> str | None:
                 "runs decoder attention only, and vLLM's CPU kernels do not read that cache"
             )
         return f"{attn_type} attention"
-    if kv_cache_dtype not in OWN_FORMATS and is_quantized_kv_cache(kv_cache_dtype):
-        return f"an {kv_cache_dtype} KV cache (one scale per layer)"
+    if is_quantized_kv_cache(kv_cache_dtype) and not (
+        kv_cache_dtype in OWN_FORMATS or kv_cache_dtype in LAYER_SCALED
+    ):
+        return f"an {kv_cache_dtype} KV cache"
     return None
 
 
@@ -225,20 +238,17 @@ class AttnxMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(
         self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
     ) -> None:
-        if vllm_config.cache_config.cache_dtype in OWN_FORMATS:
-            # every layer runs on attnx (fallback_reason): nothing of vLLM's CPU builder is used,
-            # and its choice of kernel refuses quantised caches on CPUs without AVX-512
-            AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
-            self._fallback = False
-            return
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         # vLLM's scheduler metadata is built only where some layer of the group needs it
-        self._fallback = (
-            self.is_cross_attention
-            or self.is_encoder_only_attention
-            or any(not getattr(layer.impl, "on_attnx", False) for layer in layers.values())
-        )
+        self._fallback = isinstance(
+            kv_cache_spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)
+        ) or any(not getattr(layer.impl, "on_attnx", False) for layer in layers.values())
+        if self._fallback or not is_quantized_kv_cache(vllm_config.cache_config.cache_dtype):
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        else:
+            # the group runs on attnx alone: nothing of vLLM's CPU builder is used, and its choice
+            # of kernel refuses quantised caches on CPUs without AVX-512
+            AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
@@ -302,10 +312,14 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
         )
         self._pages: tuple[int, Pages] | None = None
 
-    def _layer_pages(self, kv_cache: torch.Tensor) -> Pages:
+    def _layer_pages(self, layer: Any, kv_cache: torch.Tensor) -> Pages:
         ptr = kv_cache.data_ptr()
         if self._pages is None or self._pages[0] != ptr:
             self._pages = (ptr, pages(kv_cache, self.kv_cache_dtype))
+        if self.kv_cache_dtype in LAYER_SCALED:  # read each call: vLLM may set them late
+            return self._pages[1]._replace(
+                k_scales=float(layer._k_scale_float), v_scales=float(layer._v_scale_float)
+            )
         return self._pages[1]
 
     def _sinks(self) -> np.ndarray | None:
@@ -343,7 +357,7 @@ class AttnxAttentionImpl(CPUAttentionBackendImpl):
             query,
             key,
             value,
-            self._layer_pages(kv_cache),
+            self._layer_pages(layer, kv_cache),
             attn_metadata.batch,
             output,
             causal=attn_metadata.causal,

@@ -25,10 +25,11 @@ shared_prefix : bool
     those blocks once for all their queries, merged with each one's own tail by log-sum-exp
     (default True; used where it saves enough reads, and not with ``window``, ``sinks`` or
     ``alibi_slopes``). False reads every sequence's blocks on their own.
-k_scales, v_scales : float32 ndarray ``(num_blocks, Hkv, block_size)``, optional
+k_scales, v_scales : float32 ndarray ``(num_blocks, Hkv, block_size)``, or float, optional
     With quantised pages, and only then: row ``(block, head, slot)`` reads as its codes
     times its scale (:func:`attnx.reference.dequantize_kv`), converted as the kernel loads
-    it (never a dequantised copy of a page).
+    it (never a dequantised copy of a page). For fp8 pages, one real number is the scale of
+    every row (a per-tensor scale, as vLLM's ``fp8`` caches keep; :mod:`attnx.quant`).
 
 Returns
 -------
@@ -50,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from .. import _core
-from .._validate import as_array, kernel_array, optional_array, optional_real, threads, window_sides
+from .._validate import as_array, kernel_array, optional_real, threads, window_sides
 from ..integrations import tensors as _tensors
 from . import cascade as _shared
 from .attention import ArrayLike, IntsLike, Result, Window
@@ -77,8 +78,8 @@ def paged_attention(
     sinks: ArrayLike | None = None,
     alibi_slopes: ArrayLike | None = None,
     shared_prefix: bool = True,
-    k_scales: np.ndarray | None = None,
-    v_scales: np.ndarray | None = None,
+    k_scales: np.ndarray | float | None = None,
+    v_scales: np.ndarray | float | None = None,
 ) -> Result:
     """Attention of packed queries against KV stored in pages of a block pool, read in place.
     Parameters, results and an example: :mod:`attnx.ops.paged`."""
@@ -107,10 +108,15 @@ def paged_attention(
         softcap=optional_real(softcap, "softcap"),
         sinks=sinks,
         alibi_slopes=alibi_slopes,
-        k_scales=optional_array(k_scales, "k_scales"),
-        v_scales=optional_array(v_scales, "v_scales"),
+        k_scales=_scales(k_scales, "k_scales"),
+        v_scales=_scales(v_scales, "v_scales"),
         min_shared_keys=min_shared,
     )
+
+
+def _scales(x: np.ndarray | float | None, name: str) -> np.ndarray | float | None:
+    """Scale pages as an array, one real scale as it is (the binding checks both), or None."""
+    return x if x is None or np.ndim(x) == 0 else as_array(x, name)
 
 
 def paged_step(
