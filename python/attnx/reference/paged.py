@@ -24,9 +24,10 @@ causal : bool
     ``<= seq_lens[b] - q_lens[b] + t``).
 scale, window, softcap, sinks, alibi_slopes, out_dtype
     As in :func:`attention`.
-k_scales, v_scales : float32 array_like, (num_blocks, Hkv, block_size), optional
+k_scales, v_scales : float32 array_like, (num_blocks, Hkv, block_size), or float, optional
     With pages of a quantised dtype (int8, float8_e4m3fn, float8_e5m2), and only then:
-    each row's scale; attention is over ``dequantize_kv(pages, scales)``.
+    each row's scale; attention is over ``dequantize_kv(pages, scales)``. For fp8 pages, a
+    real number is the scale of every row (:func:`attnx.quant.fixed_scale`).
 int8_query : bool
     With int8 pages: the twin of the kernels' integer queries (``attnx.set_int8_query``).
     Each query row times ``scale`` (a float32 product) is quantised as the keys are
@@ -73,8 +74,8 @@ def paged_attention(
     sinks: npt.ArrayLike | None = None,
     alibi_slopes: npt.ArrayLike | None = None,
     out_dtype: npt.DTypeLike | None = None,
-    k_scales: npt.ArrayLike | None = None,
-    v_scales: npt.ArrayLike | None = None,
+    k_scales: npt.ArrayLike | float | None = None,
+    v_scales: npt.ArrayLike | float | None = None,
     int8_query: bool = False,
     bf16_products: bool = False,
 ) -> Result:
