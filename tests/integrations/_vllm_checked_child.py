@@ -23,11 +23,11 @@ import numpy as np
 def main(job_path: str, out_path: str) -> None:
     from attnx import quant
     from attnx.bench import _vllm as bench_vllm
-    from attnx.integrations import _vllm
+    from attnx.integrations import _vllm, tensors
 
     checks = {"calls": 0, "rows_equal": True, "max_abs_diff": 0.0}
     attend = _vllm.attend
-    as_numpy = _vllm._tensors.to_numpy
+    as_numpy = tensors.to_numpy
 
     def checked(query, key, value, pages, batch, output, **kw):
         attend(query, key, value, pages, batch, output, **kw)
@@ -59,7 +59,7 @@ def main(job_path: str, out_path: str) -> None:
         checks["calls"] += 1
 
     _vllm.attend = checked
-    bench_vllm._child(job_path, out_path)
+    bench_vllm.child(job_path, out_path)
     out = json.loads(Path(out_path).read_text())
     out["checks"] = {k: (bool(v) if k == "rows_equal" else v) for k, v in checks.items()}
     Path(out_path).write_text(json.dumps(out))

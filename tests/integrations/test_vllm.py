@@ -36,7 +36,10 @@ with warnings.catch_warnings():  # vLLM's and torch's own deprecations, at impor
     )
     torch = pytest.importorskip("torch")
     from attnx.bench import _vllm as bench_vllm
-    from attnx.integrations import _vllm  # (imports vllm)
+    from attnx.integrations import (
+        _vllm,  # (imports vllm)
+        tensors,
+    )
     from attnx.integrations import vllm as plugin
 
 # the deprecations vLLM, torch and transformers raise from their own code are not ours to fix
@@ -267,7 +270,7 @@ def _store(pages, slots, k, v, codes):
     bs = pages.k.shape[2]
     at = (slots // bs, slice(None), slots % bs)
     for side, rows, scales in ((pages.k, k, pages.k_scales), (pages.v, v, pages.v_scales)):
-        rows = _vllm._tensors.to_numpy(rows, "rows").astype(np.float32)
+        rows = tensors.to_numpy(rows, "rows").astype(np.float32)
         if codes is None:
             side[at] = rows
         elif isinstance(scales, float):
@@ -302,8 +305,8 @@ def test_batch_mapping_matches_reference_and_vllm(variant, dtype, bs):
 
     # the write: each new token's key and value in its slot, in the cache's dtype
     ns = b["slots"].numpy()
-    assert np.array_equal(kp[ns // bs, :, ns % bs], _vllm._tensors.to_numpy(b["key"], "key"))
-    assert np.array_equal(vp[ns // bs, :, ns % bs], _vllm._tensors.to_numpy(b["value"], "value"))
+    assert np.array_equal(kp[ns // bs, :, ns % bs], tensors.to_numpy(b["key"], "key"))
+    assert np.array_equal(vp[ns // bs, :, ns % bs], tensors.to_numpy(b["value"], "value"))
     want = _reference(
         b,
         kp,

@@ -108,14 +108,14 @@ void paged_write(const PagedWrite& w) {
       const char* src = static_cast<const char*>(w.src) + (t * w.s_sn + h * w.s_sh) * int64_t(ses);
       char* dst =
           static_cast<char*>(w.pages) + (blk * w.p_sblk + h * w.p_sh + off * w.p_ss) * int64_t(pes);
-      if (w.fixed_scale > 0.f) {
+      if (w.fixed_scale > 0.f || w.scales != nullptr) {  // quantised pages
         table->load_row(src, w.src_dtype, w.D, row.data());
-        quantise_row_fixed(row.data(), w.D, w.page_dtype, w.fixed_scale,
-                           reinterpret_cast<uint8_t*>(dst));
-      } else if (w.scales != nullptr) {
-        table->load_row(src, w.src_dtype, w.D, row.data());
-        w.scales[blk * w.sc_sblk + h * w.sc_sh + off * w.sc_ss] =
-            quantise_row(row.data(), w.D, w.page_dtype, dst);
+        if (w.fixed_scale > 0.f)
+          quantise_row_fixed(row.data(), w.D, w.page_dtype, w.fixed_scale,
+                             reinterpret_cast<uint8_t*>(dst));
+        else
+          w.scales[blk * w.sc_sblk + h * w.sc_sh + off * w.sc_ss] =
+              quantise_row(row.data(), w.D, w.page_dtype, dst);
       } else if (w.src_dtype == w.page_dtype) {
         std::memcpy(dst, src, std::size_t(w.D) * pes);
       } else {

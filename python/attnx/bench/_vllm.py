@@ -173,7 +173,8 @@ def run_child(job, *, timeout=600, script=None):
         return json.loads(op.read_text())
 
 
-def _child(job_path, out_path):
+def child(job_path, out_path):
+    """The child side: one engine runs ``JOB.json``'s scenarios and writes ``OUT.json``."""
     job = json.loads(Path(job_path).read_text())
     from vllm import LLM, SamplingParams
 
@@ -285,4 +286,4 @@ def run(*, threads=None, repeat=None, tiny=False, model=None, e2e=True, json_pat
 
 
 if __name__ == "__main__":
-    _child(*sys.argv[1:3])
+    child(*sys.argv[1:3])
