@@ -14,14 +14,14 @@ namespace {
 // ---- QK^T, packed form: S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows x QR*W keys ----------
 template <int MR, bool Fused>
 static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real* kt, int64_t Dkp,
-                                         Real* s, const LinePrefetch* pf, int64_t l0, int64_t l1,
-                                         const Online* on, int64_t j, V* lsum) {
+                                         Real* s, LineCursor pf, const Online* on, int64_t j,
+                                         V* lsum) {
   V acc[MR][QR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < QR; ++c) acc[r][c] = zero();
+  const int64_t steps = (Dkp + 7) / 8, per = (pf.left + steps - 1) / steps;  // lines per 8 features
   for (int64_t d = 0; d < Dkp; ++d) {
-    if (pf != nullptr && (d & 7) == 0)
-      pf->range(l0 + (l1 - l0) * d / Dkp, l0 + (l1 - l0) * (d + 8) / Dkp);
+    if ((d & 7) == 0) pf.take(per);
     const Real* kd = kt + d * kTileK;
     V kv[QR];
     for (int c = 0; c < QR; ++c) kv[c] = load(kd + c * W);
@@ -38,16 +38,17 @@ static ATTNX_INLINE void qk_packed_block(const Real* q, int64_t ldq, const Real*
   }
 }
 
+// (not inlined: each row count gets its own registers; inlined into qk_packed_as, GCC kept five
+// of the 4-row block's eight accumulators on the stack)
 template <int MR, bool Fused>
-static void qk_packed_rows(const Real* q, int64_t ldq, const Real* kt, int64_t Dkp, int64_t nw,
-                           Real* s, const LinePrefetch& pf, int64_t& call, const Online* on) {
+__attribute__((noinline)) static void qk_packed_rows(const Real* q, int64_t ldq, const Real* kt,
+                                                     int64_t Dkp, int64_t nw, Real* s,
+                                                     const LinePrefetch& pf, int64_t& call,
+                                                     const Online* on) {
   V lsum[MR];
   for (int r = 0; r < MR; ++r) lsum[r] = zero();
-  for (int64_t j = 0; j < nw; j += QR * W) {
-    const int64_t c = call++;
-    qk_packed_block<MR, Fused>(q, ldq, kt + j, Dkp, s + j, &pf, pf.lines * c / pf.calls,
-                               pf.lines * (c + 1) / pf.calls, on, j, lsum);
-  }
+  for (int64_t j = 0; j < nw; j += QR * W)
+    qk_packed_block<MR, Fused>(q, ldq, kt + j, Dkp, s + j, pf.share(call++), on, j, lsum);
   if constexpr (Fused)
     for (int r = 0; r < MR; ++r) on->l[r] += reduce_add(lsum[r]);
 }
