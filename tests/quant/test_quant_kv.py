@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import attnx
 from attnx import reference as ref
 
-from helpers import make_rng, scramble_tables
+from helpers import make_rng, pool_from_sequences, scramble_tables
 
 QDTYPES = list(ref.QUANTISED_DTYPES)
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32: the kernel computes on the dequantised values
@@ -724,6 +724,37 @@ def test_every_code_decodes_as_the_reference(isa, dtype):
         )
         want = ref.dequantize_kv(v_pages, v_scales)[0, 0]
         np.testing.assert_array_equal(o[0], want)
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_e4m3_tiles_read_in_place_and_the_nan_code(isa, side):
+    """At register-block widths e4m3 rows are read in place, widened without a NaN test, so each
+    tile is first checked for the NaN code (and, holding one, converted exactly). Every finite code
+    decodes as the reference in place, on the decode path and a chunk's many-row path; a NaN code
+    in the third of four tiles of K or V makes NaN exactly the outputs that see it (the rows of
+    its kv head; for V, their one feature): a window that leaves it out keeps them finite."""
+    L, D, hq, hkv = 200, 128, 4, 2
+    finite = np.setdiff1d(np.arange(256), [0x7F, 0xFF]).astype(np.uint8)
+    rng = make_rng(12)
+    k, v = (rng.choice(finite, (L, hkv, D)).view(ml_dtypes.float8_e4m3fn) for _ in range(2))
+    nan_code = np.uint8(0xFF if side == "k" else 0x7F).view(ml_dtypes.float8_e4m3fn)
+    (k if side == "k" else v)[150, 1, 5] = nan_code
+    ks, vs = rng.uniform([[[[1e-3]]], [[[1e-2]]]], [[[[1e-2]]], [[[2.0]]]], (2, L, hkv, 1)).astype(
+        np.float32
+    )  # keys small enough for scores float32 resolves
+    # the same seed, the same scrambled table for the codes and their scales
+    k_pages, v_pages, tables, lens = pool_from_sequences(make_rng(1), [k], [v], 16)
+    k_scales, v_scales, _, _ = pool_from_sequences(make_rng(1), [ks], [vs], 16)
+    pages = dict(k_scales=k_scales[..., 0], v_scales=v_scales[..., 0])
+    rng = make_rng(13)
+    for q_len in (1, 24):  # decode (K and V in place) and a chunk (V in place, K packed)
+        q = rng.standard_normal((q_len, hq, D)).astype(np.float32)
+        for window, nan in ((None, True), ((20, None), False)):
+            args = (q, k_pages, v_pages, tables, lens)
+            kw = dict(q_lens=np.array([q_len]), window=window, **pages)
+            got, want = attnx.paged_attention(*args, **kw), ref.paged_attention(*args, **kw)
+            np.testing.assert_allclose(got, want, equal_nan=True, **TOL)
+            assert np.isnan(got[:, 2:]).any() == nan and np.isfinite(got[:, :2]).all()
 
 
 @given(

@@ -21,18 +21,27 @@ struct Ahead {
 // read in place (fp16/bf16 widened in registers); the packed (prefill) QK path needs Real rows
 // to transpose. Quantised rows too (their scales applied to the scores and probabilities:
 // scale_keys); the packed path and ragged widths convert them, with their scales, into the tile
-// buffers.
+// buffers. So does a tile of e4m3 rows that holds the NaN code: in place, e4m3 is widened without
+// the NaN code's test (load_e4m3_finite: 4 instructions per W codes, not 8), and one pass over the
+// tile's codes costs less than that test. (vaddr: the tile's n value rows.)
 struct TileReads {
   bool k_inplace, v_inplace;
   DType kdt, vdt;  // the row type QK^T and P V read: the source's where in place, else Real's
   int64_t vw;      // value features the PV kernel walks
 };
-static TileReads tile_reads(int M, DType kdtype, DType vdtype, int64_t Dk, int64_t Dv) {
+static TileReads tile_reads(int M, const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
+                            int64_t n, int64_t Dk, int64_t Dv, const char* const* vaddr,
+                            const Scratch& sc) {
   TileReads t;
-  t.k_inplace = M > kDotRows ? kdtype == kNative && Dk % 8 == 0 : Dk % W == 0;
+  t.k_inplace = M > kDotRows ? ks.dtype == kNative && Dk % 8 == 0 : Dk % W == 0;
   t.v_inplace = Dv % (NR * W) == 0;
-  t.kdt = t.k_inplace ? kdtype : kNative;
-  t.vdt = t.v_inplace ? vdtype : kNative;
+  if (t.k_inplace && ks.dtype == DType::e4m3) {
+    kv_rows(ks, j0, n, sc.kaddr);
+    t.k_inplace = !e4m3_nan_in(sc.kaddr, n, Dk);
+  }
+  if (t.v_inplace && vs.dtype == DType::e4m3) t.v_inplace = !e4m3_nan_in(vaddr, n, Dv);
+  t.kdt = t.k_inplace ? ks.dtype : kNative;
+  t.vdt = t.v_inplace ? vs.dtype : kNative;
   t.vw = t.v_inplace ? Dv : round_up(Dv, kPad);
   return t;
 }
@@ -133,7 +142,6 @@ static void pv_tile(const RowSet& rs, const kern::KVSource& vs, int64_t j0, int6
 static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                        int64_t j0, int64_t j_end, int64_t Dk, int64_t Dv, Real softcap,
                        const Scratch& sc, const FlashState& st, const Ahead& ahead) {
-  const TileReads rd = tile_reads(rs.M, ks.dtype, vs.dtype, Dk, Dv);
   const int64_t Dvp = round_up(Dv, kPad);
   const int64_t n = imin(kTileK, j_end - j0);
   const Real* bias = nullptr;
@@ -141,6 +149,7 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
   // Row addresses of this tile (of K only where QK^T reads the rows themselves).
   const char** vaddr = sc.vaddr;
   kv_rows(vs, j0, n, vaddr);
+  const TileReads rd = tile_reads(rs.M, ks, vs, j0, n, Dk, Dv, vaddr, sc);
   const NextRows nx = next_rows(ahead, sc);
   const bool fused = qk_tile(rs, ks, j0, n, Dk, Dvp, softcap, sc, st, rd, nx, bias);
   // (a fused tile's S is already P: every row sees it whole, so none sees it in part)

@@ -115,11 +115,15 @@ static inline V load_bf16_ordered(const uint16_t* p) { return load_bf16(p); }
 static inline V to_bf16_order(V v) { return v; }
 static inline V from_bf16_order(V v) { return v; }
 // W 1-byte KV codes: int8 as its value; fp8 as its float16 view (e4m3fn: the value / 256; the
-// rule of vec_avx_common.h's fp8_as_f16_128, on sign-extended 16-bit lanes)
+// rule of vec_avx_common.h's fp8_as_f16_128, on sign-extended 16-bit lanes); load_e4m3_finite:
+// e4m3fn codes none of which is the NaN code, without its test
 static inline int16x4_t load4_s8_as_s16(const void* p) {
   int32_t u;
   std::memcpy(&u, p, 4);
   return vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(u))));
+}
+static inline int16x4_t e4m3_as_f16_s16(int16x4_t x) {
+  return vand_s16(vshl_n_s16(x, 7), vdup_n_s16(-0x4001));  // ~0x4000
 }
 static inline V load_i8(const int8_t* p) { return vcvtq_f32_s32(vmovl_s16(load4_s8_as_s16(p))); }
 static inline V load_fp8(const uint8_t* p, bool e4) {
@@ -128,11 +132,14 @@ static inline V load_fp8(const uint8_t* p, bool e4) {
   if (!e4) {
     h = vshl_n_s16(x, 8);
   } else {
-    h = vand_s16(vshl_n_s16(x, 7), vdup_n_s16(-0x4001));  // ~0x4000
+    h = e4m3_as_f16_s16(x);
     const uint16x4_t nan = vceq_s16(vand_s16(h, vdup_n_s16(0x3f80)), vdup_n_s16(0x3f80));
     h = vorr_s16(h, vand_s16(vreinterpret_s16_u16(nan), vdup_n_s16(0x7e00)));
   }
   return vcvt_f32_f16(vreinterpret_f16_s16(h));
+}
+static inline V load_e4m3_finite(const uint8_t* p) {
+  return vcvt_f32_f16(vreinterpret_f16_s16(e4m3_as_f16_s16(load4_s8_as_s16(p))));
 }
 
 // The sums of four vectors' lanes as one vector: three pairwise adds (FADDP)
