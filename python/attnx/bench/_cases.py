@@ -303,16 +303,18 @@ class TokensOver:
 class RateOver:
     """This row's rate over another row's in the same run (bf16 prefill over the fp32 prefill of
     the same shape: GFLOP/s counts the same FLOPs whatever the dtype). The suite also times the
-    base's call (the same shape in fp32) interleaved with this row's, sample by sample: rows
-    minutes apart swing with the host by more than the target's margin. That ratio is the one
-    judged; the base row's own is the fallback."""
+    base's call interleaved with this row's, sample by sample: rows minutes apart swing with the
+    host by more than the target's margin. That ratio is the one judged; the base row's own is
+    the fallback. The base call is the same shape on float32 inputs, or with ``widen`` this row's
+    own inputs widened to float32 in the call (issue 33's rule: a dtype's path against widening)."""
 
     base: str
     x: float
     label: str
+    widen: bool = False  # the interleaved base widens this row's own inputs (attnx_widened)
 
     def text(self, row):
-        return f"≥ {self.x:g}× {self.label} {row.rate_unit}"
+        return f"≥ {self.x:g}× {self.label}" + ("" if self.widen else f" {row.rate_unit}")
 
     def value(self, row, rows):
         if row.attnx_s and row.extra.get("base_interleaved_s"):
@@ -705,7 +707,11 @@ def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
     from .. import cpu_features
 
     amx = cpu_features()["isa"] == "amx"
-    over_fp32, over_torch = (4.0, 1.5) if amx else (1.0, 1.0)
+    over_torch = 1.5 if amx else 1.0
+
+    def over_fp32(base, label):  # 4x our float32 on tiles, else the rule against widening
+        return RateOver(base, 4.0, label) if amx else widening(base)
+
     S_long = 4096 if not tiny else 256
     cut = 1 if tiny else 8 if quick else 2
     cases = [
@@ -714,7 +720,7 @@ def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
             "prefill bf16",
             Dense(1, H_pre, H_pre, S_pre, S_pre, 64, dtype="bf16"),
             (
-                RateOver("prefill", over_fp32, "fp32 prefill"),
+                over_fp32("prefill", "fp32 prefill"),
                 FasterThan("torch", over_torch, "(bf16)"),
             ),
             {"S": S_pre // (8 if quick and not tiny else 2)},
@@ -726,7 +732,7 @@ def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
             "causal GQA prefill bf16",
             Dense(1, Hq, Hkv, S_gqa, S_gqa, 128, causal=True, dtype="bf16"),
             (
-                RateOver("gqa_causal", over_fp32, "fp32 GQA prefill"),
+                over_fp32("gqa_causal", "fp32 GQA prefill"),
                 FasterThan("torch", over_torch, "(bf16, enable_gqa)"),
             ),
             {"S": S_gqa // cut},
@@ -738,7 +744,7 @@ def bf16_prefill(S_pre, H_pre, S_gqa, Hq, Hkv, *, tiny, quick):
             "causal prefill bf16",
             Dense(1, 16, 16, S_long, S_long, 128, causal=True, dtype="bf16"),
             (
-                RateOver("causal_bf16", over_fp32, "fp32 prefill"),
+                over_fp32("causal_bf16", "fp32 prefill"),
                 FasterThan("torch", over_torch, "(bf16)"),
             ),
             {"S": S_long // (4 * cut)},
@@ -788,10 +794,16 @@ def fp16_prefill(S_pre, H_pre, *, tiny, quick):
         "prefill_fp16",
         "prefill fp16",
         Dense(1, H_pre, H_pre, S_pre, S_pre, 64, dtype="fp16"),
-        (RateOver("prefill", 1.0, "fp32 prefill"),),
+        (widening("prefill"),),
         {"S": S_pre // (8 if quick and not tiny else 2)},
         seed=1,
     )
+
+
+def widening(base):
+    """Issue 33's rule for a 16-bit dtype: its row against its own inputs widened to float32
+    (``base``: the float32 row of the same shape, the fallback where nothing was interleaved)."""
+    return RateOver(base, 1.0, "widening to fp32", widen=True)
 
 
 # The paths that compute bf16 prefill with bf16 products: the bf16 rows are about them.

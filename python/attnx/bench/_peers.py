@@ -150,6 +150,26 @@ def attnx_dense(shape, data, threads, *, plain=False):
     return Impl(fn, lambda: (fn(), _f32(out))[1])
 
 
+def attnx_widened(shape, data, threads):
+    """The row's own 16-bit inputs widened to float32, attended on float32 products and the output
+    rounded back to the inputs' dtype: what a caller runs where a dtype has no path of its own
+    (issue 33's rule: no dtype's path slower than this). Into buffers made once, so only the
+    conversions are added to the float32 call."""
+    q, k, v, kv_lens = data
+    kw = dict(causal=shape.causal, kv_lens=kv_lens, window=_window(shape))
+    wide = [np.empty(a.shape, np.float32) for a in (q, k, v)]
+    o32, out = np.empty(q.shape, np.float32), np.empty_like(q)
+
+    def fn():
+        for a, w in zip((q, k, v), wide):
+            np.copyto(w, a)
+        with attnx.set_float32_precision("float32"):
+            attnx.attention(*wide, num_threads=threads, out=o32, **kw)
+        np.copyto(out, o32, casting="same_kind")
+
+    return Impl(fn, lambda: (fn(), _f32(out))[1])
+
+
 def attnx_paged(shape, data, threads):
     q, kp, vp, bt, sl, scales = data
     return paged_impl(q, kp, vp, bt, sl, threads, window=_window(shape), **scales)

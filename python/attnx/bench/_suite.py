@@ -204,15 +204,18 @@ def _time_reference(row, case, data, bench):
 BASE = "attnx fp32"  # the samples of a RateOver row's base call, timed with the row's own
 
 
-def _interleaved_base(case, bench):
-    """A RateOver row's base: attnx on the same dense shape in fp32 on float32 products (its call,
-    or None)."""
+def _interleaved_base(case, bench, data):
+    """A RateOver row's base (its call, or None): attnx on the same dense shape in fp32 on float32
+    products, or on the row's own inputs (``data``) widened to fp32 where the goal says so."""
     if not isinstance(case.shape, Dense) or (
         case.shape.dtype == "fp32" and case.shape.precision == "float32"
     ):
         return None
-    if not any(isinstance(goal, RateOver) for goal in case.goals):
+    goal = next((g for g in case.goals if isinstance(g, RateOver)), None)
+    if goal is None:
         return None
+    if goal.widen:
+        return _peers.attnx_widened(case.shape, data, bench.threads).fn
     shape = replace(case.shape, dtype="fp32", precision="float32")
     return _peers.attnx_dense(shape, _inputs(shape, case.seed), bench.threads).fn
 
@@ -250,7 +253,7 @@ def run_case(case: Case, bench: Bench) -> Row:
     if case.ref is not None:
         _time_reference(row, case, data, bench)
     fns = {name: impl.fn for name, impl in impls.items()}
-    base = _interleaved_base(case, bench)
+    base = _interleaved_base(case, bench, data)
     if base is not None:
         fns[BASE] = base
     path = _interleaved_path(case, fns["attnx"])
