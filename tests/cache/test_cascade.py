@@ -138,3 +138,33 @@ def test_plan_cascade_checks_its_arguments():
         _core.plan_cascade(
             np.zeros((2, 2), np.int32), np.ones(2, np.int32), -np.ones(2, np.int32), 4, 0
         )
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_values_near_the_largest_float_merge_without_overflow(isa, nested):
+    """Every value 3e38 and two keys of each row weighing alike (one shared, one its own): the
+    mean is 3e38. The shared part is merged into each row by its share of the row's sum
+    (row::merge_shares), where adding the two unnormalised sums gave inf; as the plain path and
+    the reference. Nested: a group within a group, each merged the same way."""
+    bs, d, shared = 4, 8, 8  # blocks of the shared prompt
+    own = 2 if nested else 0  # blocks shared by the inner group only
+    nb = shared + own + 3
+    kp = np.zeros((nb, 1, bs, d), np.float32)
+    kp[..., 0] = -1e4  # negligible weight for all but the keys below
+    kp[0, 0, 0, 0] = 0.0  # the shared prompt's first key
+    kp[shared + own :, 0, 0, 0] = 0.0  # each sequence's own key
+    vp = np.full((nb, 1, bs, d), 3e38, np.float32)
+    prompt = list(range(shared))
+    inner = list(range(shared, shared + own))
+    tables = [prompt + inner + [shared + own], prompt + inner + [shared + own + 1]]
+    tables.append(prompt + [shared + own + 2] + [0] * own)
+    seq = np.array([(shared + own) * bs + 1] * 2 + [shared * bs + 1], np.int32)
+    bt = np.array(tables, np.int32)
+    q = np.zeros((3, 1, d), np.float32)
+    q[..., 0] = 1.0
+    got, lse = attnx.paged_attention(q, kp, vp, bt, seq, return_lse=True)
+    plain = attnx.paged_attention(q, kp, vp, bt, seq, shared_prefix=False)
+    want, want_lse = attnx.reference.paged_attention(q, kp, vp, bt, seq, return_lse=True)
+    assert np.isfinite(got).all() and np.isfinite(plain).all()
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=2e-6, atol=2e-6)

@@ -172,6 +172,23 @@ def test_logits_beyond_float32_range(isa):
     assert np.isfinite(o).all() and np.isfinite(lse).all()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "kernel limitation: 8 keys scoring 1e9 alike with values 1e38: sum p v overflows, and the "
+        "second pass that lowers every p by moving the running max up a few units cannot move a "
+        "max of 1e9 (m + 5 + ln 8 rounds back to m), so the row stays inf; the mean is 1e38"
+    ),
+)
+def test_overflowing_sum_under_scores_beyond_1e8(isa):
+    q = np.zeros((1, 1, 1, 4), np.float32)
+    q[..., 0] = 1
+    k = np.zeros((1, 1, 8, 4), np.float32)
+    k[..., 0] = 1e9
+    v = np.full((1, 1, 8, 4), 1e38, np.float32)
+    assert np.isfinite(attnx.attention(q, k, v, scale=1.0)).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # -inf, +inf and NaN in masks and inputs
 # ---------------------------------------------------------------------------------------------

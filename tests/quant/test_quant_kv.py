@@ -757,6 +757,48 @@ def test_e4m3_tiles_read_in_place_and_the_nan_code(isa, side):
             assert np.isnan(got[:, 2:]).any() == nan and np.isfinite(got[:, :2]).all()
 
 
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("case", ["huge", "tiny", "inf"])
+def test_scales_at_the_ends_of_float32(isa, dtype, case):
+    """Tiles whose scales the in-place products cannot take are read dequantised, so every scale
+    a user's pages hold gives the reference's result over ``code * scale``:
+    huge: above FLT_MAX / 256, where e4m3's 256 * scale (its codes are widened as code / 256)
+    overflowed to inf though each value is finite (the converting path too);
+    tiny: V scales below float32's normal range, where p * scale kept a few bits of p (1e-4 of
+    the output; the cache's own rule makes them for values near 1e-38);
+    inf: a key scale of +-inf turned the key's score into -inf (skipped) where the dequantised
+    key row is inf and NaN, so the rows that see it are NaN."""
+    rng = make_rng(21, len(dtype), len(case))
+    L, hq, hkv = 40, 4, 2
+    q_factor = 1e-37 if case == "huge" else 1.0  # (huge keys, scores of a few units)
+    for dk in (16, 17):  # in place (a register block's width) and converted
+        pool = QPool(rng, [L], dtype=dtype, block_size=16, hkv=hkv, dk=dk, dv=dk)
+        live = np.isfinite(pool.k_scales)  # (the pool's unowned slots stay NaN)
+        if case == "huge":  # codes of at most 8, so that the scales below pass FLT_MAX / 256
+            for name in ("k_pages", "v_pages"):
+                c = getattr(pool, name)
+                setattr(pool, name, np.where(np.abs(c.astype(np.float32)) <= 8, c, c.dtype.type(1)))
+        codes = [np.abs(p.astype(np.float32)) for p in (pool.k_pages, pool.v_pages)]
+        if case == "huge":  # every dequantised value finite, up to FLT_MAX / 1.01
+            pool.k_scales[live] = pool.v_scales[live] = float(np.finfo(np.float32).max) / 1.01
+            pool.k_scales[live] /= np.maximum(codes[0].max(3), 1)[live]
+            pool.v_scales[live] /= np.maximum(codes[1].max(3), 1)[live]
+        elif case == "tiny":  # subnormal scales of values near 1e-37 (the cache's own rule)
+            pool.v_scales[live] *= np.float32(1e-37)
+        else:
+            pool.k_scales[pool.block_tables[0, 1], 1, 3] = -np.inf
+        q = (rng.standard_normal((3, hq, dk)) * q_factor).astype(np.float32)
+        for q_len in (1, 3):
+            kw = dict(q_lens=np.array([q_len]), **pool.scales())
+            got = attnx.paged_attention(q[:q_len], *pool.args(), **kw)
+            want = ref.paged_attention(q[:q_len], *pool.args(), **kw)
+            assert (np.isnan(got) == np.isnan(want)).all() and np.isnan(got).any() == (
+                case == "inf"
+            )
+            top = np.nanmax(np.abs(want))
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * top)
+
+
 @given(
     st.sampled_from(QDTYPES),
     st.sampled_from([1, 3, 16]),

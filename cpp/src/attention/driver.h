@@ -411,9 +411,8 @@ class FlashRun {
     T lse_value = row::neg_inf<T>();
     const typename P::Prior prior = p_.prior(it.b, h, i);
     if (prior.out != nullptr && i < p_.lq(it.b)) {
-      const row::Part<T> parts[2] = {{m, l, o}, row::finished(prior.out, prior.lse)};
       const row::MaxSum<T> ml =
-          row::merge_parts<T>(2, [&](int64_t s) { return parts[s]; }, p_.Dv, tmp);
+          row::merge_shares<T>({m, l, o}, row::finished(prior.out, prior.lse), p_.Dv, tmp);
       o = tmp;
       m = ml.m;
       l = ml.l;

@@ -216,7 +216,7 @@ Plan make_plan(const P& p, int num_threads) {
   const int64_t max_lk = plan_items(p, hg, plan_grouped(p), plan);
   if (plan.items.empty()) return plan;
   plan_threads(p, num_threads, max_lk, plan);
-  if (plan.M_max > kern::kDotRows) plan_packed_k(p, plan);
+  if (plan.M_max > kern::kDotRows && p.Dk > 0) plan_packed_k(p, plan);  // (Dk = 0: nothing to pack)
   return plan;
 }
 

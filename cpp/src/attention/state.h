@@ -17,7 +17,8 @@
 //   merge     parts of one row over disjoint key ranges (split-KV, a shared prefix's part
 //             computed by another call: `finished`) combine by log-sum-exp:
 //             m = max m_s, l = sum l_s e^(m_s - m), O likewise; a part with m_s = -inf adds nothing
-//             but its NaN (keep_nan).
+//             but its NaN (keep_nan). A row merged with a finished part (merge_shares) weighs each
+//             part's O by its share of l instead, so that it cannot overflow (see "overflow").
 //   finalize  a sink (a logit in the denominator that carries no value) is folded into m and l;
 //             then a row with l = 0 (no visible key and no sink: empty or fully masked) is written
 //             as zeros with lse = -inf, any other as O / l with lse = m + log(l).
@@ -108,6 +109,34 @@ static inline MaxSum<T> merge(int64_t n, const T* m, const T* l, int64_t ml_stri
   return merge_parts<T>(
       n, [&](int64_t s) { return Part<T>{m[s * ml_stride], l[s * ml_stride], o + s * o_stride}; },
       Dv, out);
+}
+
+// The merge of two parts into a finished row state: O the parts' outputs weighted by their shares
+// of the merged sum (O_s e^(m_s - m) / l), l = 1 and m the merged lse. merge_parts adds the
+// parts' unnormalised O, which overflows for values near the type's largest where the weighted
+// mean is finite; here each term is at most its part's largest |value| times its share. -inf
+// parts and NaN as in merge_parts (a NaN l leaves O at 0 and l NaN: the row finalizes to NaN).
+template <class T>
+static inline MaxSum<T> merge_shares(const Part<T>& a, const Part<T>& b, int64_t Dv, T* out) {
+  const Part<T> ps[2] = {a, b};
+  const T mm = std::max(std::max(neg_inf<T>(), a.m), b.m);
+  T ll = T(0), e[2] = {T(0), T(0)};
+  for (int s = 0; s < 2; ++s) {
+    if (ps[s].m == neg_inf<T>()) {
+      keep_nan(&ll, ps[s].l);
+      continue;
+    }
+    e[s] = std::exp(ps[s].m - mm);
+    ll += ps[s].l * e[s];
+  }
+  for (int64_t d = 0; d < Dv; ++d) out[d] = T(0);
+  if (!(ll > T(0))) return {mm, ll};  // nothing visible (0), or NaN
+  for (int s = 0; s < 2; ++s) {
+    if (ps[s].m == neg_inf<T>()) continue;
+    const T share = e[s] / ll;
+    for (int64_t d = 0; d < Dv; ++d) out[d] += ps[s].o[d] * share;
+  }
+  return {mm + std::log(ll), T(1)};
 }
 
 // A finished part (a normalised output and its lse, -inf where it saw no key: what a call with

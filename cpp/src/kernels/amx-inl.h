@@ -492,7 +492,7 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
     flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
     return;
   }
-  if (!bf16_prefill(rs, ks, vs)) {
+  if (!bf16_prefill(rs, ks, vs, Dk)) {
     flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (tile-inl.h's, this unit's)
     return;
   }

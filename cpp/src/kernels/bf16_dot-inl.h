@@ -357,11 +357,11 @@ static void flash_tile_bf16(const kern::RowSet& rs, const Pair* qb, float qscale
 // Whether an item takes the bf16 product path: many rows (the packed, prefill-shaped QK^T;
 // every item of a kv head with a shared packed K decides alike, so they agree on its layout) and
 // q, k and v all bf16, or all float32 where the call allows bf16 products (rs.bf16_products: one
-// value for every item of a call).
-static bool bf16_prefill(const kern::RowSet& rs, const kern::KVSource& ks,
-                         const kern::KVSource& vs) {
+// value for every item of a call). Not for Dk = 0, whose scores are all 0 (qk_tile).
+static bool bf16_prefill(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
+                         int64_t Dk) {
   const bool dtype = rs.q_dtype == DType::bf16 || (rs.q_dtype == DType::f32 && rs.bf16_products);
-  return rs.M > kDotRows && dtype && ks.dtype == rs.q_dtype && vs.dtype == rs.q_dtype;
+  return rs.M > kDotRows && Dk > 0 && dtype && ks.dtype == rs.q_dtype && vs.dtype == rs.q_dtype;
 }
 
 // The M query rows as bf16 pairs in qb (pack_q_bf16): q / scale, which is the bf16 query itself
@@ -379,7 +379,7 @@ static float pack_query(const kern::RowSet& rs, int64_t Dkp, Pair* qb) {
 static void flash_bf16(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                        int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                        const kern::Scratch& sc, const kern::FlashState& st) {
-  if (!bf16_prefill(rs, ks, vs)) {
+  if (!bf16_prefill(rs, ks, vs, Dk)) {
     flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (tile-inl.h's, this unit's)
     return;
   }

@@ -88,7 +88,7 @@ static inline void kv_scales(const kern::KVSource& s, int64_t j0, int64_t n, flo
 // n 1-byte codes times `scale` to fp32, in one pass: code * scale, one float32 product (what
 // attnx.reference.dequantize_kv computes). fp8 goes through float16 lanes (vec_*.h load_fp8):
 // e4m3fn's float16 view is its value / 256, so it is multiplied by 256 * scale (exact: a power
-// of two).
+// of two), or by 256 and then by the scale where 256 * scale overflows.
 static void load_codes(const void* src, DType dtype, int64_t n, float scale, Real* dst) {
   int64_t i = 0;
   if (dtype == DType::i8) {
@@ -100,11 +100,14 @@ static void load_codes(const void* src, DType dtype, int64_t n, float scale, Rea
   }
   const uint8_t* c = static_cast<const uint8_t*>(src);
   const bool e4 = dtype == DType::e4m3;
-  const float mult = e4 ? 256.f * scale : scale;
-  const V f = set1(mult);
+  const bool apart = e4 && std::isinf(256.f * scale) && std::isfinite(scale);
+  const float pre = apart ? 256.f : 1.f, mult = apart ? scale : e4 ? 256.f * scale : scale;
+  const V f = set1(mult), fp = set1(pre);
+  if (apart)
+    for (; i + W <= n; i += W) store(dst + i, mul(mul(load_fp8(c + i, e4), fp), f));
   for (; i + W <= n; i += W) store(dst + i, mul(load_fp8(c + i, e4), f));
   for (; i < n; ++i)
-    dst[i] = cvt::f16_to_f32(e4 ? cvt::e4m3_as_f16(c[i]) : cvt::e5m2_as_f16(c[i])) * mult;
+    dst[i] = cvt::f16_to_f32(e4 ? cvt::e4m3_as_f16(c[i]) : cvt::e5m2_as_f16(c[i])) * pre * mult;
 }
 
 // Whether any of the n rows (`bytes` e4m3fn codes each) holds the NaN code (magnitude 0x7f):
@@ -283,6 +286,25 @@ static inline void with_type(DType dtype, Fn&& f) {
     case DType::e5m2: f(E5M2{}); break;
     default: f(Native{}); break;
   }
+}
+
+// Whether keys [j0, j0 + n) of a quantised source may be read in place (scale_keys), by their
+// scales: each NaN, 0, or of magnitude in [2^-102, FLT_MAX / 256]. In place, a key's scale
+// multiplies its score or its probability p (<= 1) instead of its codes; outside that range the
+// product would lose bits below float32's normal range (p * s for the p that count, down to 2^-24),
+// overflow (256 * s for e4m3's code / 256) or, for s = +-inf, turn the key's score into -inf (a
+// key skipped) where the dequantised row (code * s) gives the reference's NaN. Such tiles are
+// read from dequantised copies instead (real_rows).
+static bool scales_in_place(const kern::KVSource& src, int64_t j0, int64_t n) {
+  constexpr float kLo = 0x1p-102f, kHi = std::numeric_limits<float>::max() / 256.f;
+  float f[kTileK];
+  kv_scales(src, j0, n, f);
+  bool ok = true;
+  for (int64_t j = 0; j < n; ++j) {
+    const float a = std::fabs(f[j]);
+    ok = ok && !(a > kHi) && !(a < kLo && a != 0.f);  // (NaN: both comparisons false)
+  }
+  return ok;
 }
 
 // Keys [j0, j0 + n) of a quantised source read in place: multiplies column j of the M rows of

@@ -21,7 +21,8 @@ struct Ahead {
 // read in place (fp16/bf16 widened in registers); the packed (prefill) QK path needs Real rows
 // to transpose. Quantised rows too (their scales applied to the scores and probabilities:
 // scale_keys); the packed path and ragged widths convert them, with their scales, into the tile
-// buffers. So does a tile of e4m3 rows that holds the NaN code: in place, e4m3 is widened without
+// buffers. So does a tile whose scales are out of scales_in_place's range, and a tile of e4m3
+// rows that holds the NaN code: in place, e4m3 is widened without
 // the NaN code's test (load_e4m3_finite: 4 instructions per W codes, not 8), and one pass over the
 // tile's codes costs less than that test. (vaddr: the tile's n value rows.)
 struct TileReads {
@@ -35,6 +36,8 @@ static TileReads tile_reads(int M, const kern::KVSource& ks, const kern::KVSourc
   TileReads t;
   t.k_inplace = M > kDotRows ? ks.dtype == kNative && Dk % 8 == 0 : Dk % W == 0;
   t.v_inplace = Dv % (NR * W) == 0;
+  if (t.k_inplace && quantised(ks.dtype)) t.k_inplace = scales_in_place(ks, j0, n);
+  if (t.v_inplace && quantised(vs.dtype)) t.v_inplace = scales_in_place(vs, j0, n);
   if (t.k_inplace && ks.dtype == DType::e4m3) {
     kv_rows(ks, j0, n, sc.kaddr);
     t.k_inplace = !e4m3_nan_in(sc.kaddr, n, Dk);
@@ -75,6 +78,10 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
   const int M = rs.M;
   const int64_t Dkp = round_up(Dk, kPad);
   bool fused = false;
+  if (Dk == 0) {  // no features: every score is exactly 0 (the products' paths assume Dk > 0)
+    for (int r = 0; r < M; ++r) std::memset(sc.s + r * kTileK, 0, std::size_t(n) * sizeof(Real));
+    return false;
+  }
   if (rs.int8_tiles != Int8Tiles::none) {
     qk_int8_tiles(rs, ks, j0, n, Dk, sc);  // (int8_tiles-inl.h: with the rows' factors)
     return false;

@@ -192,7 +192,7 @@ def _per_sequence(q64, k_pages, v_pages, block_tables, seq_lens, q_lens, n_block
         def gather(pages):
             # (n, Hkv, bs, D) -> (n, bs, Hkv, D) -> (n * bs, Hkv, D): layout "bshd", 3-D
             g = pages[ids].astype(np.float64).transpose(0, 2, 1, 3)
-            return g.reshape(-1, g.shape[2], g.shape[3])[:n_kv]
+            return g.reshape(g.shape[0] * g.shape[1], g.shape[2], g.shape[3])[:n_kv]
 
         out_b, lse_b = attention(
             q64[start : start + n_q],
