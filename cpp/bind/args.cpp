@@ -296,6 +296,18 @@ py::array_t<T> head_vector(py::handle obj, const char* name, int64_t n) {
   return f;
 }
 
+template <class T>
+py::array_t<T> alibi_vector(py::handle obj, int64_t n, int64_t reach) {
+  py::array_t<T> a = head_vector<T>(obj, "alibi_slopes", n);
+  const double top = double(std::numeric_limits<T>::max());
+  for (int64_t i = 0; i < n; ++i)
+    if (!(std::fabs(double(a.data()[i])) * double(reach) <= top))
+      value_error("alibi_slopes: each slope times the longest query-key distance (" +
+                  std::to_string(reach) + ") must be finite in float32, got " +
+                  num_str(double(a.data()[i])) + " at [" + std::to_string(i) + "]");
+  return a;
+}
+
 namespace {
 
 // One side of window=(left, right): an int >= 0, or -1 (None, or wider than any sequence).
@@ -333,6 +345,8 @@ template float scale_arg<float>(py::handle, int64_t);
 template double scale_arg<double>(py::handle, int64_t);
 template py::array_t<float> head_vector<float>(py::handle, const char*, int64_t);
 template py::array_t<double> head_vector<double>(py::handle, const char*, int64_t);
+template py::array_t<float> alibi_vector<float>(py::handle, int64_t, int64_t);
+template py::array_t<double> alibi_vector<double>(py::handle, int64_t, int64_t);
 template BasicVariants<float> variants<float>(py::handle, py::handle);
 template BasicVariants<double> variants<double>(py::handle, py::handle);
 

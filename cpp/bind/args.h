@@ -80,6 +80,10 @@ template <class T = float>
 T scale_arg(py::handle h, int64_t Dk);  // None: 1/sqrt(Dk)
 template <class T = float>
 py::array_t<T> head_vector(py::handle obj, const char* name, int64_t n);
+// alibi_slopes: head_vector's, and each slope times `reach` (no query-key distance of the call is
+// larger) finite in T, where the bias -slope * distance is formed
+template <class T = float>
+py::array_t<T> alibi_vector(py::handle obj, int64_t n, int64_t reach);
 template <class T = float>
 BasicVariants<T> variants(py::handle window, py::handle softcap);
 int threads_arg(int64_t n);

@@ -1,4 +1,5 @@
 // dense.cpp: attnx._core.attention, dense attention over (B, H, S, D) arrays.
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -128,7 +129,7 @@ DenseExtras<T> dense_extras(const Args& a, BasicAttentionParams<T>& p) {
     p.var.sinks = x.sinks.data();
   }
   if (!a[kAlibi].is_none()) {
-    x.alibi = head_vector<T>(a[kAlibi], "alibi_slopes", p.Hq);
+    x.alibi = alibi_vector<T>(a[kAlibi], p.Hq, std::max(p.Sq, p.Sk));
     p.var.alibi_slopes = x.alibi.data();
   }
   return x;

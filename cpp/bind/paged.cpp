@@ -351,7 +351,9 @@ py::object run_paged(PagedParams& p, Pool& pool, const PagedArrays& keep, const 
     p.var.sinks = sk.data();
   }
   if (!in.alibi.is_none()) {
-    al = head_vector(in.alibi, "alibi_slopes", p.Hq);
+    int64_t reach = 0;  // (a sequence's queries and keys all sit within its seq_len)
+    for (int64_t b = 0; b < p.B; ++b) reach = std::max<int64_t>(reach, keep.sl.data()[b]);
+    al = alibi_vector(in.alibi, p.Hq, reach);
     p.var.alibi_slopes = al.data();
   }
   py::array po, pl;

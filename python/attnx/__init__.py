@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib as _importlib
 import os as _os
+import threading as _threading
 
 from . import _core, _validate, reference
 from . import layers as layers  # (the module names existing code reads after `import attnx`)
@@ -155,13 +156,34 @@ FLOAT32_PRECISIONS = ("float32", "bf16")
 
 class _Previous(str):
     """The setting a :func:`set_float32_precision` call replaced; a ``with`` block over the call
-    puts it back at its end."""
+    puts it back at its end. Blocks that overlap in several threads (one enters, another enters,
+    the first leaves) keep the setting of the block entered last that is still open, and the
+    last one to end restores the setting from before the first: each block's own "previous" would
+    leave the second thread's stale one behind."""
+
+    _now: str  # the setting the call made (what the block holds while it is open)
 
     def __enter__(self) -> _Previous:
+        with _BLOCKS_LOCK:
+            if not _OPEN_BLOCKS:
+                _BEFORE_BLOCKS[0] = str(self)
+            _OPEN_BLOCKS.append(self)
+            _core.set_float32_bf16_products(self._now == "bf16")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _core.set_float32_bf16_products(self == "bf16")
+        with _BLOCKS_LOCK:
+            for i in range(len(_OPEN_BLOCKS) - 1, -1, -1):
+                if _OPEN_BLOCKS[i] is self:
+                    del _OPEN_BLOCKS[i]
+                    break
+            now = _OPEN_BLOCKS[-1]._now if _OPEN_BLOCKS else _BEFORE_BLOCKS[0]
+            _core.set_float32_bf16_products(now == "bf16")
+
+
+_BLOCKS_LOCK = _threading.Lock()
+_OPEN_BLOCKS: list[_Previous] = []  # the open ``with`` blocks, in the order they were entered
+_BEFORE_BLOCKS = ["float32"]  # the setting when the first of them was entered
 
 
 def set_float32_precision(precision):
@@ -184,12 +206,18 @@ def set_float32_precision(precision):
         with attnx.set_float32_precision("bf16"):
             out = attnx.attention(q, k, v)
 
+    The setting stays process-wide inside a block; blocks open in several threads at once hold
+    the setting of the one entered last, and the last to end restores the setting from before
+    the first.
+
     Raises ValueError, naming ``precision``, for anything but ``"float32"`` or ``"bf16"``.
     """
     want = _validate.choice(precision, FLOAT32_PRECISIONS, "precision")
     before = float32_precision()
     _core.set_float32_bf16_products(want == "bf16")
-    return _Previous(before)
+    previous = _Previous(before)
+    previous._now = want
+    return previous
 
 
 def float32_precision():

@@ -174,6 +174,21 @@ def test_nan_and_empty_rules(merge):
     assert lse[2] == pytest.approx(np.log(4.0))
 
 
+@pytest.mark.parametrize(
+    "merge", [attnx.merge_attention, ref.merge_attention], ids=["attnx", "ref"]
+)
+@pytest.mark.parametrize("lse", [1e10, 1e17, 1e30, 3e38, -1e30])
+def test_parts_of_large_lse_weigh_by_their_difference(merge, lse):
+    """Two parts of equal lse weigh alike whatever its size: the weights are exp(lse_i - max)
+    over their sum (the reference took exp(lse_i - logaddexp(...)), and in float64
+    logaddexp(x, x) rounds back to x from about 1e17: both weights 1, the merge 4.0)."""
+    o1, o2 = np.ones((2, 3), np.float64), np.full((2, 3), 3.0)
+    lses = [np.array([lse, lse]), np.array([lse, lse])]
+    out, got = merge([o1, o2], lses)
+    np.testing.assert_allclose(out, 2.0, rtol=1e-12)
+    assert np.isfinite(got).all() and got[0] >= lse
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.float64)], ids=lambda d: d.name)
 def test_dtypes_are_kept_and_accumulated_wide(dtype):
     """The output keeps the parts' dtype, the lse is float32 (float64 for float64 parts)."""

@@ -331,7 +331,10 @@ def _bad(rng):
             ValueError,
             r"initial_state: expected shape",
         ),
-        (lambda a: a.update(scale=float("nan")), TypeError, r"scale: expected a finite float"),
+        (lambda a: a.update(scale=float("nan")), ValueError, r"scale: expected 0 or a magnitude"),
+        (lambda a: a.update(scale=1e39), ValueError, r"scale: .*float32's normal range"),
+        (lambda a: a.update(scale=-1e-40), ValueError, r"scale: .*float32's normal range"),
+        (lambda a: a.update(scale=True), TypeError, r"scale: expected a float"),
         (lambda a: a.update(num_threads=0), ValueError, r"num_threads: expected a positive int"),
     ],
 )

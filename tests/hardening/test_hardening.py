@@ -333,6 +333,58 @@ def test_per_head_values_beyond_float32_are_refused(qkv, name):
         attnx.attention(q, k, v, **{name: bad})
 
 
+def test_alibi_whose_bias_would_overflow_is_refused(qkv):
+    """The bias -slope * distance is formed in float32: a finite slope whose bias overflows would
+    hide every key a row sees (zeros where the reference weighs them). Refused, naming the
+    argument; a slope just below the bound still computes the reference's result."""
+    q, k, v = qkv
+    reach = max(SQ, SK)
+    bad = np.zeros(HQ)
+    bad[2] = F32_MAX / reach * 1.01
+    with pytest.raises(ValueError, match=r"^alibi_slopes\b.*distance"):
+        attnx.attention(q, k, v, alibi_slopes=bad)
+    rng = np.random.default_rng(SEED)
+    pq, kp, vp, bt, sl = paged_setup(rng)
+    with pytest.raises(ValueError, match=r"^alibi_slopes\b.*distance"):
+        attnx.paged_attention(pq, kp, vp, bt, sl, alibi_slopes=np.full(HQ, F32_MAX / 11 * 1.01))
+    ok = np.full(HQ, 1e36)
+    close(attnx.attention(q, k, v, alibi_slopes=ok), ref.attention(q, k, v, alibi_slopes=ok))
+    close(
+        attnx.paged_attention(pq, kp, vp, bt, sl, alibi_slopes=ok),
+        ref.paged_attention(pq, kp, vp, bt, sl, alibi_slopes=ok),
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.float64])
+def test_empty_feature_axis(isa, rows, dtype):
+    """Dk = 0 (torch accepts it): every score is 0, so each row is the mean of the values it sees
+    (with an explicit scale). Rows past kDotRows take the packed path, whose line prefetch and
+    packed K divided by the row's width (SIGFPE)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        dtype = ml_dtypes.bfloat16
+    rng = np.random.default_rng(SEED)
+    q = np.zeros((1, 4, rows, 0), dtype)
+    k = np.zeros((1, 2, 70, 0), dtype)
+    v = rnd(rng, 1, 2, 70, 3, dtype=dtype)
+    for causal in (False, True):
+        got = attnx.attention(q, k, v, causal=causal, scale=1.0, num_threads=2)
+        close(got, ref.attention(q, k, v, causal=causal, scale=1.0), tol=1e-2)
+    vv = v[0].repeat(2, 0)  # (Hq, Sk, 3)
+    got = attnx.scaled_dot_product_attention(q[0], k[0].repeat(2, 0), vv)  # (torch's scale: 1)
+    close(got, np.broadcast_to(vv.astype(np.float64).mean(1, keepdims=True), got.shape), 1e-2)
+    if dtype is not np.float64:  # (pages hold 16- and 32-bit floats)
+        kp, vp = np.zeros((5, 2, 16, 0), dtype), rnd(rng, 5, 2, 16, 3, dtype=dtype)
+        pq = np.zeros((rows, 4, 0), dtype)
+        bt, sl, ql = np.array([[4, 0, 3, 1, 2]]), np.array([70]), np.array([min(rows, 70)])
+        got = attnx.paged_attention(pq, kp, vp, bt, sl, q_lens=ql, scale=1.0)
+        close(got, ref.paged_attention(pq, kp, vp, bt, sl, q_lens=ql, scale=1.0), tol=1e-2)
+    with pytest.raises(ValueError, match=r"^scale\b.*Dk"):
+        attnx.attention(q, k, v)
+
+
 @pytest.mark.parametrize(
     "t", [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
 )

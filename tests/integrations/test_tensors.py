@@ -4,6 +4,7 @@ every entry point, zero-copy, and the torch.library ops that let torch.compile t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -242,6 +243,38 @@ def test_compile_fullgraph_equals_eager(backend):
     lens = torch.tensor([8, 5], dtype=torch.int32)
     compiled = torch.compile(_model, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(q, k, k, lens), _model(q, k, k, lens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(out=torch.zeros(1, 2, 9, 8, dtype=torch.float64)), TypeError, r"^out: .*dtype"),
+        (dict(out=torch.zeros(3, 1, 2, 9, 8)), ValueError, r"^out: .*shape"),
+        (dict(window=(2.7, 0)), TypeError, r"^window: "),
+        (dict(window=(True, 0)), TypeError, r"^window: "),
+        (dict(scale=True), TypeError, r"^scale: "),
+        (dict(softcap=True), TypeError, r"^softcap: "),
+    ],
+)
+def test_compiled_calls_refuse_what_eager_calls_refuse(kw, error, match):
+    """The front end that torch.compile traces takes the eager call's rules for what the op schema
+    would coerce (a float or bool window side, a bool scale) and for ``out`` (``copy_`` would cast
+    and broadcast into it): each is an error naming the argument, eager and compiled alike."""
+    q, k, v = _rand(1, 2, 9, 16), _rand(1, 2, 13, 16, seed=1), _rand(1, 2, 13, 8, seed=2)
+
+    def call(q, k, v):
+        return attnx.attention(q, k, v, **kw)
+
+    with pytest.raises(error, match=match):
+        call(q, k, v)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as raised:  # (Dynamo's Unsupported, caused by the error)
+        torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
+    chain, e = [], raised.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__
+    assert any(re.search(match[1:], c) for c in chain), chain
 
 
 def test_ops_check_against_their_fakes():

@@ -10,6 +10,8 @@ other paths, decode, float64. The setting is validated, restored by ``with``, an
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -60,6 +62,35 @@ def test_context_manager_restores_even_on_error():
     assert attnx.float32_precision() == "float32"
     with pytest.raises(KeyError), attnx.set_float32_precision("bf16"):
         raise KeyError("inside")
+    assert attnx.float32_precision() == "float32"
+
+
+def test_blocks_overlapping_in_threads_restore_the_setting_before_them():
+    """A enters, B enters, A leaves, B leaves: each block's own "previous" would leave B's (A's
+    "bf16") behind for every later call. The setting is that of the last block entered that is
+    still open, and the setting from before the first once all have ended."""
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with attnx.set_float32_precision("bf16"):
+            a_in.set()
+            assert b_in.wait(10)
+        a_out.set()
+
+    def b():
+        assert a_in.wait(10)
+        with attnx.set_float32_precision("bf16"):
+            b_in.set()
+            assert a_out.wait(10)
+            seen["b after a left"] = attnx.float32_precision()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"b after a left": "bf16"}
     assert attnx.float32_precision() == "float32"
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .. import _core
+from .. import _validate as _v
 from ..ops import attention as _attention
 from ..ops import paged as _paged
 from . import tensors as _tensors
@@ -180,21 +181,28 @@ def _tensor(x):
     return torch.as_tensor(np.asarray(x))
 
 
-def _real(x):
-    return None if x is None else float(x)
-
-
 def _op_variants(return_lse, window, softcap, sinks, alibi_slopes, num_threads):
     """The arguments both ops end with, from the keywords of attnx's entry points (``window``
-    as its two sides)."""
-    left, right = (None, None) if window is None else window
-    sides = [None if x is None else int(x) for x in (left, right)]
-    head = (bool(return_lse), *sides, _real(softcap))
+    as its two sides). Window sides and floats pass the eager entry points' type rules
+    (attnx._validate: a bool or a float is no window side, a bool no float) before the op schema
+    would coerce them."""
+    left, right = _v.window_sides(window) or (None, None)
+    head = (bool(return_lse), left, right, _v.optional_real(softcap, "softcap"))
     return (*head, _tensor(sinks), _tensor(alibi_slopes), num_threads)
 
 
 def _finish(out_t, lse, out, return_lse):
+    """The op's result, copied into ``out`` where one was given: a tensor of the result's dtype
+    and shape, as the eager call requires (cpp/bind/out.cpp), where ``copy_`` would cast and
+    broadcast."""
     if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a tensor like q, got {type(out).__name__}")
+        if out.dtype != out_t.dtype:
+            want, got = (str(d).removeprefix("torch.") for d in (out_t.dtype, out.dtype))
+            raise TypeError(f"out: expected dtype {want} (the dtype of q), got {got}")
+        if out.shape != out_t.shape:
+            raise ValueError(f"out: expected shape {tuple(out_t.shape)}, got {tuple(out.shape)}")
         out.copy_(out_t)
         out_t = out
     return (out_t, lse) if return_lse else out_t
@@ -223,7 +231,14 @@ def attention(
     lens = (_tensor(mask), _tensor(kv_lens), _tensor(q_lens))
     variants = _op_variants(return_lse, window, softcap, sinks, alibi_slopes, num_threads)
     o, lse = torch.ops.attnx.attention(
-        q, k, v, *lens, bool(causal), _real(scale), layout, *variants
+        q,
+        k,
+        v,
+        *lens,
+        bool(causal),
+        _v.optional_real(scale, "scale"),
+        layout,
+        *variants,
     )
     return _finish(o, lse, out, return_lse)
 
@@ -253,7 +268,12 @@ def paged_attention(
     pool = (_tensor(k_pages), _tensor(v_pages), _tensor(block_tables), _tensor(seq_lens))
     variants = _op_variants(return_lse, window, softcap, sinks, alibi_slopes, num_threads)
     o, lse = torch.ops.attnx.paged_attention(
-        q, *pool, _tensor(q_lens), bool(causal), _real(scale), *variants
+        q,
+        *pool,
+        _tensor(q_lens),
+        bool(causal),
+        _v.optional_real(scale, "scale"),
+        *variants,
     )
     return _finish(o, lse, out, return_lse)
 

@@ -86,11 +86,20 @@ def _sequences(B, T, cu_seqlens, lengths):
 
 
 def _scale(scale, K):
+    """The query's factor: 0, or a magnitude within float32's normal range (where the kernels
+    hold it), as attention's scale but of either sign."""
     if scale is None:
         return 1.0 / math.sqrt(K)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise TypeError(f"scale: expected a finite float, got {scale!r}")
-    return float(scale)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a float, got {scale!r}")
+    x = float(scale)
+    lo, hi = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    if not (x == 0.0 or lo <= abs(x) <= hi):
+        raise ValueError(
+            f"scale: expected 0 or a magnitude within float32's normal range [{lo:g}, {hi:g}], "
+            f"got {scale!r}"
+        )
+    return x
 
 
 def _gates(g, beta, B, T, Hv, K, layout):

@@ -59,14 +59,17 @@ def merge_attention(outs, lses, *, layout="bhsd", out_dtype=None):
             )
         parts.append((to_lse_order(o.astype(np.float64)), x.astype(np.float64)))
     out = np.zeros(parts[0][0].shape, np.float64)
-    with np.errstate(invalid="ignore"):
-        lse = parts[0][1]
-        for _, x in parts[1:]:
-            lse = np.logaddexp(lse, x)  # -inf with -inf stays -inf; NaN propagates
-        for o, x in parts:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        # weights relative to the largest lse (exp(x - lse) after a logaddexp would lose the
+        # lse's low bits where |lse| is large: logaddexp(x, x) rounds back to x at 1e17)
+        m = np.max([x for _, x in parts], axis=0)  # NaN propagates
+        m0 = np.where(m == -np.inf, 0.0, m)
+        e = [np.where(x != -np.inf, np.exp(x - m0), 0.0) for _, x in parts]
+        total = np.sum(e, axis=0)
+        lse = np.where(m == -np.inf, -np.inf, m0 + np.log(total))
+        for (o, x), ei in zip(parts, e):
             contributes = x != -np.inf
-            # exp(x - lse) is NaN only where lse or x is NaN (x finite or +inf otherwise)
-            w = np.where(contributes, np.exp(x - np.where(lse == -np.inf, 0.0, lse)), 0.0)
+            w = np.where(contributes, ei / np.where(contributes, total, 1.0), 0.0)
             out = out + np.where(contributes[..., None], w[..., None] * o, 0.0)
     out_dt = output_dtype(out_dtype, outs[0].dtype)
     return round_to(to_lse_order(out), out_dt), lse.astype(lse_dtype(out_dt))
