@@ -288,36 +288,31 @@ static inline void with_type(DType dtype, Fn&& f) {
   }
 }
 
-// Whether keys [j0, j0 + n) of a quantised source may be read in place (scale_keys), by their
-// scales: each NaN, 0, or of magnitude in [2^-102, FLT_MAX / 256]. In place, a key's scale
-// multiplies its score or its probability p (<= 1) instead of its codes; outside that range the
-// product would lose bits below float32's normal range (p * s for the p that count, down to 2^-24),
-// overflow (256 * s for e4m3's code / 256) or, for s = +-inf, turn the key's score into -inf (a
-// key skipped) where the dequantised row (code * s) gives the reference's NaN. Such tiles are
-// read from dequantised copies instead (real_rows).
-static bool scales_in_place(const kern::KVSource& src, int64_t j0, int64_t n) {
+// Whether keys of a quantised source may be read in place (scale_keys), by their n scales `f`:
+// each NaN, 0, or of magnitude in [2^-102, FLT_MAX / 256]. In place, a key's scale multiplies its
+// score or its probability p (<= 1) instead of its codes; outside that range the product would
+// lose bits below float32's normal range (p * s for the p that count, down to 2^-24), overflow
+// (256 * s for e4m3's code / 256) or, for s = +-inf, turn the key's score into -inf (a key
+// skipped) where the dequantised row (code * s) gives the reference's NaN. Such tiles are read
+// from dequantised copies instead (real_rows).
+static bool scales_in_place(const float* f, int64_t n) {
   constexpr float kLo = 0x1p-102f, kHi = std::numeric_limits<float>::max() / 256.f;
-  float f[kTileK];
-  kv_scales(src, j0, n, f);
-  bool ok = true;
+  int bad = 0;  // (this form vectorises: compares and ORs, no branch per key)
   for (int64_t j = 0; j < n; ++j) {
     const float a = std::fabs(f[j]);
-    ok = ok && !(a > kHi) && !(a < kLo && a != 0.f);  // (NaN: both comparisons false)
+    bad |= int(a > kHi) | (int(a < kLo) & int(a != 0.f));  // (NaN: every comparison false)
   }
-  return ok;
+  return bad == 0;
 }
 
-// Keys [j0, j0 + n) of a quantised source read in place: multiplies column j of the M rows of
-// `s` (scores, or probabilities before P V) by key j's scale (times 256 for e4m3's code / 256).
+// Keys read in place from a quantised source of `dtype`: multiplies column j of the M rows of `s`
+// (scores, or probabilities before P V) by key j's scale f[j] (times 256 for e4m3's code / 256).
 // q . (code * scale) = (q . code) * scale and p (code * scale) = (p scale) code, so this is
 // attention over the dequantised rows up to float32 rounding.
-static void scale_keys(int M, Real* s, const kern::KVSource& src, int64_t j0, int64_t n) {
-  float f[kTileK];
-  kv_scales(src, j0, n, f);
-  if (src.dtype == DType::e4m3)
-    for (int64_t j = 0; j < n; ++j) f[j] *= 256.f;
+static void scale_keys(int M, Real* s, const float* f, DType dtype, int64_t n) {
+  const float e4 = dtype == DType::e4m3 ? 256.f : 1.f;
   for (int r = 0; r < M; ++r)
-    for (int64_t j = 0; j < n; ++j) s[r * kTileK + j] *= f[j];
+    for (int64_t j = 0; j < n; ++j) s[r * kTileK + j] *= f[j] * e4;
 }
 
 // Integer queries (RowSet::qfactor): row r of the M rows of scores times its factor.

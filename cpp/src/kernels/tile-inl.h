@@ -29,6 +29,7 @@ struct TileReads {
   bool k_inplace, v_inplace;
   DType kdt, vdt;  // the row type QK^T and P V read: the source's where in place, else Real's
   int64_t vw;      // value features the PV kernel walks
+  float kscale[kTileK], vscale[kTileK];  // quantised sources: the tile's scales (scale_keys)
 };
 static TileReads tile_reads(int M, const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
                             int64_t n, int64_t Dk, int64_t Dv, const char* const* vaddr,
@@ -36,8 +37,14 @@ static TileReads tile_reads(int M, const kern::KVSource& ks, const kern::KVSourc
   TileReads t;
   t.k_inplace = M > kDotRows ? ks.dtype == kNative && Dk % 8 == 0 : Dk % W == 0;
   t.v_inplace = Dv % (NR * W) == 0;
-  if (t.k_inplace && quantised(ks.dtype)) t.k_inplace = scales_in_place(ks, j0, n);
-  if (t.v_inplace && quantised(vs.dtype)) t.v_inplace = scales_in_place(vs, j0, n);
+  if (t.k_inplace && quantised(ks.dtype)) {
+    kv_scales(ks, j0, n, t.kscale);
+    t.k_inplace = scales_in_place(t.kscale, n);
+  }
+  if (t.v_inplace && quantised(vs.dtype)) {
+    kv_scales(vs, j0, n, t.vscale);
+    t.v_inplace = scales_in_place(t.vscale, n);
+  }
   if (t.k_inplace && ks.dtype == DType::e4m3) {
     kv_rows(ks, j0, n, sc.kaddr);
     t.k_inplace = !e4m3_nan_in(sc.kaddr, n, Dk);
@@ -113,7 +120,7 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
         qk_dot<T>(M, q, ldq, krow, n, rd.k_inplace ? Dk : Dkp, sc.s, nx.k, nx.n,
                   Dk * elem_bytes(ks.dtype));
       });
-    if (rd.k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, ks, j0, n);
+    if (rd.k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, rd.kscale, ks.dtype, n);
   }
   if (rs.qfactor != nullptr) scale_rows(M, sc.s, rs.qfactor, n);
   return fused;
@@ -137,7 +144,7 @@ static void pv_tile(const RowSet& rs, const kern::KVSource& vs, int64_t j0, int6
       return;
     }
   }
-  if (rd.v_inplace && quantised(vs.dtype)) scale_keys(rs.M, sc.s, vs, j0, n);
+  if (rd.v_inplace && quantised(vs.dtype)) scale_keys(rs.M, sc.s, rd.vscale, vs.dtype, n);
   with_type(rd.vdt, [&](auto t) {
     pv<decltype(t)>(rs.M, sc.s, vrow, n, rd.vw, st.o, st.ldo, nx.v, nx.n,
                     Dv * elem_bytes(vs.dtype));
