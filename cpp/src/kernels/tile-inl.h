@@ -22,9 +22,9 @@ struct Ahead {
 // to transpose. Quantised rows too (their scales applied to the scores and probabilities:
 // scale_keys); the packed path and ragged widths convert them, with their scales, into the tile
 // buffers. So does a tile whose scales are out of scales_in_place's range, and a tile of e4m3
-// rows that holds the NaN code: in place, e4m3 is widened without
-// the NaN code's test (load_e4m3_finite: 4 instructions per W codes, not 8), and one pass over the
-// tile's codes costs less than that test. (vaddr: the tile's n value rows.)
+// rows that holds the NaN code: in place, e4m3 is widened without the NaN code's test
+// (load_e4m3_finite: 4 instructions per W codes, not 8), and one pass over the tile's codes costs
+// less than that test. (vaddr: the tile's n value rows.)
 struct TileReads {
   bool k_inplace, v_inplace;
   DType kdt, vdt;  // the row type QK^T and P V read: the source's where in place, else Real's
