@@ -163,6 +163,11 @@ class _Previous(str):
 
     _now: str  # the setting the call made (what the block holds while it is open)
 
+    def __new__(cls, before: str, now: str | None = None) -> _Previous:
+        previous = super().__new__(cls, before)
+        previous._now = before if now is None else now  # (None: a copy, as str rebuilds one)
+        return previous
+
     def __enter__(self) -> _Previous:
         with _BLOCKS_LOCK:
             if not _OPEN_BLOCKS:
@@ -215,9 +220,7 @@ def set_float32_precision(precision):
     want = _validate.choice(precision, FLOAT32_PRECISIONS, "precision")
     before = float32_precision()
     _core.set_float32_bf16_products(want == "bf16")
-    previous = _Previous(before)
-    previous._now = want
-    return previous
+    return _Previous(before, want)
 
 
 def float32_precision():
