@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
-#include <sstream>
 
 #include "attnx/dispatch.h"
 
@@ -14,34 +14,33 @@ namespace attnx::bind {
 [[noreturn]] void value_error(const std::string& msg) { throw py::value_error(msg); }
 [[noreturn]] void type_error(const std::string& msg) { throw py::type_error(msg); }
 
+// (No iostreams in the module: where a build links libstdc++ statically (seen on an Ubuntu 24.04
+// image, gcc 13) and another module loads the shared one, a stream's locale facets come from the
+// two copies and formatting a number segfaulted. std::to_string and snprintf use no locale object.)
 std::string shape_str(const py::array& a) {
-  std::ostringstream os;
-  os << "(";
-  for (py::ssize_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
-  os << (a.ndim() == 1 ? ",)" : ")");
-  return os.str();
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
 std::string dims_str(Dims dims) {
-  std::ostringstream os;
-  os << "(";
+  std::string s = "(";
   bool first = true;
   for (auto& d : dims) {
-    os << (first ? "" : ", ") << d.first << "=" << d.second;
+    s += (first ? "" : ", ") + std::string(d.first) + "=" + std::to_string(d.second);
     first = false;
   }
-  os << ")";
-  return os.str();
+  return s + ")";
 }
 
 std::string dtype_str(const py::array& a) { return std::string(py::str(a.dtype())); }
 
 std::string type_name(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")); }
 
-std::string num_str(double x) {
-  std::ostringstream os;
-  os << x;
-  return os.str();
+std::string num_str(double x) {  // as `std::ostream << x` writes it: %g, 6 digits
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
 }
 
 // ---- dtypes, byte order and strides ----------------------------------------------------------

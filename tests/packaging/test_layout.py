@@ -116,3 +116,22 @@ def test_no_module_imports_another_modules_underscore_names():
             if private and target.startswith("attnx"):
                 offenders.append(f"{name}: from {target} import {', '.join(private)}")
     assert not offenders, offenders
+
+
+CPP = PKG.parents[1] / "cpp"
+
+
+@pytest.mark.skipif(not CPP.is_dir(), reason="reads the source tree (cpp/)")
+def test_the_core_formats_no_numbers_through_iostreams():
+    # Built on an Ubuntu 24.04 image (gcc 13, libstdc++ linked statically there), `ostream << x`
+    # in an error message segfaulted instead of raising (bench/NOTES.md, "A crash on an Ubuntu
+    # 24.04 image"); std::to_string and snprintf need no locale object.
+    streams = ("<sstream>", "<iostream>", "<ostream>", "<iomanip>", "<fstream>", "stringstream")
+    offenders = [
+        f"{p.relative_to(CPP)}: {s}"
+        for p in sorted(CPP.rglob("*"))
+        if p.suffix in (".h", ".cpp", ".hpp")
+        for s in streams
+        if s in p.read_text()
+    ]
+    assert not offenders, offenders
