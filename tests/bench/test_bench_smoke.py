@@ -429,6 +429,37 @@ def test_onnxruntime_gqa_peer_matches_attnx(shape):
     np.testing.assert_allclose(theirs, mine, atol=_suite.TOLERANCE[shape.dtype] / 2)
 
 
+def test_a_peer_that_cannot_set_up_is_skipped_with_its_reason(monkeypatch):
+    # seen: onnx 1.23 wrote IR 14 that onnxruntime 1.30 refused, and the whole bench stopped
+    def refuse(*args):
+        raise RuntimeError("Unsupported model IR version: 14, max supported IR version: 13\nmore")
+
+    monkeypatch.setattr(_peers, "ort_impl", refuse)
+    case = _cases.Case("d", "d", _cases.Dense(1, 2, 2, 8, 8, 16, causal=True))
+    bench = SimpleNamespace(threads=1, torch=None, ort=("stand-in",))
+    impls, skipped = _suite._impls(case, _peers.dense_inputs(case.shape, 0), bench)
+    assert list(impls) == ["attnx"]
+    assert skipped == {
+        "onnxruntime": "could not run here: RuntimeError: Unsupported model IR version: 14, "
+        "max supported IR version: 13"
+    }
+
+
+@pytest.mark.skipif(
+    not HAS_ORT, reason="onnxruntime and onnx not installed (pip install 'attnx[bench]')"
+)
+def test_onnxruntime_model_declares_the_oldest_ir_its_opsets_allow(monkeypatch):
+    import onnx
+
+    mods = _peers.load_onnxruntime()
+    made = []
+    monkeypatch.setattr(
+        mods[0], "InferenceSession", lambda model, *a, **k: made.append(onnx.load_from_string(model))
+    )
+    _peers._gqa_session(mods, _cases.Dense(1, 2, 2, 8, 8, 16, causal=True), False, 1)
+    assert made[0].ir_version == 8  # opset 17's; onnx 1.23 would write 14
+
+
 def test_onnxruntime_skips_what_gqa_cannot_run():
     assert "bf16" in _peers.ort_skip_reason(_cases.Paged(1, 2, 2, 8, 8, dtype="bf16"))
     assert _peers.ort_skip_reason(_cases.Dense(1, 2, 2, 8, 8, 8)) is not None  # not causal

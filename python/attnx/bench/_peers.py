@@ -415,9 +415,14 @@ def _gqa_session(ort_mods, shape, with_past, threads):
         if n
     ]
     outs = [vi(n, T, None) for n in ("output", "present_key", "present_value")]
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    # The oldest IR version that holds these opsets, not the installed onnx's newest: an
+    # onnxruntime older than that onnx refuses a newer IR (onnx 1.23 writes 14, onnxruntime 1.30
+    # reads up to 13: seen).
     model = helper.make_model(
         helper.make_graph([node], "gqa", ins, outs),
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+        opset_imports=opsets,
+        ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True),
     )
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
