@@ -454,7 +454,9 @@ def test_onnxruntime_model_declares_the_oldest_ir_its_opsets_allow(monkeypatch):
     mods = _peers.load_onnxruntime()
     made = []
     monkeypatch.setattr(
-        mods[0], "InferenceSession", lambda model, *a, **k: made.append(onnx.load_from_string(model))
+        mods[0],
+        "InferenceSession",
+        lambda model, *a, **k: made.append(onnx.load_from_string(model)),
     )
     _peers._gqa_session(mods, _cases.Dense(1, 2, 2, 8, 8, 16, causal=True), False, 1)
     assert made[0].ir_version == 8  # opset 17's; onnx 1.23 would write 14
