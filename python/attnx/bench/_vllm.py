@@ -6,7 +6,9 @@ layout for its op), the outputs checked equal before anything is timed, then int
 - paged decode, B8 Hq32 Hkv8 L2048 D128 over bf16 pages of 32 tokens, and of 128 (the block
   size vLLM's CPU platform chooses when none is given);
 - a chunked-prefill batch over pages of 32: half the sequences decode one token, the other half a
-  128-token chunk at the end of their context.
+  128-token chunk at the end of their context;
+- paged decode over fp8 (e4m3) pages of 32 with one scale per side, vLLM's ``"fp8"`` cache (its
+  kernel runs it only on x86 with AVX-512 or AMX: elsewhere the row says so).
 
 And an end-to-end row: ``vllm.LLM`` on SmolLM2-135M with attnx's backend and with vLLM's own,
 same prompts and settings (blocks of vLLM's default size), one engine per process (the backend
@@ -54,9 +56,14 @@ def op_rows(vllm_mods, *, threads, repeat, tiny=False, log=print):
     B, Hq, Hkv, L, D, chunk = (8, 32, 8, 2048, 128, 128) if not tiny else (2, 4, 2, 256, 64, 32)
     rng = np.random.default_rng(34)
     ql = np.array([1 if b % 2 == 0 else chunk for b in range(B)], np.int32)
-    cases = [("decode", 32, None), ("decode", ENGINE_BLOCK, None), ("chunked prefill", 32, ql)]
+    cases = [
+        ("decode", 32, None, False),
+        ("decode", ENGINE_BLOCK, None, False),
+        ("chunked prefill", 32, ql, False),
+        ("decode, fp8 KV", 32, None, True),
+    ]
     rows = []
-    for name, block, q_lens in cases:
+    for name, block, q_lens, fp8 in cases:
         shape = Paged(B, Hq, Hkv, L, D, block=block, dtype="bf16")
         q1, kp, vp, bt, sl, _ = _peers.paged_inputs(shape, seed=34)
         if q_lens is None:
@@ -65,12 +72,24 @@ def op_rows(vllm_mods, *, threads, repeat, tiny=False, log=print):
             q = rng.standard_normal((int(q_lens.sum()), Hq, D), dtype=np.float32).astype(q1.dtype)
             lens = q_lens
             desc = shape.describe() + f", q_lens {'/'.join(str(x) for x in sorted(set(lens)))}"
-        impls = {
-            "attnx": _peers.paged_impl(q, kp, vp, bt, sl, threads, q_lens=lens),
-            "vllm": _peers.vllm_paged(vllm_mods, q, kp, vp, bt, sl, lens, threads),
-        }
+        kw, vllm_kw = {}, {}
+        if fp8:  # the same values' e4m3 codes, one power-of-two scale per side
+            kp, vp = (_fp8_codes(x) for x in (kp, vp))
+            kw = {"k_scales": FP8_SCALE, "v_scales": FP8_SCALE}
+            vllm_kw = {"fp8_scales": (FP8_SCALE, FP8_SCALE)}
+            desc = desc.replace("bf16 KV", f"fp8 (e4m3) KV, one scale per side ({FP8_SCALE:g})")
+        row = {"row": f"vllm op: {name}", "block": block, "shape": desc}
+        try:
+            vllm_impl = _peers.vllm_paged(vllm_mods, q, kp, vp, bt, sl, lens, threads, **vllm_kw)
+        except NotImplementedError as e:  # vLLM's own refusal (fp8 without AVX-512 or AMX)
+            row["note"] = f"vLLM's op cannot run it here: {e}"
+            log(_line(row))
+            rows.append(row)
+            continue
+        impls = {"attnx": _peers.paged_impl(q, kp, vp, bt, sl, threads, q_lens=lens, **kw)}
+        impls["vllm"] = vllm_impl
         err = float(np.max(np.abs(impls["attnx"].result() - impls["vllm"].result())))
-        row = {"row": f"vllm op: {name}", "block": block, "shape": desc, "max_abs_diff": err}
+        row["max_abs_diff"] = err
         if not err <= TOLERANCE["bf16"]:
             row["note"] = f"vLLM's op differs from attnx by {err:.2g}: not timed"
         else:
@@ -82,6 +101,18 @@ def op_rows(vllm_mods, *, threads, repeat, tiny=False, log=print):
         log(_line(row))
         rows.append(row)
     return rows
+
+
+# vLLM's "fp8" cache keeps one scale per layer and side; a power of two makes its cache op's
+# quantisation of the dequantised values give back the same codes (N(0, 1) values: codes to ~150)
+FP8_SCALE = 2.0**-5
+
+
+def _fp8_codes(pages):
+    """e4m3 codes of bf16 pages at FP8_SCALE."""
+    import ml_dtypes
+
+    return (pages.astype(np.float32) / FP8_SCALE).astype(ml_dtypes.float8_e4m3fn)
 
 
 def _line(row):
