@@ -363,6 +363,29 @@ def test_float16_near_max(isa):
     assert np.isfinite(po.astype(np.float64)).all()
 
 
+def test_float16_outputs_round_to_nearest_even_on_every_path(isa):
+    # Two keys that score alike: each output is (v1 + v2) / 2, exact in float32, so its float16
+    # is a pure rounding of the store: ties between neighbours (even wins), subnormal ties, the top
+    # of the range, and NaNs whose payloads the store drops (cvt's canonical quiet NaN; the vector
+    # stores blend it in before F16C's conversion, which would keep the payload).
+    bits = np.arange(0, 0x7C00, 97, dtype=np.uint16)  # finite magnitudes, normal and subnormal
+    v1 = np.concatenate([bits, bits | 0x8000, [0x0001, 0x0003, 0x7BFE, 0x7BFF, 0x7D01, 0xFE2A]])
+    v2 = np.concatenate([bits + 1, (bits + 1) | 0x8000, [0x0000, 0x0000, 0x7BFF, 0x7BFF, 0, 0]])
+    n = -(-len(v1) // 64) * 64
+    v = np.zeros((1, 1, 2, n), np.uint16)
+    v[0, 0, 0, : len(v1)], v[0, 0, 1, : len(v2)] = v1, v2
+    v = v.view(np.float16)
+    q, k = np.ones((1, 1, 1, 8), np.float16), np.ones((1, 1, 2, 8), np.float16)
+    got = attnx.attention(q, k, v).view(np.uint16)[0, 0, 0]
+    with np.errstate(invalid="ignore"):
+        mean = (v[0, 0, 0].astype(np.float32) + v[0, 0, 1].astype(np.float32)) / 2
+    want = mean.astype(np.float16).view(np.uint16)  # numpy rounds to nearest even
+    nan = np.isnan(mean)
+    assert nan.sum() == 2
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    np.testing.assert_array_equal(got[nan] & 0x7FFF, [0x7E00, 0x7E00])
+
+
 NEAR_MAX_SHAPES = [  # (Hq, Hkv, Sq, Sk, causal): what each reaches in the driver
     (1, 1, 2, 70, False),  # a few rows, one item
     (4, 2, 1, 5000, False),  # decode with split KV: the parts merged, then the merged O overflows

@@ -68,16 +68,7 @@ static inline void row_to_f32(const char* src, DType dt, int64_t n, int64_t np, 
 }
 
 static inline void row_from_f32(const float* src, int64_t n, DType dt, char* dst) {
-  if (dt == DType::f32) {
-    std::memcpy(dst, src, size_t(n) * sizeof(float));
-    return;
-  }
-  uint16_t* h = reinterpret_cast<uint16_t*>(dst);
-  if (dt == DType::f16) {
-    for (int64_t i = 0; i < n; ++i) h[i] = cvt::f32_to_f16(src[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) h[i] = cvt::f32_to_bf16(src[i]);
-  }
+  store_row(src, n, dt, dst);  // (load-inl.h's: Real is float in every unit that has the rule)
 }
 
 // x (np floats, a multiple of W) scaled by `scale`, after an l2 normalisation if asked.

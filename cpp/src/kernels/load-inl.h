@@ -156,7 +156,9 @@ static void store_row(const Real* src, int64_t n, DType dtype, void* dst) {
     std::memcpy(dst, src, size_t(n) * sizeof(Real));
   } else if (dtype == DType::f16) {
     uint16_t* h = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) h[i] = cvt::f32_to_f16(src[i]);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) store_f16(h + i, load(src + i));
+    for (; i < n; ++i) h[i] = cvt::f32_to_f16(src[i]);
   } else {
     uint16_t* h = static_cast<uint16_t*>(dst);
     for (int64_t i = 0; i < n; ++i) h[i] = cvt::f32_to_bf16(src[i]);

@@ -47,6 +47,7 @@ static inline V exp(V x) { return exp256(x); }
 static inline V exp_small(V x) { return exp256<false>(x); }  // x <= 64 or NaN
 static inline V tanh(V x) { return tanh256(x); }
 static inline V load_f16(const uint16_t* p) { return load_f16_256(p); }
+static inline void store_f16(uint16_t* p, V x) { store_f16_256(p, x); }
 static inline V load_bf16(const uint16_t* p) { return load_bf16_256(p); }
 // bfloat16 in the "bf16 order" (vec_avx512.h): the even-indexed elements of W, then the odd ones,
 // by one load (the 16 bytes broadcast to both halves) and one byte shuffle.

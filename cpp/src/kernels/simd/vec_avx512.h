@@ -97,6 +97,16 @@ static inline V tanh(V x) { return join(tanh256(lo256(x)), tanh256(hi256(x))); }
 static inline V load_f16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// W float16s of x: store_f16_256's rounding and NaN, 16 at a time
+static inline void store_f16(uint16_t* p, V x) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512i canon =
+      _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0x80000000u))),
+                      _mm512_set1_epi32(0x7fc00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(_mm512_mask_blend_ps(nan, x, _mm512_castsi512_ps(canon)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 // W 1-byte KV codes: int8 as its value; fp8 as its float16 view (e4m3fn: the value / 256);
 // load_e4m3_finite: e4m3fn codes none of which is the NaN code, in fewer instructions
 static inline V load_i8(const int8_t* p) {

@@ -125,6 +125,16 @@ static inline void transpose8x8(const float* const* src, int64_t col, float* dst
 static inline __m256 load_f16_256(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+// 8 float16s of x, rounded to nearest even (F16C), the bits cvt::f32_to_f16 gives (checked over
+// every float): a NaN becomes the canonical quiet NaN with its sign, its payload dropped.
+static inline void store_f16_256(uint16_t* p, __m256 x) {
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 canon = _mm256_or_ps(_mm256_and_ps(x, _mm256_set1_ps(-0.f)),
+                                    _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(_mm256_blendv_ps(x, canon, nan),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 // transpose8x8 of float16 rows, widened as they are loaded (no fp32 copy of the rows)
 static inline void transpose8x8_f16(const uint16_t* const* src, int64_t col, float* dst,
                                     int64_t ldd) {

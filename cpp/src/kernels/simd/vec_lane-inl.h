@@ -36,6 +36,7 @@ static inline V exp(V x) { return std::exp(x); }
 static inline V exp_small(V x) { return std::exp(x); }  // x <= 64 or NaN
 static inline V tanh(V x) { return std::tanh(x); }
 static inline V load_f16(const uint16_t* p) { return cvt::f16_to_f32(*p); }
+static inline void store_f16(uint16_t* p, V x) { *p = cvt::f32_to_f16(float(x)); }
 static inline V load_bf16(const uint16_t* p) { return cvt::bf16_to_f32(*p); }
 // bfloat16 in the "bf16 order" (vec_avx512.h): with one lane, the natural one.
 static inline V load_bf16_ordered(const uint16_t* p) { return load_bf16(p); }

@@ -107,6 +107,11 @@ static inline V tanh(V x) {
 static inline V load_f16(const uint16_t* p) {
   return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
 }
+static inline void store_f16(uint16_t* p, V x) {  // cvt's rounding and NaN, lane by lane
+  float t[4];
+  vst1q_f32(t, x);
+  for (int i = 0; i < 4; ++i) p[i] = cvt::f32_to_f16(t[i]);
+}
 static inline V load_bf16(const uint16_t* p) {
   return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
 }
