@@ -14,9 +14,10 @@ namespace attnx::bind {
 [[noreturn]] void value_error(const std::string& msg) { throw py::value_error(msg); }
 [[noreturn]] void type_error(const std::string& msg) { throw py::type_error(msg); }
 
-// (No iostreams in the module: where a build links libstdc++ statically (seen on an Ubuntu 24.04
-// image, gcc 13) and another module loads the shared one, a stream's locale facets come from the
-// two copies and formatting a number segfaulted. std::to_string and snprintf use no locale object.)
+// (No iostreams in the module: built on an Ubuntu 24.04 image whose gcc 13 linked libstdc++
+// statically, `std::ostringstream << double` in a message segfaulted there instead of raising.
+// std::to_string and snprintf use no locale object. bench/NOTES.md, "A crash on an Ubuntu 24.04
+// image".)
 std::string shape_str(const py::array& a) {
   std::string s = "(";
   for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 import attnx
@@ -110,8 +111,6 @@ FP8_SCALE = 2.0**-5
 
 def _fp8_codes(pages):
     """e4m3 codes of bf16 pages at FP8_SCALE."""
-    import ml_dtypes
-
     return (pages.astype(np.float32) / FP8_SCALE).astype(ml_dtypes.float8_e4m3fn)
 
 
