@@ -15,7 +15,7 @@ namespace attnx::bind {
 [[noreturn]] void type_error(const std::string& msg) { throw py::type_error(msg); }
 
 // (No iostreams in the module: built on an Ubuntu 24.04 image whose gcc 13 linked libstdc++
-// statically, `std::ostringstream << double` in a message segfaulted there instead of raising.
+// statically, a string stream formatting a double in a message segfaulted there instead of raising.
 // std::to_string and snprintf use no locale object. bench/NOTES.md, "A crash on an Ubuntu 24.04
 // image".)
 std::string shape_str(const py::array& a) {
