@@ -48,6 +48,7 @@ constexpr float kL2Eps = 1e-6f;  // q / sqrt(sum q^2 + eps), as flash-linear-att
 static inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // ---- rows in and out ------------------------------------------------------------------------
+// (Out: load-inl.h's store_row, which every unit that runs the delta rule has with Real = float.)
 // n elements of src (dtype) to fp32 at dst, zero-padded to np.
 static inline void row_to_f32(const char* src, DType dt, int64_t n, int64_t np, float* dst) {
   int64_t i = 0;
@@ -65,10 +66,6 @@ static inline void row_to_f32(const char* src, DType dt, int64_t n, int64_t np, 
     }
   }
   for (; i < np; ++i) dst[i] = 0.f;
-}
-
-static inline void row_from_f32(const float* src, int64_t n, DType dt, char* dst) {
-  store_row(src, n, dt, dst);  // (load-inl.h's: Real is float in every unit that has the rule)
 }
 
 // x (np floats, a multiple of W) scaled by `scale`, after an l2 normalisation if asked.
@@ -585,7 +582,7 @@ static int64_t run_segment(const kern::DeltaHead& h, const float* src, int64_t t
   forward_substitute(n, Vp, c);
   float* o = c.x + kC * Vp;  // O = exp(G) Q S0 + P U
   gemm(n, Vp, n, c.p, kC, 1, c.u, Vp, o, Vp, {o, c.eg}, true);
-  for (int64_t i = 0; i < n; ++i) row_from_f32(o + i * Vp, h.V, h.dtype, h.out + (t0 + i) * h.o_st);
+  for (int64_t i = 0; i < n; ++i) store_row(o + i * Vp, h.V, h.dtype, h.out + (t0 + i) * h.o_st);
   products_state(h, n, src, c, next);
   return n;
 }
@@ -654,7 +651,7 @@ static void recurrent_token(const kern::DeltaHead& h, const float* src, int64_t 
     recurrent_cols<4>(src + j, h.S + j, h.lds, h.K, c.q, c.k, c.v + j, c.dec, beta, c.o + j);
   for (; j < Vp; j += W)
     recurrent_cols<1>(src + j, h.S + j, h.lds, h.K, c.q, c.k, c.v + j, c.dec, beta, c.o + j);
-  row_from_f32(c.o, h.V, h.dtype, h.out + t * h.o_st);
+  store_row(c.o, h.V, h.dtype, h.out + t * h.o_st);
 }
 
 // The whole sequence of G value heads that read the same q and k (T and the gate's kind are the

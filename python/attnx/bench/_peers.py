@@ -521,33 +521,43 @@ def _torch_of(torch, a):
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
+def _vllm_cache(vllm_mods, q, k_pages, v_pages, fp8_scales):
+    """attnx's pages copied once into a cache of vLLM's own layout, by its cache op (which writes
+    each token as vLLM's engine does: keys transposed or packed for its ISA). With ``fp8_scales``
+    ``(k_scale, v_scale)`` the pages are e4m3 codes with one scale per side (vLLM's ``"fp8"``
+    cache): the op quantises their dequantised values back to the same codes (powers of two as
+    scales make that exact). Returns the key and value caches, the ISA, vLLM's name of the cache
+    dtype and the scales."""
+    torch, ops, get_isa = vllm_mods
+    nb, hkv, bs, d = k_pages.shape
+    kind, scales = ("auto", (1.0, 1.0)) if fp8_scales is None else ("fp8", fp8_scales)
+    if kind == "fp8":
+        k_pages, v_pages = (
+            (p.astype(np.float32) * sc).astype(q.dtype)
+            for p, sc in ((k_pages, scales[0]), (v_pages, scales[1]))
+        )
+    dtype = torch.uint8 if kind == "fp8" else _torch_of(torch, k_pages[:1, :1, :1]).dtype
+    cache = torch.zeros((nb, hkv, bs, 2 * d), dtype=dtype)
+    kc, vc = cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
+    isa = get_isa(_torch_of(torch, np.empty(0, q.dtype)).dtype, bs, d, kind)  # (q's, in torch)
+    rows = lambda p: _torch_of(torch, p).permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)  # noqa: E731
+    slots = torch.arange(nb * bs, dtype=torch.int64)
+    ops.cpu_attn_reshape_and_cache(rows(k_pages), rows(v_pages), kc, vc, slots, isa, *scales, kind)
+    return kc, vc, isa, kind, scales
+
+
 def vllm_paged(
     vllm_mods, q, k_pages, v_pages, block_tables, seq_lens, q_lens, threads, fp8_scales=None
 ):
-    """vLLM's ``cpu_attention_with_kv_cache`` on the keys and values of attnx's pages, copied
-    once into a cache of vLLM's own layout (its cache op writes each token as vLLM's engine does:
-    keys transposed or packed for its ISA), with its scheduler metadata built once, as its
-    metadata builder does per batch. ``q`` (N, Hq, D) packed by ``q_lens``. With ``fp8_scales``
-    ``(k_scale, v_scale)``, the pages are e4m3 codes with one scale per side (vLLM's ``"fp8"``
-    cache): its cache op quantises the dequantised values back to the same codes (powers of two
-    as scales make that exact)."""
-    torch, ops, get_isa = vllm_mods
+    """vLLM's ``cpu_attention_with_kv_cache`` on the keys and values of attnx's pages (in its own
+    cache layout: ``_vllm_cache``, which says what ``fp8_scales`` means), with its scheduler
+    metadata built once, as its metadata builder does per batch. ``q`` (N, Hq, D) packed by
+    ``q_lens``."""
+    torch, ops, _ = vllm_mods
     torch.set_num_threads(threads)
-    nb, hkv, bs, d = k_pages.shape
+    hkv, d = k_pages.shape[1], k_pages.shape[3]
     tq = _torch_of(torch, q)
-    fp8 = {}
-    if fp8_scales is not None:
-        fp8 = dict(k_scale=fp8_scales[0], v_scale=fp8_scales[1], kv_cache_dtype="fp8")
-        k_pages = (k_pages.astype(np.float32) * fp8_scales[0]).astype(q.dtype)
-        v_pages = (v_pages.astype(np.float32) * fp8_scales[1]).astype(q.dtype)
-    dtype = torch.uint8 if fp8 else _torch_of(torch, k_pages[:1, :1, :1]).dtype
-    cache = torch.zeros((nb, hkv, bs, 2 * d), dtype=dtype)
-    kc, vc = cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
-    isa = get_isa(tq.dtype, bs, d, fp8.get("kv_cache_dtype"))
-    rows = lambda p: _torch_of(torch, p).permute(0, 2, 1, 3).reshape(nb * bs, hkv, d)  # noqa: E731
-    ops.cpu_attn_reshape_and_cache(
-        rows(k_pages), rows(v_pages), kc, vc, torch.arange(nb * bs, dtype=torch.int64), isa, **fp8
-    )
+    kc, vc, isa, kind, (k_scale, v_scale) = _vllm_cache(vllm_mods, q, k_pages, v_pages, fp8_scales)
     qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
     sl = torch.from_numpy(np.asarray(seq_lens, np.int32))
     bt = torch.from_numpy(np.asarray(block_tables, np.int32))
@@ -563,7 +573,7 @@ def vllm_paged(
         sliding_window_size=-1,
         isa=isa,
         enable_kv_split=False,
-        **({"kv_cache_dtype": "fp8"} if fp8 else {}),
+        kv_cache_dtype=kind,
     )
     out = torch.empty_like(tq)
 
@@ -583,7 +593,9 @@ def vllm_paged(
             softcap=0.0,
             scheduler_metadata=meta,
             s_aux=None,
-            **fp8,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            kv_cache_dtype=kind,
         )
 
     return Impl(fn, lambda: (fn(), out.float().numpy())[1])
