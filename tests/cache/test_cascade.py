@@ -108,6 +108,33 @@ def test_a_deep_fork_tree_is_planned_level_by_level():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_levels_and_tails_share_one_team(threads, dtype):
+    """Big enough that the shared levels run on a team (a prompt of ~600 tokens, forked twice and
+    each fork again four times, one or two new tokens each): the core runs the two levels and the
+    tails as stages of one region, the tails' short rows shared out over the team the levels woke.
+    The result equals the plain step's at every thread count."""
+    rng = np.random.default_rng(11)
+    cache = attnx.PagedKVCache(1, 2, 64, num_blocks=1024, block_size=16, dtype=dtype)
+    root = cache.new_sequence()
+    grow(cache, [root], [600], rng, 2, 64, 1)
+    mids = [root, cache.fork(root)]
+    grow(cache, mids, [40, 56], rng, 2, 64, 1)
+    leaves = [s if i == 0 else cache.fork(s) for s in mids for i in range(4)]
+    counts = [1 + i % 2 for i in range(len(leaves))]
+    step = cache.begin_step(leaves, counts)
+    assert max(len(g[0]) for g in step.shared_prefix) == 8 and len(step.shared_prefix) == 3
+    q = rng.standard_normal((step.num_tokens, 8, 64)).astype(np.float32)
+    kv = rng.standard_normal((step.num_tokens, 2, 64)).astype(np.float32)
+    got, lse = step.attend(0, q, kv, kv, return_lse=True, num_threads=threads)
+    want, want_lse = step.attend(
+        0, q, kv, kv, return_lse=True, num_threads=threads, shared_prefix=False
+    )
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=2e-5, atol=2e-5)
+
+
 def test_a_step_plans_its_groups_once(monkeypatch):
     """The groups are planned when the step first attends and reused by every layer: a later
     change of the policy does not change this step's plan (but does the next step's)."""

@@ -3,6 +3,7 @@
 #include "attention/cascade.h"
 
 #include <algorithm>
+#include <deque>
 #include <limits>
 #include <map>
 #include <memory>
@@ -212,12 +213,19 @@ void cascade_attend(const CascadePlan& plan, const PagedParams& p) {
   std::vector<float> lse(std::size_t(p.N * p.Hq), -std::numeric_limits<float>::infinity());
   const bool bf16 = float32_bf16_products();  // (one value for every part of the call)
   const Int8TilesRule tiles = int8_tiles_rule();
+  // The levels, then the tails, as stages of one region (detail::run_stages): the team wakes once,
+  // and the tails (one short row per query and head) share out over it.
+  std::deque<PagedParams> params;  // (stable addresses: each problem holds its parameters)
+  std::deque<SharedProblem> levels;
+  std::deque<detail::FlashStage<SharedProblem>> level_stages;
+  std::vector<detail::Stage<float>*> stages;
   for (std::size_t d = 0; d < plan.levels.size(); ++d) {
-    const PagedParams lp = level_params(p, plan.levels[d]);
-    SharedProblem level(lp, plan.levels[d], out.get(), lse.data(), d > 0);
-    level.bf16_products = bf16;
-    level.int8_tiles_rule = tiles;
-    detail::run_flash(level, nt);
+    params.push_back(level_params(p, plan.levels[d]));
+    levels.emplace_back(params.back(), plan.levels[d], out.get(), lse.data(), d > 0);
+    levels.back().bf16_products = bf16;
+    levels.back().int8_tiles_rule = tiles;
+    level_stages.emplace_back(levels.back(), nt);
+    stages.push_back(&level_stages.back());
   }
   PagedParams tp = p;  // the tails: causal, each row's shared part merged in before it is written
   tp.block_tables = plan.tail_table.data();
@@ -232,7 +240,9 @@ void cascade_attend(const CascadePlan& plan, const PagedParams& p) {
   detail::PagedProblem tails(tp);
   tails.bf16_products = bf16;
   tails.int8_tiles_rule = tiles;
-  detail::run_flash(tails, nt);
+  detail::FlashStage<detail::PagedProblem> tail_stage(tails, nt);
+  stages.push_back(&tail_stage);
+  detail::run_stages(stages.data(), stages.size());
 }
 
 }  // namespace attnx

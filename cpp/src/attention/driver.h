@@ -1,7 +1,8 @@
 // driver.h: the scheduling shared by dense and paged attention. A problem adapter
 // (problem.h) says where each query row, output row and KV row lives; run_flash plans the work
 // (plan.h), runs the ISA's flash kernel on each unit of items (with split-KV, on a slice of its
-// keys), merges the split parts and finalises the rows (attention/state.h). Everything is a
+// keys), merges the split parts and finalises the rows (attention/state.h). run_stages runs
+// several problems in turn on one team (the cascade's levels, then its tails). Everything is a
 // template on the problem's compute type T (P::Real): float, or double for float64 inputs, with its
 // own kernels (flash_kernels<T>) and per-thread scratch.
 #pragma once
@@ -12,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -431,37 +433,98 @@ class FlashRun {
   Partials<T> parts_;
 };
 
-// Runs attention for problem `p` (see FlashProblem) on up to num_threads threads.
+// One problem's work in a parallel region that may run several problems in turn (run_stages):
+// its plan, made by the caller, and its run (the shared packed K and the split-KV parts), made
+// when the stage starts by member 0, the calling thread, whose scratch holds the packed K (so the
+// stages of one region never hold it at once).
+template <class T>
+class Stage {
+ public:
+  virtual ~Stage() = default;
+  virtual const Plan& plan() const = 0;
+  virtual void open() = 0;   // member 0, before the stage runs
+  virtual void close() = 0;  // member 0, after every member has finished it
+  // Every member calls it; it returns once every member has finished the stage (a barrier).
+  virtual void run(Team& team, const ThreadBuffers<T>& tb, bool ok) = 0;
+};
+
 template <class P>
-void run_flash(const P& p, int num_threads) {
+class FlashStage final : public Stage<typename P::Real> {
+ public:
   using T = typename P::Real;
-  const Plan plan = make_plan(p, num_threads);
-  if (plan.items.empty()) return;
-  FlashRun<P> run(p, plan);
-  const ScratchLayout<T> layout(plan.max_group, plan.M_max, plan.Dkp, plan.Dvp);
+  FlashStage(const P& p, int num_threads) : p_(p), plan_(make_plan(p, num_threads)) {}
+  const Plan& plan() const override { return plan_; }
+  void open() override { run_.emplace(p_, plan_); }
+  void close() override { run_.reset(); }
+  void run(Team& team, const ThreadBuffers<T>& tb, bool ok) override {
+    team.for_dynamic(plan_.n_units() * plan_.nsplit, [&](int64_t w) {
+      if (ok) run_->run_unit(w, tb);
+    });
+    if (plan_.nsplit > 1)
+      team.for_static(plan_.n_items(), [&](int64_t ix) {
+        if (ok) run_->merge_item(ix, tb);
+      });
+  }
+
+ private:
+  const P& p_;
+  const Plan plan_;
+  std::optional<FlashRun<P>> run_;
+};
+
+// Runs the stages in order on one team (each starts once every member has finished the one
+// before, so a stage may read what earlier ones wrote): the team is woken once, on as many
+// threads as the widest stage's plan asks for, and each thread's scratch is sized once for them
+// all. A stage with no items is skipped.
+template <class T>
+void run_stages(Stage<T>* const* stages, std::size_t n) {
+  int nt = 0;
+  int64_t group = 1, M = 0, Dkp = 0, Dvp = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const Plan& plan = stages[i]->plan();
+    if (plan.items.empty()) continue;
+    nt = std::max(nt, plan.num_threads);
+    group = std::max(group, plan.max_group);
+    M = std::max(M, plan.M_max);
+    Dkp = std::max(Dkp, plan.Dkp);
+    Dvp = std::max(Dvp, plan.Dvp);
+  }
+  if (nt == 0) return;
+  const ScratchLayout<T> layout(group, M, Dkp, Dvp);
   TeamErrors errors;
-  parallel(plan.num_threads, [&](Team& team) {
+  parallel(nt, [&](Team& team) {
     ThreadBuffers<T> tb;
-    bool ok = true;
     try {
       tb = layout.carve(thread_scratch<T>());
     } catch (...) {
-      ok = false;
       errors.record();
     }
-    // Nothing is written until every thread has its scratch: a failed allocation anywhere
-    // leaves `out` untouched (the call raises MemoryError).
-    team.barrier();
-    ok = ok && !errors.failed();
-    team.for_dynamic(plan.n_units() * plan.nsplit, [&](int64_t w) {
-      if (ok) run.run_unit(w, tb);
-    });
-    if (plan.nsplit > 1)
-      team.for_static(plan.n_items(), [&](int64_t ix) {
-        if (ok) run.merge_item(ix, tb);
-      });
+    for (std::size_t i = 0; i < n; ++i) {
+      Stage<T>& stage = *stages[i];
+      if (stage.plan().items.empty()) continue;
+      if (team.id() == 0 && !errors.failed()) {
+        try {
+          stage.open();
+        } catch (...) {
+          errors.record();
+        }
+      }
+      // Nothing is written until every thread has its scratch and the stage its run: a failed
+      // allocation anywhere leaves the rest of the call's output untouched (MemoryError).
+      team.barrier();
+      stage.run(team, tb, !errors.failed());
+      if (team.id() == 0) stage.close();
+    }
   });
   errors.rethrow();
+}
+
+// Runs attention for problem `p` (see FlashProblem) on up to num_threads threads.
+template <class P>
+void run_flash(const P& p, int num_threads) {
+  FlashStage<P> stage(p, num_threads);
+  Stage<typename P::Real>* stages[] = {&stage};
+  run_stages(stages, 1);
 }
 
 }  // namespace detail
