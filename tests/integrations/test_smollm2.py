@@ -348,3 +348,36 @@ def test_quantised_kv_error_on_real_keys_and_values(smollm2, model, prompt_ids):
     # (deterministic inputs; measured 0.082, 0.167, 0.285: int8 suffers more here than on random
     # data: its largest key channels are about 5x the median one, and they set each row's scale)
     assert worst["int8"] < 0.15 and worst["float8_e4m3fn"] < 0.3 and worst["float8_e5m2"] < 0.5
+
+
+def test_hf_generate_random_weights_match_the_gguf_architecture():
+    """examples/hf_generate.py --random-weights stands in for the GGUF where it cannot be
+    installed: its constants are the GGUF's own architecture."""
+    pytest.importorskip("transformers")
+    import gguf
+    import hf_generate
+
+    cfg = smollm2_model.Config.from_gguf(gguf.GGUFReader(str(GGUF)))
+    arch = hf_generate.SMOLLM2_135M
+    assert (
+        arch["num_hidden_layers"],
+        arch["hidden_size"],
+        arch["intermediate_size"],
+        arch["num_attention_heads"],
+        arch["num_key_value_heads"],
+        arch["vocab_size"],
+        arch["max_position_embeddings"],
+        arch["rope_theta"],
+        arch["rms_norm_eps"],
+    ) == (
+        cfg.num_layers,
+        cfg.dim,
+        cfg.ffn_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.vocab_size,
+        cfg.context_length,
+        cfg.rope_base,
+        pytest.approx(cfg.rms_eps),
+    )
+    assert arch["hidden_size"] // arch["num_attention_heads"] == cfg.head_dim
