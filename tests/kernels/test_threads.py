@@ -126,7 +126,8 @@ def test_set_num_threads_caps_with_a_warning():
         ("100000", "cap"),
     ],
 )
-def test_default_follows_omp_num_threads_at_call_time(monkeypatch, env, expected):
+def test_default_follows_omp_num_threads_at_call_time(clean_env, env, expected):
+    monkeypatch = clean_env  # (ATTNX_NUM_THREADS, which comes first, unset)
     cpus = min(len(os.sched_getaffinity(0)), _core._max_threads())
     monkeypatch.setenv("OMP_NUM_THREADS", env)
     want = {None: cpus, "cap": _core._max_threads()}.get(expected, expected)
@@ -148,7 +149,7 @@ def test_default_follows_the_affinity_mask():
         "import os, attnx; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
         "print(attnx.get_num_threads())"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "ATTNX_NUM_THREADS")}
     r = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )
