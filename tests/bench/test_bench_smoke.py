@@ -628,3 +628,23 @@ def test_bf16_ratio_script_runs():
     assert res.returncode == 0, res.stderr
     for row in ("fp32 ", "fp32 bf16 products ", "bf16 "):
         assert f"\n  {row}" in res.stdout and "GFLOP/s), x fp32: best" in res.stdout, res.stdout
+
+
+def test_one_shot_script_runs_its_steps_and_logs_each(tmp_path):
+    # bench/one_shot.sh (a borrowed machine's unattended run): its machine step, under its own
+    # limit, with a line in steps.log; an unknown step is not run
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), STEPS="machine nosuchstep", PYTHON=sys.executable)
+    r = subprocess.run(
+        ["bash", os.path.join(root, "bench", "one_shot.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    steps = (out / "steps.log").read_text()
+    assert "machine: rc 0" in steps and "nosuchstep" not in steps
+    assert "nproc:" in (out / "machine.log").read_text()
