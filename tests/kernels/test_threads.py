@@ -189,6 +189,28 @@ def test_workers_are_reused_and_released_with_their_thread(own_pool):
     assert os_threads() == base
 
 
+@pytest.mark.parametrize("num_threads", [3, 6])
+def test_a_team_is_no_larger_than_its_pieces_of_work(own_pool, num_threads):
+    """One item over 512 keys (64 query rows, one head) is big enough for a team, and split-KV cuts
+    it into 2 parts (parts of at least 256 keys): the call wakes 2 threads however many it may
+    use, and the result is the same."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, 64, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 512, 64)).astype(np.float32)
+    one = attnx.attention(q, k, k, num_threads=1)
+    seen = []
+
+    def caller():  # a fresh thread: its pool holds the workers its calls' teams needed
+        seen.append((attnx.attention(q, k, k, num_threads=num_threads), _core._pool_threads()))
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join()
+    out, workers = seen[0]
+    assert workers == 1
+    np.testing.assert_allclose(out, one, rtol=1e-6, atol=1e-6)
+
+
 def test_sleeping_workers_give_the_same_bits():
     """ATTNX_SPIN_US=0: every wait sleeps on its futex at once (the path the default's waits take
     after their spin), through many back-to-back regions and barriers."""

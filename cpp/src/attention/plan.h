@@ -199,6 +199,8 @@ void plan_threads(const P& p, int num_threads, int64_t max_lk, Plan& plan) {
   plan.nsplit = 1;
   if (n_units < 2 * plan.num_threads && max_lk >= 2 * kMinSplitKeys)
     plan.nsplit = std::min(ceil_div(2 * plan.num_threads, n_units), max_lk / kMinSplitKeys);
+  // no more threads than pieces of work: the others would only wake and wait at the barriers
+  plan.num_threads = int(std::min<int64_t>(plan.num_threads, n_units * plan.nsplit));
 }
 
 // The plan of problem p on up to num_threads threads (no items: nothing to run).
