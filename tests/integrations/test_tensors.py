@@ -113,8 +113,9 @@ def test_numpy_in_numpy_out():
     assert type(attnx.attention(q, q, q)) is np.ndarray
 
 
-def test_requires_grad_is_refused_with_advice():
-    x = _rand(2, 3, 8).requires_grad_()
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_requires_grad_is_refused_with_advice(dtype):
+    x = _rand(2, 3, 8, dtype=dtype).requires_grad_()
     with pytest.raises(ValueError, match="no gradients.*scaled_dot_product_attention"):
         attnx.attention(x, x, x)
     with torch.no_grad():
@@ -123,10 +124,22 @@ def test_requires_grad_is_refused_with_advice():
         assert isinstance(attnx.attention(x, x, x), torch.Tensor)
 
 
-def test_other_device_is_refused_with_advice():
-    x = torch.empty(2, 3, 8, device="meta")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_other_device_is_refused_with_advice(dtype):
+    x = torch.empty(2, 3, 8, device="meta", dtype=dtype)
     with pytest.raises(ValueError, match=r"q: attnx runs on the CPU.*\.cpu\(\)"):
         attnx.attention(x, x, x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_negative_view_is_read_as_its_values(dtype):
+    # torch._neg_view sets the neg bit: numpy() and a view as int16 refuse it; attnx resolves it
+    x = _rand(2, 3, 8, dtype=dtype)
+    neg = torch._neg_view(x)
+    assert neg.is_neg()
+    got = attnx.attention(neg, x, x)
+    want = attnx.attention(-x, x, x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_every_entry_point_returns_tensors():

@@ -82,17 +82,28 @@ def _register_ops():
         load_torch_ops()
 
 
+@functools.cache
+def _bf16():
+    import ml_dtypes  # (a core dependency; imported when the first bfloat16 tensor comes)
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
 def _torch_to_numpy(t, name):
     # A decode loop calls this three or four times per layer and step. Tensor.numpy() refuses
     # every case below itself (another device, a sparse layout, requires_grad, a conj or neg
-    # bit, bfloat16), so the common case is that one call, and the checks below run only to say
-    # what to do (or to take the no-grad, bfloat16 and conj/neg cases that attnx can read).
+    # bit), so the common case is that one call (bfloat16: viewed as int16 first, once it is
+    # known not to require grad), and the checks below run only to say what to do (or to take
+    # the no-grad and conj/neg cases that attnx can read).
     torch = _torch()
-    if t.dtype is not torch.bfloat16:
-        try:
+    try:
+        if t.dtype is not torch.bfloat16:
             return t.numpy()
-        except (TypeError, RuntimeError):
-            pass
+        if not t.requires_grad:  # (an int16 view never requires grad: numpy() would take it)
+            # same element size, so the view keeps every stride: still no copy
+            return t.view(torch.int16).numpy().view(_bf16())
+    except (TypeError, RuntimeError):
+        pass
     if not t.is_cpu:
         raise ValueError(
             f"{name}: attnx runs on the CPU, got a tensor on {t.device}: move it with "
@@ -108,10 +119,7 @@ def _torch_to_numpy(t, name):
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        # same element size, so the view keeps every stride: still no copy
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.view(torch.int16).numpy().view(_bf16())
     try:
         return t.numpy()
     except (TypeError, RuntimeError) as exc:
