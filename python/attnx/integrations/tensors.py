@@ -89,6 +89,12 @@ def _bf16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def _bf16_view(t, torch):
+    """A bfloat16 tensor as ml_dtypes.bfloat16, through an int16 view: the same element size, so
+    every stride is kept and nothing is copied."""
+    return t.view(torch.int16).numpy().view(_bf16())
+
+
 def _torch_to_numpy(t, name):
     # A decode loop calls this three or four times per layer and step. Tensor.numpy() refuses
     # every case below itself (another device, a sparse layout, requires_grad, a conj or neg
@@ -100,8 +106,7 @@ def _torch_to_numpy(t, name):
         if t.dtype is not torch.bfloat16:
             return t.numpy()
         if not t.requires_grad:  # (an int16 view never requires grad: numpy() would take it)
-            # same element size, so the view keeps every stride: still no copy
-            return t.view(torch.int16).numpy().view(_bf16())
+            return _bf16_view(t, torch)
     except (TypeError, RuntimeError):
         pass
     if not t.is_cpu:
@@ -119,7 +124,7 @@ def _torch_to_numpy(t, name):
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(_bf16())
+        return _bf16_view(t, torch)
     try:
         return t.numpy()
     except (TypeError, RuntimeError) as exc:
