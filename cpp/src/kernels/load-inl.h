@@ -227,6 +227,17 @@ static inline void prefetch_row(const char* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
 
+// The scales of rows j0 .. j0+n-1 of a quantised source, prefetched: a page's scales are a line
+// of their own, apart from its rows, so a tile that reads them cold waits for memory once per page.
+static inline void prefetch_scales(const kern::KVSource& s, int64_t j0, int64_t n) {
+  if (s.scale == nullptr) return;
+  const int64_t rs = s.scale_row_stride;
+  each_run(s, j0, n, [&](int64_t, int64_t page, int64_t off, int64_t run) {
+    const float* p = s.scale + (page < 0 ? 0 : page * s.scale_block_stride) + off * rs;
+    prefetch_row(reinterpret_cast<const char*>(p), ((run - 1) * rs + 1) * int64_t(sizeof(float)));
+  });
+}
+
 // Element types of K/V rows read in place by the decode kernels: fp16 and bf16 rows are widened
 // in registers as they are loaded (no fp32 copy of the tile). Row pointers are kept as
 // `const Real*` and only ever dereferenced as the row's real type.

@@ -73,6 +73,8 @@ static NextRows next_rows(const Ahead& ahead, const Scratch& sc) {
     nx.v = sc.vaddr + kTileK;
     kv_rows(*ahead.k, ahead.j, nx.n, nx.k);
     kv_rows(*ahead.v, ahead.j, nx.n, nx.v);
+    prefetch_scales(*ahead.k, ahead.j, nx.n);
+    prefetch_scales(*ahead.v, ahead.j, nx.n);
   }
   return nx;
 }
