@@ -690,7 +690,7 @@ def test_step_quantises_exactly_as_the_reference(src, dtype):
     k[3, 0] = 1e-44 if src is np.float32 else 0.0
     # ties: the row's largest is 127 * 2^-3, so s = 2^-3 exactly and x / s lands on j + 1/2, which
     # rounds half to even (int8: 0.5 -> 0, -1.5 -> -2, 2.5 -> 2, 38.5 -> 38)
-    halves = (np.arange(39) % 127 + 0.5) * np.where(np.arange(39) % 2, -1.0, 1.0)
+    halves = (np.arange(39) + 0.5) * np.where(np.arange(39) % 2, -1.0, 1.0)
     k[4, 1] = np.concatenate([[127.0], halves]) / 8
     k[5, 2] = np.concatenate([[-127.0], np.linspace(-126.5, 126.5, 39)]) / 8
     k = k.astype(src)
