@@ -72,6 +72,11 @@ static inline void kv_rows(const kern::KVSource& s, int64_t j0, int64_t n, const
   });
 }
 
+// The scale of slot `off` of `page` (each_run's arguments) in a quantised source's scale pages.
+static inline const float* scale_at(const kern::KVSource& s, int64_t page, int64_t off) {
+  return s.scale + (page < 0 ? 0 : page * s.scale_block_stride) + off * s.scale_row_stride;
+}
+
 // The scales of rows j0 .. j0+n-1 of a quantised source (1 without a scale pointer).
 static inline void kv_scales(const kern::KVSource& s, int64_t j0, int64_t n, float* out) {
   if (s.scale == nullptr) {
@@ -80,7 +85,7 @@ static inline void kv_scales(const kern::KVSource& s, int64_t j0, int64_t n, flo
   }
   const int64_t rs = s.scale_row_stride;
   each_run(s, j0, n, [&](int64_t t, int64_t page, int64_t off, int64_t run) {
-    const float* p = s.scale + (page < 0 ? 0 : page * s.scale_block_stride) + off * rs;
+    const float* p = scale_at(s, page, off);
     for (int64_t k = 0; k < run; ++k) out[t + k] = p[k * rs];
   });
 }
@@ -233,8 +238,8 @@ static inline void prefetch_scales(const kern::KVSource& s, int64_t j0, int64_t 
   if (s.scale == nullptr) return;
   const int64_t rs = s.scale_row_stride;
   each_run(s, j0, n, [&](int64_t, int64_t page, int64_t off, int64_t run) {
-    const float* p = s.scale + (page < 0 ? 0 : page * s.scale_block_stride) + off * rs;
-    prefetch_row(reinterpret_cast<const char*>(p), ((run - 1) * rs + 1) * int64_t(sizeof(float)));
+    prefetch_row(reinterpret_cast<const char*>(scale_at(s, page, off)),
+                 ((run - 1) * rs + 1) * int64_t(sizeof(float)));
   });
 }
 
