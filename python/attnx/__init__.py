@@ -78,11 +78,12 @@ def cpu_features() -> dict[str, bool | str]:
     Returns a dict: ``{"sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
     "avx512bf16", "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
     "amx_fp16", "amx_permitted", "neon", "dotprod", "bf16", "i8mm", "sve": bool, "isa": "scalar"
-    | "avx2" | "avx512" | "avx512bf16" | "amx" | "neon" | "neon-bf16"}`` (the x86 flags are false on ARM, the
+    | "avx2" | "avx512" | "avx512bf16" | "amx" | "amx-emulated" | "neon" | "neon-bf16"}`` (the x86 flags are false on ARM, the
     ARM ones on x86). ``amx_permitted``: the OS granted this process the AMX tile state. The
     path is the fastest the CPU supports, measured (README "Platforms"), unless ``ATTNX_ISA``
     forced one at import. ``avx512bf16`` is ``avx512`` with bf16 dot products (AVX512_BF16) for
-    prefill over bfloat16 q, k and v, ``amx`` the same with AMX tile products;
+    prefill over bfloat16 q, k and v, ``amx`` the same with AMX tile products (``amx-emulated``,
+    forced only: the same tile loop over emulated tiles, for tests on CPUs without AMX);
     ``ATTNX_ISA=avx512`` keeps bfloat16 on the float32-widening kernels. ``neon`` is the path of
     every aarch64 CPU (Advanced SIMD), ``neon-bf16`` the same with BFDOT for bfloat16 prefill
     and SDOT for integer queries, where the CPU has BF16 and DotProd. ``bf16_products``: the

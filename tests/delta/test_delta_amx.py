@@ -1,5 +1,6 @@
 """The amx path's chunked gated delta rule over bf16 inputs: its products against the state run on
-AMX-BF16 tiles (cpp/src/kernels/delta_amx-inl.h), with operands packed as bf16 pairs into whole
+AMX-BF16 tiles (cpp/src/kernels/delta_amx-inl.h; the amx-emulated path runs the same code over
+emulated tiles), with operands packed as bf16 pairs into whole
 16 x 32 tiles. The shapes here put data at every edge of that layout (chunks of fewer than 16
 tokens and odd ones, K and V not multiples of 32, K != V, a state whose rows end inside a tile),
 and the gates at its semantics' edges (exact zeros, resets, packed sequences). Tolerance:
@@ -12,19 +13,19 @@ import pytest
 
 import attnx
 
-from helpers import BF16, check_delta_rule, has_amx
-
-pytestmark = pytest.mark.skipif(
-    not has_amx(), reason="CPU lacks AMX-BF16, or the OS did not grant the tile state"
-)
+from helpers import BF16, bf16_product_skip, check_delta_rule
 
 
-@pytest.fixture
-def amx():
+@pytest.fixture(params=["amx", "amx-emulated"])
+def amx(request):
+    """The amx path, and its tile loop over emulated tiles (any CPU with AVX512_BF16)."""
+    reason = bf16_product_skip(request.param)
+    if reason:
+        pytest.skip(reason)
     previous = attnx.cpu_features()["isa"]
-    attnx._core.set_isa("amx")
+    attnx._core.set_isa(request.param)
     try:
-        yield
+        yield request.param
     finally:
         attnx._core.set_isa(previous)
 

@@ -52,6 +52,7 @@ from helpers.delta import (
 )
 from helpers.isa import (
     BF16_DOT_GAIN,
+    BF16_ISAS,
     BF16_PRODUCT_ISAS,
     ISAS,
     WIDENING_TWIN,
@@ -78,6 +79,7 @@ from helpers.tolerance import (
 __all__ = [
     "BF16",
     "BF16_DOT_GAIN",
+    "BF16_ISAS",
     "BF16_PRODUCT_ISAS",
     "DELTA_ERR_FACTOR",
     "DELTA_ULPS",

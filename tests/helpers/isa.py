@@ -72,10 +72,17 @@ def has_amx(f=None):
 
 
 # The paths that compute bf16 prefill with bf16 products (and round P to bf16 before P V).
-BF16_PRODUCT_ISAS = ("avx512bf16", "amx", "neon-bf16")
+# amx-emulated is amx's tile loop over emulated tiles (int8_tiles-inl.h EmuTiles): not a path
+# for use, so not in ISAS, but the bf16 product tests run it wherever AVX512_BF16 is.
+BF16_PRODUCT_ISAS = ("avx512bf16", "amx", "amx-emulated", "neon-bf16")
 # Each one's float32-widening twin: every other call (dtypes, decode) gives its results bit for
 # bit, and so do integer queries, whose integer dot products give the FMAs' exact sums.
-WIDENING_TWIN = {"avx512bf16": "avx512", "amx": "avx512", "neon-bf16": "neon"}
+WIDENING_TWIN = {
+    "avx512bf16": "avx512",
+    "amx": "avx512",
+    "amx-emulated": "avx512",
+    "neon-bf16": "neon",
+}
 
 
 def widening_path():
@@ -99,6 +106,17 @@ def bf16_product_skip(name):
 BF16_DOT_GAIN = 1.25
 
 ISAS = supported_isas()
+
+
+def bf16_isas():
+    """The bf16 product paths under test: those in ISAS, and amx-emulated wherever the CPU has
+    AVX512_BF16 and no ATTNX_ISA narrows the run to one path."""
+    forced = os.environ.get("ATTNX_ISA", "").strip()
+    emulated = "amx-emulated" if not forced and bf16_product_skip("amx-emulated") is None else None
+    return [i for i in BF16_PRODUCT_ISAS if i in ISAS or i == emulated]
+
+
+BF16_ISAS = bf16_isas()
 
 
 def best_isa():

@@ -28,9 +28,9 @@ from attnx import reference as ref
 from helpers import (
     BF16,
     BF16_DOT_GAIN,
+    BF16_ISAS,
     BF16_PRODUCT_ISAS,
     EMUL_MAX_RATIO,
-    ISAS,
     PREFILL_SHAPES,
     TORCH_RATIO,
     assert_flash_rule,
@@ -78,7 +78,7 @@ def test_selected_at_import_and_forceable():
     products only where they out-run float32 FMAs; on aarch64 neon-bf16 wherever the CPU has
     BF16 and DotProd); every path the CPU has can be forced."""
     assert _isa_in_child(None)[:2] == (0, best_isa())
-    for name in [i for i in BF16_PRODUCT_ISAS if i in ISAS] + [WIDENING]:
+    for name in BF16_ISAS + [WIDENING]:
         assert _isa_in_child(name)[:2] == (0, name)
 
 
@@ -160,7 +160,7 @@ def test_avx512_keeps_fp32_widening(rng, causal):
     got = on_isa(WIDENING, lambda: attnx.attention(q, k, v, causal=causal, return_lse=True))
     np.testing.assert_array_equal(got[0], want[0].astype(BF16))
     np.testing.assert_array_equal(got[1], want[1])
-    for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
+    for isa in BF16_ISAS:
         fast = on_isa(isa, lambda: attnx.attention(q, k, v, causal=causal))
         assert not np.array_equal(fast, got[0]), f"{isa} did not take its own path"
 
@@ -174,7 +174,7 @@ def test_other_dtypes_match_avx512(rng, dtype):
     k = rand(rng, (1, 2, 90, 48), dtype)
     v = rand(rng, (1, 2, 90, 40), dtype)
     a = on_isa(WIDENING, lambda: attnx.attention(q, k, v, causal=True))
-    for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
+    for isa in BF16_ISAS:
         np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v, causal=True)))
 
 
@@ -183,7 +183,7 @@ def test_bf16_decode_matches_avx512(rng):
     q = rand(rng, (3, 8, 1, 64), BF16)
     k, v = (rand(rng, (3, 2, 300, 64), BF16) for _ in range(2))
     a = on_isa(WIDENING, lambda: attnx.attention(q, k, v))
-    for isa in [i for i in BF16_PRODUCT_ISAS if i in ISAS]:
+    for isa in BF16_ISAS:
         np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v)))
 
 
@@ -390,3 +390,25 @@ def test_amx_in_forked_children_and_threads(rng):
         attnx._core.set_isa(previous)
     for r in results:
         np.testing.assert_array_equal(r, want)
+
+
+@pytest.mark.skipif(
+    not has_amx(), reason="CPU lacks AMX-BF16, or the OS did not grant the tile state"
+)
+@pytest.mark.parametrize(
+    "shape", [(1, 4, 1, 300, 300, 64, 64), (1, 8, 2, 70, 1100, 128, 96)], ids=str
+)
+def test_emulated_tiles_match_the_tiles(rng, shape):
+    """amx-emulated runs the amx path's tile loop over int8_tiles-inl.h's EmuTiles: on a CPU
+    with the tiles the two give the same outputs to the output's bf16 rounding (the hardware
+    sums each tile product in its own order; the emulation in the instruction's documented
+    one)."""
+    B, hq, hkv, sq, sk, dk, dv = shape
+    q = rand(rng, (B, hq, sq, dk), BF16)
+    k = rand(rng, (B, hkv, sk, dk), BF16)
+    v = rand(rng, (B, hkv, sk, dv), BF16)
+    hw = on_isa("amx", lambda: attnx.attention(q, k, v, causal=True))
+    emu = on_isa("amx-emulated", lambda: attnx.attention(q, k, v, causal=True))
+    np.testing.assert_allclose(
+        emu.astype(np.float32), hw.astype(np.float32), rtol=2.0**-6, atol=2.0**-8
+    )

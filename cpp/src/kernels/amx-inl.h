@@ -4,7 +4,10 @@
 // isa_amx.cpp includes it after the flash stages (load-inl.h .. probes-inl.h) and bf16_dot-inl.h,
 // inside the same namespace: the packed layouts (Q, K and V as bf16 pairs: pack_q_bf16,
 // pack_k_bf16, pack_v_bf16), the masks, the online softmax and the P rounding are theirs; only the
-// two products move to tiles.
+// two products move to tiles. isa_avx512bf16.cpp includes it the same way, without
+// ATTNX_AMX_TILES: there the tiles are int8_tiles-inl.h's EmuTiles (the same layouts, loads,
+// stores and tdpbf16ps sums in plain C++), the `amx-emulated` path that tests this loop on CPUs
+// without AMX.
 //
 // Numerics: those of bf16_dot-inl.h (README "dtypes"): the same products, each exact in fp32,
 // summed in fp32 in the tiles' order; P rounded to bf16 before P V; O accumulated in fp32. The
@@ -16,7 +19,8 @@
 // tile products. Row blocks past M read zero rows of a padded copy (Q) or land in a staging copy
 // (O), so a tile never reads or writes past an array.
 
-// The including file provides <immintrin.h> (compiled with -mamx-tile -mamx-bf16).
+// The including file provides <immintrin.h> and <utility> (compiled with -mamx-tile -mamx-bf16
+// where it defines ATTNX_AMX_TILES).
 
 namespace {
 
@@ -69,42 +73,62 @@ static AmxScratch& amx_scratch() {
   return sc;
 }
 
+// ---- The tiles: the hardware's (configured by a TileScope), or their emulation, per thread. The
+// hardware's loads and stores are int8_tiles-inl.h's inline assembly, which tells the compiler
+// they read and write memory (GCC's _tile_loadd and _tile_stored do not: the vector stores of P
+// could be moved past the tile loads that read it).
+#if defined(ATTNX_AMX_TILES)
+using BfTiles = AmxTiles;
+using BfScope = TileScope;
+#else
+using BfTiles = EmuTiles;
+struct BfScope {};
+#endif
+static BfTiles& bf_tiles() {
+  static thread_local BfTiles t;
+  return t;
+}
+
 // ---- The accumulator block: four float32 tiles (0..3) over 32 rows x 32 columns of C, where c is
 // its first element and ldc its floats a row; tiles 4..7 carry A's two 16-row blocks and B's two
 // 16-column halves through one 16-pair block of the reduction.
 // -------------------------------------
 static inline void c_tiles_zero() {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  BfTiles& t = bf_tiles();
+  t.zero<0>();
+  t.zero<1>();
+  t.zero<2>();
+  t.zero<3>();
 }
 
 static inline void c_tiles_load(const float* c, int64_t ldc) {
-  _tile_loadd(0, c, ldc * 4);
-  _tile_loadd(1, c + kTilePairs, ldc * 4);
-  _tile_loadd(2, c + kTileRows * ldc, ldc * 4);
-  _tile_loadd(3, c + kTileRows * ldc + kTilePairs, ldc * 4);
+  BfTiles& t = bf_tiles();
+  t.load<0>(c, ldc * 4);
+  t.load<1>(c + kTilePairs, ldc * 4);
+  t.load<2>(c + kTileRows * ldc, ldc * 4);
+  t.load<3>(c + kTileRows * ldc + kTilePairs, ldc * 4);
 }
 
 static inline void c_tiles_store(float* c, int64_t ldc) {
-  _tile_stored(0, c, ldc * 4);
-  _tile_stored(1, c + kTilePairs, ldc * 4);
-  _tile_stored(2, c + kTileRows * ldc, ldc * 4);
-  _tile_stored(3, c + kTileRows * ldc + kTilePairs, ldc * 4);
+  BfTiles& t = bf_tiles();
+  t.store<0>(c, ldc * 4);
+  t.store<1>(c + kTilePairs, ldc * 4);
+  t.store<2>(c + kTileRows * ldc, ldc * 4);
+  t.store<3>(c + kTileRows * ldc + kTilePairs, ldc * 4);
 }
 
 // C += A B over one 16-pair block: a is the block's first pair in A's first row (lda pairs a row),
 // b its first pair in B (ldb pairs a row, one row per pair of the reduction).
 static inline void c_tiles_dp(const Pair* a, int64_t lda, const Pair* b, int64_t ldb) {
-  _tile_loadd(4, a, lda * 4);
-  _tile_loadd(5, a + kTileRows * lda, lda * 4);
-  _tile_loadd(6, b, ldb * 4);
-  _tile_loadd(7, b + kTilePairs, ldb * 4);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_dpbf16ps(2, 5, 6);
-  _tile_dpbf16ps(3, 5, 7);
+  BfTiles& t = bf_tiles();
+  t.load<4>(a, lda * 4);
+  t.load<5>(a + kTileRows * lda, lda * 4);
+  t.load<6>(b, ldb * 4);
+  t.load<7>(b + kTilePairs, ldb * 4);
+  t.dp_bf16<0, 4, 6>();
+  t.dp_bf16<1, 4, 7>();
+  t.dp_bf16<2, 5, 6>();
+  t.dp_bf16<3, 5, 7>();
 }
 
 // ---- S = Q K^T (unscaled) for rows [0, M) rounded up to 32, all kTileK keys of one tile -------
@@ -487,11 +511,13 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
 static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
                       int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
                       const kern::Scratch& sc, const kern::FlashState& st) {
+#if defined(ATTNX_AMX_TILES)
   if (rs.int8_tiles == Int8Tiles::amx) {  // integer queries: Q K^T on int8 tiles
     TileScope tiles;
     flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
     return;
   }
+#endif
   if (!bf16_prefill(rs, ks, vs, Dk)) {
     flash(rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);  // (tile-inl.h's, this unit's)
     return;
@@ -502,7 +528,7 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
   const float qscale = pack_query(rs, Dkp, ax.qb);
   const int Mr = int(round_up(rs.M, 2 * kTileRows));
   std::memset(ax.qb + rs.M * (Dkp / 2), 0, sizeof(Pair) * std::size_t((Mr - rs.M) * (Dkp / 2)));
-  TileScope tiles;
+  BfScope tiles;
   for (int64_t j0 = j_begin; j0 < j_end;) {
     if (const int64_t blocks = wide_run(rs, j0, j_end, softcap, qscale, st)) {
       flash_wide_amx(rs, ax.qb, qscale, ks, vs, j0, blocks, Dk, Dv, sc, st, ax);
@@ -515,8 +541,9 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
   }
 }
 
+#if defined(ATTNX_AMX_TILES)
 // The table's `flash_group` (decode groups): tile-inl.h's, inside a TileScope where an item's
-// integer queries take the int8 tiles.
+// integer queries take the int8 tiles. (The emulation's table keeps tile-inl.h's own.)
 static void flash_group_amx(int n, const kern::RowSet* rs, const kern::KVSource* ks,
                             const kern::KVSource* vs, int64_t j_begin, int64_t j_end, int64_t Dk,
                             int64_t Dv, float softcap, const kern::Scratch& sc,
@@ -530,5 +557,6 @@ static void flash_group_amx(int n, const kern::RowSet* rs, const kern::KVSource*
   TileScope scope;
   flash_group(n, rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
 }
+#endif
 
 }  // namespace

@@ -3,7 +3,8 @@
 // of one key in each 32 bits), and the tiles' portable emulation (EmuTiles: the same layouts,
 // loads, stores and integer sums in plain C++), so the packing and the tiling run and are tested
 // on every CPU. The hardware tiles (AmxTiles) exist where the including unit defines
-// ATTNX_AMX_INT8 (isa_amx.cpp, compiled with -mamx-tile -mamx-int8).
+// ATTNX_AMX_TILES (isa_amx.cpp, compiled with -mamx-tile -mamx-int8 -mamx-bf16). Both also
+// carry AMX-BF16's product (dp_bf16), which amx-inl.h's tile loop runs on.
 //
 // Numerics: each score is the exact integer sum q_q . k_q (int32; exact in Real for Dk < 1040),
 // times the key's scale, then (tile-inl.h qk_tile) times the row's factor: the float operations
@@ -16,7 +17,7 @@
 // codes k[j][4g .. 4g + 3] (zeros past Dk and past the tile's keys), kTileK 32-bit quads a row, one
 // row per quad of features; a tile's 16 columns are 16 keys, its 16 rows 64 features. Included
 // after pv-inl.h, before tile-inl.h (whose qk_tile calls qk_int8_tiles), inside the unit's
-// namespace; the including file provides <cstring> and <vector>.
+// namespace; the including file provides <cmath>, <cstring>, <limits> and <vector>.
 
 namespace {
 
@@ -57,9 +58,43 @@ struct EmuTiles {
         t[C][m * kTileCols + n] += sum;
       }
   }
+  // tdpbf16ps: C[m][n] (fp32) += A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1] over the 16 pairs
+  // k of a row, one fp32 addition per product in that order (each product of two bf16 is exact
+  // in fp32), with the instruction's DAZ and FTZ: subnormal bf16 inputs read as zero, and a
+  // subnormal sum becomes zero (of its sign).
+  template <int C, int A, int B>
+  void dp_bf16() {
+    uint16_t a[kTileRows * 2 * kTilePairsBf16], b[kTileRows * 2 * kTilePairsBf16];
+    float c[kTileRows * kTileCols];
+    std::memcpy(a, t[A], sizeof a);
+    std::memcpy(b, t[B], sizeof b);
+    std::memcpy(c, t[C], sizeof c);
+    for (int m = 0; m < kTileRows; ++m)
+      for (int n = 0; n < kTileCols; ++n) {
+        float acc = c[m * kTileCols + n];
+        for (int k = 0; k < kTilePairsBf16; ++k)
+          for (int i = 0; i < 2; ++i)
+            acc = ftz(acc + daz(a[m * 2 * kTilePairsBf16 + 2 * k + i]) *
+                                daz(b[k * 2 * kTilePairsBf16 + 2 * n + i]));
+        c[m * kTileCols + n] = acc;
+      }
+    std::memcpy(t[C], c, sizeof c);
+  }
+
+ private:
+  static constexpr int kTilePairsBf16 = kQuadRow / 4;  // bf16 pairs in a tile row
+  static float daz(uint16_t h) {                       // a bf16's value, zero for a subnormal one
+    const uint32_t u = (h & 0x7f80u) == 0 ? uint32_t(h & 0x8000u) << 16 : uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  static float ftz(float x) {
+    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.f, x) : x;
+  }
 };
 
-#if defined(ATTNX_AMX_INT8)
+#if defined(ATTNX_AMX_TILES)
 // The palette-1 configuration of every tile: 16 rows of 64 bytes (AMX-BF16's tiles too).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -118,6 +153,14 @@ struct AmxTiles {
   void dp() {
     asm volatile(
         "{tdpbssd\t%%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbssd\t%%tmm%c0, %%tmm%c1, %%tmm%c2}" ::"i"(C),
+        "i"(A), "i"(B));
+  }
+  // C += A B (tdpbf16ps: bf16 pairs, fp32 sums)
+  template <int C, int A, int B>
+  void dp_bf16() {
+    asm volatile(
+        "{tdpbf16ps\t%%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbf16ps\t%%tmm%c0, %%tmm%c1, %%tmm%c2}" ::"i"(
+            C),
         "i"(A), "i"(B));
   }
 };
@@ -282,7 +325,7 @@ static void qk_i8_tiles(Tiles& t, const RowSet& rs, const kern::KVSource& ks, in
 // this unit has them (the caller holds a TileScope), else the emulation.
 static void qk_int8_tiles(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int64_t n,
                           int64_t Dk, const Scratch& sc) {
-#if defined(ATTNX_AMX_INT8)
+#if defined(ATTNX_AMX_TILES)
   if (rs.int8_tiles == Int8Tiles::amx) {
     AmxTiles hw;
     qk_i8_tiles(hw, rs, ks, j0, n, Dk, sc);

@@ -1,6 +1,7 @@
 // isa_amx.cpp: the avx512 kernels, with AMX-BF16 tile products for prefill over bf16 q, k and v
-// (amx-inl.h), and for integer queries over int8 keys AMX-INT8 tiles (int8_tiles-inl.h,
-// ATTNX_AMX_INT8) where dispatch.cpp's int8_tiles says, else AVX512-VNNI (qk-inl.h). Every
+// (amx-inl.h), and for integer queries over int8 keys AMX-INT8 tiles (int8_tiles-inl.h) where
+// dispatch.cpp's int8_tiles says, else AVX512-VNNI (qk-inl.h). ATTNX_AMX_TILES: this unit runs
+// the hardware tiles (isa_avx512bf16.cpp compiles amx-inl.h over their emulation). Every
 // other call runs the float32-widening flash stages, bit for bit what ATTNX_ISA=avx512 computes.
 // The gated delta rule is avx512's (delta-inl.h) but for bf16 chunked calls, whose products
 // against the state run on AMX-BF16 tiles (delta_amx-inl.h).
@@ -18,7 +19,7 @@
 #include <vector>
 
 #define ATTNX_INT8_DOT 1
-#define ATTNX_AMX_INT8 1
+#define ATTNX_AMX_TILES 1
 
 #include "kernels/delta_kernels.h"
 #include "kernels/carve.h"

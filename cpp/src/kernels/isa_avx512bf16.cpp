@@ -2,7 +2,10 @@
 // for prefill over bf16 q, k and v (bf16_dot-inl.h), and AVX512-VNNI's integer dot products for
 // integer queries over int8 keys (qk-inl.h, ATTNX_INT8_DOT), both in simd/dot_avx512.h. Every
 // other call runs the flash stages as isa_avx512.cpp does: the same code, bit for bit the same
-// results. CMake compiles this file with -mavx512bf16 -mavx512vnni besides the avx512 flags;
+// results. amx-inl.h's tile loop and delta_amx-inl.h's products are compiled here too, over the
+// tiles' emulation (no ATTNX_AMX_TILES): isa_amx_emulated(), a path for tests, the amx path's
+// layouts and tdpbf16ps sums on CPUs without AMX, far slower than either.
+// CMake compiles this file with -mavx512bf16 -mavx512vnni besides the avx512 flags;
 // dispatch.cpp uses isa_avx512bf16() only on CPUs that have AVX512_BF16, AVX512-VNNI and
 // AVX512BW/VL (which dot_avx512.h's masked 16-bit loads use; every CPU with AVX512_BF16 has all
 // three).
@@ -12,10 +15,12 @@
 #include <immintrin.h>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #define ATTNX_INT8_DOT 1
 
+#include "kernels/delta_kernels.h"
 #include "kernels/carve.h"
 #include "kernels/tables.h"
 #include "attention/state.h"
@@ -34,6 +39,13 @@ namespace dot = avx512::dot;
 #include "kernels/tile-inl.h"
 #include "kernels/probes-inl.h"
 #include "kernels/bf16_dot-inl.h"
+#include "kernels/amx-inl.h"
+namespace delta {  // the delta rule with its bf16 chunked products on the emulated tiles
+#define ATTNX_DELTA_TILES 1
+#include "kernels/delta_amx-inl.h"
+#include "kernels/delta-inl.h"
+#undef ATTNX_DELTA_TILES
+}  // namespace delta
 }  // namespace avx512bf16
 
 namespace kern {
@@ -80,6 +92,20 @@ const IsaTables* isa_avx512bf16() {
     return t;
   }();
   static const IsaTables isa{"avx512bf16", &flash, isa_avx512()->delta, &probes, true};
+  return &isa;
+}
+
+const IsaTables* isa_amx_emulated() {
+  // isa_amx()'s tables with the tiles emulated: amx-inl.h's flash for bf16 prefill, the rest the
+  // float32-widening kernels (VNNI for integer queries; int8 tiles as set_int8_tiles says), and
+  // the delta rule with delta_amx-inl.h's products for bf16 chunked calls
+  static const FlashKernels<float> flash = [] {
+    FlashKernels<float> t = *isa_avx512bf16()->flash;
+    t.flash = &avx512bf16::flash_amx;
+    return t;
+  }();
+  static const DeltaKernels delta{&avx512bf16::delta::delta_heads};
+  static const IsaTables isa{"amx-emulated", &flash, &delta, isa_avx512bf16()->probes, true};
   return &isa;
 }
 }  // namespace kern

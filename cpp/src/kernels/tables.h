@@ -185,10 +185,11 @@ struct IsaTables {
 const IsaTables* isa_scalar();
 const IsaTables* isa_avx2();
 const IsaTables* isa_avx512();
-const IsaTables* isa_avx512bf16();  // avx512, with bf16 dot products for bf16 prefill
-const IsaTables* isa_amx();         // avx512, with AMX-BF16 tile products for bf16 prefill
-const IsaTables* isa_neon();        // aarch64 builds only (ATTNX_NEON_KERNELS)
-const IsaTables* isa_neon_bf16();   // neon, with BFDOT for bf16 prefill and SDOT for int8
+const IsaTables* isa_avx512bf16();    // avx512, with bf16 dot products for bf16 prefill
+const IsaTables* isa_amx();           // avx512, with AMX-BF16 tile products for bf16 prefill
+const IsaTables* isa_amx_emulated();  // isa_amx()'s tile loop over emulated tiles (for tests)
+const IsaTables* isa_neon();          // aarch64 builds only (ATTNX_NEON_KERNELS)
+const IsaTables* isa_neon_bf16();     // neon, with BFDOT for bf16 prefill and SDOT for int8
 // The float64 flash kernels: scalar code (float64 is for precision, not speed), one for every CPU.
 const FlashKernels<double>* flash_f64();
 

@@ -147,7 +147,7 @@ bool has_amx(const CpuFeatures& f) { return has_avx512bf16(f) && f.amx_bf16 && f
 // The wide kernels' tables exist only where CMake compiled them (x86-64: ATTNX_X86_KERNELS);
 // nothing else names them, so another build does not link against them. Elsewhere every
 // feature above reads false, except on 32-bit x86, which gets the portable path too.
-enum class Wide { avx2, avx512, avx512bf16, amx };
+enum class Wide { avx2, avx512, avx512bf16, amx, amx_emulated };
 #if defined(ATTNX_X86_KERNELS) && ATTNX_X86_KERNELS
 constexpr bool kWideKernels = true;
 const kern::IsaTables* wide_table(Wide w) {
@@ -155,6 +155,7 @@ const kern::IsaTables* wide_table(Wide w) {
     case Wide::avx2: return kern::isa_avx2();
     case Wide::avx512: return kern::isa_avx512();
     case Wide::avx512bf16: return kern::isa_avx512bf16();
+    case Wide::amx_emulated: return kern::isa_amx_emulated();
     case Wide::amx: break;
   }
   return kern::isa_amx();
@@ -246,8 +247,15 @@ const kern::IsaTables* table_for(const std::string& name, const CpuFeatures& f) 
       throw InvalidArgument("ATTNX_ISA=amx: the OS did not grant this process the AMX tile state");
     return wide_table(Wide::amx);
   }
+  if (name == "amx-emulated") {  // the amx path's tile loop over emulated tiles: for tests
+    if (!has_avx512bf16(f))
+      throw InvalidArgument(
+          "ATTNX_ISA=amx-emulated: this CPU lacks AVX512_BF16 (or AVX-512BW/VL/VNNI)");
+    return wide_table(Wide::amx_emulated);
+  }
   throw InvalidArgument("unknown instruction set '" + name +
-                        "' (expected scalar, avx2, avx512, avx512bf16, amx, neon or neon-bf16)");
+                        "' (expected scalar, avx2, avx512, avx512bf16, amx, amx-emulated, neon or "
+                        "neon-bf16)");
 }
 
 // The fastest path for every kind of call: AMX tiles for bf16 prefill where the OS allows them
