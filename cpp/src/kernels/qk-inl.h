@@ -208,32 +208,25 @@ static ATTNX_INLINE void qk_int8_block(const int8_t* q8, int64_t ld, int64_t Dk,
 
 // S = Q K^T (the codes' sums) of the M integer query rows (rs.qcodes) against the tile's n int8
 // key rows (Dk a multiple of dot::kI8Bytes).
-// The first block of rows prefetches `next` (nn rows of `bytes`, or null: the next tile's K) as
-// it goes, a few rows per block of keys, as qk_dot_rows does.
+// `next` (nn rows of `bytes`, or null: the next tile's K) is prefetched all at once before the
+// products, not spread through them as qk_dot_rows does: this loop is too short to space the
+// requests, and interleaved with them its own key loads stalled (bench/NOTES.md).
 static void qk_int8(const RowSet& rs, const Real* const* krow, int64_t n, int64_t Dk, Real* s,
                     const char* const* next, int64_t nn, int64_t bytes) {
   const int M = rs.M;
   const int64_t ld = rs.ldc;
+  if (next != nullptr)
+    for (int64_t t = 0; t < nn; ++t) prefetch_row(next[t], bytes);
   int r = 0;
-  auto ahead = [&](int64_t j, int64_t kb) {
-    if (r == 0 && next != nullptr)
-      for (int64_t t = j; t < imin(j + kb, nn); ++t) prefetch_row(next[t], bytes);
-  };
   for (; r + 4 <= M; r += 4)
-    for (int64_t j = 0; j < n; j += 4) {
-      ahead(j, 4);
+    for (int64_t j = 0; j < n; j += 4)
       qk_int8_block<4, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
-    }
   for (; r + 2 <= M; r += 2)
-    for (int64_t j = 0; j < n; j += 4) {
-      ahead(j, 4);
+    for (int64_t j = 0; j < n; j += 4)
       qk_int8_block<2, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
-    }
   for (; r < M; ++r)
-    for (int64_t j = 0; j < n; j += 8) {
-      ahead(j, 8);
+    for (int64_t j = 0; j < n; j += 8)
       qk_int8_block<1, 8>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
-    }
   if constexpr (dot::kKeyBias == 0) return;
   float sum[kern::kDotRows];
   code_sums(rs, Dk, sum);
