@@ -22,6 +22,7 @@ ROWS += [
     "decode_bf16",
     "decode_int8",
     "decode_fp8",
+    "decode_int8iq",
     "fork_mha_unshared",
     "fork_mha",
     "fork_gqa_unshared",
@@ -30,6 +31,7 @@ ROWS += [
     "decode_long_fp16",
     "decode_long_int8",
     "decode_long_fp8",
+    "decode_long_int8iq",
     "small",
     "threads",
     "memory",
@@ -163,10 +165,14 @@ def _check_bf16_rows(rows, m):
 
 
 def _check_quantised_rows(rows):
-    """int8 and fp8 decode rows (issue 13): tokens/s against fp16 and fp32."""
-    for key in ("decode_int8", "decode_fp8", "decode_long_int8", "decode_long_fp8"):
-        assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(rows[key]["extra"]), key
-        assert "fp16 tokens/s" in rows[key]["target"] and rows[key]["vs_numpy"] > 0, key
+    """int8 and fp8 decode rows (issue 13), and int8 with integer queries (issue 33): tokens/s
+    against fp16 and fp32."""
+    for key in ("decode", "decode_long"):
+        for kind in ("int8", "fp8", "int8iq"):
+            row = rows[f"{key}_{kind}"]
+            assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(row["extra"]), row
+            assert "fp16 tokens/s" in row["target"] and row["vs_numpy"] > 0, row
+        assert "integer query" in rows[f"{key}_int8iq"]["case"]
 
 
 def test_bench_quick_writes_valid_json(tmp_path):
@@ -217,6 +223,7 @@ import importlib.util  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from attnx import reference  # noqa: E402
 from attnx.bench import _cases, _peers, _suite  # noqa: E402
 from attnx.bench._timing import Progress  # noqa: E402
 
@@ -648,3 +655,19 @@ def test_one_shot_script_runs_its_steps_and_logs_each(tmp_path):
     steps = (out / "steps.log").read_text()
     assert "machine: rc 0" in steps and "nosuchstep" not in steps
     assert "nproc:" in (out / "machine.log").read_text()
+
+
+def test_integer_query_row_runs_the_integer_query():
+    """The int8 rows with ``int8_query`` call attnx with integer queries (its result is the
+    reference's integer-query twin, not the float query's) and leave the setting as it was."""
+    shape = _cases.Paged(2, 8, 2, 100, 64, dtype="int8", int8_query=True)
+    data = _peers.paged_inputs(shape, 0)
+    got = _peers.attnx_paged(shape, data, 1).result()
+    assert attnx._core.int8_query() is False
+    q, kp, vp, bt, sl, scales = data
+    twin = reference.paged_attention(q, kp, vp, bt, sl, int8_query=True, **scales)
+    plain = reference.paged_attention(q, kp, vp, bt, sl, **scales)
+    np.testing.assert_allclose(got, twin, rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(got - plain)) > 1e-5
+    float_row = _peers.attnx_paged(replace(shape, int8_query=False), data, 1).result()
+    np.testing.assert_allclose(float_row, plain, rtol=1e-5, atol=1e-5)

@@ -127,7 +127,8 @@ class Paged:
     """``attnx.paged_attention``: one decode token per sequence against L cached tokens in pages
     of ``block`` tokens, scrambled through the block table. Counted in bytes of K and V read.
     With ``shared``, the sequences are forks of one prompt: their first ``shared`` tokens (whole
-    blocks) are the same blocks, which need reading once (the bytes counted)."""
+    blocks) are the same blocks, which need reading once (the bytes counted). ``int8_query``:
+    int8 pages read with ``attnx.set_int8_query(True)`` (integer Q·K)."""
 
     B: int
     Hq: int
@@ -138,6 +139,7 @@ class Paged:
     dtype: str = "fp32"
     window: int | None = None
     shared: int = 0
+    int8_query: bool = False
     kind = "bytes"
     causal = True  # the new token is the last position: it sees every cached one
 
@@ -161,6 +163,7 @@ class Paged:
             + f" block{self.block} {self.dtype} KV"
             + (f" window{self.window}" if self.window else "")
             + (f", {self.B} forks sharing {self.shared}" if self.shared else "")
+            + (", integer query" if self.int8_query else "")
         )
 
 
@@ -884,13 +887,15 @@ def forks(*, big, quick):
 
 
 def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
-    """int8 and fp8 (e4m3) KV rows of a decode shape (issue 13): tokens/s against the fp16 and
-    fp32 KV rows of the same shape, in the same run; bytes read count the scales."""
+    """int8 and fp8 (e4m3) KV rows of a decode shape (issue 13), and int8 with integer queries
+    (issue 33, item 3): tokens/s against the fp16 and fp32 KV rows of the same shape, in the same
+    run; bytes read count the scales."""
+    kinds = [(dt, dt, False) for dt in QUANTISED] + [("int8iq", "int8", True)]
     return [
         Case(
-            f"{key}_{dt}",
-            f"{name} {dt} KV",
-            replace(shape, dtype=dt),
+            f"{key}_{kind}",
+            f"{name} {dt} KV" + (", integer query" if iq else ""),
+            replace(shape, dtype=dt, int8_query=iq),
             (
                 TokensOver(f16_key, 1.8, "fp16", bounded=True),
                 TokensOver(f32_key, 3.5, bounded=True),
@@ -899,7 +904,7 @@ def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
             ref_samples=1 if quick else 3,
             seed=seed,
         )
-        for dt in QUANTISED
+        for kind, dt, iq in kinds
     ]
 
 

@@ -172,7 +172,21 @@ def attnx_widened(shape, data, threads):
 
 def attnx_paged(shape, data, threads):
     q, kp, vp, bt, sl, scales = data
-    return paged_impl(q, kp, vp, bt, sl, threads, window=_window(shape), **scales)
+    impl = paged_impl(q, kp, vp, bt, sl, threads, window=_window(shape), **scales)
+    if not getattr(shape, "int8_query", False):
+        return impl
+
+    def int8_query(f):  # f with integer queries for its call only
+        def g():
+            before = attnx.set_int8_query(True)
+            try:
+                return f()
+            finally:
+                attnx.set_int8_query(before)
+
+        return g
+
+    return Impl(int8_query(impl.fn), int8_query(impl.result))
 
 
 def paged_impl(q, k_pages, v_pages, block_tables, seq_lens, threads, **kw):
@@ -222,8 +236,9 @@ def reference_call(shape, data, cut):
         rq, rbt, rsl = q[: cut.B], bt[: cut.B, :nper], np.full(cut.B, cut.L, np.int32)
         if isinstance(shape, Chunk):
             rq, scales = q[: cut.B * cut.new], dict(scales, q_lens=scales["q_lens"][: cut.B])
+        iq = {"int8_query": True} if getattr(shape, "int8_query", False) else {}
         return lambda: reference.paged_attention(
-            rq, kp, vp, rbt, rsl, window=_window(shape), **scales
+            rq, kp, vp, rbt, rsl, window=_window(shape), **scales, **iq
         )
     q, k, v, kv_lens = data
     rq, rk, rv = q[: cut.B, :, : cut.Sq], k[: cut.B, :, : cut.Sk], v[: cut.B, :, : cut.Sk]
