@@ -140,6 +140,7 @@ if _f["avx2"] and _f["fma"] and _f["f16c"]:
             ISAS.append("avx512bf16")
             if _f.get("amx_bf16") and _f.get("amx_permitted"):
                 ISAS.append("amx")
+            ISAS.append("amx-emulated")  # (amx's tile loop over emulated tiles: for tests)
 if _f.get("neon"):
     ISAS.append("neon")
 
