@@ -1,10 +1,10 @@
 """The amx path's chunked gated delta rule over bf16 inputs: its products against the state run on
 AMX-BF16 tiles (cpp/src/kernels/delta_amx-inl.h; the amx-emulated path runs the same code over
-emulated tiles), with operands packed as bf16 pairs into whole
-16 x 32 tiles. The shapes here put data at every edge of that layout (chunks of fewer than 16
-tokens and odd ones, K and V not multiples of 32, K != V, a state whose rows end inside a tile),
-and the gates at its semantics' edges (exact zeros, resets, packed sequences). Tolerance:
-helpers.delta's DELTA_TILE_ERR bf16 unit roundoffs of the largest reference value."""
+emulated tiles), with operands packed as bf16 pairs into whole 16 x 32 tiles. The shapes here
+put data at every edge of that layout (chunks of fewer than 16 tokens and odd ones, K and V not
+multiples of 32, K != V, a state whose rows end inside a tile), and the gates at its semantics'
+edges (exact zeros, resets, packed sequences). Tolerance: helpers.delta's DELTA_TILE_ERR bf16
+unit roundoffs of the largest reference value."""
 
 from __future__ import annotations
 

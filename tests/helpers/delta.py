@@ -23,9 +23,9 @@ BF16_UNIT = 2.0**-8  # bf16's unit roundoff (half its ulp at 1)
 
 def delta_tiles_active(q, mode=None):
     """Whether a gated_delta_rule call over these q (and ``_mode``) runs the amx path's tile
-    products (or their emulation), whose tolerance is DELTA_TILE_ERR bf16 unit roundoffs (the chunked form over bf16
-    inputs; in automatic mode a sequence of up to 16 tokens runs the recurrence instead, which is
-    only held more loosely than it need be)."""
+    products (or their emulation), whose tolerance is DELTA_TILE_ERR bf16 unit roundoffs (the
+    chunked form over bf16 inputs; in automatic mode a sequence of up to 16 tokens runs the
+    recurrence instead, which is only held more loosely than it need be)."""
     return (
         attnx.cpu_features()["isa"] in ("amx", "amx-emulated")
         and np.asarray(q).dtype == BF16

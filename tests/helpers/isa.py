@@ -21,13 +21,18 @@ def _has(f, flags):
     return all(f.get(k) for k in flags)
 
 
+def _forced_isa():
+    """``ATTNX_ISA`` as the run sets it ("" where it does not)."""
+    return os.environ.get("ATTNX_ISA", "").strip()
+
+
 def supported_isas():
     """The kernel paths this CPU can run, from its flags (not from the dispatcher's opinion).
 
     With ``ATTNX_ISA`` set, only that path (``auto``: the one it selected): a run forced to a
     path tests that path alone.
     """
-    forced = os.environ.get("ATTNX_ISA", "").strip()
+    forced = _forced_isa()
     if forced:
         return [attnx.cpu_features()["isa"] if forced == "auto" else forced]
     f = attnx.cpu_features()
@@ -111,8 +116,8 @@ ISAS = supported_isas()
 def bf16_isas():
     """The bf16 product paths under test: those in ISAS, and amx-emulated wherever the CPU has
     AVX512_BF16 and no ATTNX_ISA narrows the run to one path."""
-    forced = os.environ.get("ATTNX_ISA", "").strip()
-    emulated = "amx-emulated" if not forced and bf16_product_skip("amx-emulated") is None else None
+    runs = not _forced_isa() and bf16_product_skip("amx-emulated") is None
+    emulated = "amx-emulated" if runs else None
     return [i for i in BF16_PRODUCT_ISAS if i in ISAS or i == emulated]
 
 
