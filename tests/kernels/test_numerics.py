@@ -153,6 +153,21 @@ def test_softcap_with_huge_logits(isa, softcap):
         np.testing.assert_allclose(po, ro[0].transpose(1, 0, 2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [1.0, 30.0, 50.0])
+def test_softcap_score_to_a_few_ulps(isa, softcap):
+    """With one key a row's lse is its score, so lse = softcap * tanh(x / softcap) for x = q * k:
+    each path's tanh (a polynomial below 0.625, the exp form above) lands within 4 float32 ulps of
+    the score, over every range the polynomial and the exp form cover (the old split at 0.125 cost
+    up to ~8 ulps just above it)."""
+    x = np.linspace(-3.0, 3.0, 6001, dtype=np.float32) * np.float32(softcap)
+    q = x.reshape(1, 1, -1, 1)
+    k = np.ones((1, 1, 1, 1), np.float32)
+    _, lse = attnx.attention(q, k, k, scale=1.0, softcap=softcap, return_lse=True)
+    score = softcap * np.tanh(x.astype(np.float64) / softcap)
+    ulps = np.abs(lse.ravel() - score) / np.spacing(np.abs(score).astype(np.float32))
+    assert float(ulps.max()) <= 4.0, f"{ulps.max():.2f} ulps at x = {x[ulps.argmax()]}"
+
+
 @pytest.mark.xfail(
     strict=True,
     reason=(

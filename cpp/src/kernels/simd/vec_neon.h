@@ -61,6 +61,12 @@ constexpr int kExp2TermsBf16 = 5;
 constexpr float kExp2PolyBf16[kExp2TermsBf16] = {9.5828529e-3f, 5.5906426e-2f, 2.4024099e-1f,
                                                  6.9312418e-1f, 1.0f};
 
+// tanh(x) / x - 1 = z P(z) below kTanhSmall: the x86 paths' polynomial (vec_avx_common.h)
+constexpr int kTanhTerms = 5;
+constexpr float kTanhPoly[kTanhTerms] = {-5.70498221e-3f, 2.06390824e-2f, -5.37397154e-2f,
+                                         1.33314416e-1f, -3.33332807e-1f};
+constexpr float kTanhSmall = 0.625f;
+
 // exp as exp256 computes it (vec_avx_common.h): t = x log2(e) clamped to [-127, 128], n =
 // round(t) by adding 1.5 * 2^23 + 127 (leaving n + 127 in the low mantissa bits, shifted into the
 // exponent field as they are), f = t - n, 2^f by the polynomial. exp(-inf) = 0 exactly; FMAX/FMIN
@@ -85,21 +91,19 @@ static inline V exp_small(V x) { return exp_<false>(x); }  // x <= 64 or NaN
 // exp(x) for x <= 64 (or NaN) to 2.9e-6 relative: for probabilities rounded to bf16 (2^-8)
 static inline V exp_bf16(V x) { return exp_<false, kExp2TermsBf16, kExp2PolyBf16>(x); }
 
-// tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)); near 0 that form cancels, so |x| < 0.125 uses the
-// odd Taylor series to x^9 instead (tanh256's rule).
+// tanh as tanh256 computes it (vec_avx_common.h): the exp form for |x| >= kTanhSmall, x + x z P(z)
+// below it.
 static inline V tanh(V x) {
   const uint32x4_t sign = vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x80000000u));
   const V ax = vabsq_f32(x);
   const V e = exp(vaddq_f32(ax, ax));
   const V big =
       vsubq_f32(vdupq_n_f32(1.0f), vdivq_f32(vdupq_n_f32(2.0f), vaddq_f32(e, vdupq_n_f32(1.0f))));
-  const V x2 = vmulq_f32(ax, ax);
-  V s = vdupq_n_f32(62.0f / 2835.0f);
-  s = vfmaq_f32(vdupq_n_f32(-17.0f / 315.0f), s, x2);
-  s = vfmaq_f32(vdupq_n_f32(2.0f / 15.0f), s, x2);
-  s = vfmaq_f32(vdupq_n_f32(-1.0f / 3.0f), s, x2);
-  s = vfmaq_f32(ax, vmulq_f32(s, x2), ax);
-  const V r = vbslq_f32(vcltq_f32(ax, vdupq_n_f32(0.125f)), s, big);
+  const V z = vmulq_f32(ax, ax);
+  V s = vdupq_n_f32(kTanhPoly[0]);
+  for (int i = 1; i < kTanhTerms; ++i) s = vfmaq_f32(vdupq_n_f32(kTanhPoly[i]), s, z);
+  s = vfmaq_f32(ax, vmulq_f32(s, z), ax);
+  const V r = vbslq_f32(vcltq_f32(ax, vdupq_n_f32(kTanhSmall)), s, big);
   return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(r), sign));
 }
 
