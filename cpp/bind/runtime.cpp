@@ -41,8 +41,10 @@ py::dict cpu_feature_dict() {
 void bind_kernel_path(py::module_& m) {
   m.def("cpu_features", &cpu_feature_dict);
   m.def("bf16_dot_gain", &bf16_dot_gain);
-  m.def("set_int8_query", [](bool on) { set_int8_query(on); }, py::arg("on"));
+  m.def("set_int8_query", [](int setting) { set_int8_query(setting); }, py::arg("setting"));
+  m.def("int8_query_setting", &int8_query_setting);
   m.def("int8_query", &int8_query);
+  m.def("active_integer_products", &active_integer_products);
   m.def("set_float32_bf16_products", [](bool on) { set_float32_bf16_products(on); }, py::arg("on"));
   m.def("float32_bf16_products", &float32_bf16_products);
   m.def("active_bf16_products", &active_bf16_products);

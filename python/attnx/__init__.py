@@ -59,6 +59,7 @@ __all__ = [
     "float32_precision",
     "gated_delta_rule",
     "get_num_threads",
+    "int8_query",
     "merge_attention",
     "paged_attention",
     "reference",
@@ -88,11 +89,14 @@ def cpu_features() -> dict[str, bool | str]:
     every aarch64 CPU (Advanced SIMD), ``neon-bf16`` the same with BFDOT for bfloat16 prefill
     and SDOT for integer queries, where the CPU has BF16 and DotProd. ``bf16_products``: the
     active path multiplies prefill in bf16 (``avx512bf16``, ``amx``, ``neon-bf16``), which is what :func:`set_float32_precision` ``("bf16")`` lets
-    float32 calls use; where it is false that setting changes nothing.
+    float32 calls use; where it is false that setting changes nothing. ``integer_products``: the
+    active path computes integer queries over int8 KV with integer dot products (``avx512bf16``,
+    ``amx``, ``neon-bf16``), where :func:`set_int8_query`'s default turns them on.
     """
     f: dict[str, bool | str] = dict(_core.cpu_features())
     f["isa"] = _core.active_isa()
     f["bf16_products"] = _core.active_bf16_products()
+    f["integer_products"] = _core.active_integer_products()
     return f
 
 
@@ -140,16 +144,33 @@ def share_torch_threads(on=True):
 
 
 def set_int8_query(on=True):
-    """Integer queries over int8 KV pages (off by default; ``ATTNX_INT8_QUERY=1`` at import turns
-    it on): each query row, times the scale, is quantised like the keys (``s_q = max|q| / 127``,
-    round half to even) and ``QKᵀ`` is computed over the codes, exactly (AVX512-VNNI's integer
-    dot products where the kernels have them; the same scores on every path), times ``s_q`` and
-    each key's scale. ``P V`` stays in float32. ``attnx.reference.paged_attention(...,
-    int8_query=True)`` is its twin. Off: the float32 query against the dequantised keys. Returns
-    the previous setting."""
-    before = bool(_core.int8_query())
-    _core.set_int8_query(bool(on))
-    return before
+    """Integer queries over int8 KV pages, for every later call: ``True`` on, ``False`` off,
+    ``None`` the default (read once when a call starts).
+
+    On: each query row, times the scale, is quantised like the keys (``s_q = max|q| / 127``,
+    round half to even) and ``QKᵀ`` is computed over the codes, exactly (integer dot products
+    where the kernels have them; the same scores on every path), times ``s_q`` and each key's
+    scale. ``P V`` stays in float32. ``attnx.reference.paged_attention(..., int8_query=True)`` is
+    its twin. Off: the float32 query against the dequantised keys. The default (``None``) is on
+    where the active path has integer dot products (``cpu_features()["integer_products"]``:
+    AVX512-VNNI and AMX-INT8 on ``avx512bf16`` and ``amx``, SDOT on ``neon-bf16``), where they
+    are faster, and off elsewhere, where the same FMAs would only add the query's rounding
+    (docs/numerics.md, "Integer queries"). ``ATTNX_INT8_QUERY=1``, ``0`` or ``auto`` at import
+    sets it too. :func:`int8_query` says what calls do now.
+
+    Returns the previous setting (``True``, ``False`` or ``None``). Raises TypeError, naming
+    ``on``, for anything but a bool or None.
+    """
+    setting = -1 if on is None else int(_validate.flag(on, "on"))
+    before = _core.int8_query_setting()
+    _core.set_int8_query(setting)
+    return None if before < 0 else bool(before)
+
+
+def int8_query():
+    """Whether calls over int8 KV pages use integer queries now: the :func:`set_int8_query`
+    setting, or where it is the default, whether the active path has integer dot products."""
+    return bool(_core.int8_query())
 
 
 FLOAT32_PRECISIONS = ("float32", "bf16")
@@ -240,8 +261,16 @@ def _select_isa_from_env():
             raise ImportError(f"attnx: {exc}") from None
 
 
+def _int8_query_from_env():
+    # "1" on, "0" off, "auto" (or unset) the default; anything else fails at import.
+    value = _os.environ.get("ATTNX_INT8_QUERY", "auto").strip()
+    settings = {"1": True, "0": False, "auto": None, "": None}
+    if value not in settings:
+        raise ImportError(f"attnx: ATTNX_INT8_QUERY={value!r}: expected 1, 0 or auto")
+    set_int8_query(settings[value])
+
+
 _select_isa_from_env()
-if _os.environ.get("ATTNX_INT8_QUERY", "0").strip() == "1":
-    set_int8_query(True)
+_int8_query_from_env()
 if _os.environ.get("ATTNX_SHARE_BLAS", "1").strip() != "0":
     share_blas_threads()

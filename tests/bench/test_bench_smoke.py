@@ -22,7 +22,7 @@ ROWS += [
     "decode_bf16",
     "decode_int8",
     "decode_fp8",
-    "decode_int8iq",
+    "decode_int8fq",
     "fork_mha_unshared",
     "fork_mha",
     "fork_gqa_unshared",
@@ -31,7 +31,7 @@ ROWS += [
     "decode_long_fp16",
     "decode_long_int8",
     "decode_long_fp8",
-    "decode_long_int8iq",
+    "decode_long_int8fq",
     "small",
     "threads",
     "memory",
@@ -165,14 +165,16 @@ def _check_bf16_rows(rows, m):
 
 
 def _check_quantised_rows(rows):
-    """int8 and fp8 decode rows (issue 13), and int8 with integer queries (issue 33): tokens/s
-    against fp16 and fp32."""
+    """int8 and fp8 decode rows (issue 13; int8 with the default query, integer where the path has
+    integer products: issue 33), and int8 with the float query: tokens/s against fp16 and fp32."""
+    default = "integer query" if attnx.int8_query() else "float query"
     for key in ("decode", "decode_long"):
-        for kind in ("int8", "fp8", "int8iq"):
+        for kind in ("int8", "fp8", "int8fq"):
             row = rows[f"{key}_{kind}"]
             assert {"tokens_per_s_vs_fp16", "tokens_per_s_vs_fp32"} <= set(row["extra"]), row
             assert "fp16 tokens/s" in row["target"] and row["vs_numpy"] > 0, row
-        assert "integer query" in rows[f"{key}_int8iq"]["case"]
+        assert rows[f"{key}_int8"]["case"].endswith(f"int8 KV, {default}")
+        assert rows[f"{key}_int8fq"]["case"].endswith("int8 KV, float query")
 
 
 def test_bench_quick_writes_valid_json(tmp_path):
@@ -237,6 +239,9 @@ def _rows(tmp_path, args, name):
     return res, json.loads((tmp_path / name).read_text())["rows"]
 
 
+QUERY_KIND = "integer query" if attnx.int8_query() else "float query"  # (int8 pages' default)
+
+
 @pytest.mark.parametrize(
     "case, lens, expect",
     [
@@ -254,7 +259,7 @@ def _rows(tmp_path, args, name):
         (
             "paged-decode",
             ["--context", "70", "--kv-dtype", "int8"],
-            ["B1 Hq4 Hkv2 L70 D32 block16 int8 KV"],
+            [f"B1 Hq4 Hkv2 L70 D32 block16 int8 KV, {QUERY_KIND}"],
         ),
     ],
 )
@@ -657,17 +662,20 @@ def test_one_shot_script_runs_its_steps_and_logs_each(tmp_path):
     assert "nproc:" in (out / "machine.log").read_text()
 
 
-def test_integer_query_row_runs_the_integer_query():
-    """The int8 rows with ``int8_query`` call attnx with integer queries (its result is the
-    reference's integer-query twin, not the float query's) and leave the setting as it was."""
-    shape = _cases.Paged(2, 8, 2, 100, 64, dtype="int8", int8_query=True)
+def test_int8_rows_run_their_query():
+    """An int8 row with ``int8_query`` True or False calls attnx with that query (its result is the
+    reference's twin of it) and leaves the setting as it was; None runs the default."""
+    shape = _cases.Paged(2, 8, 2, 100, 64, dtype="int8")
     data = _peers.paged_inputs(shape, 0)
-    got = _peers.attnx_paged(shape, data, 1).result()
-    assert attnx._core.int8_query() is False
     q, kp, vp, bt, sl, scales = data
     twin = reference.paged_attention(q, kp, vp, bt, sl, int8_query=True, **scales)
     plain = reference.paged_attention(q, kp, vp, bt, sl, **scales)
-    np.testing.assert_allclose(got, twin, rtol=1e-5, atol=1e-5)
-    assert np.max(np.abs(got - plain)) > 1e-5
-    float_row = _peers.attnx_paged(replace(shape, int8_query=False), data, 1).result()
-    np.testing.assert_allclose(float_row, plain, rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(twin - plain)) > 1e-5
+    before = attnx.set_int8_query(None)
+    try:
+        for iq, want in ((True, twin), (False, plain), (None, (plain, twin)[attnx.int8_query()])):
+            got = _peers.attnx_paged(replace(shape, int8_query=iq), data, 1).result()
+            assert attnx._core.int8_query_setting() == -1
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(iq))
+    finally:
+        attnx.set_int8_query(before)

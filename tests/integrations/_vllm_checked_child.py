@@ -5,9 +5,11 @@ quantised-KV tests of tests/integrations/test_vllm.py:
 
 JOB and OUT are those of attnx.bench._vllm's child; OUT also gets "checks": the number of calls,
 whether every new key and value row was stored as attnx.quant stores it (codes, and the scale
-where one is stored per row, bit for bit), and the largest difference between a call's output and attnx's paged attention over its
-pages read back in float32. (Greedy tokens alone cannot show this: with quantised KV they move
-with rounding-level differences, bench/NOTES.md.)
+where one is stored per row, bit for bit), and the largest difference between a call's output
+and attnx's paged attention over its pages read back in float32 (with integer queries over int8
+pages, over its query read back too, as ``attnx.quant.quantize_query`` quantises it). (Greedy
+tokens alone cannot show this: with quantised KV they move with rounding-level differences,
+bench/NOTES.md.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 
 def main(job_path: str, out_path: str) -> None:
+    import attnx
     from attnx import quant
     from attnx.bench import _vllm as bench_vllm
     from attnx.integrations import _vllm, tensors
@@ -53,6 +56,9 @@ def main(job_path: str, out_path: str) -> None:
         floats = _vllm.Pages(*quant.dequantised_pages(*blocks))
         local = replace(batch, block_tables=np.searchsorted(used, batch.block_tables))
         again = np.zeros((t, *output.shape[1:]), np.float32)
+        if pages.k.dtype == np.int8 and attnx.int8_query():  # integer queries: read back too
+            q = quant.quantize_query(as_numpy(query[:t], "query"), kw.get("scale"))
+            query, kw = q.astype(np.float32), {**kw, "scale": 1.0}
         attend(query, key, value, floats, local, again, **{**kw, "write": False})
         diff = float(np.abs(again - as_numpy(output[:t], "output")).max())
         checks["max_abs_diff"] = max(checks["max_abs_diff"], diff)

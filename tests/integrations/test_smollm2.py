@@ -314,13 +314,14 @@ def test_quantised_kv_error_on_real_keys_and_values(smollm2, model, prompt_ids):
     and over the same K/V quantised then read back. Printed for the README (worst layer, max
     |error| / max |float32 output|, and the median layer), and bounded."""
     from attnx import reference
+    from attnx.quant import quantize_query
 
     engine = _engine(smollm2, model, prompt_ids)
     cache = engine.cache
     seqs = [cache.new_sequence() for _ in prompt_ids]
     step = cache.begin_step(seqs, [len(p) for p in prompt_ids])
     kinds = ("int8", "float8_e4m3fn", "float8_e5m2")
-    errs = {kind: [] for kind in kinds}
+    errs = {kind: [] for kind in (*kinds, "int8, integer query")}
 
     def attend(layer, q, k, v):
         at = 0
@@ -333,6 +334,14 @@ def test_quantised_kv_error_on_real_keys_and_values(smollm2, model, prompt_ids):
                 )
                 approx = reference.attention(qs, kq, vq, causal=True, layout="bshd")
                 errs[kind].append(float(np.abs(approx - exact).max() / np.abs(exact).max()))
+                if kind == "int8":  # the query quantised too (attnx.set_int8_query's twin)
+                    qq = quantize_query(qs)
+                    k64, v64 = kq.astype(np.float64), vq.astype(np.float64)
+                    approx = reference.attention(
+                        qq, k64, v64, causal=True, layout="bshd", scale=1.0
+                    )
+                    err = float(np.abs(approx - exact).max() / np.abs(exact).max())
+                    errs["int8, integer query"].append(err)
             at += n
         return step.attend(layer, q, k, v)
 
@@ -348,6 +357,8 @@ def test_quantised_kv_error_on_real_keys_and_values(smollm2, model, prompt_ids):
     # (deterministic inputs; measured 0.082, 0.167, 0.285: int8 suffers more here than on random
     # data: its largest key channels are about 5x the median one, and they set each row's scale)
     assert worst["int8"] < 0.15 and worst["float8_e4m3fn"] < 0.3 and worst["float8_e5m2"] < 0.5
+    # (integer queries: 0.081 worst, 0.036 median against the float query's 0.028)
+    assert worst["int8, integer query"] < 0.15
 
 
 def test_hf_generate_random_weights_match_the_gguf_architecture():

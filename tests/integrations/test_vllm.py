@@ -148,11 +148,16 @@ def _random_batch(rng, *, hq, hkv, d, bs, dtype, num_blocks=64):
     )
 
 
-def _reference(b, k_pages, v_pages, *, scale, window=None, softcap=None, sinks=None, alibi=None):
-    """attnx.reference per sequence over its keys gathered from the pages (after the write)."""
+def _reference(
+    b, k_pages, v_pages, *, scale, window=None, softcap=None, sinks=None, alibi=None, q8=False
+):
+    """attnx.reference per sequence over its keys gathered from the pages (after the write); with
+    ``q8``, the twin of integer queries (the query quantised as attnx.quant.quantize_query does)."""
     qsl, sl, bt = b["qsl"].numpy(), b["seq_lens"].numpy(), b["block_table"].numpy()
     bs = k_pages.shape[2]
     q = b["query"].float().numpy().astype(np.float64)
+    if q8:
+        q, scale = attnx.quant.quantize_query(q, scale), 1.0
     outs = []
     for i in range(len(sl)):
         blocks = bt[i, : -(-sl[i] // bs)]
@@ -353,6 +358,7 @@ def test_quantised_caches_are_attnx_quantised_pages(kv_cache_dtype, dtype, varia
         scale=opts["scale"],
         window=None if sw is None else (sw - 1, None),
         sinks=sinks,
+        q8=pages.k.dtype == np.int8 and attnx.int8_query(),
     )
     tol = {"float32": 2e-5, "bfloat16": 2e-2}[dtype]
     np.testing.assert_allclose(out.float().numpy(), want, atol=tol, rtol=tol)

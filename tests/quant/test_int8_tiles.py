@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_quant_kv import TOL, QPool
+from test_quant_kv import TOL, QPool, check_extreme_scales, extreme_scales_pool
 
 import attnx
 from attnx import reference as ref
@@ -65,6 +65,21 @@ def check_twin(q, pool, mode, min_rows=9, num_threads=None, **kw):
         assert np.isfinite(g).all() == np.isfinite(w).all()
         np.testing.assert_allclose(g, w, **TOL)
     return got
+
+
+@pytest.mark.parametrize("case", ["huge", "tiny", "inf"])
+def test_key_scales_the_sums_cannot_take(tiles, case):
+    """A tile whose key scales lie outside the in-place range (above FLT_MAX / 256, or +-inf)
+    leaves the tiles for the keys read dequantised, times the query's values (its codes times
+    their factor), as the twin computes: the codes' sums times such a scale overflowed, or turned
+    a key whose dequantised row is NaN into one the row skips. (tiny: V scales, no change.)"""
+    rng = make_rng(45, len(case))
+    pool, q_factor = extreme_scales_pool(rng, "int8", case, 64)
+    q = (rng.standard_normal((12, 4, 64)) * q_factor).astype(np.float32)
+    kw = dict(q_lens=np.array([12]), **pool.scales())
+    attnx._core.set_int8_tiles(tiles, 1)
+    got = attnx.paged_attention(q, *pool.args(), **kw)
+    check_extreme_scales(got, ref.paged_attention(q, *pool.args(), int8_query=True, **kw), case)
 
 
 @pytest.mark.parametrize(

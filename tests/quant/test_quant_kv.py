@@ -1,6 +1,7 @@
 """Quantised KV (int8, float8_e4m3fn, float8_e5m2) through the kernels and the cache: the kernels
 attend over exactly ``dequantize_kv(pages, scales)`` (to float32 tolerance, on every ISA, with
-scrambled pages, GQA, windows, chunked prefill), the step quantises exactly as
+scrambled pages, GQA, windows, chunked prefill; with integer queries, over the query quantised
+as ``attnx.quant.quantize_query`` does), the step quantises exactly as
 ``attnx.reference.quantize_kv`` does, and the cache keeps scales with their blocks through
 fork, copy-on-write, truncate and the sliding window."""
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
+from attnx.quant import quantize_query
 
 from helpers import make_rng, pool_from_sequences, scramble_tables
 
@@ -51,13 +53,18 @@ class QPool:
         return dict(k_scales=self.k_scales, v_scales=self.v_scales)
 
 
-def check_against_reference(q, pool, int8_query=False, **kw):
-    """The kernel against the reference over the dequantised pages (with ``int8_query``: its
-    twin that quantises the query too)."""
+def twin(*args, int8_query=None, **kw):
+    """``attnx.reference.paged_attention`` over the dequantised pages, quantising the query too
+    where ``int8_query`` says (by default: where the kernels do now, ``attnx.int8_query()``)."""
+    iq = attnx.int8_query() if int8_query is None else int8_query
+    return ref.paged_attention(*args, int8_query=iq, **kw)
+
+
+def check_against_reference(q, pool, int8_query=None, **kw):
+    """The kernel against its twin (``twin``: the float query's, or with integer queries the one
+    that quantises the query too)."""
     got = attnx.paged_attention(q, *pool.args(), return_lse=True, **pool.scales(), **kw)
-    want = ref.paged_attention(
-        q, *pool.args(), return_lse=True, **pool.scales(), int8_query=int8_query, **kw
-    )
+    want = twin(q, *pool.args(), return_lse=True, **pool.scales(), int8_query=int8_query, **kw)
     for g, w in zip(got, want):
         assert np.isfinite(g).all() == np.isfinite(w).all()
         np.testing.assert_allclose(g, w, **TOL)
@@ -99,7 +106,7 @@ def test_low_precision_queries(isa, q_dtype):
     pool = QPool(rng, [50, 9], dtype="int8", block_size=16, hkv=1, dk=32, dv=32)
     q = rng.standard_normal((2, 4, 32)).astype(q_dtype)
     got = attnx.paged_attention(q, *pool.args(), **pool.scales())
-    want = ref.paged_attention(q, *pool.args(), **pool.scales())
+    want = twin(q, *pool.args(), **pool.scales())
     assert got.dtype == q.dtype
     np.testing.assert_allclose(
         got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2
@@ -139,7 +146,7 @@ def yardstick_problem():
     v = rng.standard_normal((128, 2, 16, 128)).astype(np.float32)
     q = rng.standard_normal((1, 8, 128)).astype(np.float32)
     bt, lens = rng.permutation(128).astype(np.int32)[None], np.array([2048])
-    exact = ref.paged_attention(q, k, v, bt, lens)
+    exact = twin(q, k, v, bt, lens)
     rms = float(np.sqrt(np.mean(exact.astype(np.float64) ** 2)))
     return q, k, v, bt, lens, exact, rms
 
@@ -189,7 +196,7 @@ def test_int8_query_decode_matches_its_twin(isa, int8_query, dk, dv, hq, hkv):
     check_against_twin(q, pool, window=(37, None), scale=0.3)
     check_against_twin(q, pool, alibi_slopes=np.linspace(0.1, 1, hq).astype(np.float32))
     with pytest.raises(AssertionError):  # it is not the float query's result
-        check_against_reference(q, pool)
+        check_against_reference(q, pool, int8_query=False)
 
 
 def test_int8_query_chunked_prefill_matches_its_twin(isa, int8_query):
@@ -255,19 +262,43 @@ def test_int8_query_error_against_float32_kv(int8_query):
 
 
 def test_int8_query_switch_from_the_environment():
+    """ATTNX_INT8_QUERY at import: 1 on, 0 off, auto (or unset) the default; anything else is an
+    ImportError naming it."""
     import os
     import subprocess
     import sys
 
-    code = "import attnx; print(attnx._core.int8_query())"
-    for value, want in (("1", "True"), ("0", "False"), (None, "False")):
+    code = "import attnx; print(attnx.int8_query(), attnx.cpu_features()['integer_products'])"
+    for value, want in (("1", "True"), ("0", "False"), ("auto", None), (None, None), ("x", "")):
         env = {k: v for k, v in os.environ.items() if k != "ATTNX_INT8_QUERY"}
         if value is not None:
             env["ATTNX_INT8_QUERY"] = value
         res = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
         )
-        assert res.stdout.strip() == want, res.stderr
+        if want == "":
+            assert res.returncode != 0 and "ATTNX_INT8_QUERY='x'" in res.stderr, res.stderr
+            continue
+        on, products = res.stdout.split()
+        assert on == (want or products), (value, res.stdout, res.stderr)
+
+
+def test_int8_query_default_follows_the_path(isa):
+    """The default (None) turns integer queries on exactly where the active path has integer dot
+    products; True and False force them; each call returns the setting it replaced."""
+    before = attnx.set_int8_query(None)  # (ATTNX_INT8_QUERY may have set it)
+    try:
+        assert attnx.int8_query() is attnx.cpu_features()["integer_products"]
+        want = attnx._core.active_isa() in ("avx512bf16", "amx", "amx-emulated", "neon-bf16")
+        assert attnx.int8_query() is want
+        assert attnx.set_int8_query(True) is None and attnx.int8_query() is True
+        assert attnx.set_int8_query(False) is True and attnx.int8_query() is False
+        assert attnx.set_int8_query(None) is False and attnx.int8_query() is want
+        with pytest.raises(TypeError, match="^on: expected a bool"):
+            attnx.set_int8_query(np.ones(3))
+        assert attnx.set_int8_query(None) is None  # (the refusal changed nothing)
+    finally:
+        attnx.set_int8_query(before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +367,7 @@ def test_fixed_scale_pages_match_the_reference(isa, dtype):
     qp = rng.standard_normal((int(ql.sum()), 8, 64)).astype(np.float32)
     for qq, kw in [(q, c) for c in cases] + [(qp, dict(q_lens=ql, softcap=30.0))]:
         got = attnx.paged_attention(qq, kp, vp, bt, lens, k_scales=ks, v_scales=vs, **kw)
-        want = ref.paged_attention(qq, kp, vp, bt, lens, k_scales=ks, v_scales=vs, **kw)
+        want = twin(qq, kp, vp, bt, lens, k_scales=ks, v_scales=vs, **kw)
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, **TOL)
     # 16 forks of a 1024-token prompt: the shared blocks are read once for all (the cascade)
@@ -344,7 +375,7 @@ def test_fixed_scale_pages_match_the_reference(isa, dtype):
     kp, vp, bt, lens, ks, vs = _fixed_pool(rng, dtype, lens, shared=64)
     q = rng.standard_normal((16, 8, 64)).astype(np.float32)
     got = attnx.paged_attention(q, kp, vp, bt, lens, k_scales=ks, v_scales=vs)
-    want = ref.paged_attention(q, kp, vp, bt, lens, k_scales=ks, v_scales=vs)
+    want = twin(q, kp, vp, bt, lens, k_scales=ks, v_scales=vs)
     np.testing.assert_allclose(got, want, **TOL)
 
 
@@ -409,7 +440,7 @@ def test_fixed_scale_step_writes_then_attends(isa):
     want_k, want_v = kp.copy(), vp.copy()
     want_k[slots // 16, :, slots % 16] = attnx.quant.quantize_kv(k, dtype, scale=ks)[0]
     want_v[slots // 16, :, slots % 16] = attnx.quant.quantize_kv(v, dtype, scale=vs)[0]
-    want = ref.paged_attention(q, want_k, want_v, bt, lens, q_lens=ql, k_scales=ks, v_scales=vs)
+    want = twin(q, want_k, want_v, bt, lens, q_lens=ql, k_scales=ks, v_scales=vs)
     got = attnx.ops.paged.paged_step(q, k, v, kp, vp, bt, lens, ql, slots, k_scales=ks, v_scales=vs)
     assert np.array_equal(kp.view(np.uint8), want_k.view(np.uint8))
     assert np.array_equal(vp.view(np.uint8), want_v.view(np.uint8))
@@ -592,6 +623,9 @@ class QShadow:
         K, V = self.dequantised(s, layer)
         if self.cache.sliding_window is not None:
             kw.setdefault("window", (self.cache.sliding_window - 1, None))
+        if self.cache.k_pages(layer).dtype == np.int8 and attnx.int8_query():
+            q, kw = quantize_query(q, kw.get("scale")), {**kw, "scale": 1.0}  # (its twin)
+            K, V = K.astype(np.float64), V.astype(np.float64)
         want = ref.attention(q, K, V, causal=True, layout="bshd", **kw)
         np.testing.assert_allclose(o, want, **TOL)
 
@@ -757,9 +791,40 @@ def test_e4m3_tiles_read_in_place_and_the_nan_code(isa, side):
         for window, nan in ((None, True), ((20, None), False)):
             args = (q, k_pages, v_pages, tables, lens)
             kw = dict(q_lens=np.array([q_len]), window=window, **pages)
-            got, want = attnx.paged_attention(*args, **kw), ref.paged_attention(*args, **kw)
+            got, want = attnx.paged_attention(*args, **kw), twin(*args, **kw)
             np.testing.assert_allclose(got, want, equal_nan=True, **TOL)
             assert np.isnan(got[:, 2:]).any() == nan and np.isfinite(got[:, :2]).all()
+
+
+def extreme_scales_pool(rng, dtype, case, dk, L=40, hkv=2):
+    """A pool of one L-token sequence whose scales sit at float32's ends (``case``), and the factor
+    its queries take: huge: every dequantised value finite, up to FLT_MAX / 1.01 (codes of at
+    most 8, so that the scales pass FLT_MAX / 256), queries of ~1e-37 (scores of a few units);
+    tiny: V scales below float32's normal range (the cache's own rule for values near 1e-37);
+    inf: one key's scale -inf."""
+    pool = QPool(rng, [L], dtype=dtype, block_size=16, hkv=hkv, dk=dk, dv=dk)
+    live = np.isfinite(pool.k_scales)  # (the pool's unowned slots stay NaN)
+    if case == "huge":
+        for name in ("k_pages", "v_pages"):
+            c = getattr(pool, name)
+            setattr(pool, name, np.where(np.abs(c.astype(np.float32)) <= 8, c, c.dtype.type(1)))
+        codes = [np.abs(p.astype(np.float32)) for p in (pool.k_pages, pool.v_pages)]
+        pool.k_scales[live] = pool.v_scales[live] = float(np.finfo(np.float32).max) / 1.01
+        pool.k_scales[live] /= np.maximum(codes[0].max(3), 1)[live]
+        pool.v_scales[live] /= np.maximum(codes[1].max(3), 1)[live]
+    elif case == "tiny":
+        pool.v_scales[live] *= np.float32(1e-37)
+    else:
+        pool.k_scales[pool.block_tables[0, 1], 1, 3] = -np.inf
+    return pool, (1e-37 if case == "huge" else 1.0)
+
+
+def check_extreme_scales(got, want, case):
+    """``got`` against the twin's ``want`` over an ``extreme_scales_pool``: NaN exactly where the
+    twin has NaN (only in the inf case), the rest to float32 tolerance of the largest output."""
+    assert (np.isnan(got) == np.isnan(want)).all() and np.isnan(got).any() == (case == "inf")
+    top = np.nanmax(np.abs(want))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * top)
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
@@ -768,40 +833,22 @@ def test_scales_at_the_ends_of_float32(isa, dtype, case):
     """Tiles whose scales the in-place products cannot take are read dequantised, so every scale
     a user's pages hold gives the reference's result over ``code * scale``:
     huge: above FLT_MAX / 256, where e4m3's 256 * scale (its codes are widened as code / 256)
-    overflowed to inf though each value is finite (the converting path too);
+    overflowed to inf though each value is finite (the converting path too), and where integer
+    queries' codes (up to 127) times the dequantised keys overflowed;
     tiny: V scales below float32's normal range, where p * scale kept a few bits of p (1e-4 of
     the output; the cache's own rule makes them for values near 1e-38);
     inf: a key scale of +-inf turned the key's score into -inf (skipped) where the dequantised
-    key row is inf and NaN, so the rows that see it are NaN."""
+    key row is inf and NaN, so the rows that see it are NaN.
+    Decode rows and, at 12 tokens (24 rows of a kv head), the packed prefill path."""
     rng = make_rng(21, len(dtype), len(case))
-    L, hq, hkv = 40, 4, 2
-    q_factor = 1e-37 if case == "huge" else 1.0  # (huge keys, scores of a few units)
+    hq = 4
     for dk in (16, 17):  # in place (a register block's width) and converted
-        pool = QPool(rng, [L], dtype=dtype, block_size=16, hkv=hkv, dk=dk, dv=dk)
-        live = np.isfinite(pool.k_scales)  # (the pool's unowned slots stay NaN)
-        if case == "huge":  # codes of at most 8, so that the scales below pass FLT_MAX / 256
-            for name in ("k_pages", "v_pages"):
-                c = getattr(pool, name)
-                setattr(pool, name, np.where(np.abs(c.astype(np.float32)) <= 8, c, c.dtype.type(1)))
-        codes = [np.abs(p.astype(np.float32)) for p in (pool.k_pages, pool.v_pages)]
-        if case == "huge":  # every dequantised value finite, up to FLT_MAX / 1.01
-            pool.k_scales[live] = pool.v_scales[live] = float(np.finfo(np.float32).max) / 1.01
-            pool.k_scales[live] /= np.maximum(codes[0].max(3), 1)[live]
-            pool.v_scales[live] /= np.maximum(codes[1].max(3), 1)[live]
-        elif case == "tiny":  # subnormal scales of values near 1e-37 (the cache's own rule)
-            pool.v_scales[live] *= np.float32(1e-37)
-        else:
-            pool.k_scales[pool.block_tables[0, 1], 1, 3] = -np.inf
-        q = (rng.standard_normal((3, hq, dk)) * q_factor).astype(np.float32)
-        for q_len in (1, 3):
+        pool, q_factor = extreme_scales_pool(rng, dtype, case, dk)
+        q = (rng.standard_normal((12, hq, dk)) * q_factor).astype(np.float32)
+        for q_len in (1, 3, 12):
             kw = dict(q_lens=np.array([q_len]), **pool.scales())
             got = attnx.paged_attention(q[:q_len], *pool.args(), **kw)
-            want = ref.paged_attention(q[:q_len], *pool.args(), **kw)
-            assert (np.isnan(got) == np.isnan(want)).all() and np.isnan(got).any() == (
-                case == "inf"
-            )
-            top = np.nanmax(np.abs(want))
-            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * top)
+            check_extreme_scales(got, twin(q[:q_len], *pool.args(), **kw), case)
 
 
 @given(
@@ -832,5 +879,5 @@ def test_strided_scale_pages(isa):
     assert ks.strides[-1] != 4
     q = rng.standard_normal((2, 4, 16)).astype(np.float32)
     got = attnx.paged_attention(q, *pool.args(), k_scales=ks, v_scales=pool.v_scales)
-    want = ref.paged_attention(q, *pool.args(), **pool.scales())
+    want = twin(q, *pool.args(), **pool.scales())
     np.testing.assert_allclose(got, want, **TOL)

@@ -56,12 +56,19 @@ int share_blas_threads(bool on);
 // team is in use. A fork()ed child uses attnx's pool again (libgomp does not survive fork).
 bool share_omp_threads(bool on);
 
-// Integer queries over int8 KV (off by default): each query row, times `scale`, is quantised like
-// the keys (s_q = max|q| / 127, round half to even) and Q K^T is computed over the codes, exactly
-// (VNNI's integer dot products where the kernels have them), times s_q and each key's scale.
-// Off: the float32 query against the dequantised keys.
-void set_int8_query(bool on);
+// Integer queries over int8 KV: each query row, times `scale`, is quantised like the keys (s_q =
+// max|q| / 127, round half to even) and Q K^T is computed over the codes, exactly (integer dot
+// products where the kernels have them), times s_q and each key's scale; off: the float32 query
+// against the dequantised keys. The setting: kInt8QueryAuto (the default) turns them on where the
+// active path has integer dot products (active_integer_products()), kInt8QueryOff / kInt8QueryOn
+// force them. int8_query() is what calls do now.
+constexpr int kInt8QueryOff = 0, kInt8QueryOn = 1, kInt8QueryAuto = -1;
+void set_int8_query(int setting);  // InvalidArgument for anything but the three values
+int int8_query_setting();
 bool int8_query();
+// Whether the active instruction set computes integer queries' Q K^T with integer dot products
+// (AVX512-VNNI and AMX-INT8 on avx512bf16, amx, amx-emulated; SDOT on neon-bf16).
+bool active_integer_products();
 
 // float32 callers' opt-in to bf16 products (off by default; attnx.set_float32_precision): where
 // the active path multiplies prefill in bf16 (active_bf16_products()), float32 q, k and v prefill

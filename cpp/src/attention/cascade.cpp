@@ -213,6 +213,7 @@ void cascade_attend(const CascadePlan& plan, const PagedParams& p) {
   std::vector<float> lse(std::size_t(p.N * p.Hq), -std::numeric_limits<float>::infinity());
   const bool bf16 = float32_bf16_products();  // (one value for every part of the call)
   const Int8TilesRule tiles = int8_tiles_rule();
+  const bool int8q = int8_query();
   // The levels, then the tails, as stages of one region (detail::run_stages): the team wakes once,
   // and the tails (one short row per query and head) share out over it.
   std::deque<PagedParams> params;  // (stable addresses: each problem holds its parameters)
@@ -224,6 +225,7 @@ void cascade_attend(const CascadePlan& plan, const PagedParams& p) {
     levels.emplace_back(params.back(), plan.levels[d], out.get(), lse.data(), d > 0);
     levels.back().bf16_products = bf16;
     levels.back().int8_tiles_rule = tiles;
+    levels.back().int8_query = int8q;
     level_stages.emplace_back(levels.back(), nt);
     stages.push_back(&level_stages.back());
   }
@@ -240,6 +242,7 @@ void cascade_attend(const CascadePlan& plan, const PagedParams& p) {
   detail::PagedProblem tails(tp);
   tails.bf16_products = bf16;
   tails.int8_tiles_rule = tiles;
+  tails.int8_query = int8q;
   detail::FlashStage<detail::PagedProblem> tail_stage(tails, nt);
   stages.push_back(&tail_stage);
   detail::run_stages(stages.data(), stages.size());

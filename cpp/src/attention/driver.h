@@ -273,7 +273,7 @@ class FlashRun {
         table_->load_row(p_.q_row(it.b, h, i), p_.q_dtype, p_.Dk, qr);
         for (int64_t d = 0; d < p_.Dk; ++d) qr[d] *= p_.scale;
         for (int64_t d = p_.Dk; d < Dkp; ++d) qr[d] = T(0);
-        if (q8) s.qfactor[r] = quantise_query(qr, s.qcodes + r * s.ldc, s.ldc);
+        if (q8) s.qfactor[r] = quantise_query(qr, s.qcodes + r * s.ldc, s.ldc, s.qvals + r * Dkp);
         if (p_.mask_kind != MaskKind::none) s.mask_rows[r] = p_.mask_row(it.b, h, i);
       }
     }
@@ -298,30 +298,33 @@ class FlashRun {
     if (q8) {
       rs.qfactor = s.qfactor;
       rs.qcodes = s.qcodes;
+      rs.qvals = s.qvals;
       rs.ldc = s.ldc;
       rs.int8_tiles = int8_tiles(M, p_.int8_tiles_rule);
     }
   }
 
   // Whether the item's query rows are quantised to int8 (kern::RowSetT::qfactor): over int8
-  // keys, float queries, while int8_query() is on.
+  // keys, float queries, where the call's int8_query (attnx::int8_query()) is on.
   bool int8_rows(const Item& it) const {
     if constexpr (!std::is_same<T, float>::value) {
       return false;
     } else {
-      return p_.k_src(it.b, it.kvh).dtype == DType::i8 && int8_query();
+      return p_.k_src(it.b, it.kvh).dtype == DType::i8 && p_.int8_query;
     }
   }
 
   // The scaled query row (Dk values, zero-padded to Dkp) as its int8 codes by the keys' rule
-  // (quantise_row): into `codes` (zero-padded to ldc bytes) and, as values, in place; returns
-  // their factor.
-  T quantise_query(T* qr, int8_t* codes, int64_t ldc) const {
+  // (quantise_row): into `codes` (zero-padded to ldc bytes), as values in place, and as codes
+  // times their factor into `vals` (Dkp values); returns the factor.
+  T quantise_query(T* qr, int8_t* codes, int64_t ldc, T* vals) const {
     if constexpr (!std::is_same<T, float>::value) {
       return T(1);  // (never called: int8_rows is false for float64)
     } else {
       const T f = quantise_row(qr, p_.Dk, DType::i8, codes);
       for (int64_t d = 0; d < p_.Dk; ++d) qr[d] = T(codes[d]);
+      for (int64_t d = 0; d < p_.Dk; ++d) vals[d] = qr[d] * f;
+      for (int64_t d = p_.Dk; d < plan_.Dkp; ++d) vals[d] = T(0);
       std::memset(codes + p_.Dk, 0, std::size_t(ldc - p_.Dk));
       return f;
     }

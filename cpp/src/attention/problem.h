@@ -43,6 +43,7 @@ struct BasicFlashProblem {
   // problem was made, so that every item of the call sees one value.
   bool bf16_products = float32_bf16_products();
   Int8TilesRule int8_tiles_rule = attnx::int8_tiles_rule();  // (the same, for integer queries)
+  bool int8_query = attnx::int8_query();                     // (and whether they are on)
   // No user mask unless an adapter sets one (and hides mask_row with its own).
   MaskKind mask_kind = MaskKind::none;
   int64_t mask_sk = 0;

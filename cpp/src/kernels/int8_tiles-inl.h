@@ -298,41 +298,45 @@ static void qk_i8_sums(Tiles& t, int M, const int8_t* q, int64_t ldq, const int8
 }
 
 // S = Q K^T of keys [j0, j0 + n) into sc.s for the M integer query rows (rs.qcodes): the exact
-// int32 sums on tiles `t` (AMX-INT8's, or the emulation), times each key's scale and the row's
-// factor. Columns n .. kTileK hold what the tile holds there (zeros, or a shared tile's later
-// keys) times the row's factor.
+// int32 sums on tiles `t` (AMX-INT8's, or the emulation), times the row's factor and each key's
+// scale f[j] (1 past n). Columns n .. kTileK hold what the tile holds there (zeros, or a shared
+// tile's later keys) times the row's factor.
 template <class Tiles>
 static void qk_i8_tiles(Tiles& t, const RowSet& rs, const kern::KVSource& ks, int64_t j0, int64_t n,
-                        int64_t Dk, const Scratch& sc) {
+                        int64_t Dk, const Scratch& sc, const float* f) {
   const int M = rs.M;
   I8Scratch& x = i8_scratch();
   x.size(M);
   const int8_t* kp = packed_tile_i8(rs, ks, j0, n, Dk, sc);
   qk_i8_sums(t, M, rs.qcodes, rs.ldc, kp, x.c);
-  // s = (sum * key scale) * row factor in one pass: scale_keys' then scale_rows' products, in
-  // their order (columns past n take no key scale)
-  float f[kTileK];
-  kv_scales(ks, j0, n, f);
-  for (int64_t j = n; j < kTileK; ++j) f[j] = 1.f;
+  // s = (sum * row factor) * key scale in one pass: scale_rows' then scale_keys' products, in
+  // their order
   for (int r = 0; r < M; ++r) {
     const Real qf = rs.qfactor[r];
     for (int64_t j = 0; j < kTileK; ++j)
-      sc.s[r * kTileK + j] = Real(x.c[r * kTileK + j]) * f[j] * qf;
+      sc.s[r * kTileK + j] = Real(x.c[r * kTileK + j]) * qf * f[j];
   }
 }
 
 // The hook tile-inl.h's qk_tile calls for rows with rs.int8_tiles set: the hardware tiles where
-// this unit has them (the caller holds a TileScope), else the emulation.
-static void qk_int8_tiles(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int64_t n,
+// this unit has them (the caller holds a TileScope), else the emulation. False, having done
+// nothing, where the tile's key scales cannot be applied to the sums (scales_in_place): the
+// caller then reads the keys dequantised.
+static bool qk_int8_tiles(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int64_t n,
                           int64_t Dk, const Scratch& sc) {
+  float f[kTileK];
+  kv_scales(ks, j0, n, f);
+  if (!scales_in_place(f, n)) return false;
+  for (int64_t j = n; j < kTileK; ++j) f[j] = 1.f;
 #if defined(ATTNX_AMX_TILES)
   if (rs.int8_tiles == Int8Tiles::amx) {
     AmxTiles hw;
-    qk_i8_tiles(hw, rs, ks, j0, n, Dk, sc);
-    return;
+    qk_i8_tiles(hw, rs, ks, j0, n, Dk, sc, f);
+    return true;
   }
 #endif
-  qk_i8_tiles(i8_scratch().emu, rs, ks, j0, n, Dk, sc);
+  qk_i8_tiles(i8_scratch().emu, rs, ks, j0, n, Dk, sc, f);
+  return true;
 }
 
 }  // namespace

@@ -69,7 +69,7 @@ const IsaTables* isa_amx() {
     return t;
   }();
   static const DeltaKernels delta{&amx::delta::delta_heads_amx};
-  static const IsaTables isa{"amx", &flash, &delta, isa_avx512bf16()->probes, true};
+  static const IsaTables isa{"amx", &flash, &delta, isa_avx512bf16()->probes, true, true};
   return &isa;
 }
 }  // namespace kern

@@ -91,7 +91,7 @@ const IsaTables* isa_avx512bf16() {
     t.fma512 = &fma512_probe;
     return t;
   }();
-  static const IsaTables isa{"avx512bf16", &flash, isa_avx512()->delta, &probes, true};
+  static const IsaTables isa{"avx512bf16", &flash, isa_avx512()->delta, &probes, true, true};
   return &isa;
 }
 
@@ -105,7 +105,7 @@ const IsaTables* isa_amx_emulated() {
     return t;
   }();
   static const DeltaKernels delta{&avx512bf16::delta::delta_heads};
-  static const IsaTables isa{"amx-emulated", &flash, &delta, isa_avx512bf16()->probes, true};
+  static const IsaTables isa{"amx-emulated", &flash, &delta, isa_avx512bf16()->probes, true, true};
   return &isa;
 }
 }  // namespace kern

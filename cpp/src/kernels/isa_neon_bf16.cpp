@@ -44,7 +44,8 @@ const IsaTables* isa_neon_bf16() {
     t.flash_group = &neon_bf16::flash_group;
     return t;
   }();
-  static const IsaTables isa{"neon-bf16", &flash, isa_neon()->delta, isa_neon()->probes, true};
+  static const IsaTables isa{"neon-bf16",        &flash, isa_neon()->delta,
+                             isa_neon()->probes, true,   true};
   return &isa;
 }
 }  // namespace kern

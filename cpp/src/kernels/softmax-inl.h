@@ -231,11 +231,10 @@ static inline bool sees_whole(const RowSet& rs, int r, int R, int64_t j0, int64_
 // (qk_packed with Online): every row sees every key, no soft-cap or ALiBi (the mask is the
 // caller's test), every row has a finite running max (not its first visible tile: the update
 // is skipped while it has seen nothing, see attention/state.h) and the tile is whole register
-// blocks (zero keys past n would score 0).
+// blocks (zero keys past n would score 0). (Integer queries multiply packed keys with their
+// values, RowSet::qvals: no row factor follows the products.)
 static bool fusable(const RowSet& rs, int64_t j0, int64_t n, Real softcap, const FlashState& st) {
-  if (softcap > 0.f || n % (QR * W) != 0 || rs.qfactor != nullptr ||
-      !sees_whole(rs, 0, rs.M, j0, n))
-    return false;
+  if (softcap > 0.f || n % (QR * W) != 0 || !sees_whole(rs, 0, rs.M, j0, n)) return false;
   for (int r = 0; r < rs.M; ++r)
     if (!(st.m[r] > kNegInf && st.m[r] < -kNegInf)) return false;
   return true;

@@ -85,9 +85,13 @@ struct RowSetT {
   bool bf16_products = false;
   // Integer queries over int8 keys (null otherwise): q holds each row quantised like the keys,
   // integers in [-127, 127], and row r's scores take the factor qfactor[r] (its scale times
-  // `scale`) besides each key's scale. Sums of code products are exact in T for Dk < 1040, so
-  // FMAs over them and VNNI's integer dot products give the same scores.
+  // `scale`) before each key's scale: (sum q_q k_q) s_q s_k, in that order, leaves float32's range
+  // only where the score does. Sums of code products are exact in T for Dk < 1040, so FMAs over
+  // them and VNNI's integer dot products give the same scores.
   const T* qfactor = nullptr;
+  // With qfactor: the rows' values, codes times qfactor (ldq a row), which keys read dequantised
+  // (code * scale: scales outside scales_in_place's range) multiply, as attnx.reference does.
+  const T* qvals = nullptr;
   // With qfactor: the same codes as int8, ldc bytes a row (code_ld(Dk)), zero past Dk. The int8
   // tiles read whole code blocks: kCodeRows-row blocks of ldc bytes, so the buffer holds
   // round_up(M, kCodeRows) rows (those past M left as an earlier item wrote them: the sums of
@@ -180,6 +184,9 @@ struct IsaTables {
   // Whether `flash` multiplies prefill in bf16 (avx512bf16, amx, neon-bf16): bf16 q, k and v
   // always, float32 ones where RowSet::bf16_products allows it.
   bool bf16_products = false;
+  // Whether `flash` computes integer queries' Q K^T with integer dot products (VNNI, AMX-INT8,
+  // SDOT): where integer queries are the default (attnx::int8_query()).
+  bool integer_products = false;
 };
 
 const IsaTables* isa_scalar();

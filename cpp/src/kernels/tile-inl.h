@@ -79,7 +79,12 @@ static NextRows next_rows(const Ahead& ahead, const Scratch& sc) {
   return nx;
 }
 
-// S = Q K^T of keys [j0, j0 + n) into sc.s (times each row's factor for integer queries).
+// The query rows that products over dequantised keys (code * scale) take: integer queries'
+// values (codes times factor, RowSet::qvals), else q.
+static const Real* dequantised_q(const RowSet& rs) { return rs.qvals != nullptr ? rs.qvals : rs.q; }
+
+// S = Q K^T of keys [j0, j0 + n) into sc.s (integer queries: codes times each row's factor where
+// the keys are read in place, their values where not).
 // Returns whether the packed product also did the online-softmax update (sc.s is then P).
 static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int64_t n, int64_t Dk,
                     int64_t Dvp, Real softcap, const Scratch& sc, const FlashState& st,
@@ -91,16 +96,14 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
     for (int r = 0; r < M; ++r) std::memset(sc.s + r * kTileK, 0, std::size_t(n) * sizeof(Real));
     return false;
   }
-  if (rs.int8_tiles != Int8Tiles::none) {
-    qk_int8_tiles(rs, ks, j0, n, Dk, sc);  // (int8_tiles-inl.h: with the rows' factors)
-    return false;
-  }
+  // (int8_tiles-inl.h: with the rows' factors, where the tile's key scales allow it)
+  if (rs.int8_tiles != Int8Tiles::none && qk_int8_tiles(rs, ks, j0, n, Dk, sc)) return false;
   if (M > kDotRows) {
     // (the next K tile is prefetched only where this item packs its own: a shared packed tile
     // is read from the buffer, not the pages)
     const Online on{st.m, st.l, st.o, st.ldo, Dvp};
     fused = bias == nullptr && fusable(rs, j0, n, softcap, st);
-    qk_packed(M, rs.q, rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s,
+    qk_packed(M, dequantised_q(rs), rs.ldq, packed_tile(ks, j0, n, Dk, sc), Dkp, n, sc.s,
               ks.kt == nullptr ? nx.k : nullptr, nx.n, Dk * elem_bytes(ks.dtype),
               fused ? &on : nullptr);
   } else {
@@ -112,7 +115,7 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
 #endif
       with_type(rd.kdt, [&](auto t) {
         using T = decltype(t);
-        const Real* q = rs.q;
+        const Real* q = rd.k_inplace ? rs.q : dequantised_q(rs);
         int64_t ldq = rs.ldq;
         if constexpr (std::is_same<T, BF16>::value) {  // (K is read in place: kf is free)
           bf16_order_rows(M, rs.q, rs.ldq, Dk, sc.kf, Dkp);
@@ -122,9 +125,9 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
         qk_dot<T>(M, q, ldq, krow, n, rd.k_inplace ? Dk : Dkp, sc.s, nx.k, nx.n,
                   Dk * elem_bytes(ks.dtype));
       });
+    if (rd.k_inplace && rs.qfactor != nullptr) scale_rows(M, sc.s, rs.qfactor, n);
     if (rd.k_inplace && quantised(ks.dtype)) scale_keys(M, sc.s, rd.kscale, ks.dtype, n);
   }
-  if (rs.qfactor != nullptr) scale_rows(M, sc.s, rs.qfactor, n);
   return fused;
 }
 

@@ -292,10 +292,20 @@ const kern::IsaTables* active_tables() {
 const char* active_isa() { return active_tables()->name; }
 
 namespace {
-std::atomic<bool> g_int8_query{false};
+std::atomic<int> g_int8_query{kInt8QueryAuto};
 }  // namespace
-void set_int8_query(bool on) { g_int8_query.store(on, std::memory_order_relaxed); }
-bool int8_query() { return g_int8_query.load(std::memory_order_relaxed); }
+void set_int8_query(int setting) {
+  if (setting != kInt8QueryOff && setting != kInt8QueryOn && setting != kInt8QueryAuto)
+    throw InvalidArgument("int8 query setting " + std::to_string(setting) +
+                          ": expected 0 (off), 1 (on) or -1 (auto)");
+  g_int8_query.store(setting, std::memory_order_relaxed);
+}
+int int8_query_setting() { return g_int8_query.load(std::memory_order_relaxed); }
+bool int8_query() {
+  const int setting = int8_query_setting();
+  return setting == kInt8QueryAuto ? active_integer_products() : setting == kInt8QueryOn;
+}
+bool active_integer_products() { return active_tables()->integer_products; }
 
 namespace {
 std::atomic<bool> g_f32_bf16{false};

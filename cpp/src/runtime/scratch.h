@@ -98,6 +98,7 @@ struct Slot {
   T* slopes;               // M_max ALiBi slopes
   T* qfactor;              // M_max factors of int8 queries' scores (kern::RowSetT::qfactor)
   int8_t* qcodes;          // their codes (kern::RowSetT::qcodes): code_rows(M_max) rows of ldc
+  T* qvals;                // (M_max, Dkp) their values, codes times factor (kern::RowSetT::qvals)
   int64_t ldc;
 };
 
@@ -108,7 +109,7 @@ struct ThreadBuffers {
   kern::ScratchT<T> sc;
   T* tmp = nullptr;
   T* merged = nullptr;
-  T *q = nullptr, *o = nullptr, *m = nullptr, *l = nullptr;
+  T *q = nullptr, *o = nullptr, *m = nullptr, *l = nullptr, *qvals = nullptr;
   int64_t* ints = nullptr;
   const char** mask_rows = nullptr;
   T* slopes = nullptr;
@@ -127,6 +128,7 @@ struct ThreadBuffers {
             slopes + g * M_max,
             qfactors + g * M_max,
             qcodes + g * kern::code_rows(M_max) * ldc(),
+            qvals + g * M_max * Dkp,
             ldc()};
   }
 };
@@ -152,6 +154,7 @@ class ScratchLayout {
         Dvp,                 // kTmp
         Dvp,                 // kMerged
         M * Dkp / 2,         // kQb
+        group * M * Dkp,     // kQv
     };
     int64_t at = 0;
     for (int i = 0; i < kParts; ++i) {
@@ -191,6 +194,7 @@ class ScratchLayout {
     tb.tmp = at(kTmp);
     tb.merged = at(kMerged);
     tb.q = at(kQ);
+    tb.qvals = at(kQv);
     tb.o = at(kO);
     tb.m = at(kM);
     tb.l = at(kL);
@@ -206,7 +210,7 @@ class ScratchLayout {
   }
 
  private:
-  enum Part { kQ, kO, kM, kL, kKt, kKf, kVf, kS, kBias, kZero, kTmp, kMerged, kQb, kParts };
+  enum Part { kQ, kO, kM, kL, kKt, kKf, kVf, kS, kBias, kZero, kTmp, kMerged, kQb, kQv, kParts };
   static constexpr int64_t kLine = 64 / sizeof(T);
   int64_t group_, M_, Dkp_, Dvp_;
   int64_t offset_[kParts] = {};

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+import attnx
+
 GiB = 1 << 30
 MiB = 1 << 20
 DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
@@ -128,7 +130,7 @@ class Paged:
     of ``block`` tokens, scrambled through the block table. Counted in bytes of K and V read.
     With ``shared``, the sequences are forks of one prompt: their first ``shared`` tokens (whole
     blocks) are the same blocks, which need reading once (the bytes counted). ``int8_query``:
-    int8 pages read with ``attnx.set_int8_query(True)`` (integer Q·K)."""
+    int8 pages read with ``attnx.set_int8_query(int8_query)`` (None: the default)."""
 
     B: int
     Hq: int
@@ -139,7 +141,7 @@ class Paged:
     dtype: str = "fp32"
     window: int | None = None
     shared: int = 0
-    int8_query: bool = False
+    int8_query: bool | None = None
     kind = "bytes"
     causal = True  # the new token is the last position: it sees every cached one
 
@@ -163,8 +165,15 @@ class Paged:
             + f" block{self.block} {self.dtype} KV"
             + (f" window{self.window}" if self.window else "")
             + (f", {self.B} forks sharing {self.shared}" if self.shared else "")
-            + (", integer query" if self.int8_query else "")
+            + (f", {self.query_kind()}" if self.dtype == "int8" else "")
         )
+
+    def integer_query(self):
+        """Whether attnx reads this shape's int8 pages with integer queries."""
+        return attnx.int8_query() if self.int8_query is None else self.int8_query
+
+    def query_kind(self):
+        return "integer query" if self.integer_query() else "float query"
 
 
 @dataclass(frozen=True)
@@ -887,15 +896,16 @@ def forks(*, big, quick):
 
 
 def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
-    """int8 and fp8 (e4m3) KV rows of a decode shape (issue 13), and int8 with integer queries
-    (issue 33, item 3): tokens/s against the fp16 and fp32 KV rows of the same shape, in the same
-    run; bytes read count the scales."""
-    kinds = [(dt, dt, False) for dt in QUANTISED] + [("int8iq", "int8", True)]
+    """int8 and fp8 (e4m3) KV rows of a decode shape (issue 13; int8 with the default query,
+    integer where the path has integer products: issue 33, item 3), and int8 with the float query
+    (``attnx.set_int8_query(False)``): tokens/s against the fp16 and fp32 KV rows of the same
+    shape, in the same run; bytes read count the scales."""
+    kinds = [(dt, dt, None) for dt in QUANTISED] + [("int8fq", "int8", False)]
     return [
         Case(
             f"{key}_{kind}",
-            f"{name} {dt} KV" + (", integer query" if iq else ""),
-            replace(shape, dtype=dt, int8_query=iq),
+            f"{name} {dt} KV" + (f", {shape_q.query_kind()}" if dt == "int8" else ""),
+            shape_q,
             (
                 TokensOver(f16_key, 1.8, "fp16", bounded=True),
                 TokensOver(f32_key, 3.5, bounded=True),
@@ -905,6 +915,7 @@ def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
             seed=seed,
         )
         for kind, dt, iq in kinds
+        for shape_q in [replace(shape, dtype=dt, int8_query=iq)]
     ]
 
 

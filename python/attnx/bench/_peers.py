@@ -173,12 +173,12 @@ def attnx_widened(shape, data, threads):
 def attnx_paged(shape, data, threads):
     q, kp, vp, bt, sl, scales = data
     impl = paged_impl(q, kp, vp, bt, sl, threads, window=_window(shape), **scales)
-    if not shape.int8_query:
+    if shape.int8_query is None:
         return impl
 
-    def int8_query(f):  # f with integer queries for its call only
+    def int8_query(f):  # f with the shape's query for its call only
         def g():
-            before = attnx.set_int8_query(True)
+            before = attnx.set_int8_query(shape.int8_query)
             try:
                 return f()
             finally:
@@ -236,7 +236,7 @@ def reference_call(shape, data, cut):
         rq, rbt, rsl = q[: cut.B], bt[: cut.B, :nper], np.full(cut.B, cut.L, np.int32)
         if isinstance(shape, Chunk):
             rq, scales = q[: cut.B * cut.new], dict(scales, q_lens=scales["q_lens"][: cut.B])
-        iq = {"int8_query": True} if shape.int8_query else {}
+        iq = {"int8_query": shape.integer_query()}
         return lambda: reference.paged_attention(
             rq, kp, vp, rbt, rsl, window=_window(shape), **scales, **iq
         )
