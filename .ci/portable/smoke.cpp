@@ -104,8 +104,26 @@ double max_error(const Case& c, std::mt19937& rng) {
   return max_abs_diff(out, ref);
 }
 
+// The integer query's twin (attnx::int8_query(); attnx.quant.quantize_query): each row of D
+// values times `scale`, in float32, quantised as the keys are (s = max|x| / 127, codes rounded half
+// to even), read back as code * s.
+std::vector<double> quantised_query(const std::vector<float>& q, int64_t D, float scale) {
+  std::vector<double> out(q.size());
+  for (std::size_t r = 0; r < q.size(); r += std::size_t(D)) {
+    float m = 0.f;
+    for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(q[r + d] * scale));
+    const float s = m / 127.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float code = s > 0.f ? std::nearbyint(q[r + d] * scale / s) : 0.f;
+      out[r + d] = double(std::min(127.f, std::max(-127.f, code))) * double(s);
+    }
+  }
+  return out;
+}
+
 // B sequences of L tokens in int8 pages of shuffled blocks, one decode query each (GQA 4):
-// attention over the dequantised rows (code * scale, read back from the pages).
+// attention over the dequantised rows (code * scale, read back from the pages), and with integer
+// queries (the default where the path has integer dot products) over the query read back too.
 double paged_int8_error(std::mt19937& rng) {
   const int64_t B = 3, Hq = 8, Hkv = 2, D = 64, L = 77, bs = 16, per = (L + bs - 1) / bs,
                 nb = B * per;
@@ -162,7 +180,9 @@ double paged_int8_error(std::mt19937& rng) {
           vd[((b * Hkv + h) * L + t) * D + d] = double(float(vp[row * D + d]) * vs[row]);
         }
       }
-  const std::vector<double> ref = reference(c, qd, kd, vd, double(p.scale));
+  const bool q8 = attnx::int8_query();
+  if (q8) qd = quantised_query(q, D, p.scale);
+  const std::vector<double> ref = reference(c, qd, kd, vd, q8 ? 1.0 : double(p.scale));
   return max_abs_diff(out, ref);
 }
 
