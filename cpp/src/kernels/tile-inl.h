@@ -24,7 +24,9 @@ struct Ahead {
 // buffers. So does a tile whose scales are out of scales_in_place's range, and a tile of e4m3
 // rows that holds the NaN code: in place, e4m3 is widened without the NaN code's test
 // (load_e4m3_finite: 4 instructions per W codes, not 8), and one pass over the tile's codes costs
-// less than that test. (vaddr: the tile's n value rows.)
+// less than that test. V's pass runs just before P V (value_reads): the first touch of the tile's
+// value rows then comes after Q K^T and the softmax, not before them. (vaddr: the tile's n value
+// rows.)
 struct TileReads {
   bool k_inplace, v_inplace;
   DType kdt, vdt;  // the row type QK^T and P V read: the source's where in place, else Real's
@@ -32,8 +34,7 @@ struct TileReads {
   float kscale[kTileK], vscale[kTileK];  // quantised sources: the tile's scales (scale_keys)
 };
 static TileReads tile_reads(int M, const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
-                            int64_t n, int64_t Dk, int64_t Dv, const char* const* vaddr,
-                            const Scratch& sc) {
+                            int64_t n, int64_t Dk, int64_t Dv, const Scratch& sc) {
   TileReads t;
   t.k_inplace = M > kDotRows ? ks.dtype == kNative && Dk % 8 == 0 : Dk % W == 0;
   t.v_inplace = Dv % (NR * W) == 0;
@@ -49,11 +50,20 @@ static TileReads tile_reads(int M, const kern::KVSource& ks, const kern::KVSourc
     kv_rows(ks, j0, n, sc.kaddr);
     t.k_inplace = !e4m3_nan_in(sc.kaddr, n, Dk);
   }
-  if (t.v_inplace && vs.dtype == DType::e4m3) t.v_inplace = !e4m3_nan_in(vaddr, n, Dv);
   t.kdt = t.k_inplace ? ks.dtype : kNative;
   t.vdt = t.v_inplace ? vs.dtype : kNative;
   t.vw = t.v_inplace ? Dv : round_up(Dv, kPad);
   return t;
+}
+
+// The value side of tile_reads, for P V: e4m3 value rows holding the NaN code are converted.
+static void value_reads(TileReads& t, const kern::KVSource& vs, int64_t n, int64_t Dv,
+                        const char* const* vaddr) {
+  if (t.v_inplace && vs.dtype == DType::e4m3 && e4m3_nan_in(vaddr, n, Dv)) {
+    t.v_inplace = false;
+    t.vdt = kNative;
+    t.vw = round_up(Dv, kPad);
+  }
 }
 
 // Row addresses of a later tile (`ahead`), prefetched while this one is computed (n = 0: none).
@@ -168,11 +178,12 @@ static void flash_tile(const RowSet& rs, const kern::KVSource& ks, const kern::K
   // Row addresses of this tile (of K only where QK^T reads the rows themselves).
   const char** vaddr = sc.vaddr;
   kv_rows(vs, j0, n, vaddr);
-  const TileReads rd = tile_reads(rs.M, ks, vs, j0, n, Dk, Dv, vaddr, sc);
+  TileReads rd = tile_reads(rs.M, ks, vs, j0, n, Dk, Dv, sc);
   const NextRows nx = next_rows(ahead, sc);
   const bool fused = qk_tile(rs, ks, j0, n, Dk, Dvp, softcap, sc, st, rd, nx, bias);
   // (a fused tile's S is already P: every row sees it whole, so none sees it in part)
   const bool partial = !fused && softmax_rows(rs, j0, n, bias, softcap, Dvp, sc.s, st);
+  value_reads(rd, vs, n, Dv, vaddr);
   pv_tile(rs, vs, j0, n, Dv, sc, st, rd, vaddr, nx, partial, bias);
 }
 
