@@ -146,7 +146,7 @@ def yardstick_problem():
     v = rng.standard_normal((128, 2, 16, 128)).astype(np.float32)
     q = rng.standard_normal((1, 8, 128)).astype(np.float32)
     bt, lens = rng.permutation(128).astype(np.int32)[None], np.array([2048])
-    exact = twin(q, k, v, bt, lens)
+    exact = ref.paged_attention(q, k, v, bt, lens)
     rms = float(np.sqrt(np.mean(exact.astype(np.float64) ** 2)))
     return q, k, v, bt, lens, exact, rms
 
@@ -367,7 +367,7 @@ def test_fixed_scale_pages_match_the_reference(isa, dtype):
     qp = rng.standard_normal((int(ql.sum()), 8, 64)).astype(np.float32)
     for qq, kw in [(q, c) for c in cases] + [(qp, dict(q_lens=ql, softcap=30.0))]:
         got = attnx.paged_attention(qq, kp, vp, bt, lens, k_scales=ks, v_scales=vs, **kw)
-        want = twin(qq, kp, vp, bt, lens, k_scales=ks, v_scales=vs, **kw)
+        want = ref.paged_attention(qq, kp, vp, bt, lens, k_scales=ks, v_scales=vs, **kw)
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, **TOL)
     # 16 forks of a 1024-token prompt: the shared blocks are read once for all (the cascade)
@@ -375,7 +375,7 @@ def test_fixed_scale_pages_match_the_reference(isa, dtype):
     kp, vp, bt, lens, ks, vs = _fixed_pool(rng, dtype, lens, shared=64)
     q = rng.standard_normal((16, 8, 64)).astype(np.float32)
     got = attnx.paged_attention(q, kp, vp, bt, lens, k_scales=ks, v_scales=vs)
-    want = twin(q, kp, vp, bt, lens, k_scales=ks, v_scales=vs)
+    want = ref.paged_attention(q, kp, vp, bt, lens, k_scales=ks, v_scales=vs)
     np.testing.assert_allclose(got, want, **TOL)
 
 
@@ -440,7 +440,7 @@ def test_fixed_scale_step_writes_then_attends(isa):
     want_k, want_v = kp.copy(), vp.copy()
     want_k[slots // 16, :, slots % 16] = attnx.quant.quantize_kv(k, dtype, scale=ks)[0]
     want_v[slots // 16, :, slots % 16] = attnx.quant.quantize_kv(v, dtype, scale=vs)[0]
-    want = twin(q, want_k, want_v, bt, lens, q_lens=ql, k_scales=ks, v_scales=vs)
+    want = ref.paged_attention(q, want_k, want_v, bt, lens, q_lens=ql, k_scales=ks, v_scales=vs)
     got = attnx.ops.paged.paged_step(q, k, v, kp, vp, bt, lens, ql, slots, k_scales=ks, v_scales=vs)
     assert np.array_equal(kp.view(np.uint8), want_k.view(np.uint8))
     assert np.array_equal(vp.view(np.uint8), want_v.view(np.uint8))

@@ -900,12 +900,13 @@ def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
     integer where the path has integer products: issue 33, item 3), and int8 with the float query
     (``attnx.set_int8_query(False)``): tokens/s against the fp16 and fp32 KV rows of the same
     shape, in the same run; bytes read count the scales."""
-    kinds = [(dt, dt, None) for dt in QUANTISED] + [("int8fq", "int8", False)]
+    kinds = [(dt, replace(shape, dtype=dt)) for dt in QUANTISED]
+    kinds.append(("int8fq", replace(shape, dtype="int8", int8_query=False)))
     return [
         Case(
             f"{key}_{kind}",
-            f"{name} {dt} KV" + (f", {shape_q.query_kind()}" if dt == "int8" else ""),
-            shape_q,
+            f"{name} {sh.dtype} KV" + (f", {sh.query_kind()}" if sh.dtype == "int8" else ""),
+            sh,
             (
                 TokensOver(f16_key, 1.8, "fp16", bounded=True),
                 TokensOver(f32_key, 3.5, bounded=True),
@@ -914,8 +915,7 @@ def _quantised_decode(key, f32_key, f16_key, name, shape, ref, quick, seed):
             ref_samples=1 if quick else 3,
             seed=seed,
         )
-        for kind, dt, iq in kinds
-        for shape_q in [replace(shape, dtype=dt, int8_query=iq)]
+        for kind, sh in kinds
     ]
 
 
