@@ -41,6 +41,7 @@ py::dict cpu_feature_dict() {
 void bind_kernel_path(py::module_& m) {
   m.def("cpu_features", &cpu_feature_dict);
   m.def("bf16_dot_gain", &bf16_dot_gain);
+  m.attr("BF16_DOT_GAIN_LINE") = kBf16DotGain;
   m.def("set_int8_query", [](int setting) { set_int8_query(setting); }, py::arg("setting"));
   m.def("int8_query_setting", &int8_query_setting);
   m.def("int8_query", &int8_query);

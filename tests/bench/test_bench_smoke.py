@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import attnx
 
+from helpers import PATHS
+
 # (chunk_bf16, against the vector path that AMX replaces, only where the amx path runs)
 ROWS = ["prefill", "gqa_causal", "prefill_bf16", "gqa_causal_bf16", "causal_bf16"]
 ROWS += ["chunk_bf16"] if attnx.cpu_features()["isa"] == "amx" else []
@@ -95,11 +97,7 @@ def _check_header(result):
     """The JSON's top level: the run's date, config, machine and probed limits."""
     assert {"date", "config", "machine", "limits", "rows", "others_cpu_share"} <= set(result)
     m = result["machine"]
-    assert (
-        m["cpu_model"]
-        and m["threads"] == 2
-        and m["isa"] in ("scalar", "avx2", "avx512", "avx512bf16", "amx", "neon", "neon-bf16")
-    )
+    assert m["cpu_model"] and m["threads"] == 2 and m["isa"] in PATHS
     assert m["versions"]["numpy"] and "torch" in m["versions"]
     lim = result["limits"]
     assert lim["fma_gflops_all"] > 0 and lim["fma_gflops_1"] > 0 and lim["read_gbps_all"] > 0

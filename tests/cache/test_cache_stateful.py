@@ -49,7 +49,7 @@ import attnx.ops.cascade
 from attnx import reference
 from attnx.cache.blocks import block_digest
 
-from helpers import bits, cache_state
+from helpers import PATHS, bits, cache_state
 
 NUM_BLOCKS, BLOCK_SIZE, LAYERS, HKV, HQ, DK = 24, 4, 2, 2, 4, 8
 MAX_SEQS = 6
@@ -85,7 +85,7 @@ def counts_as_form(form, counts):
 def _isas():
     current = attnx._core.active_isa()
     found = []
-    for name in ("scalar", "avx2", "avx512", "avx512bf16", "amx", "neon", "neon-bf16"):
+    for name in PATHS:
         try:
             attnx._core.set_isa(name)
         except ValueError:

@@ -9,10 +9,13 @@ import pytest
 
 import attnx
 
-# The CPU flags each x86 path needs: avx2 (with FMA and F16C), and avx512bf16 (AVX-512F/BW/VL,
-# AVX512_BF16 and VNNI on top of those).
+# Every path a build may offer for use (ATTNX_ISA's names but the test-only amx-emulated).
+PATHS = ("scalar", "avx2", "avx512", "avx512vnni", "avx512bf16", "amx", "neon", "neon-bf16")
+# The CPU flags each x86 path needs: avx2 (with FMA and F16C), avx512vnni (AVX-512F/BW/VL and
+# VNNI on top of those), and avx512bf16 (AVX512_BF16 on top of avx512vnni's).
 AVX2_FLAGS = ("avx2", "fma", "f16c")
-AVX512BF16_FLAGS = (*AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512bf16", "avx512_vnni")
+AVX512VNNI_FLAGS = (*AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+AVX512BF16_FLAGS = (*AVX512VNNI_FLAGS, "avx512bf16")
 # aarch64: neon-bf16 (BFDOT for bf16 prefill, SDOT for integer queries) needs BF16 and DotProd.
 NEON_BF16_FLAGS = ("neon", "bf16", "dotprod")
 
@@ -45,6 +48,8 @@ def supported_isas():
         isas.append("avx2")
         if f["avx512f"]:
             isas.append("avx512")
+            if _has(f, AVX512VNNI_FLAGS):
+                isas.append("avx512vnni")
             if has_avx512bf16(f):
                 isas.append("avx512bf16")
                 if has_amx(f):
@@ -80,9 +85,14 @@ def has_amx(f=None):
 # amx-emulated is amx's tile loop over emulated tiles (int8_tiles-inl.h EmuTiles): not a path
 # for use, so not in ISAS, but the bf16 product tests run it wherever AVX512_BF16 is.
 BF16_PRODUCT_ISAS = ("avx512bf16", "amx", "amx-emulated", "neon-bf16")
+# The paths that compute integer queries' Q K^T with integer dot products (VNNI, AMX-INT8, SDOT):
+# where integer queries are the default.
+INTEGER_PRODUCT_ISAS = ("avx512vnni", "avx512bf16", "amx", "amx-emulated", "neon-bf16")
 # Each one's float32-widening twin: every other call (dtypes, decode) gives its results bit for
-# bit, and so do integer queries, whose integer dot products give the FMAs' exact sums.
+# bit, and so do integer queries, whose integer dot products give the FMAs' exact sums. (With
+# avx512vnni: the path that has integer products only.)
 WIDENING_TWIN = {
+    "avx512vnni": "avx512",
     "avx512bf16": "avx512",
     "amx": "avx512",
     "amx-emulated": "avx512",
@@ -126,7 +136,8 @@ BF16_ISAS = bf16_isas()
 
 def best_isa():
     """The fastest path this CPU has, whatever ATTNX_ISA says: AMX where granted, else the bf16
-    dot products where they measure faster than float32 FMAs, else the widest vectors."""
+    dot products where they measure faster than float32 FMAs, else the widest vectors (with
+    VNNI where the CPU has it)."""
     f = attnx.cpu_features()
     if f.get("neon"):
         return "neon-bf16" if has_neon_bf16(f) else "neon"
@@ -135,6 +146,8 @@ def best_isa():
             return "amx"
         if has_avx512bf16(f) and attnx._core.bf16_dot_gain() > BF16_DOT_GAIN:
             return "avx512bf16"
+        if _has(f, AVX512VNNI_FLAGS):
+            return "avx512vnni"
         return "avx512" if f["avx512f"] else "avx2"
     return "scalar"
 

@@ -87,6 +87,7 @@ def test_bf16_dot_gain_is_measured():
     without AVX512_BF16). Every CPU measured sits far from the line (Zen 4 ~2, Sapphire Rapids
     ~0.5), so the default path does not flip between runs."""
     gain = attnx._core.bf16_dot_gain()
+    assert attnx._core.BF16_DOT_GAIN_LINE == BF16_DOT_GAIN
     if not has_avx512bf16():
         assert gain == 0
     else:

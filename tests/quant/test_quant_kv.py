@@ -17,7 +17,7 @@ import attnx
 from attnx import reference as ref
 from attnx.quant import quantize_query
 
-from helpers import make_rng, pool_from_sequences, scramble_tables
+from helpers import INTEGER_PRODUCT_ISAS, make_rng, pool_from_sequences, scramble_tables
 
 QDTYPES = list(ref.QUANTISED_DTYPES)
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32: the kernel computes on the dequantised values
@@ -212,7 +212,7 @@ def test_int8_query_chunked_prefill_matches_its_twin(isa, int8_query):
 @pytest.mark.parametrize("dk", [128, 48])
 def test_int8_query_vnni_gives_the_fma_scores(int8_query, dk):
     """The codes' sums are exact in float32 (Dk < 1040), so the integer products (VNNI on the
-    avx512bf16 and amx paths, SDOT on neon-bf16) give the scores of the float32-widening twin's
+    avx512vnni, avx512bf16 and amx paths, SDOT on neon-bf16) give the scores of the float32-widening twin's
     FMAs (avx512, neon) over the same codes, and the same outputs, bit for bit (Dk 48: SDOT's
     16 bytes, not VNNI's 64)."""
     from helpers import ISAS, WIDENING_TWIN
@@ -289,7 +289,7 @@ def test_int8_query_default_follows_the_path(isa):
     before = attnx.set_int8_query(None)  # (ATTNX_INT8_QUERY may have set it)
     try:
         assert attnx.int8_query() is attnx.cpu_features()["integer_products"]
-        want = attnx._core.active_isa() in ("avx512bf16", "amx", "amx-emulated", "neon-bf16")
+        want = attnx._core.active_isa() in INTEGER_PRODUCT_ISAS
         assert attnx.int8_query() is want
         assert attnx.set_int8_query(True) is None and attnx.int8_query() is True
         assert attnx.set_int8_query(False) is True and attnx.int8_query() is False

@@ -8,7 +8,7 @@ namespace attnx {
 
 struct CpuFeatures {
   bool sse2 = false, avx2 = false, fma = false, f16c = false, avx512f = false;  // all false off x86
-  bool avx512bw = false, avx512vl = false, avx512bf16 = false;  // the avx512bf16 path needs all 3
+  bool avx512bw = false, avx512vl = false, avx512bf16 = false;  // (the VNNI paths need BW and VL)
   // Matrix engines and integer dot products (CPUID leaf 7; the AVX-512 ones only where the OS
   // saves the wide registers). amx_permitted: this process may use the tile state (Linux grants
   // it on request, dispatch.cpp); without it a tile instruction is SIGILL.
@@ -21,15 +21,20 @@ struct CpuFeatures {
 };
 
 CpuFeatures cpu_features();
-// The active instruction set: "scalar", "avx2", "avx512", "avx512bf16" (avx512, with bf16 dot
-// products for bf16 prefill) or "amx" (avx512, with AMX-BF16 tiles for bf16 prefill); on
-// aarch64 "scalar", "neon" or "neon-bf16" (neon, with BFDOT for bf16 prefill and SDOT for
-// integer queries).
+// The active instruction set: "scalar", "avx2", "avx512", "avx512vnni" (avx512, with VNNI for
+// integer queries), "avx512bf16" (avx512vnni, with bf16 dot products for bf16 prefill) or "amx"
+// (avx512, with AMX-BF16 tiles for bf16 prefill); on aarch64 "scalar", "neon" or "neon-bf16" (neon,
+// with BFDOT for bf16 prefill and SDOT for integer queries).
 const char* active_isa();
 // How many more multiply-adds per second this CPU's vdpbf16ps gives than its 512-bit FMAs
 // (measured once, at first use; 0 where the CPU lacks AVX512_BF16): the avx512bf16 path is the
-// default only where it is above kBf16DotGain (dispatch.cpp).
+// default only where it is above kBf16DotGain.
 double bf16_dot_gain();
+// vdpbf16ps does twice an FMA's multiply-adds per instruction; where it issues at half the rate
+// or less (Intel's Sapphire Rapids: 0.5x the multiply-adds of float32 FMAs, measured) the
+// float32-widening kernels are the faster bf16 path, where it issues at an FMA's rate (AMD Zen 4:
+// 2x) the bf16 path is. The two are far apart on every CPU measured, so the line sits between.
+constexpr double kBf16DotGain = 1.25;
 // Forces an instruction set (as ATTNX_ISA does); throws InvalidArgument if the CPU lacks it.
 void set_isa(const std::string& name);
 
@@ -67,7 +72,7 @@ void set_int8_query(int setting);  // InvalidArgument for anything but the three
 int int8_query_setting();
 bool int8_query();
 // Whether the active instruction set computes integer queries' Q K^T with integer dot products
-// (AVX512-VNNI and AMX-INT8 on avx512bf16, amx, amx-emulated; SDOT on neon-bf16).
+// (AVX512-VNNI and AMX-INT8 on avx512vnni, avx512bf16, amx, amx-emulated; SDOT on neon-bf16).
 bool active_integer_products();
 
 // float32 callers' opt-in to bf16 products (off by default; attnx.set_float32_precision): where

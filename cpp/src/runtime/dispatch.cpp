@@ -139,21 +139,24 @@ std::atomic<int> g_threads{0};
 
 bool has_avx2(const CpuFeatures& f) { return f.avx2 && f.fma && f.f16c; }
 bool has_avx512(const CpuFeatures& f) { return has_avx2(f) && f.avx512f; }
-bool has_avx512bf16(const CpuFeatures& f) {
-  return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512bf16 && f.avx512_vnni;
+// (every CPU with AVX512-VNNI has BW and VL: Cascade Lake, Ice Lake, Zen 4 and later)
+bool has_avx512vnni(const CpuFeatures& f) {
+  return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512_vnni;
 }
+bool has_avx512bf16(const CpuFeatures& f) { return has_avx512vnni(f) && f.avx512bf16; }
 bool has_amx(const CpuFeatures& f) { return has_avx512bf16(f) && f.amx_bf16 && f.amx_permitted; }
 
 // The wide kernels' tables exist only where CMake compiled them (x86-64: ATTNX_X86_KERNELS);
 // nothing else names them, so another build does not link against them. Elsewhere every
 // feature above reads false, except on 32-bit x86, which gets the portable path too.
-enum class Wide { avx2, avx512, avx512bf16, amx, amx_emulated };
+enum class Wide { avx2, avx512, avx512vnni, avx512bf16, amx, amx_emulated };
 #if defined(ATTNX_X86_KERNELS) && ATTNX_X86_KERNELS
 constexpr bool kWideKernels = true;
 const kern::IsaTables* wide_table(Wide w) {
   switch (w) {
     case Wide::avx2: return kern::isa_avx2();
     case Wide::avx512: return kern::isa_avx512();
+    case Wide::avx512vnni: return kern::isa_avx512vnni();
     case Wide::avx512bf16: return kern::isa_avx512bf16();
     case Wide::amx_emulated: return kern::isa_amx_emulated();
     case Wide::amx: break;
@@ -190,12 +193,6 @@ const kern::IsaTables* wide_table(Wide) {
 double measure_bf16_dot_gain() { return 0; }
 #endif
 
-// vdpbf16ps does twice an FMA's multiply-adds per instruction; where it issues at half the rate
-// or less (Intel's Sapphire Rapids: 0.5x the multiply-adds of float32 FMAs, measured) the
-// float32-widening kernels are the faster bf16 path, where it issues at an FMA's rate (AMD Zen 4:
-// 2x) the bf16 path is. The two are far apart on every CPU measured, so the line sits between.
-constexpr double kBf16DotGain = 1.25;
-
 // The NEON tables exist only in aarch64 builds (ATTNX_NEON_KERNELS), and every aarch64 CPU has
 // Advanced SIMD, so there neon is the default; neon-bf16 where the CPU has BF16 and DotProd
 // (BFDOT does twice FMLA's multiply-adds per instruction and issues at FMLA's rate on the
@@ -214,59 +211,58 @@ const kern::IsaTables* neon_table(bool bf16) {
 }
 #endif
 
+// Every path ATTNX_ISA and set_isa name: whether this CPU (and OS) can run it, what a refusal
+// says it lacks, and its tables. (A build without NEON kernels refuses neon by the build, not
+// the CPU: neon_table says so.)
+struct NamedPath {
+  const char* name;
+  bool (*runs)(const CpuFeatures&);
+  const char* lacks;
+  const kern::IsaTables* (*table)();
+};
+const NamedPath kPaths[] = {
+    {"scalar", [](const CpuFeatures&) { return true; }, "", &kern::isa_scalar},
+    {"avx2", &has_avx2, "AVX2, FMA or F16C", [] { return wide_table(Wide::avx2); }},
+    {"avx512", &has_avx512, "AVX-512F", [] { return wide_table(Wide::avx512); }},
+    {"avx512vnni", &has_avx512vnni, "AVX512-VNNI (or AVX-512BW/VL)",
+     [] { return wide_table(Wide::avx512vnni); }},
+    {"avx512bf16", &has_avx512bf16, "AVX512_BF16 (or AVX-512BW/VL/VNNI)",
+     [] { return wide_table(Wide::avx512bf16); }},
+    {"amx", &has_amx, "AMX-BF16 (or AVX512_BF16)", [] { return wide_table(Wide::amx); }},
+    // the amx path's tile loop over emulated tiles: for tests
+    {"amx-emulated", &has_avx512bf16, "AVX512_BF16 (or AVX-512BW/VL/VNNI)",
+     [] { return wide_table(Wide::amx_emulated); }},
+    {"neon", [](const CpuFeatures& f) { return !kNeonKernels || f.neon; }, "Advanced SIMD",
+     [] { return neon_table(false); }},
+    {"neon-bf16", [](const CpuFeatures& f) { return !kNeonKernels || has_neon_bf16(f); },
+     "BF16 or DotProd", [] { return neon_table(true); }},
+};
+
 const kern::IsaTables* table_for(const std::string& name, const CpuFeatures& f) {
-  if (name == "scalar") return kern::isa_scalar();
-  if (name == "neon") {
-    if (kNeonKernels && !f.neon)
-      throw InvalidArgument("ATTNX_ISA=neon: this CPU lacks Advanced SIMD");
-    return neon_table(false);
+  if (name == "amx" && has_avx512bf16(f) && f.amx_bf16 && !f.amx_permitted)
+    throw InvalidArgument("ATTNX_ISA=amx: the OS did not grant this process the AMX tile state");
+  std::string names;
+  for (const NamedPath& p : kPaths) {
+    if (name == p.name) {
+      if (!p.runs(f)) throw InvalidArgument("ATTNX_ISA=" + name + ": this CPU lacks " + p.lacks);
+      return p.table();
+    }
+    names += std::string(names.empty() ? "" : ", ") + p.name;
   }
-  if (name == "neon-bf16") {
-    if (kNeonKernels && !has_neon_bf16(f))
-      throw InvalidArgument("ATTNX_ISA=neon-bf16: this CPU lacks BF16 or DotProd");
-    return neon_table(true);
-  }
-  if (name == "avx2") {
-    if (!has_avx2(f)) throw InvalidArgument("ATTNX_ISA=avx2: this CPU lacks AVX2, FMA or F16C");
-    return wide_table(Wide::avx2);
-  }
-  if (name == "avx512") {
-    if (!has_avx512(f)) throw InvalidArgument("ATTNX_ISA=avx512: this CPU lacks AVX-512F");
-    return wide_table(Wide::avx512);
-  }
-  if (name == "avx512bf16") {
-    if (!has_avx512bf16(f))
-      throw InvalidArgument(
-          "ATTNX_ISA=avx512bf16: this CPU lacks AVX512_BF16 (or AVX-512BW/VL/VNNI)");
-    return wide_table(Wide::avx512bf16);
-  }
-  if (name == "amx") {
-    if (!has_avx512bf16(f) || !f.amx_bf16)
-      throw InvalidArgument("ATTNX_ISA=amx: this CPU lacks AMX-BF16 (or AVX512_BF16)");
-    if (!f.amx_permitted)
-      throw InvalidArgument("ATTNX_ISA=amx: the OS did not grant this process the AMX tile state");
-    return wide_table(Wide::amx);
-  }
-  if (name == "amx-emulated") {  // the amx path's tile loop over emulated tiles: for tests
-    if (!has_avx512bf16(f))
-      throw InvalidArgument(
-          "ATTNX_ISA=amx-emulated: this CPU lacks AVX512_BF16 (or AVX-512BW/VL/VNNI)");
-    return wide_table(Wide::amx_emulated);
-  }
-  throw InvalidArgument("unknown instruction set '" + name +
-                        "' (expected scalar, avx2, avx512, avx512bf16, amx, amx-emulated, neon or "
-                        "neon-bf16)");
+  throw InvalidArgument("unknown instruction set '" + name + "' (expected one of " + names + ")");
 }
 
 // The fastest path for every kind of call: AMX tiles for bf16 prefill where the OS allows them
 // (the float32-widening kernels for the rest), else bf16 dot products where they measure faster
-// than float32 FMAs (bf16_dot_gain), else the widest vectors.
+// than float32 FMAs (bf16_dot_gain), else the widest vectors, with VNNI's integer products for
+// integer queries where the CPU has them.
 const kern::IsaTables* best_table() {
   const CpuFeatures f = cpu_features();
   if (kNeonKernels && f.neon) return neon_table(has_neon_bf16(f));
   if (!kWideKernels) return kern::isa_scalar();
   if (has_amx(f)) return wide_table(Wide::amx);
   if (has_avx512bf16(f) && bf16_dot_gain() > kBf16DotGain) return wide_table(Wide::avx512bf16);
+  if (has_avx512vnni(f)) return wide_table(Wide::avx512vnni);
   if (has_avx512(f)) return wide_table(Wide::avx512);
   if (has_avx2(f)) return wide_table(Wide::avx2);
   return kern::isa_scalar();

@@ -833,7 +833,7 @@ def isa_note(isa):
         if not (f.get("avx512bf16") and f.get("avx512bw") and f.get("avx512vl")):
             return "CPU lacks AVX512_BF16, AMX and ARM BF16: bf16 runs on the fp32-widening kernels"
         gain = _core.bf16_dot_gain()
-        if f["isa"] == "avx512" and gain < 1.25:
+        if f["isa"] in ("avx512", "avx512vnni") and gain <= _core.BF16_DOT_GAIN_LINE:
             return (
                 f"bf16 runs on the fp32-widening kernels: this CPU's bf16 dot products give "
                 f"{gain:.2f}x the multiply-adds/s of fp32 FMAs (no AMX)"

@@ -2,14 +2,15 @@
 // -mavx512bf16 -mavx512vnni besides the avx512 flags), beside vec_avx512.h's `simd`:
 //   bf16 pairs (bf16_dot-inl.h): two bf16 values in 32 bits, the lower index in the low half, and
 //     AVX512_BF16's vdpbf16ps, which adds the two products of each pair to a float lane;
-//   int8 codes (qk-inl.h, ATTNX_INT8_DOT): AVX512-VNNI's vpdpbusd, which adds four byte products
-//     to an int32 lane, unsigned by signed: the keys go in as code + 128 (kKeyBias).
+//   int8 codes (qk-inl.h, ATTNX_INT8_DOT): AVX512-VNNI's vpdpbusd, in idot_avx512.h (which the
+//     avx512vnni unit includes alone).
 // Every operation keeps the lane order of `simd` (V: 16 floats), so the shared bodies index alike.
 #pragma once
 #include <immintrin.h>
 
 #include <cstdint>
 
+#include "idot_avx512.h"
 #include "vec_avx512.h"
 
 namespace attnx {
@@ -73,28 +74,6 @@ static inline Bad zip_rounded(int32_t* dst, const float* a, const float* b, int6
 static inline V round_bf16(V x) {
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// ---- int8 codes --------------------------------------------------------------------------------
-using I8 = __m512i;    // kI8Bytes codes
-using IAcc = __m512i;  // W int32 sums
-constexpr int kI8Bytes = 64;
-constexpr int kKeyBias = 128;  // load_keys's codes are the keys' + kKeyBias
-static inline IAcc izero() { return _mm512_setzero_si512(); }
-static inline I8 load_codes(const int8_t* p) { return _mm512_loadu_si512(p); }
-// (the sign bit flipped: code + 128 as an unsigned byte)
-static inline I8 load_keys(const int8_t* p) {
-  return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(char(0x80)));
-}
-// acc + the products of k's and q's bytes, four to a lane (k unsigned, q signed)
-static inline IAcc idot(IAcc acc, I8 k, I8 q) { return _mm512_dpbusd_epi32(acc, k, q); }
-static inline V to_real(IAcc a) { return _mm512_cvtepi32_ps(a); }
-// the sum of n codes (n a multiple of kI8Bytes)
-static inline int32_t code_sum(const int8_t* q, int64_t n) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  __m512i acc = _mm512_setzero_si512();
-  for (int64_t d = 0; d < n; d += kI8Bytes) acc = _mm512_dpbusd_epi32(acc, ones, load_codes(q + d));
-  return _mm512_reduce_add_epi32(acc);
 }
 
 }  // namespace dot
