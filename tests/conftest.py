@@ -3,8 +3,8 @@ the report header. The library the tests share (checks, tolerances, data) is tes
 
 Environment:
   ATTNX_TEST_SEED           seed of every random test (default 0); printed in the header
-  ATTNX_ISA                 scalar | avx2 | avx512 | avx512vnni | avx512bf16 | amx | neon | neon-bf16 | auto:
-                            run the kernel tests on that path only
+  ATTNX_ISA                 scalar | avx2 | avx2vnni | avx512 | avx512vnni | avx512bf16 | amx | neon |
+                            neon-bf16 | auto: run the kernel tests on that path only
   ATTNX_HYPOTHESIS_PROFILE  "ci" (default) or "soak" (many more examples)
 """
 

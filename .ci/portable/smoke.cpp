@@ -193,8 +193,8 @@ double paged_int8_error(std::mt19937& rng) {
 // than FMAs: default_is_best).
 std::vector<std::string> own_isas() {
   std::vector<std::string> found;
-  for (const char* name :
-       {"amx", "avx512bf16", "avx512vnni", "avx512", "avx2", "neon-bf16", "neon", "scalar"}) {
+  for (const char* name : {"amx", "avx512bf16", "avx512vnni", "avx512", "avx2vnni", "avx2",
+                           "neon-bf16", "neon", "scalar"}) {
     try {
       attnx::set_isa(name);
       found.push_back(name);

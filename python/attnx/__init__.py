@@ -79,22 +79,30 @@ def cpu_features() -> dict[str, bool | str]:
     Returns a dict: ``{"sse2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
     "avx512bf16", "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
     "amx_fp16", "amx_permitted", "neon", "dotprod", "bf16", "i8mm", "sve": bool, "isa": "scalar"
-    | "avx2" | "avx512" | "avx512vnni" | "avx512bf16" | "amx" | "amx-emulated" | "neon" |
-    "neon-bf16"}`` (the x86 flags are false on ARM, the ARM ones on x86). ``amx_permitted``: the
-    OS granted this process the AMX tile state. The path is the fastest the CPU supports,
-    measured (docs/platforms.md), unless ``ATTNX_ISA`` forced one at import. ``avx512vnni`` is
-    ``avx512`` with VNNI's integer dot products for integer queries over int8 KV (the path of
-    AVX-512 CPUs with VNNI where bf16 dot products are not faster than float32 FMAs: Cascade
-    Lake, Ice Lake, later Xeons without AMX permission). ``avx512bf16`` is ``avx512vnni`` with
-    bf16 dot products (AVX512_BF16) for prefill over bfloat16 q, k and v, ``amx`` the same with AMX tile products (``amx-emulated``,
-    forced only: the same tile loop over emulated tiles, for tests on CPUs without AMX);
-    ``ATTNX_ISA=avx512`` keeps bfloat16 on the float32-widening kernels. ``neon`` is the path of
-    every aarch64 CPU (Advanced SIMD), ``neon-bf16`` the same with BFDOT for bfloat16 prefill
-    and SDOT for integer queries, where the CPU has BF16 and DotProd. ``bf16_products``: the
-    active path multiplies prefill in bf16 (``avx512bf16``, ``amx``, ``neon-bf16``), which is what :func:`set_float32_precision` ``("bf16")`` lets
-    float32 calls use; where it is false that setting changes nothing. ``integer_products``: the
-    active path computes integer queries over int8 KV with integer dot products (``avx512vnni``,
-    ``avx512bf16``, ``amx``, ``neon-bf16``), where :func:`set_int8_query`'s default turns them on.
+    | "avx2" | "avx2vnni" | "avx512" | "avx512vnni" | "avx512bf16" | "amx" | "amx-emulated" |
+    "avx2vnni-evex" | "neon" | "neon-bf16"}`` (the x86 flags are false on ARM, the ARM ones on
+    x86). ``amx_permitted``: the OS granted this process the AMX tile state. The path is the
+    fastest the CPU supports, measured (docs/platforms.md), unless ``ATTNX_ISA`` forced one at
+    import.
+
+    ``avx512vnni`` is ``avx512`` with VNNI's integer dot products for integer queries over int8
+    KV (AVX-512 CPUs with VNNI whose bf16 dot products are not faster than float32 FMAs: Cascade
+    Lake, Ice Lake, later Xeons without AMX permission); ``avx2vnni`` is ``avx2`` with AVX-VNNI's
+    for the same (AVX-VNNI without AVX-512: Alder Lake and later client cores, Sierra Forest;
+    ``avx2vnni-evex``, forced only: its kernels over AVX512-VNNI's form of the instruction, for
+    tests). ``avx512bf16`` is ``avx512vnni`` with bf16 dot products (AVX512_BF16) for prefill over
+    bfloat16 q, k and v, ``amx`` the same with AMX tile products (``amx-emulated``, forced only:
+    the same tile loop over emulated tiles, for tests on CPUs without AMX); ``ATTNX_ISA=avx512``
+    keeps bfloat16 on the float32-widening kernels. ``neon`` is the path of every aarch64 CPU
+    (Advanced SIMD), ``neon-bf16`` the same with BFDOT for bfloat16 prefill and SDOT for integer
+    queries, where the CPU has BF16 and DotProd.
+
+    ``bf16_products``: the active path multiplies prefill in bf16 (``avx512bf16``, ``amx``,
+    ``neon-bf16``), which is what :func:`set_float32_precision` ``("bf16")`` lets float32 calls
+    use; where it is false that setting changes nothing. ``integer_products``: the active path
+    computes integer queries over int8 KV with integer dot products (``avx2vnni``,
+    ``avx512vnni``, ``avx512bf16``, ``amx``, ``neon-bf16``), where :func:`set_int8_query`'s
+    default turns them on.
     """
     f: dict[str, bool | str] = dict(_core.cpu_features())
     f["isa"] = _core.active_isa()
@@ -156,8 +164,8 @@ def set_int8_query(on=True):
     scale. ``P V`` stays in float32. ``attnx.reference.paged_attention(..., int8_query=True)`` is
     its twin. Off: the float32 query against the dequantised keys. The default (``None``) is on
     where the active path has integer dot products (``cpu_features()["integer_products"]``:
-    AVX512-VNNI on ``avx512vnni``, ``avx512bf16`` and ``amx``, AMX-INT8 on ``amx``, SDOT on
-    ``neon-bf16``), where they
+    AVX512-VNNI on ``avx512vnni``, ``avx512bf16`` and ``amx``, AMX-INT8 on ``amx``, AVX-VNNI on
+    ``avx2vnni``, SDOT on ``neon-bf16``), where they
     are faster, and off elsewhere, where the same FMAs would only add the query's rounding
     (docs/numerics.md, "Integer queries"). ``ATTNX_INT8_QUERY=1``, ``0`` or ``auto`` at import
     sets it too. :func:`int8_query` says what calls do now.

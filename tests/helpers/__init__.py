@@ -65,6 +65,7 @@ from helpers.isa import (
     has_avx512bf16,
     has_bf16_products,
     has_neon_bf16,
+    runs_here,
     supported_isas,
     widening_path,
 )
@@ -138,6 +139,7 @@ __all__ = [
     "rand",
     "rounded_bf16",
     "run_isolated",
+    "runs_here",
     "same_bits",
     "scramble_tables",
     "script_words",

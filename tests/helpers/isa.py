@@ -9,8 +9,18 @@ import pytest
 
 import attnx
 
-# Every path a build may offer for use (ATTNX_ISA's names but the test-only amx-emulated).
-PATHS = ("scalar", "avx2", "avx512", "avx512vnni", "avx512bf16", "amx", "neon", "neon-bf16")
+# Every path a build may offer for use (ATTNX_ISA's names but TEST_ONLY_PATHS).
+PATHS = (
+    "scalar",
+    "avx2",
+    "avx2vnni",
+    "avx512",
+    "avx512vnni",
+    "avx512bf16",
+    "amx",
+    "neon",
+    "neon-bf16",
+)
 # The CPU flags each x86 path needs: avx2 (with FMA and F16C), avx512vnni (AVX-512F/BW/VL and
 # VNNI on top of those), and avx512bf16 (AVX512_BF16 on top of avx512vnni's).
 AVX2_FLAGS = ("avx2", "fma", "f16c")
@@ -46,6 +56,8 @@ def supported_isas():
             isas.append("neon-bf16")
     if _has(f, AVX2_FLAGS):
         isas.append("avx2")
+        if f["avx_vnni"]:
+            isas.append("avx2vnni")
         if f["avx512f"]:
             isas.append("avx512")
             if _has(f, AVX512VNNI_FLAGS):
@@ -87,11 +99,22 @@ def has_amx(f=None):
 BF16_PRODUCT_ISAS = ("avx512bf16", "amx", "amx-emulated", "neon-bf16")
 # The paths that compute integer queries' Q K^T with integer dot products (VNNI, AMX-INT8, SDOT):
 # where integer queries are the default.
-INTEGER_PRODUCT_ISAS = ("avx512vnni", "avx512bf16", "amx", "amx-emulated", "neon-bf16")
+INTEGER_PRODUCT_ISAS = (
+    "avx2vnni",
+    "avx2vnni-evex",
+    "avx512vnni",
+    "avx512bf16",
+    "amx",
+    "amx-emulated",
+    "neon-bf16",
+)
 # Each one's float32-widening twin: every other call (dtypes, decode) gives its results bit for
 # bit, and so do integer queries, whose integer dot products give the FMAs' exact sums. (With
-# avx512vnni: the path that has integer products only.)
+# avx2vnni and avx512vnni: the paths that have integer products only; avx2vnni-evex is avx2vnni's
+# kernels over AVX512-VNNI's form of the instruction, for tests on CPUs without AVX-VNNI.)
 WIDENING_TWIN = {
+    "avx2vnni": "avx2",
+    "avx2vnni-evex": "avx2",
     "avx512vnni": "avx512",
     "avx512bf16": "avx512",
     "amx": "avx512",
@@ -123,15 +146,28 @@ BF16_DOT_GAIN = 1.25
 ISAS = supported_isas()
 
 
-def bf16_isas():
-    """The bf16 product paths under test: those in ISAS, and amx-emulated wherever the CPU has
-    AVX512_BF16 and no ATTNX_ISA narrows the run to one path."""
-    runs = not _forced_isa() and bf16_product_skip("amx-emulated") is None
-    emulated = "amx-emulated" if runs else None
-    return [i for i in BF16_PRODUCT_ISAS if i in ISAS or i == emulated]
+# The paths for tests only, never a default: amx's tile loop over emulated tiles (wherever the CPU
+# has AVX512_BF16) and avx2vnni's kernels over AVX512-VNNI's form of vpdpbusd.
+TEST_ONLY_PATHS = ("amx-emulated", "avx2vnni-evex")
 
 
-BF16_ISAS = bf16_isas()
+def runs_here(name):
+    """Whether this run tests path ``name``: one of ISAS, or a test-only path this CPU can run
+    where no ATTNX_ISA narrows the run to one path."""
+    if name in ISAS:
+        return True
+    if name not in TEST_ONLY_PATHS or _forced_isa():
+        return False
+    previous = attnx.cpu_features()["isa"]
+    try:
+        attnx._core.set_isa(name)
+    except ValueError:
+        return False
+    attnx._core.set_isa(previous)
+    return True
+
+
+BF16_ISAS = [i for i in BF16_PRODUCT_ISAS if runs_here(i)]
 
 
 def best_isa():
@@ -148,7 +184,9 @@ def best_isa():
             return "avx512bf16"
         if _has(f, AVX512VNNI_FLAGS):
             return "avx512vnni"
-        return "avx512" if f["avx512f"] else "avx2"
+        if f["avx512f"]:
+            return "avx512"
+        return "avx2vnni" if f["avx_vnni"] else "avx2"
     return "scalar"
 
 

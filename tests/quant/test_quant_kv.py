@@ -212,28 +212,23 @@ def test_int8_query_chunked_prefill_matches_its_twin(isa, int8_query):
 @pytest.mark.parametrize("dk", [128, 48])
 def test_int8_query_vnni_gives_the_fma_scores(int8_query, dk):
     """The codes' sums are exact in float32 (Dk < 1040), so the integer products (VNNI on the
-    avx512vnni, avx512bf16 and amx paths, SDOT on neon-bf16) give the scores of the float32-widening twin's
-    FMAs (avx512, neon) over the same codes, and the same outputs, bit for bit (Dk 48: SDOT's
-    16 bytes, not VNNI's 64)."""
-    from helpers import ISAS, WIDENING_TWIN
+    avx2vnni, avx512vnni, avx512bf16 and amx paths, SDOT on neon-bf16) give the scores of the
+    float32-widening twin's FMAs (avx2, avx512, neon) over the same codes, and the same outputs,
+    bit for bit (Dk 48: SDOT's 16 bytes, not VNNI's 32 or 64)."""
+    from helpers import ISAS, WIDENING_TWIN, on_isa, runs_here
 
-    base = "neon" if "neon" in ISAS else "avx512"
-    dots = [n for n, twin in WIDENING_TWIN.items() if twin == base and n in ISAS]
-    if base not in ISAS or not dots:
-        pytest.skip("CPU lacks AVX-512 with VNNI, or ARM DotProd with BF16")
+    pairs = [(n, twin) for n, twin in WIDENING_TWIN.items() if runs_here(n) and twin in ISAS]
+    if not pairs:
+        pytest.skip("CPU lacks VNNI, or ARM DotProd with BF16")
     rng = make_rng(13)
     pool = QPool(rng, [300, 64], dtype="int8", block_size=16, hkv=2, dk=dk, dv=128)
     q = rng.standard_normal((2, 8, dk)).astype(np.float32)
-    outs = {}
-    for name in [base, *dots]:
-        previous = attnx._core.active_isa()
-        attnx._core.set_isa(name)
-        try:
-            outs[name] = attnx.paged_attention(q, *pool.args(), **pool.scales())
-        finally:
-            attnx._core.set_isa(previous)
-    for name, o in outs.items():
-        np.testing.assert_array_equal(o, outs[base], err_msg=name)
+
+    def run():
+        return attnx.paged_attention(q, *pool.args(), **pool.scales())
+
+    for name, twin in pairs:
+        np.testing.assert_array_equal(on_isa(name, run), on_isa(twin, run), err_msg=name)
 
 
 def test_int8_query_only_for_int8_pages(isa, int8_query):

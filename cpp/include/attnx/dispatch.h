@@ -21,10 +21,11 @@ struct CpuFeatures {
 };
 
 CpuFeatures cpu_features();
-// The active instruction set: "scalar", "avx2", "avx512", "avx512vnni" (avx512, with VNNI for
-// integer queries), "avx512bf16" (avx512vnni, with bf16 dot products for bf16 prefill) or "amx"
-// (avx512, with AMX-BF16 tiles for bf16 prefill); on aarch64 "scalar", "neon" or "neon-bf16" (neon,
-// with BFDOT for bf16 prefill and SDOT for integer queries).
+// The active instruction set: "scalar", "avx2", "avx2vnni" (avx2, with AVX-VNNI for integer
+// queries), "avx512", "avx512vnni" (avx512, with VNNI for integer queries), "avx512bf16"
+// (avx512vnni, with bf16 dot products for bf16 prefill) or "amx" (avx512, with AMX-BF16 tiles for
+// bf16 prefill); on aarch64 "scalar", "neon" or "neon-bf16" (neon, with BFDOT for bf16 prefill and
+// SDOT for integer queries).
 const char* active_isa();
 // How many more multiply-adds per second this CPU's vdpbf16ps gives than its 512-bit FMAs
 // (measured once, at first use; 0 where the CPU lacks AVX512_BF16): the avx512bf16 path is the
@@ -72,7 +73,8 @@ void set_int8_query(int setting);  // InvalidArgument for anything but the three
 int int8_query_setting();
 bool int8_query();
 // Whether the active instruction set computes integer queries' Q K^T with integer dot products
-// (AVX512-VNNI and AMX-INT8 on avx512vnni, avx512bf16, amx, amx-emulated; SDOT on neon-bf16).
+// (AVX512-VNNI and AMX-INT8 on avx512vnni, avx512bf16, amx, amx-emulated; AVX-VNNI on avx2vnni;
+// SDOT on neon-bf16).
 bool active_integer_products();
 
 // float32 callers' opt-in to bf16 products (off by default; attnx.set_float32_precision): where

@@ -219,8 +219,8 @@ static void qk_int8(const RowSet& rs, const Real* const* krow, int64_t n, int64_
     for (int64_t t = 0; t < nn; ++t) prefetch_row(next[t], bytes);
   int r = 0;
   for (; r + 4 <= M; r += 4)
-    for (int64_t j = 0; j < n; j += 4)
-      qk_int8_block<4, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
+    for (int64_t j = 0; j < n; j += dot::kQuadKeys)
+      qk_int8_block<4, dot::kQuadKeys>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);
   for (; r + 2 <= M; r += 2)
     for (int64_t j = 0; j < n; j += 4)
       qk_int8_block<2, 4>(rs.qcodes + r * ld, ld, Dk, krow + j, s + r * kTileK + j);

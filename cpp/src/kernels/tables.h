@@ -185,13 +185,15 @@ struct IsaTables {
   // always, float32 ones where RowSet::bf16_products allows it.
   bool bf16_products = false;
   // Whether `flash` computes integer queries' Q K^T with integer dot products (VNNI, AMX-INT8,
-  // SDOT: avx512vnni, avx512bf16, amx, amx-emulated, neon-bf16): where integer queries are the
-  // default (attnx::int8_query()).
+  // AVX-VNNI, SDOT: avx2vnni, avx512vnni, avx512bf16, amx, amx-emulated, neon-bf16): where integer
+  // queries are the default (attnx::int8_query()).
   bool integer_products = false;
 };
 
 const IsaTables* isa_scalar();
 const IsaTables* isa_avx2();
+const IsaTables* isa_avx2vnni();       // avx2, with AVX-VNNI for integer queries over int8 keys
+const IsaTables* isa_avx2vnni_evex();  // avx2vnni over AVX512-VNNI's EVEX form (for tests)
 const IsaTables* isa_avx512();
 const IsaTables* isa_avx512vnni();    // avx512, with VNNI for integer queries over int8 keys
 const IsaTables* isa_avx512bf16();    // avx512, with bf16 dot products for bf16 prefill

@@ -138,6 +138,7 @@ std::atomic<const kern::IsaTables*> g_table{nullptr};
 std::atomic<int> g_threads{0};
 
 bool has_avx2(const CpuFeatures& f) { return f.avx2 && f.fma && f.f16c; }
+bool has_avx2vnni(const CpuFeatures& f) { return has_avx2(f) && f.avx_vnni; }
 bool has_avx512(const CpuFeatures& f) { return has_avx2(f) && f.avx512f; }
 // (every CPU with AVX512-VNNI has BW and VL: Cascade Lake, Ice Lake, Zen 4 and later)
 bool has_avx512vnni(const CpuFeatures& f) {
@@ -149,12 +150,23 @@ bool has_amx(const CpuFeatures& f) { return has_avx512bf16(f) && f.amx_bf16 && f
 // The wide kernels' tables exist only where CMake compiled them (x86-64: ATTNX_X86_KERNELS);
 // nothing else names them, so another build does not link against them. Elsewhere every
 // feature above reads false, except on 32-bit x86, which gets the portable path too.
-enum class Wide { avx2, avx512, avx512vnni, avx512bf16, amx, amx_emulated };
+enum class Wide {
+  avx2,
+  avx2vnni,
+  avx2vnni_evex,
+  avx512,
+  avx512vnni,
+  avx512bf16,
+  amx,
+  amx_emulated
+};
 #if defined(ATTNX_X86_KERNELS) && ATTNX_X86_KERNELS
 constexpr bool kWideKernels = true;
 const kern::IsaTables* wide_table(Wide w) {
   switch (w) {
     case Wide::avx2: return kern::isa_avx2();
+    case Wide::avx2vnni: return kern::isa_avx2vnni();
+    case Wide::avx2vnni_evex: return kern::isa_avx2vnni_evex();
     case Wide::avx512: return kern::isa_avx512();
     case Wide::avx512vnni: return kern::isa_avx512vnni();
     case Wide::avx512bf16: return kern::isa_avx512bf16();
@@ -223,6 +235,11 @@ struct NamedPath {
 const NamedPath kPaths[] = {
     {"scalar", [](const CpuFeatures&) { return true; }, "", &kern::isa_scalar},
     {"avx2", &has_avx2, "AVX2, FMA or F16C", [] { return wide_table(Wide::avx2); }},
+    {"avx2vnni", &has_avx2vnni, "AVX-VNNI (or AVX2, FMA, F16C)",
+     [] { return wide_table(Wide::avx2vnni); }},
+    // avx2vnni's kernels over AVX512-VNNI's form of the instruction: for tests
+    {"avx2vnni-evex", &has_avx512vnni, "AVX512-VNNI (or AVX-512BW/VL)",
+     [] { return wide_table(Wide::avx2vnni_evex); }},
     {"avx512", &has_avx512, "AVX-512F", [] { return wide_table(Wide::avx512); }},
     {"avx512vnni", &has_avx512vnni, "AVX512-VNNI (or AVX-512BW/VL)",
      [] { return wide_table(Wide::avx512vnni); }},
@@ -264,6 +281,7 @@ const kern::IsaTables* best_table() {
   if (has_avx512bf16(f) && bf16_dot_gain() > kBf16DotGain) return wide_table(Wide::avx512bf16);
   if (has_avx512vnni(f)) return wide_table(Wide::avx512vnni);
   if (has_avx512(f)) return wide_table(Wide::avx512);
+  if (has_avx2vnni(f)) return wide_table(Wide::avx2vnni);
   if (has_avx2(f)) return wide_table(Wide::avx2);
   return kern::isa_scalar();
 }

@@ -73,7 +73,8 @@ static inline V round_bf16(V x) { return vcvt_f32_bf16(vcvt_bf16_f32(x)); }
 using I8 = int8x16_t;    // kI8Bytes codes
 using IAcc = int32x4_t;  // W int32 sums
 constexpr int kI8Bytes = 16;
-constexpr int kKeyBias = 0;  // load_keys's codes are the keys' own
+constexpr int kKeyBias = 0;   // load_keys's codes are the keys' own
+constexpr int kQuadKeys = 4;  // keys per 4-row register block (qk_int8): 32 registers
 static inline IAcc izero() { return vdupq_n_s32(0); }
 static inline I8 load_codes(const int8_t* p) { return vld1q_s8(p); }
 static inline I8 load_keys(const int8_t* p) { return vld1q_s8(p); }

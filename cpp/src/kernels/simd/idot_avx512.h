@@ -20,6 +20,7 @@ using I8 = __m512i;    // kI8Bytes codes
 using IAcc = __m512i;  // W int32 sums
 constexpr int kI8Bytes = 64;
 constexpr int kKeyBias = 128;  // load_keys's codes are the keys' + kKeyBias
+constexpr int kQuadKeys = 4;   // keys per 4-row register block (qk_int8): 32 registers
 static inline IAcc izero() { return _mm512_setzero_si512(); }
 static inline I8 load_codes(const int8_t* p) { return _mm512_loadu_si512(p); }
 // (the sign bit flipped: code + 128 as an unsigned byte)
