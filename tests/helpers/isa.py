@@ -9,7 +9,8 @@ import pytest
 
 import attnx
 
-# Every path a build may offer for use (ATTNX_ISA's names but TEST_ONLY_PATHS).
+# Every path a build may offer for use (ATTNX_ISA's names but the test-only amx-emulated and
+# avx2vnni-evex).
 PATHS = (
     "scalar",
     "avx2",
@@ -42,8 +43,10 @@ def _forced_isa():
 def supported_isas():
     """The kernel paths this CPU can run, from its flags (not from the dispatcher's opinion).
 
-    With ``ATTNX_ISA`` set, only that path (``auto``: the one it selected): a run forced to a
-    path tests that path alone.
+    The VNNI-only paths (avx2vnni, avx512vnni: their widening twin but for integer products)
+    join only where they are the default (``best_isa``); elsewhere tests/kernels/test_vnni_path.py
+    holds them to the twin bit for bit. With ``ATTNX_ISA`` set, only that path (``auto``: the one
+    it selected): a run forced to a path tests that path alone.
     """
     forced = _forced_isa()
     if forced:
@@ -56,12 +59,10 @@ def supported_isas():
             isas.append("neon-bf16")
     if _has(f, AVX2_FLAGS):
         isas.append("avx2")
-        if f["avx_vnni"]:
-            isas.append("avx2vnni")
+        if best_isa() in ("avx2vnni", "avx512vnni"):
+            isas.append(best_isa())
         if f["avx512f"]:
             isas.append("avx512")
-            if _has(f, AVX512VNNI_FLAGS):
-                isas.append("avx512vnni")
             if has_avx512bf16(f):
                 isas.append("avx512bf16")
                 if has_amx(f):
@@ -143,20 +144,14 @@ def bf16_product_skip(name):
 # more multiply-adds per second than float32 FMAs by this factor.
 BF16_DOT_GAIN = 1.25
 
-ISAS = supported_isas()
-
-
-# The paths for tests only, never a default: amx's tile loop over emulated tiles (wherever the CPU
-# has AVX512_BF16) and avx2vnni's kernels over AVX512-VNNI's form of vpdpbusd.
-TEST_ONLY_PATHS = ("amx-emulated", "avx2vnni-evex")
-
 
 def runs_here(name):
-    """Whether this run tests path ``name``: one of ISAS, or a test-only path this CPU can run
-    where no ATTNX_ISA narrows the run to one path."""
+    """Whether this run tests path ``name``: one of ISAS, or another path this CPU can run (the
+    test-only amx-emulated and avx2vnni-evex, or a VNNI-only path that is not the default) where
+    no ATTNX_ISA narrows the run to one path."""
     if name in ISAS:
         return True
-    if name not in TEST_ONLY_PATHS or _forced_isa():
+    if _forced_isa():
         return False
     previous = attnx.cpu_features()["isa"]
     try:
@@ -165,9 +160,6 @@ def runs_here(name):
         return False
     attnx._core.set_isa(previous)
     return True
-
-
-BF16_ISAS = [i for i in BF16_PRODUCT_ISAS if runs_here(i)]
 
 
 def best_isa():
@@ -188,6 +180,10 @@ def best_isa():
             return "avx512"
         return "avx2vnni" if f["avx_vnni"] else "avx2"
     return "scalar"
+
+
+ISAS = supported_isas()
+BF16_ISAS = [i for i in BF16_PRODUCT_ISAS if runs_here(i)]
 
 
 def assert_set_isa_refused(name, match):

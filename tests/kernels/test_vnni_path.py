@@ -15,11 +15,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
 
-from helpers import BF16, WIDENING_TWIN, assert_set_isa_refused, make_rng, on_isa, rand, runs_here
+from helpers import (
+    BF16,
+    WIDENING_TWIN,
+    assert_set_isa_refused,
+    on_isa,
+    prefill_problems,
+    runs_here,
+    scramble_tables,
+)
 
 VNNI_PATHS = ("avx512vnni", "avx2vnni", "avx2vnni-evex")
 
@@ -53,52 +63,71 @@ def test_reports_integer_products_only(path):
         attnx.set_int8_query(before)
 
 
-def _calls(rng):
-    """Dense prefill and decode of each float dtype with the variants whose code differs (causal,
-    window, softcap, GQA, Dk != Dv, odd sizes), and paged decode over int8 pages: GQA groups of 1
-    to 8 rows (every register block) and widths a multiple of VNNI's 32 or 64 bytes or not."""
-    calls = []
-    for dtype in (np.float32, np.float16, BF16):
-        q = rand(rng, (1, 4, 70, 48), dtype)
-        k = rand(rng, (1, 2, 90, 48), dtype)
-        v = rand(rng, (1, 2, 90, 40), dtype)
-        calls.append(lambda q=q, k=k, v=v: attnx.attention(q, k, v, causal=True, return_lse=True))
-        calls.append(lambda q=q, k=k, v=v: attnx.attention(q[:, :, :1], k, v, softcap=20.0))
-        calls.append(lambda q=q, k=k, v=v: attnx.attention(q, k, v, window=(17, 0)))
-    bt = np.array([[3, 0, 5], [1, 4, 2]], np.int32)
-    lens = np.array([40, 33])
-    for dk, group in ((128, 4), (64, 3), (96, 8), (32, 1), (48, 2), (160, 7)):
-        k = rng.standard_normal((6, 2, 16, dk)).astype(np.float32) * rng.uniform(
-            0.1, 5, (6, 2, 16, 1)
-        )
-        (kq, ks), (vq, vs) = (
-            ref.quantize_kv(k, "int8"),
-            ref.quantize_kv(k[..., ::-1].copy(), "int8"),
-        )
-        q = rng.standard_normal((2, 2 * group, dk)).astype(np.float32)
-        calls.append(
-            lambda q=q, kq=kq, vq=vq, ks=ks, vs=vs: attnx.paged_attention(
-                q, kq, vq, bt, lens, k_scales=ks, v_scales=vs, return_lse=True
-            )
-        )
-    return calls
+@st.composite
+def paged_int8_problems(draw):
+    """Paged calls over int8 pages: GQA groups of 1 to 8 rows (every register block of the
+    integer products), widths a multiple of VNNI's 32 or 64 bytes or not, decode and chunks,
+    windows, softcap, ALiBi and sinks, key scales over four decades."""
+    r = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    hkv, g = draw(st.integers(1, 2)), draw(st.integers(1, 8))
+    dk = draw(st.sampled_from([32, 64, 96, 128, 160, 48, 100]))
+    dv = draw(st.sampled_from([dk, 40]))
+    bs = draw(st.sampled_from([16, 32]))
+    lens = r.integers(1, 150, draw(st.integers(1, 3)))
+    q_lens = np.minimum(lens, draw(st.sampled_from([1, 1, 3, 20])))
+    nb = int((-(-lens // bs)).sum()) + 2
+    k = r.standard_normal((nb, hkv, bs, dk)) * 10.0 ** r.uniform(-2, 2, (nb, hkv, bs, 1))
+    v = r.standard_normal((nb, hkv, bs, dv))
+    (kq, ks), (vq, vs) = (ref.quantize_kv(x.astype(np.float32), "int8") for x in (k, v))
+    bt, _ = scramble_tables(r, lens, bs, nb, int(-(-lens.max() // bs)), 0)
+    q = r.standard_normal((int(q_lens.sum()), hkv * g, dk)).astype(np.float32)
+    kw = dict(k_scales=ks, v_scales=vs, return_lse=True)
+    if int(q_lens.max()) > 1:
+        kw["q_lens"] = q_lens
+    extra = draw(st.sampled_from(["none", "window", "softcap", "alibi", "sinks"]))
+    if extra == "window":
+        kw["window"] = (int(r.integers(1, 40)), 0)
+    elif extra == "softcap":
+        kw["softcap"] = 20.0
+    elif extra == "alibi":
+        kw["alibi_slopes"] = r.uniform(0.01, 1, hkv * g).astype(np.float32)
+    elif extra == "sinks":
+        kw["sinks"] = r.standard_normal(hkv * g).astype(np.float32)
+    return (q, kq, vq, bt, lens), kw
 
 
 def _outputs(result):
     return result if isinstance(result, tuple) else (result,)
 
 
+def _same_on(path, call):
+    want, got = (_outputs(on_isa(p, call)) for p in (WIDENING_TWIN[path], path))
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("int8_query", [False, True], ids=["float_query", "integer_query"])
 @pytest.mark.parametrize("path", VNNI_PATHS)
-def test_every_call_is_the_twins_bit_for_bit(path, int8_query):
+@given(problem=paged_int8_problems())
+@settings(max_examples=25)
+def test_paged_int8_is_the_twins_bit_for_bit(path, int8_query, problem):
     _needs(path)
-    twin = WIDENING_TWIN[path]
+    args, kw = problem
     before = attnx.set_int8_query(int8_query)
     try:
-        for i, call in enumerate(_calls(make_rng(41))):
-            want, got = (_outputs(on_isa(p, call)) for p in (twin, path))
-            assert len(want) == len(got)
-            for w, g in zip(want, got):
-                np.testing.assert_array_equal(g, w, err_msg=f"call {i}")
+        _same_on(path, lambda: attnx.paged_attention(*args, **kw))
     finally:
         attnx.set_int8_query(before)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("path", VNNI_PATHS)
+@given(data=st.data())
+@settings(max_examples=15)
+def test_dense_is_the_twins_bit_for_bit(path, dtype, data):
+    """Prefill and decode of the float dtypes (bf16 too: no bf16 products on these paths) with
+    GQA, odd widths and key counts, masks, lengths, windows, softcap, sinks and ALiBi."""
+    _needs(path)
+    q, k, v, kw = data.draw(prefill_problems(dtype))
+    _same_on(path, lambda: attnx.attention(q, k, v, return_lse=True, **kw))
