@@ -422,7 +422,8 @@ class FlashRun {
       m = ml.m;
       l = ml.l;
     }
-    if (i < p_.lq(it.b) && row::finalize(o, m, l, sink, p_.Dv, tmp, &lse_value))
+    if (i < p_.lq(it.b) &&
+        row::finalize(o, m, l, sink, p_.Dv, tmp, lse != nullptr ? &lse_value : nullptr))
       table_->store_row(tmp, p_.Dv, p_.out_dtype, dst);
     else
       std::memset(dst, 0, std::size_t(p_.Dv) * dtype_size(p_.out_dtype));

@@ -147,8 +147,8 @@ static inline Part<T> finished(const T* out, T lse) {
 }
 
 // Finishes a row: folds in the sink (null: none), normalises O into `out` (Dv values; may be o)
-// and sets *lse. Returns false for a row with no visible key and no sink: the caller writes zeros
-// and lse = -inf.
+// and sets *lse (lse null: the caller does not want it, and no log is taken). Returns false for a
+// row with no visible key and no sink: the caller writes zeros and lse = -inf.
 template <class T>
 static inline bool finalize(const T* o, T m, T l, const T* sink, int64_t Dv, T* out, T* lse) {
   if (sink != nullptr) {
@@ -162,7 +162,7 @@ static inline bool finalize(const T* o, T m, T l, const T* sink, int64_t Dv, T* 
   if (l == T(0)) return false;
   const T inv = T(1) / l;
   for (int64_t d = 0; d < Dv; ++d) out[d] = o[d] * inv;
-  *lse = m + std::log(l);
+  if (lse != nullptr) *lse = m + std::log(l);
   return true;
 }
 
