@@ -190,7 +190,7 @@ double paged_int8_error(std::mt19937& rng) {
 
 // The paths this build and CPU accept (set_isa refuses the others), the best first: the order
 // in which dispatch.cpp prefers them (avx512bf16 only where its bf16 dot products measure faster
-// than FMAs: default_is_best).
+// than FMAs, else avx512vnni: main's check).
 std::vector<std::string> own_isas() {
   std::vector<std::string> found;
   for (const char* name : {"amx", "avx512bf16", "avx512vnni", "avx512", "avx2vnni", "avx2",
