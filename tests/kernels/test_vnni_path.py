@@ -13,6 +13,10 @@ integer queries are their default.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -94,6 +98,19 @@ def paged_int8_problems(draw):
     elif extra == "sinks":
         kw["sinks"] = r.standard_normal(hkv * g).astype(np.float32)
     return (q, kq, vq, bt, lens), kw
+
+
+@pytest.mark.parametrize("path", VNNI_PATHS)
+def test_forced_at_import(path):
+    """ATTNX_ISA=<path> selects it at import, integer queries on by default."""
+    _needs(path)
+    env = {**os.environ, "ATTNX_ISA": path}
+    env.pop("ATTNX_INT8_QUERY", None)
+    code = "import attnx; print(attnx.cpu_features()['isa'], attnx.int8_query())"
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (res.returncode, res.stdout.split()) == (0, [path, "True"]), res.stderr
 
 
 def _outputs(result):
