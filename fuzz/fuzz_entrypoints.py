@@ -134,9 +134,9 @@ ISAS = ["scalar"]
 _f = attnx.cpu_features()
 if _f["avx2"] and _f["fma"] and _f["f16c"]:
     ISAS.append("avx2")
-    if _f["avx512f"]:
+    if _f["avx512f"] and _f["avx512bw"] and _f["avx512vl"]:
         ISAS.append("avx512")
-        if _f["avx512bw"] and _f["avx512vl"] and _f["avx512bf16"] and _f.get("avx512_vnni"):
+        if _f["avx512bf16"] and _f.get("avx512_vnni"):
             ISAS.append("avx512bf16")
             if _f.get("amx_bf16") and _f.get("amx_permitted"):
                 ISAS.append("amx")

@@ -22,10 +22,11 @@ PATHS = (
     "neon",
     "neon-bf16",
 )
-# The CPU flags each x86 path needs: avx2 (with FMA and F16C), avx512vnni (AVX-512F/BW/VL and
-# VNNI on top of those), and avx512bf16 (AVX512_BF16 on top of avx512vnni's).
+# The CPU flags each x86 path needs: avx2 (with FMA and F16C), avx512 (AVX-512F/BW/VL on top of
+# those), avx512vnni (VNNI on top of avx512's), and avx512bf16 (AVX512_BF16 on top of those).
 AVX2_FLAGS = ("avx2", "fma", "f16c")
-AVX512VNNI_FLAGS = (*AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+AVX512_FLAGS = (*AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl")
+AVX512VNNI_FLAGS = (*AVX512_FLAGS, "avx512_vnni")
 AVX512BF16_FLAGS = (*AVX512VNNI_FLAGS, "avx512bf16")
 # aarch64: neon-bf16 (BFDOT for bf16 prefill, SDOT for integer queries) needs BF16 and DotProd.
 NEON_BF16_FLAGS = ("neon", "bf16", "dotprod")
@@ -61,13 +62,19 @@ def supported_isas():
         isas.append("avx2")
         if best_isa() in ("avx2vnni", "avx512vnni"):
             isas.append(best_isa())
-        if f["avx512f"]:
+        if has_avx512(f):
             isas.append("avx512")
             if has_avx512bf16(f):
                 isas.append("avx512bf16")
                 if has_amx(f):
                     isas.append("amx")
     return isas
+
+
+def has_avx512(f=None):
+    """Whether the CPU can run the avx512 path (AVX-512F/BW/VL, with AVX2's set)."""
+    f = attnx.cpu_features() if f is None else f
+    return _has(f, AVX512_FLAGS)
 
 
 def has_avx512bf16(f=None):
@@ -176,7 +183,7 @@ def best_isa():
             return "avx512bf16"
         if _has(f, AVX512VNNI_FLAGS):
             return "avx512vnni"
-        if f["avx512f"]:
+        if has_avx512(f):
             return "avx512"
         return "avx2vnni" if f["avx_vnni"] else "avx2"
     return "scalar"

@@ -1,7 +1,7 @@
 // isa_avx512.cpp: every kernel of the avx512 instruction set: the flash-attention stages and the
 // gated delta rule, written once against the vector vocabulary (simd/vec_avx512.h) and compiled
-// here, and this ISA's tables (tables.h). CMake compiles this unit with the AVX-512F flags;
-// dispatch.cpp uses it only on CPUs that have AVX-512F (and AVX2's set).
+// here, and this ISA's tables (tables.h). CMake compiles this unit with the AVX-512F/BW/VL flags;
+// dispatch.cpp uses it only on CPUs that have them (and AVX2's set).
 #include <cmath>
 #include <cstring>
 #include <limits>

@@ -5,8 +5,8 @@
 // Sapphire Rapids and later where the OS refuses AMX (vdpbf16ps there gives half the multiply-adds
 // of float32 FMAs). Every other call computes what ATTNX_ISA=avx512 does, bit for bit, and so do
 // the integer queries (their code sums are exact).
-// CMake compiles this file with -mavx512vnni -mavx512bw -mavx512vl besides the avx512 flags, and
-// never -mavx512bf16: dispatch.cpp uses it on CPUs with AVX-512F/BW/VL and VNNI, BF16 or not.
+// CMake compiles this file with -mavx512vnni besides the avx512 flags (AVX-512F/BW/VL), and never
+// -mavx512bf16: dispatch.cpp uses it on CPUs with avx512's set and VNNI, BF16 or not.
 #include <cmath>
 #include <cstdint>
 #include <cstring>

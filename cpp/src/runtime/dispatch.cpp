@@ -139,11 +139,12 @@ std::atomic<int> g_threads{0};
 
 bool has_avx2(const CpuFeatures& f) { return f.avx2 && f.fma && f.f16c; }
 bool has_avx2vnni(const CpuFeatures& f) { return has_avx2(f) && f.avx_vnni; }
-bool has_avx512(const CpuFeatures& f) { return has_avx2(f) && f.avx512f; }
-// (every CPU with AVX512-VNNI has BW and VL: Cascade Lake, Ice Lake, Zen 4 and later)
-bool has_avx512vnni(const CpuFeatures& f) {
-  return has_avx512(f) && f.avx512bw && f.avx512vl && f.avx512_vnni;
+// AVX-512 with BW and VL, as every AVX-512 CPU but the Xeon Phi has (Skylake-SP and later, Zen 4
+// and later): the bf16 loads (simd/vec_avx512.h) need BW
+bool has_avx512(const CpuFeatures& f) {
+  return has_avx2(f) && f.avx512f && f.avx512bw && f.avx512vl;
 }
+bool has_avx512vnni(const CpuFeatures& f) { return has_avx512(f) && f.avx512_vnni; }
 bool has_avx512bf16(const CpuFeatures& f) { return has_avx512vnni(f) && f.avx512bf16; }
 bool has_amx(const CpuFeatures& f) { return has_avx512bf16(f) && f.amx_bf16 && f.amx_permitted; }
 
@@ -238,10 +239,10 @@ const NamedPath kPaths[] = {
     {"avx2vnni", &has_avx2vnni, "AVX-VNNI (or AVX2, FMA, F16C)",
      [] { return wide_table(Wide::avx2vnni); }},
     // avx2vnni's kernels over AVX512-VNNI's form of the instruction: for tests
-    {"avx2vnni-evex", &has_avx512vnni, "AVX512-VNNI (or AVX-512BW/VL)",
+    {"avx2vnni-evex", &has_avx512vnni, "AVX512-VNNI (or AVX-512F/BW/VL)",
      [] { return wide_table(Wide::avx2vnni_evex); }},
-    {"avx512", &has_avx512, "AVX-512F", [] { return wide_table(Wide::avx512); }},
-    {"avx512vnni", &has_avx512vnni, "AVX512-VNNI (or AVX-512BW/VL)",
+    {"avx512", &has_avx512, "AVX-512F/BW/VL", [] { return wide_table(Wide::avx512); }},
+    {"avx512vnni", &has_avx512vnni, "AVX512-VNNI (or AVX-512F/BW/VL)",
      [] { return wide_table(Wide::avx512vnni); }},
     {"avx512bf16", &has_avx512bf16, "AVX512_BF16 (or AVX-512BW/VL/VNNI)",
      [] { return wide_table(Wide::avx512bf16); }},

@@ -1,8 +1,12 @@
-// vec_avx512.h: the vector vocabulary on AVX-512F (16 fp32 lanes). tanh runs as two AVX2 halves
-// (only soft-capping uses it); exp, on the softmax's hot path, is native.
+// vec_avx512.h: the vector vocabulary on AVX-512F/BW/VL (16 fp32 lanes). tanh runs as two AVX2
+// halves (only soft-capping uses it); exp, on the softmax's hot path, is native.
 #pragma once
 #include <cstdint>
 #include <immintrin.h>
+
+#if !defined(__AVX512BW__) || !defined(__AVX512VL__)
+#error "vec_avx512.h: compile with -mavx512bw -mavx512vl (the avx512 units' baseline)"
+#endif
 
 #include "convert.h"
 
@@ -126,12 +130,11 @@ static inline V load_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 // bfloat16 rows read in place are widened W at a time in the "bf16 order" (load_bf16_ordered),
-// the other operand put in that order (to_bf16_order; back: from_bf16_order). Where AVX512BW is
-// compiled in (the avx512bf16 and amx units), the order is the even-indexed elements, then the
-// odd-indexed ones: one load (the 32 bytes broadcast to both halves) and one byte shuffle that
-// puts each bf16 in the top half of its float32, where load_bf16 takes a widening and a shift.
-// Without it (the avx512 unit) the order is the natural one.
-#if defined(__AVX512BW__)
+// the other operand put in that order (to_bf16_order; back: from_bf16_order): the even-indexed
+// elements, then the odd-indexed ones: one load (the 32 bytes broadcast to both halves) and one
+// byte shuffle (AVX512BW, which every unit with this vocabulary is compiled with) that puts each
+// bf16 in the top half of its float32, where load_bf16 takes a widening and a shift. One order
+// for every AVX-512 unit: their float32-widening results are the same bits.
 static inline int bf16_to_top(int a) {  // a byte shuffle's control: bytes a, a + 1 to the top half
   return int(0x8080u | unsigned(a) << 16 | unsigned(a + 1) << 24);
 }
@@ -151,11 +154,6 @@ static inline V from_bf16_order(V v) {
   return _mm512_permutexvar_ps(
       _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), v);
 }
-#else
-static inline V load_bf16_ordered(const uint16_t* p) { return load_bf16(p); }
-static inline V to_bf16_order(V v) { return v; }
-static inline V from_bf16_order(V v) { return v; }
-#endif
 // out[t] = horizontal sum of a[t], t < 8; hsum8_split: sums 0-3 at lo, 4-7 at hi
 static ATTNX_INLINE __m256 hsum8v(const V* a) {
   __m256 h[8];
