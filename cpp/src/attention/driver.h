@@ -221,7 +221,7 @@ class FlashRun {
     for (int r = 0; r < M; ++r) {
       const row::MaxSum<T> ml = merged(r);
       // (an item has at most kRowsPerItem rows: the test only keeps m0 in bounds)
-      const bool bad = M <= kRowsPerItem && row::overflowed(tb.merged, ml.m, ml.l, p_.Dv);
+      const bool bad = M <= kRowsPerItem && table_->overflowed(tb.merged, ml.m, ml.l, p_.Dv);
       if (M <= kRowsPerItem) m0[r] = bad ? ml.m : row::neg_inf<T>();
       any = any || bad;
       if (!bad) finalize_row(it, r, tb.merged, ml.m, ml.l, tb.tmp);
@@ -238,7 +238,7 @@ class FlashRun {
     again(rs, k, v, span(&rs, 1, plan_.kt_tile(it) >= 0), st, m0, tb);
     for (int r = 0; r < M; ++r) {
       if (!(m0[r] > row::neg_inf<T>())) continue;
-      if (!row::overflowed(s.o + r * plan_.Dvp, s.m[r], s.l[r], p_.Dv)) {
+      if (!table_->overflowed(s.o + r * plan_.Dvp, s.m[r], s.l[r], p_.Dv)) {
         finalize_row(it, r, s.o + r * plan_.Dvp, s.m[r], s.l[r], tb.tmp);
       } else {
         const row::MaxSum<T> ml = merged(r);
@@ -270,9 +270,7 @@ class FlashRun {
         hi[r] = keys.hi;
         pos[r] = keys.pos;
         T* qr = s.q + r * Dkp;
-        table_->load_row(p_.q_row(it.b, h, i), p_.q_dtype, p_.Dk, qr);
-        for (int64_t d = 0; d < p_.Dk; ++d) qr[d] *= p_.scale;
-        for (int64_t d = p_.Dk; d < Dkp; ++d) qr[d] = T(0);
+        table_->load_query(p_.q_row(it.b, h, i), p_.q_dtype, p_.Dk, p_.scale, Dkp, qr);
         if (q8) s.qfactor[r] = quantise_query(qr, s.qcodes + r * s.ldc, s.ldc, s.qvals + r * Dkp);
         if (p_.mask_kind != MaskKind::none) s.mask_rows[r] = p_.mask_row(it.b, h, i);
       }
@@ -366,7 +364,7 @@ class FlashRun {
     T m0[kRowsPerItem];
     bool any = false;
     for (int r = 0; r < rs.M; ++r) {
-      const bool bad = row::overflowed(st.o + r * plan_.Dvp, st.m[r], st.l[r], p_.Dv);
+      const bool bad = table_->overflowed(st.o + r * plan_.Dvp, st.m[r], st.l[r], p_.Dv);
       m0[r] = bad ? row::restart_max(st.m[r], rs.hi[r] - rs.lo[r]) : row::neg_inf<T>();
       any = any || bad;
     }
@@ -375,7 +373,7 @@ class FlashRun {
     bool own = false;
     for (int r = 0; r < rs.M; ++r)
       if (m0[r] > row::neg_inf<T>() &&
-          row::overflowed(st.o + r * plan_.Dvp, st.m[r], st.l[r], p_.Dv)) {
+          table_->overflowed(st.o + r * plan_.Dvp, st.m[r], st.l[r], p_.Dv)) {
         m0[r] = row::neg_inf<T>();
         own = true;
       }
@@ -423,7 +421,7 @@ class FlashRun {
       l = ml.l;
     }
     if (i < p_.lq(it.b) &&
-        row::finalize(o, m, l, sink, p_.Dv, tmp, lse != nullptr ? &lse_value : nullptr))
+        table_->finalize(o, m, l, sink, p_.Dv, tmp, lse != nullptr ? &lse_value : nullptr))
       table_->store_row(tmp, p_.Dv, p_.out_dtype, dst);
     else
       std::memset(dst, 0, std::size_t(p_.Dv) * dtype_size(p_.out_dtype));

@@ -25,8 +25,7 @@ namespace f64 {
 
 namespace kern {
 const FlashKernels<double>* flash_f64() {
-  static const FlashKernels<double> table{&f64::flash, &f64::flash_group, &f64::pack_k,
-                                          &f64::load_row, &f64::store_row};
+  static const FlashKernels<double> table = f64::flash_table();
   return &table;
 }
 }  // namespace kern

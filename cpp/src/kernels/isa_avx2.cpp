@@ -30,8 +30,7 @@ namespace delta {
 
 namespace kern {
 namespace {
-const FlashKernels<float> kFlash{&avx2::flash, &avx2::flash_group, &avx2::pack_k, &avx2::load_row,
-                                 &avx2::store_row};
+const FlashKernels<float> kFlash = avx2::flash_table();
 const DeltaKernels kDelta{&avx2::delta::delta_heads};
 const ProbeKernels kProbes{avx2::simd::W, &avx2::fma_probe, &avx2::read_probe, nullptr, nullptr};
 const IsaTables kIsa{"avx2", &kFlash, &kDelta, &kProbes};

@@ -30,8 +30,7 @@ namespace delta {
 
 namespace kern {
 namespace {
-const FlashKernels<float> kFlash{&avx512::flash, &avx512::flash_group, &avx512::pack_k,
-                                 &avx512::load_row, &avx512::store_row};
+const FlashKernels<float> kFlash = avx512::flash_table();
 const DeltaKernels kDelta{&avx512::delta::delta_heads};
 const ProbeKernels kProbes{avx512::simd::W, &avx512::fma_probe, &avx512::read_probe, nullptr,
                            nullptr};

@@ -30,8 +30,7 @@ namespace delta {
 
 namespace kern {
 namespace {
-const FlashKernels<float> kFlash{&neon::flash, &neon::flash_group, &neon::pack_k, &neon::load_row,
-                                 &neon::store_row};
+const FlashKernels<float> kFlash = neon::flash_table();
 const DeltaKernels kDelta{&neon::delta::delta_heads};
 const ProbeKernels kProbes{neon::simd::W, &neon::fma_probe, &neon::read_probe, nullptr, nullptr};
 const IsaTables kIsa{"neon", &kFlash, &kDelta, &kProbes};

@@ -31,8 +31,7 @@ namespace delta {
 
 namespace kern {
 namespace {
-const FlashKernels<float> kFlash{&scalar::flash, &scalar::flash_group, &scalar::pack_k,
-                                 &scalar::load_row, &scalar::store_row};
+const FlashKernels<float> kFlash = scalar::flash_table();
 const DeltaKernels kDelta{&scalar::delta::delta_heads};
 const ProbeKernels kProbes{scalar::simd::W, &scalar::fma_probe, &scalar::read_probe, nullptr,
                            nullptr};

@@ -170,6 +170,21 @@ static void store_row(const Real* src, int64_t n, DType dtype, void* dst) {
   }
 }
 
+// A query row for the driver (FlashKernels::load_query): D elements of src times `scale`, zero to
+// Dp.
+static void load_query(const void* src, DType dtype, int64_t D, Real scale, int64_t Dp, Real* dst) {
+  const Real* from = static_cast<const Real*>(src);  // (the compute type's rows: no copy first)
+  if (dtype != kNative) {
+    load_row(src, dtype, D, dst);
+    from = dst;
+  }
+  int64_t d = 0;
+  const V s = set1(scale);
+  for (; d + W <= D; d += W) store(dst + d, mul(load(from + d), s));
+  for (; d < D; ++d) dst[d] = from[d] * scale;
+  for (; d < Dp; ++d) dst[d] = Real(0);
+}
+
 // Converts row `src` (D elements) into `dst`, zero-padded to Dp.
 static inline void load_row_padded(const char* src, DType dtype, int64_t D, int64_t Dp, Real* dst) {
   load_row(src, dtype, D, dst);

@@ -152,6 +152,12 @@ struct FlashKernels {
   // n elements of `src` (dtype) to T, and back.
   void (*load_row)(const void* src, DType dtype, int64_t n, T* dst);
   void (*store_row)(const T* src, int64_t n, DType dtype, void* dst);
+  // The driver's row operations, at the unit's width (the driver is compiled for the baseline):
+  // a query row, its D elements times `scale` and zero to Dp; a finished row's O / l and lse
+  // (attention/state.h's row::finalize); whether a row's O overflowed (row::overflowed).
+  void (*load_query)(const void* src, DType dtype, int64_t D, T scale, int64_t Dp, T* dst);
+  bool (*finalize)(const T* o, T m, T l, const T* sink, int64_t Dv, T* out, T* lse);
+  bool (*overflowed)(const T* o, T m, T l, int64_t Dv);
 };
 
 // The gated delta rule (delta/delta_rule.cpp calls it; delta_kernels.h, delta-inl.h).

@@ -217,4 +217,17 @@ static void flash_group(int n_items, const RowSet* rs, const kern::KVSource* ks,
   }
 }
 
+// This unit's flash table (kernels/tables.h): the stages above, and the driver's row operations
+// compiled at the unit's width.
+static kern::FlashKernels<Real> flash_table() {
+  return {&flash,
+          &flash_group,
+          &pack_k,
+          &load_row,
+          &store_row,
+          &load_query,
+          &row::finalize<Real>,
+          &row::overflowed<Real>};
+}
+
 }  // namespace
