@@ -762,8 +762,9 @@ def test_every_code_decodes_as_the_reference(isa, dtype):
 
 @pytest.mark.parametrize("side", ["k", "v"])
 def test_e4m3_tiles_read_in_place_and_the_nan_code(isa, side):
-    """At register-block widths e4m3 rows are read in place, widened without a NaN test, so each
-    tile is first checked for the NaN code (and, holding one, converted exactly). Every finite code
+    """At register-block widths e4m3 rows are read in place: widened with the NaN code's test
+    (AVX-512, one lane), or without it where each tile is first checked for the code (AVX2, NEON;
+    a tile holding one is converted exactly). Every finite code
     decodes as the reference in place, on the decode path and a chunk's many-row path; a NaN code
     in the third of four tiles of K or V makes NaN exactly the outputs that see it (the rows of
     its kv head; for V, their one feature): a window that leaves it out keeps them finite."""

@@ -293,8 +293,8 @@ static void bf16_order_rows(int M, const Real* q, int64_t ldq, int64_t D, Real* 
 
 // Quantised rows read in place give their codes (e4m3: code / 256, see load_fp8); the row's scale
 // is applied to the scores (K) or the probabilities (V) instead: scale_keys below. e4m3 rows are
-// read in place only from tiles without the NaN code (tile_reads), so their widening skips its
-// test.
+// widened with the NaN code's test where the vocabulary finds that cheaper (kE4m3TestInWidening),
+// else without it, and read in place only from tiles that hold no NaN code (tile_reads).
 struct I8 {};
 struct E4M3 {};
 struct E5M2 {};
@@ -302,7 +302,7 @@ template <> inline V ld<I8>(const Real* row, int64_t d) {
   return load_i8(reinterpret_cast<const int8_t*>(row) + d);
 }
 template <> inline V ld<E4M3>(const Real* row, int64_t d) {
-  return load_e4m3_finite(reinterpret_cast<const uint8_t*>(row) + d);
+  return load_e4m3_in_place(reinterpret_cast<const uint8_t*>(row) + d);
 }
 template <> inline V ld<E5M2>(const Real* row, int64_t d) {
   return load_fp8(reinterpret_cast<const uint8_t*>(row) + d, false);

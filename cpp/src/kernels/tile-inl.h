@@ -21,12 +21,12 @@ struct Ahead {
 // read in place (fp16/bf16 widened in registers); the packed (prefill) QK path needs Real rows
 // to transpose. Quantised rows too (their scales applied to the scores and probabilities:
 // scale_keys); the packed path and ragged widths convert them, with their scales, into the tile
-// buffers. So does a tile whose scales are out of scales_in_place's range, and a tile of e4m3
-// rows that holds the NaN code: in place, e4m3 is widened without the NaN code's test
-// (load_e4m3_finite: 4 instructions per W codes, not 8), and one pass over the tile's codes costs
-// less than that test. V's pass runs just before P V (value_reads): the first touch of the tile's
-// value rows then comes after Q K^T and the softmax, not before them. (vaddr: the tile's n value
-// rows.)
+// buffers. So does a tile whose scales are out of scales_in_place's range, and, where the
+// vocabulary widens e4m3 without the NaN code's test (kE4m3TestInWidening false: 4 instructions
+// per W codes, not 8, where one pass over the tile's codes costs less than that test), a tile of
+// e4m3 rows that holds the NaN code. V's pass runs just before P V (value_reads): the first touch
+// of the tile's value rows then comes after Q K^T and the softmax, not before them. (vaddr: the
+// tile's n value rows.)
 struct TileReads {
   bool k_inplace, v_inplace;
   DType kdt, vdt;  // the row type QK^T and P V read: the source's where in place, else Real's
@@ -46,7 +46,7 @@ static TileReads tile_reads(int M, const kern::KVSource& ks, const kern::KVSourc
     kv_scales(vs, j0, n, t.vscale);
     t.v_inplace = scales_in_place(t.vscale, n);
   }
-  if (t.k_inplace && ks.dtype == DType::e4m3) {
+  if (!kE4m3TestInWidening && t.k_inplace && ks.dtype == DType::e4m3) {
     kv_rows(ks, j0, n, sc.kaddr);
     t.k_inplace = !e4m3_nan_in(sc.kaddr, n, Dk);
   }
@@ -59,7 +59,7 @@ static TileReads tile_reads(int M, const kern::KVSource& ks, const kern::KVSourc
 // The value side of tile_reads, for P V: e4m3 value rows holding the NaN code are converted.
 static void value_reads(TileReads& t, const kern::KVSource& vs, int64_t n, int64_t Dv,
                         const char* const* vaddr) {
-  if (t.v_inplace && vs.dtype == DType::e4m3 && e4m3_nan_in(vaddr, n, Dv)) {
+  if (!kE4m3TestInWidening && t.v_inplace && vs.dtype == DType::e4m3 && e4m3_nan_in(vaddr, n, Dv)) {
     t.v_inplace = false;
     t.vdt = kNative;
     t.vw = round_up(Dv, kPad);

@@ -47,7 +47,10 @@ static inline V load_i8(const int8_t* p) { return V(*p); }
 static inline V load_fp8(const uint8_t* p, bool e4) {
   return cvt::f16_to_f32(e4 ? cvt::e4m3_as_f16(*p) : cvt::e5m2_as_f16(*p));
 }
-static inline V load_e4m3_finite(const uint8_t* p) { return load_fp8(p, true); }
+// e4m3fn rows read in place: one lane's widening is the scalar conversion, the NaN code's test
+// included (kE4m3TestInWidening)
+constexpr bool kE4m3TestInWidening = true;
+static inline V load_e4m3_in_place(const uint8_t* p) { return load_fp8(p, true); }
 // hsum8: out[t] = horizontal sum of a[t], t < 8; hsum8_split: sums 0-3 at lo, 4-7 at hi
 static ATTNX_INLINE void hsum8(const V* a, Real* out) {
   for (int t = 0; t < 8; ++t) out[t] = a[t];
