@@ -15,6 +15,8 @@ import attnx
 import attnx.ops.cascade
 from attnx import _core
 
+from helpers import threads_here
+
 KV_DTYPES = ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"]
 
 
@@ -115,6 +117,7 @@ def test_levels_and_tails_share_one_team(threads, dtype):
     each fork again four times, one or two new tokens each): the core runs the two levels and the
     tails as stages of one region, the tails' short rows shared out over the team the levels woke.
     The result equals the plain step's at every thread count."""
+    threads = threads_here(threads)
     rng = np.random.default_rng(11)
     cache = attnx.PagedKVCache(1, 2, 64, num_blocks=1024, block_size=16, dtype=dtype)
     root = cache.new_sequence()

@@ -30,6 +30,8 @@ import pytest
 import attnx
 from attnx import reference as ref
 
+from helpers import cpus_here
+
 SANITIZED = bool(os.environ.get("ATTNX_SANITIZED"))  # set by .ci/sanitize.sh
 LINUX = sys.platform.startswith("linux")
 
@@ -563,7 +565,7 @@ except MemoryError:
 
 
 @pytest.mark.skipif(
-    not LINUX or SANITIZED or (os.cpu_count() or 1) < 2,
+    not LINUX or SANITIZED or cpus_here() < 2,
     reason="RLIMIT_AS; needs two cores for the race",
 )
 def test_memory_error_mid_call_leaves_out_unchanged():

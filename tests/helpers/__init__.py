@@ -61,6 +61,7 @@ from helpers.isa import (
     assert_set_isa_refused,
     best_isa,
     bf16_product_skip,
+    cpus_here,
     has_amx,
     has_avx512,
     has_avx512bf16,
@@ -68,6 +69,7 @@ from helpers.isa import (
     has_neon_bf16,
     runs_here,
     supported_isas,
+    threads_here,
     widening_path,
 )
 from helpers.layouts import from4, lse4, to4
@@ -119,6 +121,7 @@ __all__ = [
     "check_paged",
     "climbing_scores",
     "conditioning",
+    "cpus_here",
     "delta_expected",
     "delta_tolerance",
     "dense_views",
@@ -146,6 +149,7 @@ __all__ = [
     "scramble_tables",
     "script_words",
     "supported_isas",
+    "threads_here",
     "to4",
     "widening_path",
 ]

@@ -1,5 +1,5 @@
-"""The instruction sets under test: the kernel paths this CPU can run, and the one the
-dispatcher should pick by default."""
+"""The instruction sets under test: the kernel paths this CPU can run, the one the dispatcher
+should pick by default, and how many threads a call may ask for here."""
 
 from __future__ import annotations
 
@@ -200,3 +200,16 @@ def assert_set_isa_refused(name, match):
     with pytest.raises(ValueError, match=match):
         attnx._core.set_isa(name)
     assert attnx.cpu_features()["isa"] == before
+
+
+def cpus_here():
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def threads_here(n):
+    """``n`` threads, or attnx's cap where this process may run on too few CPUs for them (4 per
+    CPU: a test that asks for 5 or 6 threads would get a warning on one CPU instead of a team)."""
+    return min(n, attnx._core._max_threads())

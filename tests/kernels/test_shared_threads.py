@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from helpers import run_isolated
+from helpers import cpus_here, run_isolated
 
 TIMEOUT = 120
 
@@ -109,10 +109,14 @@ def shared():
     return {"shared": res[0], "matmuls": res[1], "workers": res[2]}
 
 
-def test_matmuls_run_on_attnx_workers_bit_for_bit(own_threads, shared):
+def test_matmuls_on_attnx_pool_give_the_same_bits(own_threads, shared):
     assert own_threads["workers"] == 0, "with ATTNX_SHARE_BLAS=0 attnx's pool stays unused"
-    assert shared["workers"] == 1, "a 2-thread matmul ran on attnx's worker"
     assert shared["matmuls"] == own_threads["matmuls"], "the same partition gives the same bits"
+
+
+@pytest.mark.skipif(cpus_here() < 2, reason="OpenBLAS runs one thread on one CPU")
+def test_matmuls_run_on_attnx_workers(shared):
+    assert shared["workers"] == 1, "a 2-thread matmul ran on attnx's worker"
 
 
 def test_giving_the_threads_back(shared, own_threads):

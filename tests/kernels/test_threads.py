@@ -27,6 +27,8 @@ import pytest
 import attnx
 from attnx import _core
 
+from helpers import cpus_here, threads_here
+
 TOO_BIG = [2**31, 2**40, np.int64(2**31), np.uint64(2**63)]
 
 
@@ -87,7 +89,7 @@ def test_set_num_threads_out_of_range_names_the_argument(n):
 
 def test_the_cap():
     cap = _core._max_threads()
-    assert cap == min(4 * len(os.sched_getaffinity(0)), 1024)
+    assert cap == min(4 * cpus_here(), 1024)
 
 
 @pytest.mark.parametrize("entry", ["attention", "paged_attention", "Step.attend"])
@@ -128,7 +130,7 @@ def test_set_num_threads_caps_with_a_warning():
 )
 def test_default_follows_omp_num_threads_at_call_time(clean_env, env, expected):
     monkeypatch = clean_env  # (ATTNX_NUM_THREADS, which comes first, unset)
-    cpus = min(len(os.sched_getaffinity(0)), _core._max_threads())
+    cpus = threads_here(cpus_here())
     monkeypatch.setenv("OMP_NUM_THREADS", env)
     want = {None: cpus, "cap": _core._max_threads()}.get(expected, expected)
     if env == " 5 ":
@@ -194,6 +196,7 @@ def test_a_team_is_no_larger_than_its_pieces_of_work(own_pool, num_threads):
     """One item over 512 keys (64 query rows, one head) is big enough for a team, and split-KV cuts
     it into 2 parts (parts of at least 256 keys): the call wakes 2 threads however many it may
     use, and the result is the same."""
+    num_threads = threads_here(num_threads)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 1, 64, 64)).astype(np.float32)
     k = rng.standard_normal((1, 1, 512, 64)).astype(np.float32)
@@ -248,7 +251,7 @@ def clean_env(monkeypatch):
     "env, expected", [("3", 3), (" 2 ", 2), ("+3", 3), ("", None), ("   ", None), ("100000", "cap")]
 )
 def test_attnx_num_threads_sets_the_default(clean_env, env, expected):
-    cpus = min(len(os.sched_getaffinity(0)), _core._max_threads())
+    cpus = threads_here(cpus_here())
     clean_env.setenv("ATTNX_NUM_THREADS", env)
     assert attnx.get_num_threads() == {None: cpus, "cap": _core._max_threads()}.get(
         expected, expected
