@@ -797,7 +797,7 @@ def extreme_scales_pool(rng, dtype, case, dk, L=40, hkv=2):
     its queries take: huge: every dequantised value finite, up to FLT_MAX / 1.01 (codes of at
     most 8, so that the scales pass FLT_MAX / 256), queries of ~1e-37 (scores of a few units);
     tiny: V scales below float32's normal range (the cache's own rule for values near 1e-37);
-    inf: one key's scale -inf."""
+    inf: one key's scale -inf, one of its codes 0."""
     pool = QPool(rng, [L], dtype=dtype, block_size=16, hkv=hkv, dk=dk, dv=dk)
     live = np.isfinite(pool.k_scales)  # (the pool's unowned slots stay NaN)
     if case == "huge":
@@ -810,14 +810,19 @@ def extreme_scales_pool(rng, dtype, case, dk, L=40, hkv=2):
         pool.v_scales[live] /= np.maximum(codes[1].max(3), 1)[live]
     elif case == "tiny":
         pool.v_scales[live] *= np.float32(1e-37)
-    else:
+    else:  # (with a code of 0, every seed gives the row a NaN: 0 * inf)
         pool.k_scales[pool.block_tables[0, 1], 1, 3] = -np.inf
+        pool.k_pages[pool.block_tables[0, 1], 1, 3, 0] = 0
     return pool, (1e-37 if case == "huge" else 1.0)
 
 
-def check_extreme_scales(got, want, case):
-    """``got`` against the twin's ``want`` over an ``extreme_scales_pool``: NaN exactly where the
-    twin has NaN (only in the inf case), the rest to float32 tolerance of the largest output."""
+def check_extreme_scales(q, pool, case, int8_query=None, **kw):
+    """attnx.paged_attention over an ``extreme_scales_pool`` against its twin: NaN exactly where
+    the twin has NaN (only in the inf case), the rest to float32 tolerance of the largest output."""
+    kw.update(pool.scales())
+    got = attnx.paged_attention(q, *pool.args(), **kw)
+    with np.errstate(invalid="ignore"):  # (the inf case's 0 * inf in the twin, on purpose)
+        want = twin(q, *pool.args(), int8_query=int8_query, **kw)
     assert (np.isnan(got) == np.isnan(want)).all() and np.isnan(got).any() == (case == "inf")
     top = np.nanmax(np.abs(want))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * top)
@@ -842,9 +847,7 @@ def test_scales_at_the_ends_of_float32(isa, dtype, case):
         pool, q_factor = extreme_scales_pool(rng, dtype, case, dk)
         q = (rng.standard_normal((12, hq, dk)) * q_factor).astype(np.float32)
         for q_len in (1, 3, 12):
-            kw = dict(q_lens=np.array([q_len]), **pool.scales())
-            got = attnx.paged_attention(q[:q_len], *pool.args(), **kw)
-            check_extreme_scales(got, twin(q[:q_len], *pool.args(), **kw), case)
+            check_extreme_scales(q[:q_len], pool, case, q_lens=np.array([q_len]))
 
 
 @given(
