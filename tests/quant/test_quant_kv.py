@@ -788,7 +788,7 @@ def test_e4m3_tiles_read_in_place_and_the_nan_code(isa, side):
             args = (q, k_pages, v_pages, tables, lens)
             kw = dict(q_lens=np.array([q_len]), window=window, **pages)
             got, want = attnx.paged_attention(*args, **kw), twin(*args, **kw)
-            np.testing.assert_allclose(got, want, equal_nan=True, **TOL)
+            assert_close_to_top(got, want)  # (codes up to 448, times V scales up to 2)
             assert np.isnan(got[:, 2:]).any() == nan and np.isfinite(got[:, :2]).all()
 
 
@@ -824,8 +824,15 @@ def check_extreme_scales(q, pool, case, int8_query=None, **kw):
     with np.errstate(invalid="ignore"):  # (the inf case's 0 * inf in the twin, on purpose)
         want = twin(q, *pool.args(), int8_query=int8_query, **kw)
     assert (np.isnan(got) == np.isnan(want)).all() and np.isnan(got).any() == (case == "inf")
+    assert_close_to_top(got, want)
+
+
+def assert_close_to_top(got, want):
+    """``got`` within float32 tolerance of ``want``, NaN where it has NaN, the absolute part scaled
+    to its largest finite magnitude: another order of the same sums errs by ulps of the terms,
+    and an output near 0 can sum terms of the row's size."""
     top = np.nanmax(np.abs(want))
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * top)
+    np.testing.assert_allclose(got, want, rtol=TOL["rtol"], atol=TOL["atol"] * top, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
