@@ -21,6 +21,7 @@ import sys
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnx
 from attnx import reference as ref
@@ -44,6 +45,7 @@ from helpers import (
     has_bf16_products,
     has_neon_bf16,
     on_isa,
+    pool_from_sequences,
     prefill_problems,
     prefill_qkv,
     rand,
@@ -177,6 +179,49 @@ def test_other_dtypes_match_avx512(rng, dtype):
     a = on_isa(WIDENING, lambda: attnx.attention(q, k, v, causal=True))
     for isa in BF16_ISAS:
         np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v, causal=True)))
+
+
+@given(
+    st.integers(1, 3),
+    st.sampled_from([(1, 1), (4, 1), (8, 2), (6, 3)]),
+    st.integers(1, 300),
+    st.sampled_from([16, 32, 48, 64, 128]),
+    st.booleans(),
+    st.integers(0, 2**31 - 1),
+)
+def test_few_rows_give_float32_bits(isa, sq, heads, lk, d, paged, seed):
+    """Few query rows (decode) read bf16 keys and values in place, widened in the vocabulary's
+    bf16 order, on every path: the result is what float32 inputs of the same values give, bit for
+    bit (the output rounded to bf16 at the end), lse included: the scores are summed in the
+    natural order, whatever order the keys were widened in."""
+    rng = np.random.default_rng(seed)
+    hq, hkv = heads
+    sq = min(sq, 8 // (hq // hkv), lk)  # an item's rows: at most kDotRows (8), at most lk
+    q = rand(rng, (sq, hq, d), BF16)
+    k, v = (rand(rng, (lk, hkv, d), BF16) for _ in range(2))
+    if paged:
+        kp, vp, tables, lens = pool_from_sequences(rng, [k], [v], 16)
+
+        def call(dt):
+            return attnx.paged_attention(
+                q.astype(dt),
+                kp.astype(dt),
+                vp.astype(dt),
+                tables,
+                lens,
+                q_lens=np.array([sq]),
+                return_lse=True,
+            )
+    else:
+
+        def call(dt):
+            return attnx.attention(
+                *(x.astype(dt)[None].transpose(0, 2, 1, 3) for x in (q, k, v)), return_lse=True
+            )
+
+    got, want = call(BF16), call(np.float32)
+    np.testing.assert_array_equal(got[0], want[0].astype(BF16))
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 @needs_bf16

@@ -270,9 +270,11 @@ template <> inline V ld<F16>(const Real* row, int64_t d) {
   return load_f16(reinterpret_cast<const uint16_t*>(row) + d);
 }
 // bf16 rows come W features at a time in the vocabulary's bf16 order (load_bf16_ordered: the
-// cheapest widening there, a permutation of the W features); the kernels that read them put the
-// other operand in that order: the query rows (bf16_order_rows), the P V accumulators (to_order,
-// from_order). The products and their sums are the same, taken in another order.
+// cheapest widening there, a permutation of the W features: AVX2's even/odd order, the natural
+// one elsewhere); the kernels that read them put the other operand in that order: the query rows
+// (bf16_order_rows), the P V accumulators (to_order, from_order). Each accumulator goes back to
+// the natural order before it is summed (Q K^T) or stored (P V), so every sum is taken as over
+// float32 rows of the same values: the same bits.
 template <> inline V ld<BF16>(const Real* row, int64_t d) {
   return load_bf16_ordered(reinterpret_cast<const uint16_t*>(row) + d);
 }

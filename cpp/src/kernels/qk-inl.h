@@ -125,7 +125,7 @@ static ATTNX_INLINE void reduce_block(const V* acc, Real* s) {
 
 // A register block is RB rows x KB keys, so each K vector loaded is used RB times and the K tile
 // is streamed once per block of rows. The sums go straight to S. (q in the order ld<T> gives K's
-// features: load-inl.h.)
+// features: load-inl.h; each accumulator back in the natural order before its sum.)
 template <int RB, int KB, class T>
 static ATTNX_INLINE void qk_dot_block(const Real* q, int64_t ldq, const Real* const* kr, int64_t Dk,
                                       Real* s) {
@@ -139,6 +139,7 @@ static ATTNX_INLINE void qk_dot_block(const Real* q, int64_t ldq, const Real* co
       for (int r = 0; r < RB; ++r) acc[r * KB + t] = fmadd(qv[r], kv, acc[r * KB + t]);
     }
   }
+  for (int a = 0; a < RB * KB; ++a) acc[a] = from_order<T>(acc[a]);
   reduce_block<RB, KB>(acc, s);
 }
 

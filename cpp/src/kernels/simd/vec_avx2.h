@@ -49,8 +49,9 @@ static inline V tanh(V x) { return tanh256(x); }
 static inline V load_f16(const uint16_t* p) { return load_f16_256(p); }
 static inline void store_f16(uint16_t* p, V x) { store_f16_256(p, x); }
 static inline V load_bf16(const uint16_t* p) { return load_bf16_256(p); }
-// bfloat16 in the "bf16 order" (vec_avx512.h): the even-indexed elements of W, then the odd ones,
-// by one load (the 16 bytes broadcast to both halves) and one byte shuffle.
+// bfloat16 rows read in place in the "bf16 order" (load-inl.h): the even-indexed elements of W,
+// then the odd ones, by one load (the 16 bytes broadcast to both halves) and one byte shuffle
+// (AVX2 has no word permute across the halves, AVX-512's natural-order load).
 static inline int bf16_to_top(int a) {  // a byte shuffle's control: bytes a, a + 1 to the top half
   return int(0x8080u | unsigned(a) << 16 | unsigned(a + 1) << 24);
 }
