@@ -161,8 +161,8 @@ static inline __m256 load_i8_256(const int8_t* p) {
 // at bits 15 and 14; clearing bit 14 leaves s 0 eeee mmm 0000000. The NaN codes (magnitude 0x7f)
 // would read 1.75 / 256 that way (0x3f80) and become a float16 NaN (exponent all ones): adding 0x80
 // carries into the cleared bit 14 for that magnitude alone, and h | that bit is 0x7f80, a float16
-// NaN. 5 integer instructions (4 where the compiler fuses the last two into a ternary logic op),
-// fewer than a zero-extended form (e4m3 decode's widening competes with its FMAs).
+// NaN. 5 integer instructions, fewer than a zero-extended form (e4m3 decode's widening competes
+// with its FMAs).
 // e4m3_as_f16_*: the first two, for codes known to hold no NaN code (avx2's load_e4m3_in_place).
 static inline __m128i e4m3_as_f16_128(__m128i x) {
   return _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(-0x4001));  // ~0x4000
