@@ -60,30 +60,32 @@ static inline float reduce_add(V v) { return hadd256(_mm256_add_ps(lo256(v), hi2
 static inline V iota() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
-// 2^t = 2^n 2^f for t in [-200, 128] (or NaN), n = round(t), |f| <= 1/2: exp256's polynomial
-// (Poly, Terms of it) for 2^f and VSCALEFPS for 2^n, which also saturates to 0 and inf. n is
-// taken by adding and taking away 1.5 * 2^23 (rounding to nearest even, exact for |t| <= 2^22):
-// additions, which keep their rate beside AMX tile products, where VRNDSCALEPS, like FMAs,
-// issues at half rate then.
+// 2^t = 2^n 2^f for t <= 128 (or NaN), n = round(t), |f| <= 1/2: exp256's polynomial (Poly,
+// Terms of it) for 2^f and VSCALEFPS for 2^n, which also saturates to inf. n is taken by adding
+// and taking away 1.5 * 2^23 (rounding to nearest even, exact for |t| <= 2^22): additions, which
+// keep their rate beside AMX tile products, where VRNDSCALEPS, like FMAs, issues at half rate
+// then. Below t = -126 the result is 0 (exp(-inf) = 0 exactly), by the zero mask of VSCALEFPS:
+// a subnormal or underflowing result costs Intel cores a microcode assist per instruction, and a
+// softmax whose probabilities underflowed ran 10x slower (bench/NOTES.md). The masked lanes
+// raise nothing, so t needs no clamp. AVX2's exp256 flushes likewise, below ~2^-126.5.
 template <int Terms, const float* Poly>
 static inline V exp2_reduced(V t) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);  // or NaN
   const V magic = _mm512_set1_ps(12582912.f);
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const V n = _mm512_sub_round_ps(_mm512_add_round_ps(t, magic, kNearest), magic, kNearest);
   const V f = _mm512_sub_ps(t, n);
   V p = _mm512_set1_ps(Poly[0]);
   for (int i = 1; i < Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(Poly[i]));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(normal, p, n);
 }
-// exp(x) = 2^t with t = x log2(e), clamped to [-200, 128] (exp(-inf) = 0 exactly, exp(+inf) =
-// inf) with x in the second operand of MAX/MIN so that NaN stays NaN. Half the instructions of
-// two AVX2 halves.
+// exp(x) = 2^t with t = x log2(e), clamped to at most 128 (exp(+inf) = inf) with x in the second
+// operand of MIN so that NaN stays NaN. Half the instructions of two AVX2 halves.
 // Top = false: for x <= 64 (or NaN) only, no clamp at the top. Poly: kExp2Poly, or the shorter
 // kExp2PolyBf16 (exp_bf16).
 template <bool Top = true, int Terms = kExp2Terms, const float* Poly = kExp2Poly>
 static inline V exp_(V x) {
   V t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  t = _mm512_max_ps(_mm512_set1_ps(-200.f), t);
   if constexpr (Top) t = _mm512_min_ps(_mm512_set1_ps(128.f), t);
   return exp2_reduced<Terms, Poly>(t);
 }
@@ -92,9 +94,7 @@ static inline V exp_(V x) {
 static inline V exp_bf16(V x) { return exp_<false, kExp2TermsBf16, kExp2PolyBf16>(x); }
 // 2^t for t <= 92 (or NaN), as exp_bf16(t / log2(e)): for callers that fold log2(e) into their
 // factors (one multiply fewer a vector).
-static inline V exp2_bf16(V t) {
-  return exp2_reduced<kExp2TermsBf16, kExp2PolyBf16>(_mm512_max_ps(_mm512_set1_ps(-200.f), t));
-}
+static inline V exp2_bf16(V t) { return exp2_reduced<kExp2TermsBf16, kExp2PolyBf16>(t); }
 static inline V exp(V x) { return exp_<true>(x); }
 static inline V exp_small(V x) { return exp_<false>(x); }  // x <= 64 or NaN
 static inline V tanh(V x) { return join(tanh256(lo256(x)), tanh256(hi256(x))); }
