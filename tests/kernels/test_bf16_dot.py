@@ -385,6 +385,48 @@ def test_flash_rule_long_keys(bf16_isa, rng, shape, lse):
             check_attention(q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("sq", [17, 33, 47, 64], ids=lambda n: f"sq{n}")
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"causal": True},
+        {"window": (100, 0)},
+        {"window": (30, 70)},
+        {"kv_lens": np.array([300, 129])},
+        {"causal": True, "q_lens": np.array([5, 16])},
+        {"causal": True, "sinks": np.array([0.5], np.float32)},
+    ],
+    ids=str,
+)
+def test_wide_runs_with_rows_that_see_part(bf16_isa, rng, sq, kw):
+    """The amx path takes every whole tile a row of the item sees in blocks of up to 256 keys (the
+    last block of a run shorter), from the item's first key on: rows that have seen nothing yet,
+    the causal diagonal, windows and lengths (the keys a row cannot see score -inf), odd row
+    counts (a row pair of one row), with the lse."""
+    q = rand(rng, (2, 1, sq, 40), BF16)
+    k = rand(rng, (2, 1, 330, 40), BF16)
+    v = rand(rng, (2, 1, 330, 24), BF16)
+    assert_flash_rule(q, k, v, **kw)
+    check_attention(q, k, v, **kw)
+
+
+def test_wide_runs_nonfinite_scores_and_values(bf16_isa, rng):
+    """A non-finite value in a whole tile that rows see only in part reaches only the rows that see
+    it (the run ends before that block: the tile path adds each row's own keys). A row whose first
+    keys all score -inf skips them, and one whose first keys score +inf or NaN turns NaN, as in
+    the reference (the first block's general update)."""
+    q = rand(rng, (1, 2, 40, 32), BF16)
+    k = rand(rng, (1, 2, 832, 32), BF16)
+    v = rand(rng, (1, 2, 832, 32), BF16)
+    v[0, 0, 800, 3] = np.inf  # in tile [768, 832): causal rows 792..831, 800.. see it
+    check_attention(q, k, v, causal=True, expect_nan=True)
+    q[0, 1, :20] = np.abs(q[0, 1, :20]) + 0.25  # rows with a positive query: -inf scores
+    k[0, 1, :300] = -np.inf
+    v[0, 1, :300] = 0
+    check_attention(q, k, v, causal=True, expect_nan=True)
+
+
 def test_long_keys_nonfinite_value(bf16_isa, rng):
     """An infinite value inside a 256-key block that every row sees reaches every row (as in the
     reference), and one in a block that rows see in part only the rows that see it."""

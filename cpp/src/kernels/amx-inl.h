@@ -28,9 +28,9 @@ constexpr int kTilePairs = 16;  // bf16 pairs (or fp32) along a tile row: 64 byt
 // (kTileRows, kRowsPad, TileConfig and TileScope: int8_tiles-inl.h, whose tiles are configured
 // alike)
 
-// Keys per wide block: kWideTiles whole KV tiles whose scores every row sees (wide_block below)
-// go through one softmax pass and one P V product, so each output tile is loaded and stored once
-// per 256 keys instead of once per 64, and each P V accumulation runs 16 tile products deep.
+// Keys per wide block: up to kWideTiles KV tiles (wide_keys below) go through one softmax pass and
+// one P V product, so each output tile is loaded and stored once per 256 keys instead of once per
+// 64, and each P V accumulation runs 16 tile products deep.
 constexpr int kWideTiles = 4;
 constexpr int64_t kWideKeys = kWideTiles * kTileK;
 
@@ -238,27 +238,39 @@ static void flash_tile_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
   pv_amx(M, reinterpret_cast<const Pair*>(s), kv.vp, n2, Dvp, st.o, st.ldo, ax.ostage);
 }
 
-// ---- wide blocks: kWideTiles whole tiles that every row sees whole --------------------------
-// Whether keys [j0, j0 + kWideKeys) form one: no mask, soft-cap or ALiBi, every row sees them
-// all and has a finite running max (as softmax-inl.h's `fusable`), and a positive score factor
-// (the raw products' max times it is the scores' max).
-static bool wide_block(const kern::RowSet& rs, int64_t j0, int64_t j_end, float softcap,
-                       float qscale, const kern::FlashState& st) {
-  return j0 + kWideKeys <= j_end && rs.mask_kind == MaskKind::none && qscale > 0.f &&
-         fusable(rs, j0, kWideKeys, softcap, st);
+// ---- wide runs: tiles in blocks of up to kWideTiles -------------------------------------------
+// How many keys from j0 the wide path takes: none under a user mask, a soft-cap or ALiBi, a
+// non-positive score factor (the raw products' max times it must be the scores' max), or a row
+// whose running max is +inf or NaN; else the keys of each tile up to j_end (the last may be
+// partial) that some row sees. Rows need not see all of a tile (the causal diagonal, a window,
+// kv_lens, the keys past j_end of a partial tile): wide_softmax gives the keys a row cannot see a
+// score of -inf. A row may have seen nothing yet (m = -inf: an item's first tiles). Before, an
+// item's first tile took the general tile path (~3.5x a wide key's time), its whole tiles after
+// the last whole block the fused one (~1.4x), and its partial and diagonal tiles the general one.
+static int64_t wide_keys(const kern::RowSet& rs, int64_t j0, int64_t j_end, float softcap,
+                         float qscale, const kern::FlashState& st) {
+  if (rs.mask_kind != MaskKind::none || !(qscale > 0.f) || softcap > 0.f) return 0;
+  for (int r = 0; r < rs.M; ++r)
+    if (!(st.m[r] < -kNegInf) || (rs.slope != nullptr && rs.slope[r] != 0.f)) return 0;
+  int64_t j = j0;
+  for (; j < j_end; j += kTileK) {
+    bool open = false;
+    for (int r = 0; r < rs.M && !open; ++r) open = rs.lo[r] < j + kTileK && rs.hi[r] > j;
+    if (!open) break;
+  }
+  return imin(j, j_end) - j0;
 }
 
-// How many wide blocks follow one another from j0 (0 where j0 starts none): the running maxima
-// stay finite once they are, so the later blocks need only every row to see them whole.
-static int64_t wide_run(const kern::RowSet& rs, int64_t j0, int64_t j_end, float softcap,
-                        float qscale, const kern::FlashState& st) {
-  if (!wide_block(rs, j0, j_end, softcap, qscale, st)) return 0;
-  int64_t n = 1;
-  while (j0 + (n + 1) * kWideKeys <= j_end &&
-         sees_whole(rs, 0, rs.M, j0 + n * kWideKeys, kWideKeys))
-    ++n;
-  return n;
-}
+// The keys [jb, jb + n) of one wide block (at most kWideKeys; its tiles are whole but perhaps the
+// last), and what row r sees of them: [vlo(r), vhi(r)).
+struct WideBlock {
+  const kern::RowSet* rs;
+  int64_t jb, n;
+  int64_t vlo(int r) const { return imax(rs->lo[r] - jb, 0); }
+  int64_t vhi(int r) const { return imin(rs->hi[r] - jb, n); }
+  bool whole() const { return n % kTileK == 0 && sees_whole(*rs, 0, rs->M, jb, n); }
+  int tiles() const { return int((n + kTileK - 1) / kTileK); }
+};
 
 // The tile products of a wide block's row pair, cut into steps so that they can run between the
 // rows of another row pair's softmax: the tile unit works through a step's few instructions
@@ -271,9 +283,10 @@ struct QkSteps {
   const Pair* a;  // the row pair's first query row (ldq pairs a row)
   int64_t ldq, nkb;
   const Pair* const* kp;
-  float* s;  // kWideKeys floats a row
+  float* s;   // kWideKeys floats a row
+  int tiles;  // the block's
   int step_ = 0;
-  int steps() const { return kWideTiles * 2; }
+  int steps() const { return tiles * 2; }
   void step() {
     const int t = step_ / 2, c = step_ % 2 * 2 * kTilePairs;
     ++step_;
@@ -285,25 +298,29 @@ struct QkSteps {
 };
 
 struct PvSteps {
-  static constexpr int64_t kKbs = kWideKeys / 2 / kTilePairs, kKbStep = 2;
+  static constexpr int64_t kTileBlocks = kTileK / 2 / kTilePairs;  // 16-pair blocks of a tile
   const Pair* p;  // the row pair's P: pairs at the start of each row, kWideKeys floats a row
   const Pair* const* vp;
   int64_t Dvp;
   float* o;  // the row pair's output rows (ldo floats a row; a staging copy for a partial pair)
   int64_t ldo;
-  int step_ = 0;
-  int steps() const { return int(Dvp / (2 * kTilePairs) * (kKbs / kKbStep)); }
-  void step() {
-    const int64_t c = step_ / (kKbs / kKbStep) * 2 * kTilePairs,
-                  kb0 = step_ % (kKbs / kKbStep) * kKbStep;
+  int tiles;              // the block's
+  int step_ = 0, t_ = 0;  // steps done; the next step's tile
+  int64_t c_ = 0;         // the next step's column pair
+  int steps() const { return int(Dvp / (2 * kTilePairs)) * tiles; }
+  void step() {  // tile t_'s keys into column pair c_
+    const int t = t_;
+    float* oc = o + c_;
+    if (t == 0) c_tiles_load(oc, ldo);
+    for (int64_t kb = 0; kb < kTileBlocks; ++kb)
+      c_tiles_dp(p + (t * kTileBlocks + kb) * kTilePairs, kWideKeys,
+                 vp[t] + kb * kTilePairs * Dvp + c_, Dvp);
+    if (t == tiles - 1) c_tiles_store(oc, ldo);
     ++step_;
-    float* oc = o + c;
-    constexpr int64_t kTileBlocks = kTileK / 2 / kTilePairs;
-    if (kb0 == 0) c_tiles_load(oc, ldo);
-    for (int64_t kb = kb0; kb < kb0 + kKbStep; ++kb)
-      c_tiles_dp(p + kb * kTilePairs, kWideKeys,
-                 vp[kb / kTileBlocks] + kb % kTileBlocks * kTilePairs * Dvp + c, Dvp);
-    if (kb0 + kKbStep == kKbs) c_tiles_store(oc, ldo);
+    if (++t_ == tiles) {
+      t_ = 0;
+      c_ += 2 * kTilePairs;
+    }
   }
 };
 
@@ -358,18 +375,43 @@ struct WideExp<Bf16P<true>> {
 // counts on (softmax-inl.h kLazyMax). `tiles` runs its steps between the rows.
 // Rows go two at a time, both maxima before either row's exps: a row's exps wait for its max
 // (a reduction, then the state's update), and the other row's work fills that wait.
-template <class PExp>
-static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
+// Keys a row cannot see score -inf (p = 0). A row that has seen nothing (m = -inf) takes m' =
+// the block's max where that is finite (alpha = 0); where it is not (nothing visible, every score
+// -inf, or +inf), general_row gives it softmax_rows' update.
+template <class PExp, int NT>
+static void wide_softmax(int r0, int r1, float* s, float scale, const WideBlock& wb, int64_t Dvp,
                          const kern::FlashState& st, TileSteps& tiles) {
-  constexpr int NV = kWideKeys / W;
+  constexpr int64_t n = NT * kTileK, nv = n / W;
   const V f = set1(scale);
   auto row_of = [&](int r) { return s + int64_t(r - r0) * kWideKeys; };
-  auto raise_max = [&](int r) {  // row r's new max, its O and l rescaled to it
-    const float* srow = row_of(r);
-    V hi = load(srow);
-    for (int c = 1; c < NV; ++c) hi = max(hi, load(srow + c * W));
-    const float top = reduce_max(mul(hi, f));
-    if (!(top > st.m[r])) return st.m[r];  // (exp(m - m) = 1: nothing to rescale)
+  // softmax_rows' update of row r (scores scaled, the exact exp, skipped while nothing is
+  // visible), then its p rounded to pairs as pack_p_bf16 does
+  auto general_row = [&](int r) {
+    float* srow = row_of(r);
+    for (int64_t c = 0; c < nv; ++c) store(srow + c * W, mul(load(srow + c * W), f));
+    if (!online_update<1>(srow, n, st.m + r, st.l + r, st.o + int64_t(r) * st.ldo, 0, Dvp)) {
+      for (int64_t j = 0; j < n; ++j) row::keep_nan(st.l + r, srow[j]);
+      std::memset(srow, 0, sizeof(float) * std::size_t(n));
+    }
+    for (int64_t c = 0; c < nv; c += 2)
+      store_pairs(srow, c * W, load(srow + c * W), load(srow + (c + 1) * W));
+  };
+  // row r's new max, its O and l rescaled to it; false where general_row has updated the row
+  auto raise_max = [&](int r, float* m_new) {
+    float* srow = row_of(r);
+    const int64_t lo = wb.vlo(r), hi = wb.vhi(r);
+    for (int64_t j = 0; j < imin(lo, n); ++j) srow[j] = kNegInf;
+    for (int64_t j = imax(hi, 0); j < n; ++j) srow[j] = kNegInf;
+    V top_v = load(srow);
+    for (int64_t c = 1; c < nv; ++c) top_v = max(top_v, load(srow + c * W));
+    const float top = reduce_max(mul(top_v, f));
+    *m_new = st.m[r];
+    if (st.m[r] == kNegInf && !(top > kNegInf && top < -kNegInf)) {
+      general_row(r);
+      return false;
+    }
+    if (!(top > st.m[r])) return true;  // (exp(m - m) = 1: nothing to rescale)
+    *m_new = top;
     const float alpha = row::rescale(st.m[r], top);
     if (alpha != 1.f) {
       const V a = set1(alpha);
@@ -378,46 +420,71 @@ static void wide_softmax(int r0, int r1, float* s, float scale, int64_t Dvp,
       st.l[r] *= alpha;
       st.m[r] = top;
     }
-    return top;
+    return true;
   };
   auto exps = [&](int r, float m_new) {
     float* srow = row_of(r);
     const WideExp<PExp> p(scale, m_new);
     V sum = zero();
-    for (int c = 0; c < NV; c += 2) {
+    for (int64_t c = 0; c < nv; c += 2) {
       const V e0 = p(load(srow + c * W)), e1 = p(load(srow + (c + 1) * W));
       store_pairs(srow, c * W, e0, e1);
       sum = add(sum, add(e0, e1));
     }
     st.l[r] += reduce_add(sum);
+  };
+  auto update = [&](int r, bool raised, float m_new) {
+    if (raised) exps(r, m_new);
     tiles.at(r - r0);
   };
   int r = r0;
+  float m0, m1;
   for (; r + 1 < r1; r += 2) {
-    const float m0 = raise_max(r), m1 = raise_max(r + 1);
-    exps(r, m0);
-    exps(r + 1, m1);
+    const bool u0 = raise_max(r, &m0), u1 = raise_max(r + 1, &m1);
+    update(r, u0, m0);
+    update(r + 1, u1, m1);
   }
-  if (r < r1) exps(r, raise_max(r));
+  if (r < r1) {
+    const bool u0 = raise_max(r, &m0);
+    update(r, u0, m0);
+  }
   tiles.finish();
 }
 
-// The packed K and V pairs of one wide block (shared tiles, or its own buffers of set `set`).
+// wide_softmax for the block's number of tiles (a compile-time count: its loops unrolled as for
+// whole blocks, which a run-time count measured 5-10% slower).
+template <class PExp>
+static void wide_softmax(int r0, int r1, float* s, float scale, const WideBlock& wb, int64_t Dvp,
+                         const kern::FlashState& st, TileSteps& tiles) {
+  static_assert(kWideTiles == 4, "a case for each count");
+  switch (wb.tiles()) {
+    case 1: return wide_softmax<PExp, 1>(r0, r1, s, scale, wb, Dvp, st, tiles);
+    case 2: return wide_softmax<PExp, 2>(r0, r1, s, scale, wb, Dvp, st, tiles);
+    case 3: return wide_softmax<PExp, 3>(r0, r1, s, scale, wb, Dvp, st, tiles);
+    default: return wide_softmax<PExp, kWideTiles>(r0, r1, s, scale, wb, Dvp, st, tiles);
+  }
+}
+
+// The packed K and V pairs of one wide block (shared tiles, or its own buffers of set `set`), and
+// whether its values are finite.
 struct WideKV {
   const Pair* kp[kWideTiles];
   const Pair* vp[kWideTiles];
+  bool finite = true;
 };
-static WideKV pack_wide(const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0, int64_t Dk,
-                        int64_t Dv, const kern::Scratch& sc, AmxScratch& ax, int set) {
+static WideKV pack_wide(const kern::KVSource& ks, const kern::KVSource& vs, const WideBlock& wb,
+                        int64_t Dk, int64_t Dv, const kern::Scratch& sc, AmxScratch& ax, int set) {
   WideKV w;
-  for (int t = 0; t < kWideTiles; ++t) {
+  for (int t = 0; t < wb.tiles(); ++t) {
     // each tile's pairs in its own buffer where it is not shared (packed_kv packs into sc.kt)
     kern::Scratch own = sc;
     own.kt = ax.kv[set][t];
     own.vf = ax.vf[set][t];
-    const PackedKV kv = packed_kv(ks, vs, j0 + t * kTileK, kTileK, Dk, Dv, own);
+    const PackedKV kv =
+        packed_kv(ks, vs, wb.jb + t * kTileK, imin(kTileK, wb.n - t * kTileK), Dk, Dv, own);
     w.kp[t] = kv.kp;
     w.vp[t] = kv.vp;
+    w.finite = w.finite && kv.finite;
   }
   return w;
 }
@@ -448,26 +515,43 @@ struct PairRows {
   }
 };
 
-// Accumulates `blocks` consecutive wide blocks from key j0 into the state (wide_run holds). The
-// row pairs of all the blocks form one sequence, and row pair i's softmax runs beside row pair
-// i-1's P V and row pair i+1's Q K^T (TileSteps), across the blocks' boundaries: the tile unit
-// waits for the vector units only before the first Q K^T and after the last P V.
-static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
-                           const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
-                           int64_t blocks, int64_t Dk, int64_t Dv, const kern::Scratch& sc,
-                           const kern::FlashState& st, AmxScratch& ax) {
+// Accumulates keys [j0, j0 + keys) (wide_keys) into the state, in blocks of kWideTiles tiles (the
+// last may be shorter); returns the keys it took. The row pairs of all
+// the blocks form one sequence, and row pair i's softmax runs beside row pair i-1's P V and row
+// pair i+1's Q K^T (TileSteps), across the blocks' boundaries: the tile unit waits for the vector
+// units only before the first Q K^T and after the last P V. A block that some row sees only in
+// part, with a non-finite value, ends the run before it (p = 0 times inf would reach the row: the
+// tile path adds only each row's keys there, as flash_tile_amx does).
+static int64_t flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
+                              const kern::KVSource& ks, const kern::KVSource& vs, int64_t j0,
+                              int64_t keys, int64_t Dk, int64_t Dv, const kern::Scratch& sc,
+                              const kern::FlashState& st, AmxScratch& ax) {
   const int64_t Dkp = round_up(Dk, kPad), Dvp = round_up(Dv, kPad);
   const int64_t nkb = ((Dk + 1) / 2 + kTilePairs - 1) / kTilePairs;
   const int pairs = int((rs.M + 2 * kTileRows - 1) / (2 * kTileRows));
-  const int64_t items = blocks * pairs;
+  const int64_t blocks = (keys + kWideKeys - 1) / kWideKeys;
+  auto block = [&](int64_t b) {
+    return WideBlock{&rs, j0 + b * kWideKeys, imin(kWideKeys, keys - b * kWideKeys)};
+  };
   WideKV kv[AmxScratch::kSets];
   auto set_of = [](int64_t blk) { return int(blk % AmxScratch::kSets); };
-  kv[0] = pack_wide(ks, vs, j0, Dk, Dv, sc, ax, 0);
+  // block b's pairs into its set; false where it may not run (see above)
+  auto pack = [&](int64_t b) {
+    const WideBlock wb = block(b);
+    kv[set_of(b)] = pack_wide(ks, vs, wb, Dk, Dv, sc, ax, set_of(b));
+    return kv[set_of(b)].finite || wb.whole();
+  };
+  if (!pack(0)) return 0;
+  int64_t items = blocks * pairs;
   auto sbuf = [&](int64_t i) { return ax.sw + i % 2 * (2 * kTileRows * kWideKeys); };
   auto pair_of = [&](int64_t i) { return int(i % pairs); };
   auto qk_steps = [&](int64_t i) {
-    return QkSteps{qb + pair_of(i) * 2 * kTileRows * (Dkp / 2), Dkp / 2, nkb,
-                   kv[set_of(i / pairs)].kp, sbuf(i)};
+    return QkSteps{qb + pair_of(i) * 2 * kTileRows * (Dkp / 2),
+                   Dkp / 2,
+                   nkb,
+                   kv[set_of(i / pairs)].kp,
+                   sbuf(i),
+                   block(i / pairs).tiles()};
   };
   const PairRows out{rs.M, Dvp, st, ax.ostage};
   QkSteps first = qk_steps(0);
@@ -479,9 +563,7 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
     const int p = pair_of(i);
     // the next block's pairs before its first Q K^T (set blk + 1: neither this block's nor the
     // previous one's, whose last P V may still be ahead)
-    if (i + 1 < items && (i + 1) % pairs == 0)
-      kv[set_of(blk + 1)] =
-          pack_wide(ks, vs, j0 + (blk + 1) * kWideKeys, Dk, Dv, sc, ax, set_of(blk + 1));
+    if (i + 1 < items && (i + 1) % pairs == 0 && !pack(blk + 1)) items = i + 1;
     if (pv_due && pairs == 1) {
       // one row pair: the previous block's P V adds to the rows this softmax rescales, so it
       // runs first (only Q K^T runs beside the softmax)
@@ -489,20 +571,23 @@ static void flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
       out.back(0);
       pv_due = false;
     }
-    QkSteps next = qk_steps(i + 1);
+    QkSteps next = qk_steps(i + 1 < items ? i + 1 : i);
     TileSteps tiles(pv_due ? &pv_prev : nullptr, i + 1 < items ? &next : nullptr, out.rows(p));
     const int r0 = p * 2 * kTileRows;
+    const WideBlock wb = block(blk);
     if (rs.exact_l)
-      wide_softmax<Bf16P<false>>(r0, r0 + out.rows(p), sbuf(i), qscale, Dvp, st, tiles);
+      wide_softmax<Bf16P<false>>(r0, r0 + out.rows(p), sbuf(i), qscale, wb, Dvp, st, tiles);
     else
-      wide_softmax<Bf16P<true>>(r0, r0 + out.rows(p), sbuf(i), qscale, Dvp, st, tiles);
+      wide_softmax<Bf16P<true>>(r0, r0 + out.rows(p), sbuf(i), qscale, wb, Dvp, st, tiles);
     if (pv_due) out.back(pair_of(i - 1));
     const auto [o, ldo] = out.in(p);
-    pv_prev = PvSteps{reinterpret_cast<const Pair*>(sbuf(i)), kv[set_of(blk)].vp, Dvp, o, ldo};
+    pv_prev = PvSteps{
+        reinterpret_cast<const Pair*>(sbuf(i)), kv[set_of(blk)].vp, Dvp, o, ldo, wb.tiles()};
     pv_due = true;
   }
   TileSteps(&pv_prev, nullptr, 1).finish();
   out.back(pair_of(items - 1));
+  return imin(keys, items / pairs * kWideKeys);
 }
 
 // The table's `flash`: bf16 prefill items (bf16_prefill) on AMX tiles, the rest on tile-inl.h's
@@ -530,14 +615,15 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
   std::memset(ax.qb + rs.M * (Dkp / 2), 0, sizeof(Pair) * std::size_t((Mr - rs.M) * (Dkp / 2)));
   BfScope tiles;
   for (int64_t j0 = j_begin; j0 < j_end;) {
-    if (const int64_t blocks = wide_run(rs, j0, j_end, softcap, qscale, st)) {
-      flash_wide_amx(rs, ax.qb, qscale, ks, vs, j0, blocks, Dk, Dv, sc, st, ax);
-      j0 += blocks * kWideKeys;
-    } else {
-      flash_tile_amx(rs, ax.qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv, softcap, sc,
-                     st, ax);
-      j0 += kTileK;
-    }
+    if (const int64_t keys = wide_keys(rs, j0, j_end, softcap, qscale, st))
+      if (const int64_t done =
+              flash_wide_amx(rs, ax.qb, qscale, ks, vs, j0, keys, Dk, Dv, sc, st, ax)) {
+        j0 += done;
+        continue;
+      }
+    flash_tile_amx(rs, ax.qb, qscale, ks, vs, j0, imin(j0 + kTileK, j_end), Dk, Dv, softcap, sc, st,
+                   ax);
+    j0 += kTileK;
   }
 }
 
