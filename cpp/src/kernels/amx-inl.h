@@ -452,7 +452,7 @@ static void wide_softmax(int r0, int r1, float* s, float scale, const WideBlock&
 }
 
 // wide_softmax for the block's number of tiles (a compile-time count: its loops unrolled as for
-// whole blocks, which a run-time count measured 5-10% slower).
+// whole blocks; a run-time count measured 2-10% slower, bench/NOTES.md).
 template <class PExp>
 static void wide_softmax(int r0, int r1, float* s, float scale, const WideBlock& wb, int64_t Dvp,
                          const kern::FlashState& st, TileSteps& tiles) {
@@ -516,10 +516,10 @@ struct PairRows {
 };
 
 // Accumulates keys [j0, j0 + keys) (wide_keys) into the state, in blocks of kWideTiles tiles (the
-// last may be shorter); returns the keys it took. The row pairs of all
-// the blocks form one sequence, and row pair i's softmax runs beside row pair i-1's P V and row
-// pair i+1's Q K^T (TileSteps), across the blocks' boundaries: the tile unit waits for the vector
-// units only before the first Q K^T and after the last P V. A block that some row sees only in
+// last may be shorter); returns the keys it took. The row pairs of all the blocks form one
+// sequence, and row pair i's softmax runs beside row pair i-1's P V and row pair i+1's Q K^T
+// (TileSteps), across the blocks' boundaries: the tile unit waits for the vector units only
+// before the first Q K^T and after the last P V. A block that some row sees only in
 // part, with a non-finite value, ends the run before it (p = 0 times inf would reach the row: the
 // tile path adds only each row's keys there, as flash_tile_amx does).
 static int64_t flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qscale,
