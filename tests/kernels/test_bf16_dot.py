@@ -427,6 +427,20 @@ def test_wide_runs_nonfinite_scores_and_values(bf16_isa, rng):
     check_attention(q, k, v, causal=True, expect_nan=True)
 
 
+@pytest.mark.parametrize("sk", [1, 64, 130, 600], ids=lambda n: f"sk{n}")
+def test_scores_near_1e10_stay_finite(bf16_isa, rng, sk):
+    """The fused and wide exps take their argument as one FMA against the rounded max: off by up
+    to half an ulp of m, which overflowed exp (NaN rows) for scores beyond ~1e9. Such rows shift
+    the arguments by their own max (softmax-inl.h kFusedExpMax)."""
+    q = (rand(rng, (1, 2, 40, 8), np.float32) * 0.1).astype(BF16)
+    k = (rand(rng, (1, 1, sk, 8), np.float32) * 0.1).astype(BF16)
+    v = rand(rng, (1, 1, sk, 8), BF16)
+    for scale in (1e6, 1e11, 1e12):
+        check_attention(q, k, v, scale=scale)
+        check_attention(q, k, v, scale=scale, causal=True)
+        assert np.isfinite(attnx.attention(q, k, v, scale=scale).astype(np.float32)).all()
+
+
 def test_long_keys_nonfinite_value(bf16_isa, rng):
     """An infinite value inside a 256-key block that every row sees reaches every row (as in the
     reference), and one in a block that rows see in part only the rows that see it."""

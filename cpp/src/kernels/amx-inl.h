@@ -353,7 +353,8 @@ struct TileSteps {
 // (Bf16P<true>) take 2^(s (scale log2 e) - m log2 e): log2(e) folded into the two factors, one
 // multiply fewer a vector. The fold moves the exponent t by at most 3 |t| 2^-24 and leaves p's
 // error (exp_bf16's 2.9e-6 relative) far below P's rounding to bf16 (2^-9); a row's max still
-// gives P = 1 exactly (while |m| < 10^4). Rows that return an lse keep PExp's exp.
+// gives P = 1 exactly (while |m| < kFusedExpMax: wide_softmax shifts the arguments beyond it).
+// Rows that return an lse keep PExp's exp.
 template <class PExp>
 struct WideExp {
   V f, neg_m;
@@ -424,12 +425,25 @@ static void wide_softmax(int r0, int r1, float* s, float scale, const WideBlock&
   };
   auto exps = [&](int r, float m_new) {
     float* srow = row_of(r);
-    const WideExp<PExp> p(scale, m_new);
     V sum = zero();
-    for (int64_t c = 0; c < nv; c += 2) {
-      const V e0 = p(load(srow + c * W)), e1 = p(load(srow + (c + 1) * W));
-      store_pairs(srow, c * W, e0, e1);
-      sum = add(sum, add(e0, e1));
+    auto run = [&](auto p) {
+      for (int64_t c = 0; c < nv; c += 2) {
+        const V e0 = p(load(srow + c * W)), e1 = p(load(srow + (c + 1) * W));
+        store_pairs(srow, c * W, e0, e1);
+        sum = add(sum, add(e0, e1));
+      }
+    };
+    if (fused_exp_ok(m_new)) [[likely]] {
+      run(WideExp<PExp>(scale, m_new));
+    } else {  // (softmax-inl.h kFusedExpMax)
+      const V neg_m = set1(-m_new);
+      V top = fmadd(load(srow), f, neg_m), hi = load(srow);
+      for (int64_t c = 1; c < nv; ++c) {
+        top = max(top, fmadd(load(srow + c * W), f, neg_m));
+        hi = max(hi, load(srow + c * W));
+      }
+      const V shift = set1(fused_exp_shift(reduce_max(top), reduce_max(mul(hi, f)) == m_new));
+      run([&](V s) { return PExp::exp(sub(fmadd(s, f, neg_m), shift)); });
     }
     st.l[r] += reduce_add(sum);
   };

@@ -33,6 +33,22 @@ namespace {
 // bf16 before P V, and a row's largest p is then exactly 1, which the flash rule's error bound
 // counts on (docs/numerics.md).
 constexpr Real kLazyMax = 4;
+
+// Scaled scores (scale * a of raw products a: the bf16 paths) take exp's argument as one FMA,
+// fmadd(a, scale, -m), whose product is exact; against the rounded max m, the row's largest
+// product is then off by up to half an ulp of m (a separate multiply is no cure: the compiler
+// contracts it into the same FMA). While |m| < kFusedExpMax that moves its p by under 2^-9, which
+// bf16 rounds to exactly 1, as the error bound counts on. Beyond, it reaches ~e^88 near |m| ~ 1e9
+// and p overflows (NaN rows): there the arguments are shifted by their own max where that is
+// above 0 or the block holds the row's max (fused_exp_shift), so that key's p is exactly 1 again.
+// The shift is below half an ulp of m: the error of the scores' own float32 rounding.
+constexpr Real kFusedExpMax = 1e4f;
+static ATTNX_INLINE bool fused_exp_ok(Real m) { return m > -kFusedExpMax && m < kFusedExpMax; }
+// top: the largest fmadd(a, scale, -m) of a row's block; holds_max: whether the block's largest
+// score (rounded) is m
+static ATTNX_INLINE Real fused_exp_shift(Real top, bool holds_max) {
+  return top > 0 || holds_max ? top : Real(0);
+}
 struct Online {
   Real* m;
   Real* l;
@@ -102,8 +118,17 @@ static ATTNX_INLINE void online_block(const V (&acc)[MR][NV], int64_t j, Real* s
     // every score is now <= m (+ kLazyMax where Lazy), or NaN
     const V mr = set1(on.m[r]), neg_m = set1(-on.m[r]);
     V e[NV];
-    for (int c = 0; c < NV; ++c)
-      e[c] = PExp::exp(Scaled ? fmadd(acc[r][c], f, neg_m) : sub(acc[r][c], mr));
+    if (!Scaled) {
+      for (int c = 0; c < NV; ++c) e[c] = PExp::exp(sub(acc[r][c], mr));
+    } else if (fused_exp_ok(on.m[r])) [[likely]] {
+      for (int c = 0; c < NV; ++c) e[c] = PExp::exp(fmadd(acc[r][c], f, neg_m));
+    } else {
+      V x[NV];
+      for (int c = 0; c < NV; ++c) x[c] = fmadd(acc[r][c], f, neg_m);
+      const V shift =
+          set1(fused_exp_shift(reduce_max(lanes_max<NV>(x)), reduce_max(row_max(r)) == on.m[r]));
+      for (int c = 0; c < NV; ++c) e[c] = PExp::exp(sub(x[c], shift));
+    }
     PExp::store_row(s + r * kTileK, e);
     V sum = e[0];
     for (int c = 1; c < NV; ++c) sum = add(sum, e[c]);
