@@ -400,10 +400,10 @@ def test_flash_rule_long_keys(bf16_isa, rng, shape, lse):
     ids=str,
 )
 def test_wide_runs_with_rows_that_see_part(bf16_isa, rng, sq, kw):
-    """The amx path takes every whole tile a row of the item sees in blocks of up to 256 keys (the
-    last block of a run shorter), from the item's first key on: rows that have seen nothing yet,
-    the causal diagonal, windows and lengths (the keys a row cannot see score -inf), odd row
-    counts (a row pair of one row), with the lse."""
+    """The amx path takes every tile a row of the item sees (a partial last one too) in blocks of
+    up to 256 keys (the last block of a run shorter), from the item's first key on: rows that
+    have seen nothing yet, the causal diagonal, windows and lengths (the keys a row cannot see
+    score -inf), odd row counts (a row pair of one row), with the lse."""
     q = rand(rng, (2, 1, sq, 40), BF16)
     k = rand(rng, (2, 1, 330, 40), BF16)
     v = rand(rng, (2, 1, 330, 24), BF16)
