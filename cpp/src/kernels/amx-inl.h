@@ -369,6 +369,46 @@ struct WideExp<Bf16P<true>> {
   ATTNX_INLINE V operator()(V s) const { return simd::exp2_bf16(fmadd(s, f, neg_m)); }
 };
 
+// softmax_rows' update of one row of a wide block (n raw products at srow, each times f a
+// score; the exact exp, skipped while nothing is visible), then its p rounded to pairs as
+// pack_p_bf16 does: for a row that has seen nothing and whose block max is not finite.
+template <int64_t N>
+static void wide_general_row(float* srow, V f, float* m, float* l, float* orow, int64_t Dvp) {
+  for (int64_t c = 0; c < N / W; ++c) store(srow + c * W, mul(load(srow + c * W), f));
+  if (!online_update<1>(srow, N, m, l, orow, 0, Dvp)) {
+    for (int64_t j = 0; j < N; ++j) row::keep_nan(l, srow[j]);
+    std::memset(srow, 0, sizeof(float) * std::size_t(N));
+  }
+  for (int64_t c = 0; c < N / W; c += 2)
+    store_pairs(srow, c * W, load(srow + c * W), load(srow + (c + 1) * W));
+}
+
+// A wide block's row: p = exp(scale * s - m) of its N raw products, rounded to bf16 pairs at the
+// row's start, their sum added to *l. holds_max: whether the block's largest score is m. Beyond
+// softmax-inl.h's kFusedExpMax the FMA arguments are shifted by their own largest.
+template <class PExp, int64_t N>
+static ATTNX_INLINE void wide_exps(float* srow, float scale, float m, bool holds_max, float* l) {
+  constexpr int64_t nv = N / W;
+  V sum = zero();
+  auto run = [&](auto p) {
+    for (int64_t c = 0; c < nv; c += 2) {
+      const V e0 = p(load(srow + c * W)), e1 = p(load(srow + (c + 1) * W));
+      store_pairs(srow, c * W, e0, e1);
+      sum = add(sum, add(e0, e1));
+    }
+  };
+  if (fused_exp_ok(m)) [[likely]] {
+    run(WideExp<PExp>(scale, m));
+  } else {
+    const V f = set1(scale), neg_m = set1(-m);
+    V top = fmadd(load(srow), f, neg_m);
+    for (int64_t c = 1; c < nv; ++c) top = max(top, fmadd(load(srow + c * W), f, neg_m));
+    const V shift = set1(fused_exp_shift(reduce_max(top), holds_max));
+    run([&](V x) { return PExp::exp(sub(fmadd(x, f, neg_m), shift)); });
+  }
+  *l += reduce_add(sum);
+}
+
 // The online-softmax update of rows [r0, r1) over a wide block's raw products (s: row r at
 // (r - r0) * kWideKeys): m' = max(m, scale * max_j s_j), O and l rescaled by exp(m - m'), then
 // p_j = exp(scale * s_j - m') rounded to bf16 pairs at the start of the row and added to l.
@@ -378,90 +418,53 @@ struct WideExp<Bf16P<true>> {
 // (a reduction, then the state's update), and the other row's work fills that wait.
 // Keys a row cannot see score -inf (p = 0). A row that has seen nothing (m = -inf) takes m' =
 // the block's max where that is finite (alpha = 0); where it is not (nothing visible, every score
-// -inf, or +inf), general_row gives it softmax_rows' update.
+// -inf, or +inf), wide_general_row gives it softmax_rows' update.
 template <class PExp, int NT>
 static void wide_softmax(int r0, int r1, float* s, float scale, const WideBlock& wb, int64_t Dvp,
                          const kern::FlashState& st, TileSteps& tiles) {
-  constexpr int64_t n = NT * kTileK, nv = n / W;
+  constexpr int64_t n = NT * kTileK;
   const V f = set1(scale);
   auto row_of = [&](int r) { return s + int64_t(r - r0) * kWideKeys; };
-  // softmax_rows' update of row r (scores scaled, the exact exp, skipped while nothing is
-  // visible), then its p rounded to pairs as pack_p_bf16 does
-  auto general_row = [&](int r) {
-    float* srow = row_of(r);
-    for (int64_t c = 0; c < nv; ++c) store(srow + c * W, mul(load(srow + c * W), f));
-    if (!online_update<1>(srow, n, st.m + r, st.l + r, st.o + int64_t(r) * st.ldo, 0, Dvp)) {
-      for (int64_t j = 0; j < n; ++j) row::keep_nan(st.l + r, srow[j]);
-      std::memset(srow, 0, sizeof(float) * std::size_t(n));
-    }
-    for (int64_t c = 0; c < nv; c += 2)
-      store_pairs(srow, c * W, load(srow + c * W), load(srow + (c + 1) * W));
+  struct RowMax {
+    bool exps;   // false: wide_general_row has updated the row
+    float m;     // the max its exps take
+    bool holds;  // whether the block's largest score is m
   };
-  // row r's new max, its O and l rescaled to it; false where general_row has updated the row
-  auto raise_max = [&](int r, float* m_new) {
+  // row r's new max, its O and l rescaled to it
+  auto raise_max = [&](int r) -> RowMax {
     float* srow = row_of(r);
+    float* orow = st.o + int64_t(r) * st.ldo;
     const int64_t lo = wb.vlo(r), hi = wb.vhi(r);
     for (int64_t j = 0; j < imin(lo, n); ++j) srow[j] = kNegInf;
     for (int64_t j = imax(hi, 0); j < n; ++j) srow[j] = kNegInf;
     V top_v = load(srow);
-    for (int64_t c = 1; c < nv; ++c) top_v = max(top_v, load(srow + c * W));
+    for (int64_t c = 1; c < n / W; ++c) top_v = max(top_v, load(srow + c * W));
     const float top = reduce_max(mul(top_v, f));
-    *m_new = st.m[r];
     if (st.m[r] == kNegInf && !(top > kNegInf && top < -kNegInf)) {
-      general_row(r);
-      return false;
+      wide_general_row<n>(srow, f, st.m + r, st.l + r, orow, Dvp);
+      return {false, kNegInf, false};
     }
-    if (!(top > st.m[r])) return true;  // (exp(m - m) = 1: nothing to rescale)
-    *m_new = top;
+    if (!(top > st.m[r])) return {true, st.m[r], top == st.m[r]};  // (exp(m - m) = 1)
     const float alpha = row::rescale(st.m[r], top);
     if (alpha != 1.f) {
       const V a = set1(alpha);
-      float* orow = st.o + int64_t(r) * st.ldo;
       for (int64_t d = 0; d < Dvp; d += W) store(orow + d, mul(a, load(orow + d)));
       st.l[r] *= alpha;
       st.m[r] = top;
     }
-    return true;
+    return {true, top, true};
   };
-  auto exps = [&](int r, float m_new) {
-    float* srow = row_of(r);
-    V sum = zero();
-    auto run = [&](auto p) {
-      for (int64_t c = 0; c < nv; c += 2) {
-        const V e0 = p(load(srow + c * W)), e1 = p(load(srow + (c + 1) * W));
-        store_pairs(srow, c * W, e0, e1);
-        sum = add(sum, add(e0, e1));
-      }
-    };
-    if (fused_exp_ok(m_new)) [[likely]] {
-      run(WideExp<PExp>(scale, m_new));
-    } else {  // (softmax-inl.h kFusedExpMax)
-      const V neg_m = set1(-m_new);
-      V top = fmadd(load(srow), f, neg_m), hi = load(srow);
-      for (int64_t c = 1; c < nv; ++c) {
-        top = max(top, fmadd(load(srow + c * W), f, neg_m));
-        hi = max(hi, load(srow + c * W));
-      }
-      const V shift = set1(fused_exp_shift(reduce_max(top), reduce_max(mul(hi, f)) == m_new));
-      run([&](V s) { return PExp::exp(sub(fmadd(s, f, neg_m), shift)); });
-    }
-    st.l[r] += reduce_add(sum);
-  };
-  auto update = [&](int r, bool raised, float m_new) {
-    if (raised) exps(r, m_new);
+  auto update = [&](int r, const RowMax& rm) {
+    if (rm.exps) wide_exps<PExp, n>(row_of(r), scale, rm.m, rm.holds, st.l + r);
     tiles.at(r - r0);
   };
   int r = r0;
-  float m0, m1;
   for (; r + 1 < r1; r += 2) {
-    const bool u0 = raise_max(r, &m0), u1 = raise_max(r + 1, &m1);
-    update(r, u0, m0);
-    update(r + 1, u1, m1);
+    const RowMax a = raise_max(r), b = raise_max(r + 1);
+    update(r, a);
+    update(r + 1, b);
   }
-  if (r < r1) {
-    const bool u0 = raise_max(r, &m0);
-    update(r, u0, m0);
-  }
+  if (r < r1) update(r, raise_max(r));
   tiles.finish();
 }
 
