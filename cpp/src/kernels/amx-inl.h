@@ -607,12 +607,14 @@ static int64_t flash_wide_amx(const kern::RowSet& rs, const Pair* qb, float qsca
   return imin(keys, items / pairs * kWideKeys);
 }
 
-// The table's `flash`: bf16 prefill items (bf16_prefill) on AMX tiles, the rest on tile-inl.h's
-// flash (the float32-widening kernels, with VNNI for integer queries: on the CPUs that have AMX
-// they are faster than AVX512_BF16's vdpbf16ps, see dispatch.cpp).
-static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const kern::KVSource& vs,
-                      int64_t j_begin, int64_t j_end, int64_t Dk, int64_t Dv, float softcap,
-                      const kern::Scratch& sc, const kern::FlashState& st) {
+// bf16 prefill items (bf16_prefill) on AMX tiles, the rest on tile-inl.h's flash (the
+// float32-widening kernels, with VNNI for integer queries: on the CPUs that have AMX they are
+// faster than AVX512_BF16's vdpbf16ps, see dispatch.cpp). (The table's `flash` is
+// amx_decode-inl.h's, which takes few-row bf16 items first.)
+static void flash_prefill_amx(const kern::RowSet& rs, const kern::KVSource& ks,
+                              const kern::KVSource& vs, int64_t j_begin, int64_t j_end, int64_t Dk,
+                              int64_t Dv, float softcap, const kern::Scratch& sc,
+                              const kern::FlashState& st) {
 #if defined(ATTNX_AMX_TILES)
   if (rs.int8_tiles == Int8Tiles::amx) {  // integer queries: Q K^T on int8 tiles
     TileScope tiles;
@@ -643,23 +645,5 @@ static void flash_amx(const kern::RowSet& rs, const kern::KVSource& ks, const ke
     j0 += kTileK;
   }
 }
-
-#if defined(ATTNX_AMX_TILES)
-// The table's `flash_group` (decode groups): tile-inl.h's, inside a TileScope where an item's
-// integer queries take the int8 tiles. (The emulation's table keeps tile-inl.h's own.)
-static void flash_group_amx(int n, const kern::RowSet* rs, const kern::KVSource* ks,
-                            const kern::KVSource* vs, int64_t j_begin, int64_t j_end, int64_t Dk,
-                            int64_t Dv, float softcap, const kern::Scratch& sc,
-                            const kern::FlashState* st) {
-  bool tiles = false;
-  for (int g = 0; g < n; ++g) tiles = tiles || rs[g].int8_tiles == Int8Tiles::amx;
-  if (!tiles) {
-    flash_group(n, rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
-    return;
-  }
-  TileScope scope;
-  flash_group(n, rs, ks, vs, j_begin, j_end, Dk, Dv, softcap, sc, st);
-}
-#endif
 
 }  // namespace

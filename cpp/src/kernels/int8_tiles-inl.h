@@ -32,25 +32,28 @@ constexpr int kRowsPad = 64 + 2 * kTileRows;   // kRowsPerItem rounded up to who
 // A[m][k] * B[k / 4][4 n + k % 4], int8 x int8 summed in int32.
 struct EmuTiles {
   alignas(64) int32_t t[8][kTileRows * kTileCols];
+  // each tile's rows, as a configuration gives them (all 16 but under amx_decode-inl.h's)
+  int rows[8] = {kTileRows, kTileRows, kTileRows, kTileRows,
+                 kTileRows, kTileRows, kTileRows, kTileRows};
   template <int T>
   void zero() {
     std::memset(t[T], 0, sizeof t[T]);
   }
   template <int T>
   void load(const void* p, int64_t stride) {
-    for (int r = 0; r < kTileRows; ++r)
+    for (int r = 0; r < rows[T]; ++r)
       std::memcpy(t[T] + r * kTileCols, static_cast<const char*>(p) + r * stride, kQuadRow);
   }
   template <int T>
   void store(void* p, int64_t stride) const {
-    for (int r = 0; r < kTileRows; ++r)
+    for (int r = 0; r < rows[T]; ++r)
       std::memcpy(static_cast<char*>(p) + r * stride, t[T] + r * kTileCols, kQuadRow);
   }
   template <int C, int A, int B>
   void dp() {
     const int8_t* a = reinterpret_cast<const int8_t*>(t[A]);
     const int8_t* b = reinterpret_cast<const int8_t*>(t[B]);
-    for (int m = 0; m < kTileRows; ++m)
+    for (int m = 0; m < rows[C]; ++m)
       for (int n = 0; n < kTileCols; ++n) {
         int32_t sum = 0;
         for (int k = 0; k < kQuadRow; ++k)
@@ -69,7 +72,7 @@ struct EmuTiles {
     std::memcpy(a, t[A], sizeof a);
     std::memcpy(b, t[B], sizeof b);
     std::memcpy(c, t[C], sizeof c);
-    for (int m = 0; m < kTileRows; ++m)
+    for (int m = 0; m < rows[C]; ++m)
       for (int n = 0; n < kTileCols; ++n) {
         float acc = c[m * kTileCols + n];
         for (int k = 0; k < kTilePairsBf16; ++k)

@@ -41,6 +41,7 @@ namespace dot = avx512::dot;
 #include "kernels/probes-inl.h"
 #include "kernels/bf16_dot-inl.h"
 #include "kernels/amx-inl.h"
+#include "kernels/amx_decode-inl.h"
 namespace delta {
 #define ATTNX_DELTA_TILES 1
 #include "kernels/delta_amx-inl.h"

@@ -40,6 +40,7 @@ namespace dot = avx512::dot;
 #include "kernels/probes-inl.h"
 #include "kernels/bf16_dot-inl.h"
 #include "kernels/amx-inl.h"
+#include "kernels/amx_decode-inl.h"
 namespace delta {  // the delta rule with its bf16 chunked products on the emulated tiles
 #define ATTNX_DELTA_TILES 1
 #include "kernels/delta_amx-inl.h"
@@ -102,6 +103,7 @@ const IsaTables* isa_amx_emulated() {
   static const FlashKernels<float> flash = [] {
     FlashKernels<float> t = *isa_avx512bf16()->flash;
     t.flash = &avx512bf16::flash_amx;
+    t.flash_group = &avx512bf16::flash_group_amx;
     return t;
   }();
   static const DeltaKernels delta{&avx512bf16::delta::delta_heads};

@@ -76,6 +76,36 @@ static inline V round_bf16(V x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// ---- the decode tiles' operands (amx_decode-inl.h) ---------------------------------------------
+// A float already rounded to bf16 (round_bf16: its low 16 bits zero), moved to the low half of
+// its 32 bits: the bf16 in the low half, zero in the high one.
+static inline V low_half(V rounded) {
+  return _mm512_castsi512_ps(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16));
+}
+// W floats at p, p + stride, ..., p + (W - 1) stride (stride in floats): a column of a row-major
+// block
+static inline V gather_column(const float* p, int stride) {
+  const __m512i at =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(stride));
+  return _mm512_i32gather_ps(at, p, 4);
+}
+// 2W consecutive floats (a, then b) as their even-indexed elements and their odd-indexed ones
+// (unzip), and back (zip)
+static inline void unzip(V a, V b, V* even, V* odd) {
+  const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  *even = _mm512_permutex2var_ps(a, e, b);
+  *odd = _mm512_permutex2var_ps(a, o, b);
+}
+static inline void zip(V even, V odd, V* a, V* b) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  *a = _mm512_permutex2var_ps(even, lo, odd);
+  *b = _mm512_permutex2var_ps(even, hi, odd);
+}
+
 }  // namespace dot
 }  // namespace avx512
 }  // namespace attnx
