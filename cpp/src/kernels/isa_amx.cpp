@@ -1,8 +1,9 @@
 // isa_amx.cpp: the avx512 kernels, with AMX-BF16 tile products for prefill over bf16 q, k and v
-// (amx-inl.h), and for integer queries over int8 keys AMX-INT8 tiles (int8_tiles-inl.h) where
-// dispatch.cpp's int8_tiles says, else AVX512-VNNI (qk-inl.h). ATTNX_AMX_TILES: this unit runs
-// the hardware tiles (isa_avx512bf16.cpp compiles amx-inl.h over their emulation). Every
-// other call runs the float32-widening flash stages, bit for bit what ATTNX_ISA=avx512 computes.
+// (amx-inl.h) and for bf16 items of 2 to 16 rows (decode: amx_decode-inl.h), and for integer
+// queries over int8 keys AMX-INT8 tiles (int8_tiles-inl.h) where dispatch.cpp's int8_tiles says,
+// else AVX512-VNNI (qk-inl.h). ATTNX_AMX_TILES: this unit runs the hardware tiles
+// (isa_avx512bf16.cpp compiles amx-inl.h and amx_decode-inl.h over their emulation). Every other
+// call runs the float32-widening flash stages, bit for bit what ATTNX_ISA=avx512 computes.
 // The gated delta rule is avx512's (delta-inl.h) but for bf16 chunked calls, whose products
 // against the state run on AMX-BF16 tiles (delta_amx-inl.h).
 // The flash stages and bf16_dot-inl.h are compiled here again for what the tile loop shares with
@@ -62,7 +63,7 @@ static void delta_heads_amx(const kern::DeltaHead* hs, int G) {
 
 namespace kern {
 const IsaTables* isa_amx() {
-  // avx512bf16's tables but for `flash`
+  // avx512bf16's tables but for `flash` and `flash_group`
   static const FlashKernels<float> flash = [] {
     FlashKernels<float> t = *isa_avx512bf16()->flash;
     t.flash = &amx::flash_amx;

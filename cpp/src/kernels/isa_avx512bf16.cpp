@@ -2,9 +2,10 @@
 // for prefill over bf16 q, k and v (bf16_dot-inl.h), and AVX512-VNNI's integer dot products for
 // integer queries over int8 keys (qk-inl.h, ATTNX_INT8_DOT), both in simd/dot_avx512.h. Every
 // other call runs the flash stages as isa_avx512.cpp does: the same code, bit for bit the same
-// results. amx-inl.h's tile loop and delta_amx-inl.h's products are compiled here too, over the
-// tiles' emulation (no ATTNX_AMX_TILES): isa_amx_emulated(), a path for tests, the amx path's
-// layouts and tdpbf16ps sums on CPUs without AMX, far slower than either.
+// results. amx-inl.h's and amx_decode-inl.h's tile loops and delta_amx-inl.h's products are
+// compiled here too, over the tiles' emulation (no ATTNX_AMX_TILES): isa_amx_emulated(), a path
+// for tests, the amx path's layouts and tdpbf16ps sums on CPUs without AMX, far slower than
+// either.
 // CMake compiles this file with -mavx512bf16 -mavx512vnni besides the avx512 flags;
 // dispatch.cpp uses isa_avx512bf16() only on CPUs that have AVX512_BF16, AVX512-VNNI and
 // AVX512BW/VL (which dot_avx512.h's masked 16-bit loads use; every CPU with AVX512_BF16 has all
@@ -97,9 +98,10 @@ const IsaTables* isa_avx512bf16() {
 }
 
 const IsaTables* isa_amx_emulated() {
-  // isa_amx()'s tables with the tiles emulated: amx-inl.h's flash for bf16 prefill, the rest the
-  // float32-widening kernels (VNNI for integer queries; int8 tiles as set_int8_tiles says), and
-  // the delta rule with delta_amx-inl.h's products for bf16 chunked calls
+  // isa_amx()'s tables with the tiles emulated: amx-inl.h's flash for bf16 prefill and
+  // amx_decode-inl.h's for bf16 items of 2 to 16 rows, the rest the float32-widening kernels (VNNI
+  // for integer queries; int8 tiles as set_int8_tiles says), and the delta rule with
+  // delta_amx-inl.h's products for bf16 chunked calls
   static const FlashKernels<float> flash = [] {
     FlashKernels<float> t = *isa_avx512bf16()->flash;
     t.flash = &avx512bf16::flash_amx;
