@@ -1,4 +1,4 @@
-"""Fixtures and hooks of the test suite: the ``isa``, ``bf16_isa`` and ``rng`` fixtures, hypothesis profiles and
+"""Fixtures and hooks of the test suite: the ``isa``, ``bf16_isa``, ``amx_isa`` and ``rng`` fixtures, hypothesis profiles and
 the report header. The library the tests share (checks, tolerances, data) is tests/helpers/.
 
 Environment:
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 
 import attnx
 
-from helpers import BF16_PRODUCT_ISAS, ISAS, SEED, bf16_product_skip
+from helpers import AMX_PATHS, BF16_PRODUCT_ISAS, ISAS, SEED, bf16_product_skip, runs_here
 
 settings.register_profile(
     "ci",
@@ -39,16 +39,21 @@ HYPOTHESIS_PROFILE = os.environ.get("ATTNX_HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(HYPOTHESIS_PROFILE)
 
 
+def _on_path(name):
+    """Makes kernel path ``name`` the active one for a test, restoring the previous after."""
+    previous = attnx.cpu_features()["isa"]
+    attnx._core.set_isa(name)
+    assert attnx.cpu_features()["isa"] == name
+    try:
+        yield name
+    finally:
+        attnx._core.set_isa(previous)
+
+
 @pytest.fixture(params=ISAS, ids=ISAS)
 def isa(request):
     """Runs the test on one kernel path, restoring the active one afterwards."""
-    previous = attnx.cpu_features()["isa"]
-    attnx._core.set_isa(request.param)
-    assert attnx.cpu_features()["isa"] == request.param
-    try:
-        yield request.param
-    finally:
-        attnx._core.set_isa(previous)
+    yield from _on_path(request.param)
 
 
 @pytest.fixture(params=BF16_PRODUCT_ISAS)
@@ -58,12 +63,17 @@ def bf16_isa(request):
     reason = bf16_product_skip(request.param)
     if reason:
         pytest.skip(reason)
-    previous = attnx.cpu_features()["isa"]
-    attnx._core.set_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        attnx._core.set_isa(previous)
+    yield from _on_path(request.param)
+
+
+@pytest.fixture(params=AMX_PATHS)
+def amx_isa(request):
+    """Runs the test on the amx path and on its tile loops over emulated tiles (amx-emulated: any
+    CPU with AVX512_BF16), skipping those this run does not test (helpers.runs_here)."""
+    reason = bf16_product_skip(request.param)
+    if reason or not runs_here(request.param):
+        pytest.skip(reason or f"this run does not test {request.param}")
+    yield from _on_path(request.param)
 
 
 @pytest.fixture

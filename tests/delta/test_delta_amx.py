@@ -13,21 +13,7 @@ import pytest
 
 import attnx
 
-from helpers import BF16, bf16_product_skip, check_delta_rule
-
-
-@pytest.fixture(params=["amx", "amx-emulated"])
-def amx(request):
-    """The amx path, and its tile loop over emulated tiles (any CPU with AVX512_BF16)."""
-    reason = bf16_product_skip(request.param)
-    if reason:
-        pytest.skip(reason)
-    previous = attnx.cpu_features()["isa"]
-    attnx._core.set_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        attnx._core.set_isa(previous)
+from helpers import BF16, check_delta_rule
 
 
 def inputs(rng, B, T, Hk, Hv, K, V, *, per_channel=False):
@@ -60,7 +46,7 @@ SHAPES = [
 
 @pytest.mark.parametrize("gate", ["head", "channel"])
 @pytest.mark.parametrize("T, K, V", SHAPES)
-def test_tile_shapes_match_reference(amx, rng, T, K, V, gate):
+def test_tile_shapes_match_reference(amx_isa, rng, T, K, V, gate):
     q, k, v, g, beta = inputs(rng, 2, T, 1, 2, K, V, per_channel=gate == "channel")
     check_delta_rule(
         q, k, v, g, beta, initial_state=state0(rng, 2, 2, K, V), qk_l2norm=True, _mode="chunked"
@@ -68,7 +54,7 @@ def test_tile_shapes_match_reference(amx, rng, T, K, V, gate):
 
 
 @pytest.mark.parametrize("gate", ["head", "channel"])
-def test_gates_with_zeros_and_resets(amx, rng, gate):
+def test_gates_with_zeros_and_resets(amx_isa, rng, gate):
     """Exact zeros (no decay) in some positions and channels, and resets (exp(g) = 0) at a
     chunk's first, last and middle positions: segments shorter than a chunk start and end there."""
     T, K, V = 70, 48, 40
@@ -85,7 +71,7 @@ def test_gates_with_zeros_and_resets(amx, rng, gate):
     assert np.isfinite(o.astype(np.float32)).all() and np.isfinite(state).all()
 
 
-def test_cu_seqlens_packed(amx, rng):
+def test_cu_seqlens_packed(amx_isa, rng):
     """Packed sequences whose chunks end anywhere in a tile: each one alone gives the same."""
     cu = np.array([0, 1, 17, 17, 50, 64, 99])
     q, k, v, g, beta = inputs(rng, 1, 101, 2, 4, 40, 72, per_channel=True)
@@ -106,7 +92,7 @@ def test_cu_seqlens_packed(amx, rng):
         np.testing.assert_array_equal(state[n], one_state[0])
 
 
-def test_tiles_run_and_threads_agree(amx, rng):
+def test_tiles_run_and_threads_agree(amx_isa, rng):
     """The products do run on tiles (the result is not the vector path's bit for bit), and a
     value head gives the same alone, with its key head's other value heads, on 1 or 2 threads."""
     q, k, v, g, beta = inputs(rng, 2, 75, 1, 4, 64, 48)
@@ -174,7 +160,7 @@ TWIN_REL = 5e-4  # x the largest twin value: the kernel's float32 arithmetic (an
 
 @pytest.mark.parametrize("gate", ["head", "channel"])
 @pytest.mark.parametrize("T, K, V", [(15, 33, 70), (97, 48, 32), (200, 128, 64)])
-def test_matches_its_rounding_twin(amx, rng, T, K, V, gate):
+def test_matches_its_rounding_twin(amx_isa, rng, T, K, V, gate):
     """The kernel computes what its documented roundings give, far inside the reference's
     tolerance: a misplaced pair or a dropped row shows up here at the 1e-2 level."""
     q, k, v, g, beta = inputs(rng, 1, T, 1, 1, K, V, per_channel=gate == "channel")

@@ -51,10 +51,10 @@ from helpers.delta import (
     delta_tolerance,
 )
 from helpers.isa import (
+    AMX_PATHS,
     BF16_DOT_GAIN,
     BF16_ISAS,
     BF16_PRODUCT_ISAS,
-    DECODE_TILE_ISAS,
     INTEGER_PRODUCT_ISAS,
     ISAS,
     PATHS,
@@ -84,11 +84,11 @@ from helpers.tolerance import (
 )
 
 __all__ = [
+    "AMX_PATHS",
     "BF16",
     "BF16_DOT_GAIN",
     "BF16_ISAS",
     "BF16_PRODUCT_ISAS",
-    "DECODE_TILE_ISAS",
     "DELTA_ERR_FACTOR",
     "DELTA_ULPS",
     "DELTA_ULPS_STATE",

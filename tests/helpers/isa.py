@@ -116,9 +116,10 @@ INTEGER_PRODUCT_ISAS = (
     "amx-emulated",
     "neon-bf16",
 )
-# The paths whose bf16 items of 2 to 16 query rows (decode's GQA groups, short chunks) take AMX
-# tiles (amx_decode-inl.h), rounding P to bf16 as their prefill does.
-DECODE_TILE_ISAS = ("amx", "amx-emulated")
+# The amx path and its tile loops over emulated tiles. Their bf16 items of 2 to 16 query rows
+# (decode's GQA groups, short chunks) take AMX tiles (amx_decode-inl.h), rounding P to bf16 as
+# their prefill does.
+AMX_PATHS = ("amx", "amx-emulated")
 # Each one's float32-widening twin: every other call (dtypes, one-row decode; on the other paths
 # decode of up to 8 rows) gives its results bit for bit, and so do integer queries, whose integer dot products give the FMAs' exact sums. (With
 # avx2vnni and avx512vnni: the paths that have integer products only; avx2vnni-evex is avx2vnni's

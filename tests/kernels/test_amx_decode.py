@@ -28,21 +28,7 @@ from helpers import (
     on_isa,
     pool_from_sequences,
     rand,
-    runs_here,
 )
-
-DECODE_TILE_ISAS = [i for i in ("amx", "amx-emulated") if runs_here(i)]
-pytestmark = pytest.mark.skipif(not DECODE_TILE_ISAS, reason="CPU lacks AVX512_BF16 (no tiles)")
-
-
-@pytest.fixture(params=DECODE_TILE_ISAS or ["amx"])
-def tile_isa(request):
-    previous = attnx.cpu_features()["isa"]
-    attnx._core.set_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        attnx._core.set_isa(previous)
 
 
 def _pool(rng, lens, hkv, dk, dv, bs, dtype=BF16):
@@ -61,7 +47,7 @@ def _pool(rng, lens, hkv, dk, dv, bs, dtype=BF16):
     st.integers(0, 2**31 - 1),
 )
 @settings(max_examples=120, deadline=None)
-def test_decode_tiles_against_the_reference(tile_isa, heads, lens, dims, bs, sq, mod, seed):
+def test_decode_tiles_against_the_reference(amx_isa, heads, lens, dims, bs, sq, mod, seed):
     """Paged decode (sq = 1) and short chunks (sq = 2: causal rows of one item) over pools of
     every page size (24: 16-key blocks that cross pages, copied), lengths that end inside a
     16-key block, GQA groups giving 2..16 rows, Dk != Dv, and each modifier."""
@@ -85,7 +71,7 @@ def test_decode_tiles_against_the_reference(tile_isa, heads, lens, dims, bs, sq,
 
 
 @pytest.mark.parametrize("rows", [(4, 1), (8, 1), (12, 1), (16, 1), (4, 3), (8, 2)], ids=str)
-def test_decode_tiles_dense(tile_isa, rng, rows):
+def test_decode_tiles_dense(amx_isa, rng, rows):
     """Dense calls with few query rows per kv head (GQA decode, a short causal chunk, kv_lens)
     take the tiles too."""
     g, sq = rows
@@ -96,7 +82,7 @@ def test_decode_tiles_dense(tile_isa, rng, rows):
     check_attention(q, k, v, kv_lens=np.array([1, 250]))
 
 
-def test_decode_tiles_are_taken(tile_isa, rng):
+def test_decode_tiles_are_taken(amx_isa, rng):
     """Items of 2+ rows take the tiles (P rounded: not float32's bits); one row stays on the
     vector path, float32's bits (the output rounded to bf16)."""
     k, v = (rand(rng, (1, 2, 300, 64), BF16) for _ in range(2))
@@ -108,7 +94,7 @@ def test_decode_tiles_are_taken(tile_isa, rng):
 
 
 @pytest.mark.parametrize("where", ["seen", "seen_by_some", "both_heads"])
-def test_decode_tiles_nonfinite_values(tile_isa, rng, where):
+def test_decode_tiles_nonfinite_values(amx_isa, rng, where):
     """A value of inf or NaN reaches the rows that see its key (the reference's inf or NaN) and no
     other: with a 2-row causal chunk, the last key is the second row's alone. On the tiles the
     item ends non-finite (a zero half times inf), so it runs again on the vector path: bit for

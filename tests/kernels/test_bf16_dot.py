@@ -27,11 +27,11 @@ import attnx
 from attnx import reference as ref
 
 from helpers import (
+    AMX_PATHS,
     BF16,
     BF16_DOT_GAIN,
     BF16_ISAS,
     BF16_PRODUCT_ISAS,
-    DECODE_TILE_ISAS,
     EMUL_MAX_RATIO,
     PREFILL_SHAPES,
     TORCH_RATIO,
@@ -198,7 +198,7 @@ def test_few_rows_give_float32_bits(isa, sq, heads, lk, d, paged, seed):
     decode tiles, test_amx_decode.py: there one row.)"""
     rng = np.random.default_rng(seed)
     hq, hkv = heads
-    if isa in DECODE_TILE_ISAS:
+    if isa in AMX_PATHS:
         hq, sq = hkv, 1
     sq = min(sq, 8 // (hq // hkv), lk)  # an item's rows: at most kDotRows (8), at most lk
     q = rand(rng, (sq, hq, d), BF16)
@@ -236,7 +236,7 @@ def test_bf16_decode_matches_avx512(rng):
     k, v = (rand(rng, (3, 2, 300, 64), BF16) for _ in range(2))
     a = on_isa(WIDENING, lambda: attnx.attention(q, k, v))
     for isa in BF16_ISAS:
-        if isa not in DECODE_TILE_ISAS:
+        if isa not in AMX_PATHS:
             np.testing.assert_array_equal(a, on_isa(isa, lambda: attnx.attention(q, k, v)))
 
 
