@@ -136,3 +136,25 @@ def test_emulated_decode_tiles_match_the_tiles(rng):
     np.testing.assert_allclose(
         emu.astype(np.float32), hw.astype(np.float32), rtol=2.0**-6, atol=2.0**-8
     )
+
+
+def test_decode_tiles_threads_agree(amx_isa, rng):
+    """Each thread keeps its own tile configuration and buffers: Python threads decoding at once
+    (one and two worker threads each) give the one-thread result's bits."""
+    import threading
+
+    kp, vp, tables, seq_lens = _pool(rng, [500, 300, 511, 17], 4, 128, 128, 32)
+    q = rand(rng, (4, 16, 128), BF16)
+    want = attnx.paged_attention(q, kp, vp, tables, seq_lens, num_threads=1)
+    results = [None] * 4
+
+    def work(i):
+        results[i] = attnx.paged_attention(q, kp, vp, tables, seq_lens, num_threads=1 + i % 2)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        np.testing.assert_array_equal(r, want)
