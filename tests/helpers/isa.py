@@ -121,9 +121,10 @@ INTEGER_PRODUCT_ISAS = (
 # their prefill does.
 AMX_PATHS = ("amx", "amx-emulated")
 # Each one's float32-widening twin: every other call (dtypes, one-row decode; on the other paths
-# decode of up to 8 rows) gives its results bit for bit, and so do integer queries, whose integer dot products give the FMAs' exact sums. (With
-# avx2vnni and avx512vnni: the paths that have integer products only; avx2vnni-evex is avx2vnni's
-# kernels over AVX512-VNNI's form of the instruction, for tests on CPUs without AVX-VNNI.)
+# decode of up to 8 rows) gives its results bit for bit, and so do integer queries, whose integer
+# dot products give the FMAs' exact sums. (With avx2vnni and avx512vnni: the paths that have
+# integer products only; avx2vnni-evex is avx2vnni's kernels over AVX512-VNNI's form of the
+# instruction, for tests on CPUs without AVX-VNNI.)
 WIDENING_TWIN = {
     "avx2vnni": "avx2",
     "avx2vnni-evex": "avx2",
