@@ -30,7 +30,7 @@ namespace {
 // Query rows from which an item takes the decode tiles: below it the vector path's widening
 // dot products cost less than a tile's fixed work (bench/NOTES.md measures the crossover).
 constexpr int kDecodeMinRows = 2;
-constexpr int kChunk = kTileRows;              // keys per S^T tile and per V tile
+constexpr int kChunk = int(kTileKeys);         // keys per S^T tile and per V tile
 constexpr int64_t kFeatures = 2 * kTilePairs;  // bf16 features in a tile row
 
 // The tiles: 0 S^T (16 keys x 16 rows); 2 a block of qt; 3 a K or V tile; 5 and 6 P's even and
@@ -169,29 +169,6 @@ static bool decode_end(int M, int64_t Dv, const kern::FlashState& st, const Deco
   std::memcpy(st.m, it.saved + M * Dv, sizeof(float) * std::size_t(M));
   std::memcpy(st.l, it.saved + M * Dv + M, sizeof(float) * std::size_t(M));
   return false;
-}
-
-// Keys [j, j + m) (m <= 16) of a source as the 16 rows of a tile: where they are, if they lie at
-// one stride (a whole chunk inside one page), else copied to `stage` (zero rows past m).
-struct TileRows {
-  const char* p;
-  int64_t stride;
-};
-static TileRows tile_rows(const kern::KVSource& s, int64_t j, int64_t m, int64_t bytes,
-                          char* stage) {
-  if (m == kChunk) {
-    if (s.block_table == nullptr) return {s.base + j * s.row_stride, s.row_stride};
-    const int64_t off = j % s.block_size;
-    if (off + kChunk <= s.block_size)
-      return {
-          s.base + int64_t(s.block_table[j / s.block_size]) * s.block_stride + off * s.row_stride,
-          s.row_stride};
-  }
-  const char* addr[kChunk];
-  kv_rows(s, j, m, addr);
-  for (int64_t t = 0; t < m; ++t) std::memcpy(stage + t * bytes, addr[t], std::size_t(bytes));
-  std::memset(stage + m * bytes, 0, std::size_t((kChunk - m) * bytes));
-  return {stage, bytes};
 }
 
 // The rows of the next (item, tile) step, prefetched a few lines at a time between this tile's

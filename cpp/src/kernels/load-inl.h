@@ -72,6 +72,31 @@ static inline void kv_rows(const kern::KVSource& s, int64_t j0, int64_t n, const
   });
 }
 
+// Keys [j, j + m) (m <= kTileKeys) of a source as the kTileKeys rows of a matrix tile
+// (amx_decode-inl.h, int8_tiles-inl.h): where they lie, if all lie at one stride (a whole chunk
+// inside one page), else copied to `stage` (`bytes` a row, zero rows past m).
+constexpr int64_t kTileKeys = 16;
+struct TileRows {
+  const char* p;
+  int64_t stride;
+};
+static inline TileRows tile_rows(const kern::KVSource& s, int64_t j, int64_t m, int64_t bytes,
+                                 char* stage) {
+  if (m == kTileKeys) {
+    if (s.block_table == nullptr) return {s.base + j * s.row_stride, s.row_stride};
+    const int64_t off = j % s.block_size;
+    if (off + kTileKeys <= s.block_size)
+      return {
+          s.base + int64_t(s.block_table[j / s.block_size]) * s.block_stride + off * s.row_stride,
+          s.row_stride};
+  }
+  const char* addr[kTileKeys];
+  kv_rows(s, j, m, addr);
+  for (int64_t t = 0; t < m; ++t) std::memcpy(stage + t * bytes, addr[t], std::size_t(bytes));
+  std::memset(stage + m * bytes, 0, std::size_t((kTileKeys - m) * bytes));
+  return {stage, bytes};
+}
+
 // The scale of slot `off` of `page` (each_run's arguments) in a quantised source's scale pages.
 static inline const float* scale_at(const kern::KVSource& s, int64_t page, int64_t off) {
   return s.scale + (page < 0 ? 0 : page * s.scale_block_stride) + off * s.scale_row_stride;
