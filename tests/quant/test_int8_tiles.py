@@ -201,6 +201,70 @@ def test_random_shapes_on_emulated_tiles(dk, hkv, group, lens, new, rows):
     check_twin(q, pool, "emulate", rows, q_lens=q_lens)
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 24, 64])
+@pytest.mark.parametrize("dk", [64, 128, 256])
+def test_few_rows_read_keys_in_place(tiles, block_size, dk):
+    """Items of up to 16 rows whose features fill whole tile rows take S^T = K Q^T with the keys'
+    rows as they lie in the pages (kern::unpacked_codes; the tiles' default from
+    kern::kInt8TileRows rows): a chunk of 16 keys inside one page read in place, one that
+    crosses a page (blocks of 1 and 24) or ends the keys staged with zero rows, and 4, 9 and 16
+    rows per kv head (decode groups and short chunks)."""
+    rng = make_rng(49, block_size, dk)
+    lens = np.array([1, 16, 47, 64, 300])
+    pool = QPool(rng, lens, dtype="int8", block_size=block_size, hkv=2, dk=dk, dv=72)
+    for hq, new in ((8, 1), (8, 4), (18, 1), (32, 1)):
+        q_lens = np.minimum(lens, new)
+        q = rng.standard_normal((int(q_lens.sum()), hq, dk)).astype(np.float32)
+        check_twin(q, pool, tiles, min_rows=4, q_lens=q_lens)
+        check_twin(q, pool, tiles, min_rows=4, q_lens=q_lens, window=(40, None), softcap=20.0)
+
+
+def test_few_rows_on_hardware_tiles_give_the_emulations_results():
+    """K read in place: AMX-INT8 and the emulation agree bit for bit, and up to 8 rows per kv
+    head with the vector kernels (the same exact scores, the same softmax and P V; above 8 rows
+    the vector path packs K and fuses its softmax)."""
+    if attnx._core.active_isa() != "amx" or not amx_int8_runs():
+        pytest.skip("AMX-INT8 is not the active path here")
+    rng = make_rng(50)
+    lens = np.array([300, 77, 16, 129])
+    for dk, block_size in ((64, 16), (128, 24), (256, 1)):
+        pool = QPool(rng, lens, dtype="int8", block_size=block_size, hkv=2, dk=dk, dv=64)
+        for hq, new in ((8, 1), (8, 3), (32, 1)):
+            q_lens = np.minimum(lens, new)
+            q = rng.standard_normal((int(q_lens.sum()), hq, dk)).astype(np.float32)
+            hw = run(q, pool, "auto", 1, q_lens=q_lens)
+            emu = run(q, pool, "emulate", 1, q_lens=q_lens)
+            vec = run(q, pool, "off", q_lens=q_lens)
+            for a, b, c in zip(hw, emu, vec):
+                np.testing.assert_array_equal(a, b, err_msg=f"dk {dk}, hq {hq}, new {new}")
+                if hq // 2 * new <= 8:
+                    np.testing.assert_array_equal(a, c, err_msg=f"dk {dk}, hq {hq}, new {new}")
+
+
+@given(
+    dk=st.sampled_from([64, 128, 192]),
+    block_size=st.sampled_from([1, 5, 16, 24, 32, 128]),
+    group=st.integers(1, 8),
+    lens=st.lists(st.integers(1, 260), min_size=1, max_size=3),
+    new=st.integers(1, 16),
+)
+def test_random_few_row_items_on_tiles(dk, block_size, group, lens, new):
+    rng = make_rng(51, dk, block_size, group, *lens, new)
+    lens = np.array(lens)
+    q_lens = np.minimum(lens, max(1, new // group))
+    pool = QPool(rng, lens, dtype="int8", block_size=block_size, hkv=2, dk=dk, dv=dk // 2 + 3)
+    q = rng.standard_normal((int(q_lens.sum()), 2 * group, dk)).astype(np.float32)
+    for mode, name in TILES:
+        if mode == "auto" and not amx_int8_runs():
+            continue
+        previous = attnx._core.active_isa()
+        attnx._core.set_isa(name)
+        try:
+            check_twin(q, pool, mode, 1, q_lens=q_lens)
+        finally:
+            attnx._core.set_isa(previous)
+
+
 def test_the_switch_refuses_bad_arguments():
     before = attnx._core.int8_tiles()
     with pytest.raises(ValueError, match="mode: expected 'auto', 'off' or 'emulate', got 'on'"):

@@ -88,7 +88,8 @@ bool active_bf16_products();
 // Where integer queries take int8 tiles for Q K^T (tdpbssd: int8 x int8 -> int32): "auto" (the
 // default) on AMX-INT8 where the amx path runs, "off" never (the vector kernels), "emulate" on
 // the tiles' portable emulation on every path (for tests); for items of at least `min_rows` query
-// rows (1 .. kDotRows + 1; by default kDotRows + 1: the packed, prefill-shaped items).
+// rows (1 .. kDotRows + 1; by default kern::kInt8TileRows: items of up to 16 rows read K in place
+// on the tiles, more rows pack it).
 // InvalidArgument names a bad mode or min_rows.
 void set_int8_tiles(const std::string& mode, int min_rows);
 std::string int8_tiles_mode();

@@ -299,6 +299,10 @@ class FlashRun {
       rs.qvals = s.qvals;
       rs.ldc = s.ldc;
       rs.int8_tiles = int8_tiles(M, p_.int8_tiles_rule);
+      if (rs.int8_tiles != Int8Tiles::none && kern::unpacked_codes(M, p_.Dk)) {
+        kern::code_quads(s.qcodes, s.ldc, M, s.qquads);
+        rs.qquads = s.qquads;
+      }
     }
   }
 

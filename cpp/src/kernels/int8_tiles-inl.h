@@ -26,6 +26,7 @@ constexpr int kQuadRow = int(kern::kCodeRow);  // int8 features of a tile row (1
 constexpr int kTileCols = 16;                  // int32 columns of a tile: 16 keys
 constexpr int kQuadLd = kTileK * 4;            // bytes of a row of packed K: kTileK keys' quads
 constexpr int kRowsPad = 64 + 2 * kTileRows;   // kRowsPerItem rounded up to whole row-block pairs
+static_assert(kern::kQuadRows == kTileCols, "qquads: one row per column of a tile");
 
 // ---- the tile operations: eight tiles of 16 rows x 64 bytes ----------------------------------
 // The emulation: each tile in memory. dp<C, A, B>() is tdpbssd: C[m][n] += sum over k < 64 of
@@ -171,16 +172,27 @@ struct AmxTiles {
 
 // ---- scratch ------------------------------------------------------------------------------------
 // Per thread: the int32 sums (up to kern::code_rows(M) rows of kTileK) and the emulation's tiles.
+// Few-row items (qk_i8_unpacked) also: keys staged where a chunk of 16 does not lie at one
+// stride (16 rows of Dk bytes a chunk).
 struct I8Scratch {
   kern::Carve<int32_t> raw;
   int32_t* c = nullptr;
   int64_t rows = 0;
+  std::vector<int32_t> few;
+  char* stage = nullptr;
+  int64_t dk = 0;
   EmuTiles emu;
   void size(int64_t M) {
     if (kern::code_rows(M) <= rows) return;
     rows = kern::code_rows(M);
     raw.reset(rows * kTileK);
     c = raw.take(rows * kTileK);
+  }
+  void size_few(int64_t Dk) {
+    if (Dk <= dk) return;
+    dk = Dk;
+    few.resize(std::size_t(kTileK * Dk / 4));
+    stage = reinterpret_cast<char*>(few.data());
   }
 };
 static I8Scratch& i8_scratch() {
@@ -300,24 +312,86 @@ static void qk_i8_sums(Tiles& t, int M, const int8_t* q, int64_t ldq, const int8
   if (r < M) block_1x4(t, q + r * ldq, ldq, kp, nkb, c + r * kTileK);
 }
 
+// ---- few rows: K read where it lies -------------------------------------------------------------
+// An item of at most 16 rows (decode: the query heads of one kv head; a short chunk) would pack
+// the tile's 64 keys for those few rows (block_1x4), which costs more than the products. It takes
+// S^T = K Q^T instead (kern::unpacked_codes): A = 16 keys' codes as they lie in the pages (a tile
+// row: 64 features of one key), B = the rows' codes as quads (RowSet::qquads, laid out by the
+// driver once per item), C = 16 keys x 16 rows; nothing is packed. Dk a whole number of tile rows,
+// so that a row of A never runs past its key.
+// The int32 sums of the M rows against keys [j0, j0 + n) into x.c, key by key: c[j * 16 + r]
+// (zero for keys n .. kTileK). `next` (nn rows of Dk bytes: the next tile's K, or null) is
+// prefetched before the products, as qk_int8 does.
+template <class Tiles>
+static void qk_i8_unpacked(Tiles& t, const RowSet& rs, const kern::KVSource& ks, int64_t j0,
+                           int64_t n, int64_t Dk, const char* const* next, int64_t nn,
+                           I8Scratch& x) {
+  const int64_t nkb = Dk / kQuadRow;
+  x.size_few(Dk);
+  if (next != nullptr)
+    for (int64_t k = 0; k < nn; ++k) prefetch_row(next[k], Dk);
+  const int nc = int((n + kTileKeys - 1) / kTileKeys);
+  TileRows kr[kTileK / kTileKeys];
+  for (int c = 0; c < nc; ++c)
+    kr[c] = tile_rows(ks, j0 + c * kTileKeys, imin(kTileKeys, n - c * kTileKeys), Dk,
+                      x.stage + c * kTileKeys * Dk);
+  // C: tiles 0-3 (one a chunk of 16 keys); A: 4, 6, 7, then 4 again; B: 5. The loads go first:
+  // the tile unit runs in order, and a product waits for its load's L2 latency.
+  zero_c(t);
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t at = kb * kQuadRow;
+    t.template load<5>(rs.qquads + kb * kTileRows * kern::kQuadRows, kern::kQuadRows * 4);
+    t.template load<4>(kr[0].p + at, kr[0].stride);
+    if (nc > 1) t.template load<6>(kr[1].p + at, kr[1].stride);
+    if (nc > 2) t.template load<7>(kr[2].p + at, kr[2].stride);
+    t.template dp<0, 4, 5>();
+    if (nc > 1) t.template dp<1, 6, 5>();
+    if (nc > 2) t.template dp<2, 7, 5>();
+    if (nc > 3) {
+      t.template load<4>(kr[3].p + at, kr[3].stride);
+      t.template dp<3, 4, 5>();
+    }
+  }
+  t.template store<0>(x.c, kTileCols * 4);
+  t.template store<1>(x.c + kTileKeys * kTileCols, kTileCols * 4);
+  t.template store<2>(x.c + 2 * kTileKeys * kTileCols, kTileCols * 4);
+  t.template store<3>(x.c + 3 * kTileKeys * kTileCols, kTileCols * 4);
+}
+
 // S = Q K^T of keys [j0, j0 + n) into sc.s for the M integer query rows (rs.qcodes): the exact
 // int32 sums on tiles `t` (AMX-INT8's, or the emulation), times the row's factor and each key's
 // scale f[j] (1 past n). Columns n .. kTileK hold what the tile holds there (zeros, or a shared
 // tile's later keys) times the row's factor.
 template <class Tiles>
 static void qk_i8_tiles(Tiles& t, const RowSet& rs, const kern::KVSource& ks, int64_t j0, int64_t n,
-                        int64_t Dk, const Scratch& sc, const float* f) {
+                        int64_t Dk, const Scratch& sc, const float* f, const char* const* next,
+                        int64_t nn) {
   const int M = rs.M;
   I8Scratch& x = i8_scratch();
-  x.size(M);
-  const int8_t* kp = packed_tile_i8(rs, ks, j0, n, Dk, sc);
-  qk_i8_sums(t, M, rs.qcodes, rs.ldc, kp, x.c);
+  x.size(imax(M, kTileRows));
+  // the sum of row r and key j at c[r * lr + j * lj]
+  int64_t lr = kTileK, lj = 1;
+  if (rs.qquads != nullptr) {  // (the driver's kern::unpacked_codes)
+    qk_i8_unpacked(t, rs, ks, j0, n, Dk, next, nn, x);
+    lr = 1;
+    lj = kTileCols;
+  } else {
+    qk_i8_sums(t, M, rs.qcodes, rs.ldc, packed_tile_i8(rs, ks, j0, n, Dk, sc), x.c);
+  }
   // s = (sum * row factor) * key scale in one pass: scale_rows' then scale_keys' products, in
   // their order
   for (int r = 0; r < M; ++r) {
     const Real qf = rs.qfactor[r];
+#if defined(ATTNX_AMX_TILES)
+    if (lj != 1) {  // (a row's sums down a column of the 16-wide blocks)
+      for (int64_t j = 0; j < kTileK; j += W)
+        store(sc.s + r * kTileK + j,
+              mul(mul(dot::int_column(x.c + r + j * lj, int(lj)), set1(qf)), load(f + j)));
+      continue;
+    }
+#endif
     for (int64_t j = 0; j < kTileK; ++j)
-      sc.s[r * kTileK + j] = Real(x.c[r * kTileK + j]) * qf * f[j];
+      sc.s[r * kTileK + j] = Real(x.c[r * lr + j * lj]) * qf * f[j];
   }
 }
 
@@ -326,7 +400,7 @@ static void qk_i8_tiles(Tiles& t, const RowSet& rs, const kern::KVSource& ks, in
 // nothing, where the tile's key scales cannot be applied to the sums (scales_in_place): the
 // caller then reads the keys dequantised.
 static bool qk_int8_tiles(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int64_t n,
-                          int64_t Dk, const Scratch& sc) {
+                          int64_t Dk, const Scratch& sc, const char* const* next, int64_t nn) {
   float f[kTileK];
   kv_scales(ks, j0, n, f);
   if (!scales_in_place(f, n)) return false;
@@ -334,11 +408,11 @@ static bool qk_int8_tiles(const RowSet& rs, const kern::KVSource& ks, int64_t j0
 #if defined(ATTNX_AMX_TILES)
   if (rs.int8_tiles == Int8Tiles::amx) {
     AmxTiles hw;
-    qk_i8_tiles(hw, rs, ks, j0, n, Dk, sc, f);
+    qk_i8_tiles(hw, rs, ks, j0, n, Dk, sc, f, next, nn);
     return true;
   }
 #endif
-  qk_i8_tiles(i8_scratch().emu, rs, ks, j0, n, Dk, sc, f);
+  qk_i8_tiles(i8_scratch().emu, rs, ks, j0, n, Dk, sc, f, next, nn);
   return true;
 }
 

@@ -4,6 +4,7 @@
 // shared (through COMDAT folding) with code that must run on a baseline x86-64 CPU.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 #include "attnx/types.h"
 
@@ -27,6 +28,24 @@ constexpr int64_t kCodeRow = 64;
 constexpr int64_t kCodeRows = 32;
 inline int64_t code_ld(int64_t Dk) { return (Dk + kCodeRow - 1) / kCodeRow * kCodeRow; }
 inline int64_t code_rows(int64_t M) { return (M + kCodeRows - 1) / kCodeRows * kCodeRows; }
+// Items of at most kQuadRows rows whose features fill whole code rows take the int8 tiles with K
+// read where it lies (int8_tiles-inl.h qk_i8_unpacked) and their codes as quads by rows
+// (RowSetT::qquads): code_ld(Dk) / 4 rows of kQuadRows quads.
+constexpr int kQuadRows = 16;
+// From this many rows an item's integer queries take the int8 tiles by default, where the path
+// has them (runtime/dispatch.cpp int8_tiles): at 4 rows K read in place on the tiles matches
+// VNNI's dot products, and passes them from 5 (bench/NOTES.md).
+constexpr int kInt8TileRows = 4;
+inline bool unpacked_codes(int M, int64_t Dk) { return M <= kQuadRows && Dk % kCodeRow == 0; }
+inline int64_t quads_size(int64_t Dk) { return code_ld(Dk) / 4 * kQuadRows; }
+// out[g * kQuadRows + r] = the 4 codes of row r's features 4g .. 4g + 3 (codes: M rows of ldc
+// bytes), zero for rows M .. kQuadRows - 1.
+inline void code_quads(const int8_t* codes, int64_t ldc, int M, int32_t* out) {
+  std::memset(out, 0, sizeof(int32_t) * std::size_t(ldc / 4 * kQuadRows));
+  for (int r = 0; r < M; ++r)
+    for (int64_t g = 0; g < ldc / 4; ++g)
+      std::memcpy(out + g * kQuadRows + r, codes + r * ldc + 4 * g, 4);
+}
 
 // Where the keys (or values) of one (sequence, kv head) live. Row j is at
 //   contiguous: base + j * row_stride
@@ -98,6 +117,9 @@ struct RowSetT {
   // such rows are never read).
   const int8_t* qcodes = nullptr;
   int64_t ldc = 0;
+  // With qcodes, for an item on the int8 tiles with unpacked_codes(M, Dk): the codes as quads by
+  // rows (code_quads), which qk_i8_unpacked's tiles load as they are.
+  const int32_t* qquads = nullptr;
   // With qcodes: whether Q K^T runs on int8 tiles (int8_tiles-inl.h) or the vector kernels.
   Int8Tiles int8_tiles = Int8Tiles::none;
 };

@@ -107,7 +107,8 @@ static bool qk_tile(const RowSet& rs, const kern::KVSource& ks, int64_t j0, int6
     return false;
   }
   // (int8_tiles-inl.h: with the rows' factors, where the tile's key scales allow it)
-  if (rs.int8_tiles != Int8Tiles::none && qk_int8_tiles(rs, ks, j0, n, Dk, sc)) return false;
+  if (rs.int8_tiles != Int8Tiles::none && qk_int8_tiles(rs, ks, j0, n, Dk, sc, nx.k, nx.n))
+    return false;
   if (M > kDotRows) {
     // (the next K tile is prefetched only where this item packs its own: a shared packed tile
     // is read from the buffer, not the pages)

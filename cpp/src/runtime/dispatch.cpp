@@ -327,7 +327,7 @@ std::atomic<bool> g_f32_bf16{false};
 // int8 tiles: the mode (0 auto, 1 off, 2 emulate) and the fewest rows of an item that takes them
 constexpr const char* kInt8TileModes[] = {"auto", "off", "emulate"};
 // packed as mode * 16 + min_rows in one atomic, so that a call never reads half of a change
-std::atomic<int> g_int8_tiles{kern::kDotRows + 1};
+std::atomic<int> g_int8_tiles{kern::kInt8TileRows};
 }  // namespace
 void set_float32_bf16_products(bool on) { g_f32_bf16.store(on, std::memory_order_relaxed); }
 bool float32_bf16_products() { return g_f32_bf16.load(std::memory_order_relaxed); }

@@ -78,6 +78,7 @@ struct ThreadScratch {
   std::vector<T> slopes;
   std::vector<T> qfactors;
   std::vector<int8_t> qcodes;
+  std::vector<int32_t> qquads;
 };
 
 template <class T>
@@ -98,6 +99,7 @@ struct Slot {
   T* slopes;               // M_max ALiBi slopes
   T* qfactor;              // M_max factors of int8 queries' scores (kern::RowSetT::qfactor)
   int8_t* qcodes;          // their codes (kern::RowSetT::qcodes): code_rows(M_max) rows of ldc
+  int32_t* qquads;         // the codes as quads by rows (kern::RowSetT::qquads)
   T* qvals;                // (M_max, Dkp) their values, codes times factor (kern::RowSetT::qvals)
   int64_t ldc;
 };
@@ -115,6 +117,7 @@ struct ThreadBuffers {
   T* slopes = nullptr;
   T* qfactors = nullptr;
   int8_t* qcodes = nullptr;
+  int32_t* qquads = nullptr;
   int64_t M_max = 0, Dkp = 0, Dvp = 0;
   int64_t ldc() const { return kern::code_ld(Dkp); }
 
@@ -128,6 +131,7 @@ struct ThreadBuffers {
             slopes + g * M_max,
             qfactors + g * M_max,
             qcodes + g * kern::code_rows(M_max) * ldc(),
+            qquads + g * kern::quads_size(Dkp),
             qvals + g * M_max * Dkp,
             ldc()};
   }
@@ -177,6 +181,7 @@ class ScratchLayout {
     ts.slopes.resize(std::size_t(group_ * M_));
     ts.qfactors.resize(std::size_t(group_ * M_));
     ts.qcodes.resize(std::size_t(group_ * kern::code_rows(M_) * kern::code_ld(Dkp_)));
+    ts.qquads.resize(std::size_t(group_ * kern::quads_size(Dkp_)));
     ThreadBuffers<T> tb;
     auto at = [&](Part part) { return base + offset_[part]; };
     tb.sc = kern::ScratchT<T>{at(kKt),
@@ -203,6 +208,7 @@ class ScratchLayout {
     tb.slopes = ts.slopes.data();
     tb.qfactors = ts.qfactors.data();
     tb.qcodes = ts.qcodes.data();
+    tb.qquads = ts.qquads.data();
     tb.M_max = M_;
     tb.Dkp = Dkp_;
     tb.Dvp = Dvp_;

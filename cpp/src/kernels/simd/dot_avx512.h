@@ -90,6 +90,11 @@ static inline V gather_column(const float* p, int stride) {
                          _mm512_set1_epi32(stride));
   return _mm512_i32gather_ps(at, p, 4);
 }
+// W int32 at p, p + stride, ..., as floats (exact below 2^24: sums of code products)
+static inline V int_column(const int32_t* p, int stride) {
+  return _mm512_cvtepi32_ps(
+      _mm512_castps_si512(gather_column(reinterpret_cast<const float*>(p), stride)));
+}
 // 2W consecutive floats (a, then b) as their even-indexed elements and their odd-indexed ones
 // (unzip), and back (zip)
 static inline void unzip(V a, V b, V* even, V* odd) {
