@@ -177,28 +177,27 @@ static bool decode_end(int M, int64_t Dv, const kern::FlashState& st, const Deco
 class Prefetch {
  public:
   Prefetch(const NextRows& nx, int64_t kbytes, int64_t vbytes, int64_t slots)
-      : nx_(nx), bytes_{kbytes, vbytes}, side_(nx.n > 0 ? 0 : 2) {
-    const int64_t lines = nx.n * ((kbytes + 63) / 64 + (vbytes + 63) / 64);
-    quota_ = slots > 0 ? (lines + slots - 1) / slots : lines;
+      : nx_(nx), lines_{(kbytes + 63) / 64, (vbytes + 63) / 64}, side_(nx.n > 0 ? 0 : 2) {
+    const int64_t rows = 2 * nx.n;
+    quota_ = slots > 0 ? (rows + slots - 1) / slots : rows;
   }
   void step() { issue(quota_); }
   void rest() { issue(std::numeric_limits<int64_t>::max()); }
 
  private:
-  void issue(int64_t lines) {
-    for (; lines > 0 && side_ < 2; --lines) {
+  // whole rows at a time: the bookkeeping once a row, not once a line
+  void issue(int64_t rows) {
+    for (; rows > 0 && side_ < 2; --rows) {
       const char* row = (side_ == 0 ? nx_.k : nx_.v)[r_];
-      __builtin_prefetch(row + off_, 0, 1);
-      if ((off_ += 64) < bytes_[side_]) continue;
-      off_ = 0;
+      for (int64_t l = 0; l < lines_[side_]; ++l) __builtin_prefetch(row + 64 * l, 0, 1);
       if (++r_ < nx_.n) continue;
       r_ = 0;
       ++side_;
     }
   }
   const NextRows& nx_;
-  int64_t bytes_[2];
-  int64_t quota_ = 0, r_ = 0, off_ = 0;
+  int64_t lines_[2];
+  int64_t quota_ = 0, r_ = 0;
   int side_;
 };
 
