@@ -178,9 +178,7 @@ struct I8Scratch {
   kern::Carve<int32_t> raw;
   int32_t* c = nullptr;
   int64_t rows = 0;
-  std::vector<int32_t> few;
-  char* stage = nullptr;
-  int64_t dk = 0;
+  std::vector<char> stage;
   EmuTiles emu;
   void size(int64_t M) {
     if (kern::code_rows(M) <= rows) return;
@@ -188,11 +186,10 @@ struct I8Scratch {
     raw.reset(rows * kTileK);
     c = raw.take(rows * kTileK);
   }
-  void size_few(int64_t Dk) {
-    if (Dk <= dk) return;
-    dk = Dk;
-    few.resize(std::size_t(kTileK * Dk / 4));
-    stage = reinterpret_cast<char*>(few.data());
+  // room to stage a tile's kTileK keys of Dk bytes
+  char* staging(int64_t Dk) {
+    if (stage.size() < std::size_t(kTileK * Dk)) stage.resize(std::size_t(kTileK * Dk));
+    return stage.data();
   }
 };
 static I8Scratch& i8_scratch() {
@@ -327,14 +324,14 @@ static void qk_i8_unpacked(Tiles& t, const RowSet& rs, const kern::KVSource& ks,
                            int64_t n, int64_t Dk, const char* const* next, int64_t nn,
                            I8Scratch& x) {
   const int64_t nkb = Dk / kQuadRow;
-  x.size_few(Dk);
+  char* stage = x.staging(Dk);
   if (next != nullptr)
     for (int64_t k = 0; k < nn; ++k) prefetch_row(next[k], Dk);
   const int nc = int((n + kTileKeys - 1) / kTileKeys);
   TileRows kr[kTileK / kTileKeys];
   for (int c = 0; c < nc; ++c)
     kr[c] = tile_rows(ks, j0 + c * kTileKeys, imin(kTileKeys, n - c * kTileKeys), Dk,
-                      x.stage + c * kTileKeys * Dk);
+                      stage + c * kTileKeys * Dk);
   // C: tiles 0-3 (one a chunk of 16 keys); A: 4, 6, 7, then 4 again; B: 5. The loads go first:
   // the tile unit runs in order, and a product waits for its load's L2 latency.
   zero_c(t);
