@@ -243,6 +243,37 @@ def test_pages_are_zero_copy_views():
     assert (cache.k_pages(0)[b] == 0).all()  # layer 0 untouched
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_pages_start_on_a_page_boundary(dtype):
+    """Every page array (keys, values, scales) starts on 4 KiB, so a block of 64-byte rows never
+    straddles cache lines (NumPy's own large arrays start 16 bytes past a boundary)."""
+    cache = attnx.PagedKVCache(
+        num_layers=3, num_kv_heads=2, head_dim=64, num_blocks=8, block_size=16, dtype=dtype
+    )
+    arrays = [cache._k, cache._v, cache._k_scales, cache._v_scales]
+    arrays += [cache.k_pages(i) for i in range(3)] + [cache.v_pages(i) for i in range(3)]
+    for a in arrays:
+        if a is not None:
+            assert a.ctypes.data % 4096 == 0 and a.flags.c_contiguous and a.flags.writeable
+            assert not a.any()
+
+
+def test_aligned_zeros():
+    from attnx.cache.memory import aligned_copy, aligned_zeros
+
+    for shape, dt, align in [
+        ((3, 5), np.float16, 64),
+        ((0, 7), np.float32, 4096),
+        ((9,), BF16, 128),
+    ]:
+        a = aligned_zeros(shape, dt, align)
+        assert a.shape == shape and a.dtype == dt and not a.any()
+        assert a.size == 0 or a.ctypes.data % align == 0
+    src = make_rng(SEED).standard_normal((4, 3, 5)).astype(np.float32)[:, ::2]
+    c = aligned_copy(src)
+    assert c.ctypes.data % 4096 == 0 and c.flags.c_contiguous and np.array_equal(c, src)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_value_dim_differs(dtype):
     rng = make_rng(3, len(dtype))

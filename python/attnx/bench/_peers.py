@@ -14,6 +14,7 @@ import numpy as np
 
 import attnx
 from attnx import reference
+from attnx.cache.memory import aligned_copy
 
 from ._cases import QUANTISED, Chunk, Delta, Dense, Paged, np_dtype, visible_range
 
@@ -75,6 +76,8 @@ def paged_inputs(shape: Paged, seed):
     if quantised:
         k_pages, scales["k_scales"] = reference.quantize_kv(k_pages, QUANTISED[shape.dtype])
         v_pages, scales["v_scales"] = reference.quantize_kv(v_pages, QUANTISED[shape.dtype])
+    # on a 4 KiB boundary, as attnx.PagedKVCache's pages are (NumPy's own start 16 bytes past one)
+    k_pages, v_pages = aligned_copy(k_pages), aligned_copy(v_pages)
     # a scrambled block table, as a cache that has allocated and freed for a while would have
     perm = rng.permutation(nb).astype(np.int32)
     block_tables = np.empty((shape.B, nper), np.int32)

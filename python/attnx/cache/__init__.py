@@ -81,6 +81,7 @@ from .._validate import storage_dtype as _dtype
 from . import session as _session
 from .blocks import BlockAllocator, BlockRow, CacheFullError, block_digest, root_digest
 from .linear_states import linear_config
+from .memory import aligned_zeros
 from .prefix import extra_bytes, token_ids
 from .step import StaleStepError, Step
 
@@ -229,9 +230,13 @@ class PagedKVCache:
     def _pool_arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
         shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size)
         try:
-            # np.zeros maps fresh pages lazily: memory is committed as blocks are first written
-            k = np.zeros(shape + (self.head_dim,), self.dtype)
-            v = None if self.value_from_key else np.zeros(shape + (self.value_dim,), self.dtype)
+            # mapped lazily: memory is committed as blocks are first written
+            k = aligned_zeros(shape + (self.head_dim,), self.dtype)
+            v = (
+                None
+                if self.value_from_key
+                else aligned_zeros(shape + (self.value_dim,), self.dtype)
+            )
         except (MemoryError, ValueError, OverflowError):  # (the last two: beyond any address space)
             gib = self.num_blocks * self.bytes_per_block / 2**30
             raise MemoryError(f"PagedKVCache: cannot allocate {gib:.1f} GiB for the pool") from None
@@ -245,8 +250,8 @@ class PagedKVCache:
         shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size)
         try:
             return (
-                np.zeros(shape, np.float32),
-                None if self.value_from_key else np.zeros(shape, np.float32),
+                aligned_zeros(shape, np.float32),
+                None if self.value_from_key else aligned_zeros(shape, np.float32),
             )
         except (MemoryError, ValueError, OverflowError):
             gib = self.num_blocks * self.bytes_per_block / 2**30
