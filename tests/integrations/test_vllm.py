@@ -327,6 +327,32 @@ def test_batch_mapping_matches_reference_and_vllm(variant, dtype, bs):
     np.testing.assert_allclose(theirs.float().numpy(), want, atol=2 * tol, rtol=2 * tol)
 
 
+def test_padded_tensors_read_and_write_only_the_batchs_tokens():
+    """Tensors with more rows than the batch has tokens (vLLM may pad the token dimension): the
+    first ``num_actual_tokens`` rows are read, stored and written, as with exact tensors, and the
+    rest of ``output`` is left as it was."""
+    rng = np.random.default_rng(7)
+    b = _random_batch(rng, hq=8, hkv=2, d=64, bs=32, dtype=torch.float32)
+    opts = dict(scale=0.125, sw=None, softcap=None, sinks=None, alibi=None)
+    cache, _, exact = _run_attnx(b, bs=32, dtype=torch.float32, **opts)
+    t = b["query"].shape[0]
+
+    def pad(x):
+        return torch.cat([x, torch.full((3,) + tuple(x.shape[1:]), float("nan"), dtype=x.dtype)])
+
+    padded = dict(b, query=pad(b["query"]), key=pad(b["key"]), value=pad(b["value"]))
+    cache_p, pages, _ = _cache(padded, "auto", torch.float32)
+    _store(pages, b["ctx_slots"].numpy(), b["ctx_k"], b["ctx_v"], None)
+    batch = _vllm.make_batch(
+        b["qsl"], b["seq_lens"], b["block_table"], b["slots"], len(b["seq_lens"]), t
+    )
+    out = torch.full_like(padded["query"], 7.0)
+    _vllm.attend(padded["query"], padded["key"], padded["value"], pages, batch, out, scale=0.125)
+    assert torch.equal(out[:t], exact) and bool((out[t:] == 7.0).all())
+    assert torch.equal(cache_p.isnan(), cache.isnan())
+    assert torch.equal(torch.nan_to_num(cache_p), torch.nan_to_num(cache))
+
+
 @pytest.mark.parametrize("bs", [32, bench_vllm.ENGINE_BLOCK])
 @pytest.mark.parametrize("variant", ["plain", "sliding_window", "sinks"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -187,9 +187,13 @@ def attend(
     ``query`` ``(T, Hq, D)`` and ``key``, ``value`` ``(T, Hkv, D)`` hold exactly the batch's
     tokens; ``sliding_window`` counts the keys a query sees, itself included (vLLM's rule)."""
     t = batch.slots.shape[0]
+
+    def rows(x: Any, name: str) -> np.ndarray:  # its first t tokens (a slice costs ~1 us a call)
+        return _tensors.to_numpy(x if x.shape[0] == t else x[:t], name)
+
     window = None if sliding_window is None or sliding_window <= 0 else (sliding_window - 1, None)
     _core.paged_attention(
-        _tensors.to_numpy(query[:t], "query"),
+        rows(query, "query"),
         pages.k,
         pages.v,
         batch.block_tables,
@@ -197,13 +201,13 @@ def attend(
         q_lens=batch.q_lens,
         causal=causal,
         scale=scale,
-        out=_tensors.to_numpy(output[:t], "output"),
+        out=rows(output, "output"),
         window=window,
         softcap=softcap,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
-        k_new=_tensors.to_numpy(key[:t], "key") if write else None,
-        v_new=_tensors.to_numpy(value[:t], "value") if write else None,
+        k_new=rows(key, "key") if write else None,
+        v_new=rows(value, "value") if write else None,
         slots=batch.slots if write else None,
         k_scales=pages.k_scales,
         v_scales=pages.v_scales,
