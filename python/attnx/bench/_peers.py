@@ -556,7 +556,7 @@ def _vllm_cache(vllm_mods, q, k_pages, v_pages, fp8_scales):
         )
     dtype = torch.uint8 if kind == "fp8" else _torch_of(torch, k_pages[:1, :1, :1]).dtype
     # in the kind of memory attnx's pages are in (aligned_zeros: a 4 KiB boundary, and NumPy's
-    # advice for huge pages, which torch's allocator does not give: its pages read ~7% slower)
+    # advice for huge pages, which torch's allocator does not give; bench/NOTES.md)
     size = torch.empty(0, dtype=dtype).element_size()
     raw = aligned_zeros((nb, hkv, bs, 2 * d), {1: np.uint8, 2: np.int16, 4: np.float32}[size])
     cache = torch.from_numpy(raw).view(dtype)
