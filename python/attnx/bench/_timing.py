@@ -2,10 +2,12 @@
 
 attnx and its peers (torch, onnxruntime) are timed interleaved: each repetition times every one of
 them once, in a rotating order, and the table reports medians, so the ratios come from the same
-moments of a shared, noisy machine. Each of those samples follows one untimed call of the same
-function: every library keeps its own thread pool (attnx's own, torch's OpenMP, onnxruntime's),
-whose idle threads spin for a while after a call, and the first call after another library's
-would pay for that; a user calling one library in a loop never does.
+moments of a shared, noisy machine. Each of those samples follows untimed calls of the same
+function for as long as a sample lasts (one call at least): every library keeps its own thread
+pool (attnx's own, torch's OpenMP, onnxruntime's), whose idle threads spin for a while after a
+call, and the first calls after another library's pay for that; a user calling one library in a
+loop never does. One settle call was not enough for calls of a few milliseconds: vLLM's op and
+attnx's decode read 15-70% slow after each other (bench/NOTES.md).
 
 The NumPy reference is timed on its own, before those rounds, and followed by a pause: OpenBLAS's
 threads spin for about 0.1 s after each call, longer than a settle call lasts, and attnx rows
@@ -24,7 +26,8 @@ QUIESCE_S = 0.5
 
 HOW_TIMED = (
     "timing: {who} interleaved ({rounds}, rotating order, "
-    "an untimed call before each sample), medians; the NumPy reference (float64) timed "
+    "untimed calls for as long as a sample before each sample), medians; the NumPy reference "
+    "(float64) timed "
     f"alone before them, then a {QUIESCE_S} s pause so its BLAS threads are idle"
 )
 
@@ -41,10 +44,19 @@ def _inner(t, sample_s):
     return 1 if t >= sample_s else min(100000, math.ceil(sample_s / max(t, 1e-7)))
 
 
+def settle(fn, seconds):
+    """Untimed calls of ``fn`` for at least ``seconds``, one call at least (the module's
+    docstring says why)."""
+    t_end = time.perf_counter() + seconds
+    fn()
+    while time.perf_counter() < t_end:
+        fn()
+
+
 def interleaved(fns, repeat, *, sample_s=0.02, on_round=None):
     """Times every callable of ``fns`` (name -> fn) ``repeat`` times, alternating them, each
-    repetition in a rotated order, each sample after an untimed settle call (see the module's
-    docstring). Returns name -> list of seconds per call."""
+    repetition in a rotated order, each sample after untimed calls for ``sample_s`` (``settle``).
+    Returns name -> list of seconds per call."""
     names = list(fns)
     inner = {name: _inner(clock(fns[name], 1), sample_s) for name in names}  # warm-up, calibrate
     samples = {name: [] for name in names}
@@ -52,7 +64,7 @@ def interleaved(fns, repeat, *, sample_s=0.02, on_round=None):
         if on_round is not None:
             on_round(r + 1, repeat)
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            fns[name]()  # settle
+            settle(fns[name], sample_s)
             samples[name].append(clock(fns[name], inner[name]))
     return samples
 
