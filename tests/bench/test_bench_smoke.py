@@ -103,6 +103,16 @@ def _check_header(result):
     assert lim["fma_gflops_all"] > 0 and lim["fma_gflops_1"] > 0 and lim["read_gbps_all"] > 0
 
 
+def _check_sized_reads(lim, rows):
+    """Each bandwidth row's % is taken against the read probe of its own size, named in the row."""
+    for key in ("decode_f32", "decode_long", "decode_int8"):
+        r = rows[key]
+        size = _machine.read_probe_size(r["rate"] * r["attnx_s"] * 1e9)
+        gbps = lim[_machine.read_key(size)]
+        assert gbps > 0 and r["limit_name"] == f"read BW ({size // _machine.MiB} MiB)", key
+        assert r["pct_of_limit"] == pytest.approx(100 * r["rate"] / gbps), key
+
+
 def _check_rows(rows, m):
     """Every row, in order, with every field and a time; the rates and ratios of the main rows."""
     assert list(rows) == ROWS
@@ -193,6 +203,7 @@ def test_bench_quick_writes_valid_json(tmp_path):
     _check_fork_rows(rows)
     _check_bf16_rows(rows, m)
     _check_quantised_rows(rows)
+    _check_sized_reads(result["limits"], rows)
     # the table is printed
     assert "| case | shape |" in res.stdout and "targets missed:" in res.stdout
     if plot:
@@ -224,7 +235,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from attnx import reference  # noqa: E402
-from attnx.bench import _cases, _peers, _suite  # noqa: E402
+from attnx.bench import _cases, _machine, _peers, _suite  # noqa: E402
 from attnx.bench._timing import Progress  # noqa: E402
 
 HAS_ORT = all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
@@ -613,6 +624,35 @@ def test_quantised_rows_show_their_roofline_bound_over_the_measured_base_row():
         _cases.TokensOver("decode_f32", 3.5).show(2.5, SimpleNamespace(extra={}))
         == "2.50× fp32 tokens/s"
     )
+
+
+def test_bandwidth_rows_are_taken_against_a_read_probe_of_their_own_size():
+    MiB = _machine.MiB
+    assert _machine.read_probe_size(1) == 2 * MiB
+    assert _machine.read_probe_size(64 * MiB) == 64 * MiB
+    assert _machine.read_probe_size(64 * MiB + 1) == 66 * MiB
+    assert _machine.read_key(63 * MiB) == "read_gbps_64MiB"
+    values = {"read_gbps_all": 30.0, "read_gbps_64MiB": 60.0, "fma_gflops_all": 1e9, "threads": 2}
+    assert _machine.read_gbps(values, 63 * MiB) == (60.0, "64 MiB")
+    assert _machine.read_gbps(values, 3 * MiB) == (30.0, None)  # no probe of that size: DRAM's
+    assert _machine.read_gbps(values) == (30.0, None)
+    assert _machine.sized_reads(values) == [(64, 60.0)]
+    limits = _machine.Limits(2, secs=0.01, nbytes=8 * MiB, log=lambda s: None)
+    limits.values = values
+    assert limits.pct("bytes", 30.0, 63 * MiB) == (50.0, "read BW (64 MiB)")
+    assert limits.pct("bytes", 30.0, 3 * MiB) == (100.0, "read BW")
+    assert limits.pct("flops", 5e8, 63 * MiB) == (50.0, "FMA peak")
+    # a step's roofline floor takes the bandwidth at its size
+    step = _cases.Paged(1, 8, 8, 4096, 128, dtype="fp16")  # 16 MiB of K and V
+    values["read_gbps_16MiB"] = 120.0
+    assert _cases.least_seconds(step, values) == pytest.approx(step.work() / 120e9)
+    # the probes run at each row's size, both times
+    probed = _machine.Limits(
+        2, secs=0.01, nbytes=4 * MiB, log=lambda s: None, row_bytes=[MiB, 3 * MiB]
+    )
+    probed.probe()
+    assert {"read_gbps_2MiB", "read_gbps_4MiB"} <= set(probed.values)
+    assert all(v > 0 for _, v in _machine.sized_reads(probed.values))
 
 
 def test_shared_prefix_rows_count_the_bytes_read_once_and_their_bound():

@@ -50,6 +50,7 @@ def _measure(cases, bench, log):
         secs=0.1 if bench.tiny else 0.2 if bench.quick else 0.4,
         nbytes=(256 * MiB) if bench.tiny else GiB,
         log=log,
+        row_bytes=[c.shape.work() for c in cases if c.row_kind == "bytes"],
     )
     limits.probe()
     rows = run_all(cases, bench)

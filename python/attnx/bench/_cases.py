@@ -14,14 +14,12 @@ import numpy as np
 
 import attnx
 
-GiB = 1 << 30
-MiB = 1 << 20
+from ._machine import LIMITS, GiB, MiB, read_gbps
+
 DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 # quantised KV (paged rows only): 1-byte codes plus one float32 scale per (token, kv head) row
 QUANTISED = {"int8": "int8", "fp8": "float8_e4m3fn"}
 SCALE_BYTES = 4
-# the limit each kind of work is measured against: (key of the probed value, name in the table)
-LIMITS = {"flops": ("fma_gflops_all", "FMA peak"), "bytes": ("read_gbps_all", "read BW")}
 
 
 def kv_row_bytes(dtype, D):
@@ -466,8 +464,8 @@ class OverRow:
 
 def least_seconds(shape, limits):
     """The roofline floor of a paged step on this machine: the longer of its bytes over the read
-    bandwidth and its FLOPs (float32 multiply-adds) over the FMA peak."""
-    bw, peak = limits["read_gbps_all"] * 1e9, limits["fma_gflops_all"] * 1e9
+    bandwidth at their size and its FLOPs (float32 multiply-adds) over the FMA peak."""
+    bw, peak = read_gbps(limits, shape.work())[0] * 1e9, limits["fma_gflops_all"] * 1e9
     return max(shape.work() / bw, shape.flops() / peak)
 
 

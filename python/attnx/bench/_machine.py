@@ -12,10 +12,10 @@ import numpy as np
 
 import attnx
 
-from ._cases import LIMITS
-
 GiB = 1 << 30
 MiB = 1 << 20
+# the limit each kind of work is measured against: (key of the probed value, name in the table)
+LIMITS = {"flops": ("fma_gflops_all", "FMA peak"), "bytes": ("read_gbps_all", "read BW")}
 
 
 def _read(path):
@@ -113,13 +113,49 @@ def machine_info(threads, peers):
     }
 
 
+def read_probe_size(nbytes):
+    """The buffer the read probe takes for a row that reads ``nbytes``: the row's own bytes,
+    rounded up to whole huge pages (2 MiB). A row's pages sit in whichever level of the memory
+    they fit (a decode row of 67 MB stays in a 480 MiB L3 between calls), so its "% read BW" is
+    taken against a probe of the same size, not against DRAM's."""
+    return max(2 * MiB, -(-int(nbytes) // (2 * MiB)) * (2 * MiB))
+
+
+_READ_PREFIX, _READ_SUFFIX = "read_gbps_", "MiB"
+
+
+def read_key(nbytes):
+    """The limits' key of the read probe for a row of ``nbytes``."""
+    return f"{_READ_PREFIX}{read_probe_size(nbytes) // MiB}{_READ_SUFFIX}"
+
+
+def sized_reads(values):
+    """The read probes run at rows' sizes, as (MiB, GB/s), smallest first."""
+    n0, n1 = len(_READ_PREFIX), len(_READ_SUFFIX)
+    return sorted(
+        (int(k[n0:-n1]), v)
+        for k, v in values.items()
+        if k.startswith(_READ_PREFIX) and k.endswith(_READ_SUFFIX)
+    )
+
+
+def read_gbps(values, nbytes=None):
+    """The read bandwidth a row of ``nbytes`` is measured against, and its name: the probe of its
+    size where one ran, else the large (DRAM) probe's."""
+    if nbytes is not None and read_key(nbytes) in values:
+        return values[read_key(nbytes)], f"{read_probe_size(nbytes) // MiB} MiB"
+    return values["read_gbps_all"], None
+
+
 class Limits:
     """The machine's limits. Measured before the suite and once more after it; each limit is the
     larger of the two, so that a probe that ran while someone else used the CPUs does not lower
-    the denominator of every row's "% of limit"."""
+    the denominator of every row's "% of limit". ``row_bytes``: the bytes each bandwidth-bound
+    row reads; the read probe also runs at each of those sizes (``read_probe_size``)."""
 
-    def __init__(self, threads, *, secs, nbytes, log):
+    def __init__(self, threads, *, secs, nbytes, log, row_bytes=()):
         self.threads, self.secs, self.nbytes, self.log = threads, secs, nbytes, log
+        self.sizes = sorted({read_probe_size(b) for b in row_bytes})
         self.runs = []
         self.values = {}
 
@@ -131,18 +167,25 @@ class Limits:
             "fma_gflops_1": core.probe_fma_gflops(1, self.secs),
             "read_gbps_all": core.probe_read_gbps(self.threads, self.nbytes, self.secs + 0.2),
         }
+        for size in self.sizes:
+            run[read_key(size)] = core.probe_read_gbps(self.threads, size, self.secs)
         self.runs.append(run)
         self.values = {k: max(r[k] for r in self.runs) for k in run}
         self.values.update(threads=self.threads, isa=attnx.cpu_features()["isa"])
         self.log(
             f"  FMA peak {run['fma_gflops_all']:.1f} GFLOP/s ({self.threads} threads), "
             f"{run['fma_gflops_1']:.1f} (1 thread); read {run['read_gbps_all']:.1f} GB/s"
+            + "".join(f", {mib} MiB {v:.1f}" for mib, v in sized_reads(run))
         )
 
-    def pct(self, kind, rate):
-        """``rate`` (GFLOP/s or GB/s) as % of this kind's limit, and the limit's name."""
+    def pct(self, kind, rate, nbytes=None):
+        """``rate`` (GFLOP/s or GB/s) as % of this kind's limit, and the limit's name. A bytes
+        row of ``nbytes`` is taken against the read probe of its size (``read_gbps``)."""
         key, name = LIMITS[kind]
-        return 100 * rate / self.values[key], name
+        if kind != "bytes":
+            return 100 * rate / self.values[key], name
+        gbps, size = read_gbps(self.values, nbytes)
+        return 100 * rate / gbps, name + (f" ({size})" if size else "")
 
 
 class CpuShare:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._machine import sized_reads
+
 PEER_COLUMNS = (("torch", "× torch"), ("onnxruntime", "× onnxruntime"))
 
 
@@ -82,7 +84,8 @@ def format_header(result):
             f"threads: {m['threads']}; ISA: {m['isa']}; numpy {v['numpy']}; {peers}; "
             f"source {m['build']['git'] or '?'}, core built {m['build']['core_mtime'] or '?'}",
             f"limits: FMA peak {lim['fma_gflops_all']:.1f} GFLOP/s ({lim['threads']} thr), "
-            f"{lim['fma_gflops_1']:.1f} GFLOP/s (1 thr); read bandwidth {lim['read_gbps_all']:.1f} GB/s",
+            f"{lim['fma_gflops_1']:.1f} GFLOP/s (1 thr); read bandwidth {lim['read_gbps_all']:.1f} GB/s"
+            + "".join(f"; {mib} MiB {v:.1f}" for mib, v in sized_reads(lim)),
             result["timing"],
             f"load average before/after: {result['loadavg_before']} / {result['loadavg_after']}; "
             "other processes' CPU share during the run: "

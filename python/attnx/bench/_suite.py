@@ -468,7 +468,8 @@ def finalize(rows, limits):
     """% of the final limits, then every row's met? from its declared goals."""
     for r in rows:
         if r.rate and r.kind not in ("threads", "memory"):
-            r.pct_of_limit, r.limit_name = limits.pct(r.spec.shape.kind, r.rate)
+            shape = r.spec.shape
+            r.pct_of_limit, r.limit_name = limits.pct(shape.kind, r.rate, shape.work())
         if r.kind == "threads" and "speedup" in r.extra:
             # the machine's own scaling: FMA peak with all threads over one thread (about 1 if
             # the "cores" were SMT siblings of one physical core)
