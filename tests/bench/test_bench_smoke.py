@@ -648,10 +648,12 @@ def test_bandwidth_rows_are_taken_against_a_read_probe_of_their_own_size():
     assert _cases.least_seconds(step, values) == pytest.approx(step.work() / 120e9)
     # the probes run at each row's size, both times
     probed = _machine.Limits(
-        2, secs=0.01, nbytes=4 * MiB, log=lambda s: None, row_bytes=[MiB, 3 * MiB]
+        2, secs=0.01, nbytes=8 * MiB, log=lambda s: None, row_bytes=[MiB, 3 * MiB]
     )
     probed.probe()
     assert {"read_gbps_2MiB", "read_gbps_4MiB"} <= set(probed.values)
+    big = _machine.Limits(2, secs=0.01, nbytes=4 * MiB, log=lambda s: None, row_bytes=[5 * MiB])
+    assert big.sizes == []  # no probe as large as the DRAM one: such a row is taken against it
     assert all(v > 0 for _, v in _machine.sized_reads(probed.values))
 
 

@@ -151,11 +151,12 @@ class Limits:
     """The machine's limits. Measured before the suite and once more after it; each limit is the
     larger of the two, so that a probe that ran while someone else used the CPUs does not lower
     the denominator of every row's "% of limit". ``row_bytes``: the bytes each bandwidth-bound
-    row reads; the read probe also runs at each of those sizes (``read_probe_size``)."""
+    row reads; the read probe also runs at each of those sizes (``read_probe_size``) below
+    ``nbytes``, the large probe's (a larger row is taken against that one: it reads DRAM too)."""
 
     def __init__(self, threads, *, secs, nbytes, log, row_bytes=()):
         self.threads, self.secs, self.nbytes, self.log = threads, secs, nbytes, log
-        self.sizes = sorted({read_probe_size(b) for b in row_bytes})
+        self.sizes = sorted({s for s in map(read_probe_size, row_bytes) if s < nbytes})
         self.runs = []
         self.values = {}
 
