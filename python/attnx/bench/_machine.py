@@ -116,8 +116,8 @@ def machine_info(threads, peers):
 def read_probe_size(nbytes):
     """The buffer the read probe takes for a row that reads ``nbytes``: the row's own bytes,
     rounded up to whole huge pages (2 MiB). A row's pages sit in whichever level of the memory
-    they fit (a decode row of 67 MB stays in a 480 MiB L3 between calls), so its "% read BW" is
-    taken against a probe of the same size, not against DRAM's."""
+    they fit (a decode row smaller than the last-level cache stays there between calls), so its
+    "% read BW" is taken against a probe of the same size, not against DRAM's."""
     return max(2 * MiB, -(-int(nbytes) // (2 * MiB)) * (2 * MiB))
 
 
