@@ -142,8 +142,9 @@ def sized_reads(values):
 def read_gbps(values, nbytes=None):
     """The read bandwidth a row of ``nbytes`` is measured against, and its name: the probe of its
     size where one ran, else the large (DRAM) probe's."""
-    if nbytes is not None and read_key(nbytes) in values:
-        return values[read_key(nbytes)], f"{read_probe_size(nbytes) // MiB} MiB"
+    key = None if nbytes is None else read_key(nbytes)
+    if key in values:
+        return values[key], f"{read_probe_size(nbytes) // MiB} MiB"
     return values["read_gbps_all"], None
 
 
